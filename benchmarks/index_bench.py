@@ -1,0 +1,292 @@
+"""Index benchmark: lookup/insert latency on multi-turn-chat-shaped prompts, hashing throughput,
+and metadata bytes per cached block.
+
+    python benchmarks/index_bench.py                       # table + JSON on stdout
+    python benchmarks/index_bench.py --update-docs docs/benchmarks.md
+
+Everything runs in-process on the real cache (shared-memory host tier) with a tiny KV layout,
+so the figures are the index's and the hashing's, not memory bandwidth. Targets (issue 2):
+lookup of a fully cached 8k-token prompt <= 150 us p50 including hashing; <= 200 bytes of
+metadata per cached block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import re
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import xxhash
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from prefixcache.cache import PrefixCache  # noqa: E402
+from prefixcache.config import CacheConfig, HashAlgorithm, KVLayout, Namespace  # noqa: E402
+from prefixcache.hashing import Hasher  # noqa: E402
+from prefixcache.tiers.host import HostTier  # noqa: E402
+
+BLOCK = 16
+MAX_TOKENS = 8192
+VOCAB = 128_000
+LAYOUT = KVLayout(layers=1, kv_heads=1, head_dim=8, block_size=BLOCK, dtype="float16")  # 512 B a block
+HEADING = "## Index (benchmarks/index_bench.py)"
+TARGET_LOOKUP_US = 150.0
+TARGET_META_BYTES = 200.0
+
+
+# -- workload ----------------------------------------------------------------------------
+def chat_requests(conversations: int, seed: int) -> list[np.ndarray]:
+    """Prompts of interleaved multi-turn chats: system prompt + history + new user turn, <= 8k tokens."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(0, VOCAB, rng.integers(200, 1200)) for _ in range(4)]
+    chats = []
+    for _ in range(conversations):
+        history = list(systems[rng.integers(len(systems))])
+        turns = []
+        while len(history) < MAX_TOKENS:
+            history += rng.integers(0, VOCAB, rng.integers(20, 400)).tolist()        # user turn
+            turns.append(np.asarray(history[:MAX_TOKENS], dtype=np.uint32))
+            history += rng.integers(0, VOCAB, rng.integers(50, 700)).tolist()        # assistant reply
+        chats.append(turns)
+    requests, turn = [], 0
+    while any(turn < len(c) for c in chats):  # round-robin: turn k of every chat, then turn k+1
+        requests += [c[turn] for c in chats if turn < len(c)]
+        turn += 1
+    return requests
+
+
+def new_cache(slots: int) -> tuple[PrefixCache, str]:
+    host = HostTier(LAYOUT, slots * LAYOUT.block_bytes)
+    cache = PrefixCache(CacheConfig(host_capacity=slots * LAYOUT.block_bytes, ttl_s=3600), LAYOUT, host)
+    return cache, cache.attach(Namespace("bench-model", "r1", LAYOUT))
+
+
+def kv_blocks(count: int) -> torch.Tensor:
+    return torch.zeros((count, *LAYOUT.block_shape), dtype=torch.float16)
+
+
+def serve(cache: PrefixCache, ns: str, requests: list[np.ndarray], use_commit: bool = False) -> dict:
+    """Worker-shaped loop: lookup, then store only the new full blocks. Returns latency samples (s)."""
+    lookups, inserts = [], []
+    kv = kv_blocks(MAX_TOKENS // BLOCK)
+    for tokens in requests:
+        start = time.perf_counter()
+        hit = cache.lookup(ns, tokens).hit_tokens // BLOCK
+        lookups.append((time.perf_counter() - start, len(tokens)))
+        full = len(tokens) // BLOCK
+        if full > hit:
+            start = time.perf_counter()
+            if use_commit:
+                reservation = cache.reserve(full - hit)
+                for position in range(len(reservation.slots)):
+                    cache.write_reserved(reservation.id, position, kv[position])
+                cache.commit(ns, tokens, reservation.id, hit)
+            else:
+                cache.store(ns, tokens, kv[: full - hit], hit)
+            inserts.append((time.perf_counter() - start, len(tokens)))
+    return {"lookup": lookups, "insert": inserts}
+
+
+def percentiles(samples: list[tuple[float, int]]) -> dict:
+    per_prompt = np.array([s for s, _ in samples]) * 1e6
+    per_1k = np.array([s / (n / 1000) for s, n in samples]) * 1e6
+    return {"n": len(samples), "p50_us": float(np.percentile(per_prompt, 50)),
+            "p99_us": float(np.percentile(per_prompt, 99)),
+            "p50_us_per_1k_tokens": float(np.percentile(per_1k, 50)),
+            "p99_us_per_1k_tokens": float(np.percentile(per_1k, 99))}
+
+
+def repeat_us(call: Callable[[], object], repeats: int) -> dict:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - start)
+    samples_us = np.array(samples) * 1e6
+    return {"p50_us": float(np.percentile(samples_us, 50)), "p99_us": float(np.percentile(samples_us, 99)),
+            "min_us": float(samples_us.min())}
+
+
+# -- measurements ----------------------------------------------------------------------------
+def bench_chat(requests: list[np.ndarray], slots: int, use_commit: bool = False) -> dict:
+    cache, ns = new_cache(slots)
+    try:
+        samples = serve(cache, ns, requests, use_commit)
+        stats = cache.stats()
+        return {"lookup": percentiles(samples["lookup"]), "insert": percentiles(samples["insert"]),
+                "token_hit_rate": stats.token_hit_rate, "blocks": stats.tiers[0].blocks,
+                "evictions": sum(sum(v.values()) for v in stats.evictions.values())}
+    finally:
+        cache.close()
+
+
+def bench_full_hit(repeats: int) -> dict:
+    cache, ns = new_cache(4096)
+    try:
+        tokens = np.random.default_rng(7).integers(0, VOCAB, MAX_TOKENS).astype(np.uint32)
+        cache.store(ns, tokens, kv_blocks(MAX_TOKENS // BLOCK))
+        as_list = tokens.tolist()
+        as_int64 = tokens.astype(np.int64)
+        assert cache.lookup(ns, tokens).hit_tokens == MAX_TOKENS
+        out = {"u32_array": repeat_us(lambda: cache.lookup(ns, tokens), repeats),
+               "int64_array": repeat_us(lambda: cache.lookup(ns, as_int64), repeats),
+               "python_list": repeat_us(lambda: cache.lookup(ns, as_list), repeats),
+               "with_lease_and_release": repeat_us(
+                   lambda: cache.release(cache.lookup(ns, tokens, take_lease=True).lease_id), repeats)}
+        miss = np.random.default_rng(8).integers(0, VOCAB, MAX_TOKENS).astype(np.uint32)
+        out["miss_u32_array"] = repeat_us(lambda: cache.lookup(ns, miss), repeats)
+        return out
+    finally:
+        cache.close()
+
+
+def bench_hashing(repeats: int) -> dict:
+    tokens = np.random.default_rng(9).integers(0, VOCAB, MAX_TOKENS).astype(np.uint32)
+    out = {}
+    for algorithm in HashAlgorithm:
+        hasher = Hasher(algorithm)
+        root = hasher.root(Namespace("bench-model", "r1", LAYOUT))
+        timing = repeat_us(lambda: hasher.block_hashes(root, tokens, BLOCK), repeats)
+        seconds = timing["p50_us"] / 1e6
+        out[algorithm.value] = {"p50_us_per_8k_prompt": timing["p50_us"],
+                                "mb_per_s": tokens.nbytes / seconds / 1e6,
+                                "blocks_per_s": (MAX_TOKENS // BLOCK) / seconds}
+    return out
+
+
+def index_array_bytes(cache: PrefixCache) -> int:
+    index, table = cache.index, cache.index.map
+    arrays = [index.parent, index.namespace, index.tier, index.slot, index.tick, index.last_access, index.pins,
+              index.children, index.tokens, table.cells, *table.columns, cache._in_remote]
+    free_lists = index._free_rows.buffer_info()[1] * 4 + sum(
+        f._free.buffer_info()[1] * 4 + len(f._is_free) for f in cache._free.values())
+    return sum(a.nbytes for a in arrays) + free_lists
+
+
+def bench_metadata(requests: list[np.ndarray], slots: int) -> dict:
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    cache, ns = new_cache(slots)  # the host tier's payload lives in shared memory, outside tracemalloc
+    kv = kv_blocks(MAX_TOKENS // BLOCK)
+    for tokens in requests:
+        if len(cache.index) >= slots:
+            break
+        hit = cache.lookup(ns, tokens).hit_tokens // BLOCK
+        full = len(tokens) // BLOCK
+        if full > hit:
+            cache.store(ns, tokens, kv[: full - hit], hit)
+    gc.collect()
+    traced = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    blocks = len(cache.index)
+    arrays = index_array_bytes(cache)
+    cache.close()
+    return {"capacity_blocks": slots, "cached_blocks": blocks,
+            "tracemalloc_bytes_per_cached_block": traced / blocks,
+            "array_bytes_per_capacity_block": arrays / slots,
+            "notes": "tracemalloc counts every Python and numpy allocation the cache made (index, hash "
+                     "table, free lists, counters, namespace table) after filling it; the payload is in "
+                     "shared memory and excluded. Token ids alone are 64 B of each block's metadata."}
+
+
+# -- report -----------------------------------------------------------------------------------
+def machine() -> dict:
+    model = "unknown"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        found = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.MULTILINE)
+        model = found.group(1).strip() if found else model
+    return {"nproc": len(os.sched_getaffinity(0)), "cpu": model, "python": platform.python_version(),
+            "numpy": np.__version__, "torch": torch.__version__, "xxhash": xxhash.VERSION,
+            "load_average_at_start": list(os.getloadavg())}
+
+
+def table(results: dict) -> str:
+    chat, full, meta = results["chat"], results["full_hit_8k"], results["metadata"]
+    rows = [("lookup, chat prompts", chat["lookup"]), ("insert (store), chat prompts", chat["insert"]),
+            ("insert (reserve/write/commit)", results["chat_commit"]["insert"]),
+            ("lookup, cache full + evicting", results["chat_evicting"]["lookup"]),
+            ("insert, cache full + evicting", results["chat_evicting"]["insert"])]
+    lines = ["| measurement | p50 µs | p99 µs | p50 µs / 1k tokens | p99 µs / 1k tokens |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {name} | {r['p50_us']:.0f} | {r['p99_us']:.0f} | {r['p50_us_per_1k_tokens']:.1f} | "
+              f"{r['p99_us_per_1k_tokens']:.1f} |" for name, r in rows]
+    lines += ["", "| fully cached 8k-token prompt (512 blocks) | p50 µs | p99 µs |", "|---|---:|---:|"]
+    lines += [f"| lookup, tokens as {name.replace('_', ' ')} | {r['p50_us']:.0f} | {r['p99_us']:.0f} |"
+              for name, r in full.items()]
+    lines += ["", "| hashing, 8k-token prompt | p50 µs | MB/s of tokens | blocks/s |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {r['p50_us_per_8k_prompt']:.0f} | {r['mb_per_s']:.0f} | {r['blocks_per_s']:,.0f} |"
+              for name, r in results["hashing"].items()]
+    lines += ["", "| metadata per cached block | bytes |", "|---|---:|",
+              f"| tracemalloc, cache filled to {meta['cached_blocks']} blocks | "
+              f"{meta['tracemalloc_bytes_per_cached_block']:.0f} |",
+              f"| index + hash table + free-list arrays / capacity | {meta['array_bytes_per_capacity_block']:.0f} |"]
+    return "\n".join(lines)
+
+
+def update_docs(path: Path, results: dict) -> None:
+    m = results["machine"]
+    lookup = results["full_hit_8k"]["u32_array"]["p50_us"]
+    meta = results["metadata"]["tracemalloc_bytes_per_cached_block"]
+    section = "\n".join([
+        HEADING, "",
+        f"Machine: {m['cpu']}, {m['nproc']} CPUs available, Python {m['python']}, numpy {m['numpy']}, "
+        f"torch {m['torch']}, xxhash {m['xxhash']}; load average at start {m['load_average_at_start'][0]:.2f} "
+        "(the machine is shared; p99s are noisy).",
+        "", f"Command: `python benchmarks/index_bench.py --update-docs docs/benchmarks.md` "
+        f"({results['config']['requests']} chat requests from {results['config']['conversations']} "
+        f"conversations, block size {BLOCK}, prompts up to {MAX_TOKENS} tokens).",
+        "", table(results), "",
+        f"Targets: fully cached 8k-token lookup ≤ {TARGET_LOOKUP_US:.0f} µs p50 including hashing — "
+        f"**{lookup:.0f} µs** with token ids as a u32/int64 array (the service's input), "
+        f"{'met' if lookup <= TARGET_LOOKUP_US else 'NOT met'}; a Python list adds the conversion "
+        "(~45 µs through `array.array`). Metadata ≤ "
+        f"{TARGET_META_BYTES:.0f} B per block — **{meta:.0f} B** (tracemalloc), "
+        f"{'met' if meta <= TARGET_META_BYTES else 'NOT met'}.",
+        "", "Where the lookup time goes: chained hashing of 512 blocks is about half (one C call per block; "
+        "the chain is inherently sequential), the vectorised bucket probe of the block map and the "
+        "vectorised chain/token/TTL verification most of the rest; locations are returned as two arrays "
+        "(`BlockLocations`), not 512 objects.", ""])
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
+    text = pattern.sub(section + "\n", text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--conversations", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--update-docs", type=Path)
+    args = parser.parse_args(argv)
+    requests = chat_requests(args.conversations, args.seed)
+    working_set = sum(len(r) // BLOCK for r in requests)
+    results = {"machine": machine(),
+               "config": {"conversations": args.conversations, "requests": len(requests), "block_size": BLOCK}}
+    results["full_hit_8k"] = bench_full_hit(args.repeats)
+    results["hashing"] = bench_hashing(max(50, args.repeats // 10))
+    results["chat"] = bench_chat(requests, slots=working_set)
+    results["chat_commit"] = bench_chat(requests, slots=working_set, use_commit=True)
+    results["chat_evicting"] = bench_chat(requests, slots=max(1024, working_set // 8))
+    results["metadata"] = bench_metadata(requests, slots=32_768)
+    print(table(results))
+    print(json.dumps(results, indent=2))
+    if args.update_docs:
+        update_docs(args.update_docs, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

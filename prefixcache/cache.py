@@ -1,0 +1,581 @@
+"""The cache: lookup and leases, reserve/commit, spill, promote, evict, stats.
+
+It composes the radix index with the tiers, fastest first: an optional device
+pool, the host pool (shared memory) and an optional remote tier (Redis). New
+blocks land in the host tier; a block evicted from a slot tier moves to the
+next one; a block leaving the host tier stays reachable in Redis, and a
+lookup continues past the local index by probing Redis for the next block
+hashes, admitting what it finds into the host tier (a promotion).
+
+Concurrency: one lock guards the index, tiers' free lists, leases and
+counters; it is never held across Redis I/O (a lookup pins its local path,
+drops the lock for the probe, and re-takes it to admit what came back).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from . import leases as lease_table
+from .codec import decode_block, encode_block
+from .config import CacheConfig, KVLayout, Namespace
+from .errors import CorruptBlock, InvalidArgument, LayoutMismatch, ResourceExhausted, UnknownLease, UnknownNamespace
+from .hashing import BlockHash, Hasher, namespace_id, token_array
+from .index import ROOT, MissReason, RadixIndex
+from .leases import Lease, Reservation
+from .results import BlockLocation, BlockLocations, CommitResult, LookupResult
+from .stats import Counters, EvictionReason, StatsSnapshot, TierSnapshot, snapshot_dicts
+from .tiers.base import FreeSlots, SlotTier, TierKind
+from .tiers.pool import torch_dtype
+
+log = logging.getLogger(__name__)
+
+REMOTE_PROBE_BATCH = 32  # block hashes asked of Redis per pipelined round trip
+
+
+@dataclass(frozen=True)
+class _Entry:
+    index: int
+    namespace: Namespace
+    root: BlockHash
+    id: str
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    entry: _Entry
+    tokens: np.ndarray     # u32
+    blocks: np.ndarray     # [full blocks, block_size] u32
+    hashes: list[BlockHash]
+
+
+class PrefixCache:
+    """One layout, many namespaces; see the module docstring for the tiers."""
+
+    def __init__(self, config: CacheConfig, layout: KVLayout, host: SlotTier,
+                 device: SlotTier | None = None, remote=None,
+                 clock: Callable[[], float] = time.monotonic, hasher: Hasher | None = None) -> None:
+        self.config = config
+        self.layout = layout
+        self.tiers: dict[TierKind, SlotTier] = {t.kind: t for t in (device, host) if t is not None}
+        self.remote = remote
+        self.clock = clock
+        self.hasher = hasher or Hasher(config.hash_algorithm)
+        self._free = {kind: FreeSlots(t.num_slots) for kind, t in self.tiers.items()}
+        self.index = RadixIndex(sum(t.num_slots for t in self.tiers.values()), layout.block_size,
+                                self.hasher.digest_size)
+        self._in_remote = np.zeros(self.index.capacity, dtype=bool)
+        self._namespaces: dict[str, _Entry] = {}
+        self._by_index: list[_Entry] = []
+        self._leases: dict[int, Lease] = {}
+        self._reservations: dict[int, Reservation] = {}
+        self.counters = Counters()
+        self._lock = threading.RLock()
+        self._started = clock()
+        self._dtype = torch_dtype(layout)
+
+    # -- namespaces -------------------------------------------------------
+    def attach(self, namespace: Namespace) -> str:
+        """Register a namespace (idempotent) and return its id."""
+        if namespace.layout != self.layout:
+            raise LayoutMismatch(f"namespace layout {namespace.layout} differs from this cache's {self.layout}")
+        root = self.hasher.root(namespace)
+        ns_id = namespace_id(root)
+        with self._lock:
+            known = self._namespaces.get(ns_id)
+            if known is not None and known.namespace != namespace:
+                raise InvalidArgument("namespace", f"id {ns_id} already names a different namespace (hash collision)")
+            if known is None:
+                if len(self._namespaces) >= np.iinfo(np.int16).max:
+                    raise ResourceExhausted("too many namespaces")
+                entry = _Entry(len(self._by_index), namespace, root, ns_id)
+                self._namespaces[ns_id] = entry
+                self._by_index.append(entry)
+        return ns_id
+
+    def namespace(self, ns_id: str) -> Namespace:
+        return self._entry(ns_id).namespace
+
+    def _entry(self, ns_id: str) -> _Entry:
+        entry = self._namespaces.get(ns_id)
+        if entry is None:
+            raise UnknownNamespace(ns_id)
+        return entry
+
+    def _prompt(self, ns_id: str, tokens) -> _Prompt:
+        entry = self._entry(ns_id)
+        array = token_array(tokens)
+        if len(array) > self.config.max_prompt_tokens:
+            raise ResourceExhausted(f"tokens: {len(array)} tokens exceed the limit of {self.config.max_prompt_tokens}")
+        size = self.layout.block_size
+        full = len(array) // size
+        blocks = array[: full * size].reshape(full, size)
+        return _Prompt(entry, array, blocks, self.hasher.block_hashes(entry.root, array, size))
+
+    # -- lookup -------------------------------------------------------------
+    def lookup(self, ns_id: str, tokens, take_lease: bool = False) -> LookupResult:
+        """Longest cached prefix of `tokens`; with a lease its blocks stay put until release."""
+        prompt = self._prompt(ns_id, tokens)
+        with self._lock:
+            match = self.index.match(prompt.entry.index, prompt.hashes, prompt.blocks, self.clock(), self.config.ttl_s)
+            path, stop = match.rows, match.stop
+            if self.remote is None or stop is not MissReason.NOT_CACHED:
+                return self._finish_lookup(prompt, path, stop, take_lease)
+            self.index.pin(path)  # the local prefix stays put while Redis is asked without the lock
+        try:
+            payloads = self._fetch_remote(prompt, len(path))
+        except BaseException:
+            with self._lock:
+                self.index.unpin(path)
+            raise
+        with self._lock:
+            try:
+                extended = self._admit(prompt, path, payloads)
+            finally:
+                self.index.unpin(path)
+            if len(extended) == len(prompt.hashes):
+                stop = None
+            return self._finish_lookup(prompt, extended, stop, take_lease)
+
+    def _finish_lookup(self, prompt: _Prompt, path: np.ndarray, stop: MissReason | None,
+                       take_lease: bool) -> LookupResult:
+        """Touch, promote, count and (optionally) lease an unpinned, verified path."""
+        now = self.clock()
+        full, hit = len(prompt.hashes), len(path)
+        if full == 0:
+            stop = MissReason.TOO_SHORT
+        lease_id = expires = None
+        if take_lease and hit:
+            if len(self._leases) >= self.config.max_leases:
+                self._reclaim_expired(now)
+            if len(self._leases) >= self.config.max_leases:
+                raise ResourceExhausted(f"lease limit of {self.config.max_leases} reached")
+        self.index.touch(path, now)
+        self._promote(path)
+        if take_lease and hit:
+            lease_id = lease_table.new_id(self._leases)
+            expires = now + self.config.lease_ttl_s
+            self.index.pin(path)
+            self._leases[lease_id] = Lease(lease_id, prompt.entry.index, tuple(path.tolist()), expires)
+        self._count_lookup(prompt, hit, stop)
+        return LookupResult(prompt.entry.id, len(prompt.tokens), hit * self.layout.block_size,
+                            self._locations(path), stop, lease_id, expires)
+
+    def _count_lookup(self, prompt: _Prompt, hit: int, stop: MissReason | None) -> None:
+        counters, full = self.counters, len(prompt.hashes)
+        counters.lookups += 1
+        counters.request_hits += hit > 0
+        counters.request_misses += hit == 0
+        counters.block_hits += hit
+        counters.block_misses += full - hit
+        counters.token_hits += hit * self.layout.block_size
+        counters.tokens_looked_up += len(prompt.tokens)
+        if stop is not None:
+            counters.miss_reasons[stop] += 1
+
+    def _locations(self, path: np.ndarray | list[int]) -> BlockLocations:
+        rows = np.asarray(path, dtype=np.int64)
+        return BlockLocations.adopt(self.index.tier[rows], self.index.slot[rows])
+
+    def _promote(self, path: np.ndarray) -> None:
+        """Move host-resident hit blocks up to the device tier, root first, while room can be made.
+
+        A block another lease pins never moves: its holder reads that very slot.
+        Promotion stops at the first block that cannot move, so the device keeps
+        the root side of a path.
+        """
+        if TierKind.DEVICE not in self.tiers or not self.config.promote_on_hit or not len(path):
+            return
+        index = self.index
+        if not (index.tier[path] == TierKind.HOST).any():
+            return
+        index.pin(path)  # this path's blocks are not candidates for making room
+        try:
+            for node in path.tolist():
+                if index.tier[node] != TierKind.HOST:
+                    continue
+                if index.pins[node] > 1 or not self._make_room(TierKind.DEVICE, 1):
+                    break
+                self._move(node, TierKind.DEVICE)
+                self.counters.promotions[TierKind.DEVICE] += 1
+        finally:
+            index.unpin(path)
+
+    def _fetch_remote(self, prompt: _Prompt, start: int) -> list[memoryview]:
+        """Verified payloads of the blocks after `start` that Redis holds, in order."""
+        entry, payloads = prompt.entry, []
+        for batch_start in range(start, len(prompt.hashes), REMOTE_PROBE_BATCH):
+            batch = prompt.hashes[batch_start: batch_start + REMOTE_PROBE_BATCH]
+            for offset, frame in enumerate(self.remote.fetch(entry.id, batch)):
+                i = batch_start + offset
+                if frame is None:
+                    return payloads
+                parent = prompt.hashes[i - 1] if i else entry.root
+                try:
+                    payloads.append(decode_block(frame, self.layout, entry.id, prompt.hashes[i], parent, prompt.blocks[i]))
+                except CorruptBlock as error:
+                    log.debug("remote block failed verification: %s", error)
+                    with self._lock:
+                        self.counters.remote_integrity_failures += 1
+                    self.remote.record_integrity_failure()
+                    self.remote.delete(entry.id, prompt.hashes[i])
+                    return payloads
+        return payloads
+
+    def _admit(self, prompt: _Prompt, path: np.ndarray, payloads: list[memoryview]) -> np.ndarray:
+        """Insert blocks fetched from Redis after the (pinned) `path` into the host tier.
+
+        Room is made once, up front, so nothing admitted here can be evicted
+        before the lookup finishes.
+        """
+        path = path.tolist()
+        if not payloads or not self._make_room(TierKind.HOST, len(payloads)):
+            payloads = payloads[: len(self._free[TierKind.HOST])]
+        now = self.clock()
+        for payload in payloads:
+            i = len(path)
+            if self.index.node_of(prompt.hashes[i]) is not None:
+                break  # stored meanwhile by a commit; its own chain decides
+            slot = self._free[TierKind.HOST].take()
+            if slot is None:
+                break
+            self.tiers[TierKind.HOST].write(slot, self._as_block(payload))
+            node = self.index.add(prompt.entry.index, path[-1] if path else ROOT, prompt.hashes[i],
+                                  prompt.blocks[i], TierKind.HOST, slot, now)
+            self._in_remote[node] = True
+            path.append(node)
+            self.counters.promotions[TierKind.HOST] += 1
+        return np.asarray(path, dtype=np.int64)
+
+    def _as_block(self, payload: memoryview) -> torch.Tensor:
+        return torch.frombuffer(payload, dtype=self._dtype).view(self.layout.block_shape)
+
+    # -- reading ----------------------------------------------------------------
+    def read(self, locations: BlockLocations | Sequence[BlockLocation]) -> torch.Tensor:
+        """Copy of the blocks at `locations`, `[n, *block_shape]` on the CPU."""
+        where = BlockLocations.of(locations)
+        out = torch.empty((len(where), *self.layout.block_shape), dtype=self._dtype)
+        unknown = ~np.isin(where.tiers, [int(kind) for kind in self.tiers])
+        if unknown.any():
+            raise InvalidArgument("locations", f"tier {int(where.tiers[unknown][0])} is not configured")
+        for kind, tier in self.tiers.items():
+            rows = np.flatnonzero(where.tiers == kind)
+            if not rows.size:
+                continue
+            slots = where.slots[rows]
+            if slots.min() < 0 or slots.max() >= tier.num_slots:
+                raise InvalidArgument("locations", f"slot outside the {kind.label} tier's {tier.num_slots} slots")
+            out[torch.from_numpy(rows)] = tier.read(slots.tolist()).to("cpu")
+        return out
+
+    def lease(self, lease_id: int) -> LookupResult:
+        """Where the blocks of a live lease are (pinned blocks never move, so: where they were)."""
+        with self._lock:
+            lease = self._live_lease(lease_id)
+            return LookupResult(self._entry_by_index(lease.namespace).id, 0,
+                                len(lease.nodes) * self.layout.block_size, self._locations(list(lease.nodes)),
+                                None, lease.id, lease.expires_at)
+
+    def read_lease(self, lease_id: int) -> torch.Tensor:
+        with self._lock:
+            return self.read(self.lease(lease_id).locations)
+
+    def release(self, lease_id: int) -> None:
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                raise UnknownLease(lease_id)
+            self.index.unpin(list(lease.nodes))
+
+    def _live_lease(self, lease_id: int) -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.expires_at <= self.clock():
+            raise UnknownLease(lease_id)
+        return lease
+
+    def _entry_by_index(self, index: int) -> _Entry:
+        return self._by_index[index]
+
+    # -- storing ------------------------------------------------------------------
+    def reserve(self, count: int) -> Reservation:
+        """Up to `count` free host slots for a writer; fewer when the tier is pinned full."""
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise InvalidArgument("count", f"must be a non-negative integer, got {count!r}")
+        host = self.tiers[TierKind.HOST]
+        if count > host.num_slots:
+            raise ResourceExhausted(f"count: {count} blocks exceed the host tier's {host.num_slots} slots")
+        with self._lock:
+            self._make_room(TierKind.HOST, count)
+            free = self._free[TierKind.HOST]
+            slots = tuple(s for s in (free.take() for _ in range(min(count, len(free)))) if s is not None)
+            reservation = Reservation(lease_table.new_id(self._reservations), TierKind.HOST, slots,
+                                      self.clock() + self.config.lease_ttl_s)
+            self._reservations[reservation.id] = reservation
+            return reservation
+
+    def write_reserved(self, reservation_id: int, position: int, block: torch.Tensor) -> None:
+        """Write one block into the `position`-th slot of a reservation (validated)."""
+        with self._lock:
+            reservation = self._reservations.get(reservation_id)
+            if reservation is None:
+                raise InvalidArgument("reservation_id", f"reservation {reservation_id} is unknown or has expired")
+            if not 0 <= position < len(reservation.slots):
+                raise InvalidArgument("position", f"{position} is outside the {len(reservation.slots)} reserved slots")
+            self.tiers[TierKind(reservation.tier)].write(reservation.slots[position], self._check_block(block))
+
+    def _check_block(self, block: torch.Tensor) -> torch.Tensor:
+        if not isinstance(block, torch.Tensor):
+            raise LayoutMismatch(f"kv must be a torch.Tensor, got {type(block).__name__}")
+        if block.dtype != self._dtype:
+            raise LayoutMismatch(f"kv dtype {block.dtype} differs from the namespace's {self._dtype}")
+        if tuple(block.shape) != self.layout.block_shape:
+            raise LayoutMismatch(f"kv block shape {tuple(block.shape)} differs from {self.layout.block_shape}")
+        return block
+
+    def commit(self, ns_id: str, tokens, reservation_id: int, start_block: int) -> CommitResult:
+        """Publish reserved slots as blocks `start_block..` of the prompt `tokens`."""
+        prompt = self._prompt(ns_id, tokens)
+        if not isinstance(start_block, int) or isinstance(start_block, bool) or start_block < 0:
+            raise InvalidArgument("start_block", f"must be a non-negative integer, got {start_block!r}")
+        with self._lock:
+            return self._commit(prompt, reservation_id, start_block)
+
+    def _commit(self, prompt: _Prompt, reservation_id: int, start_block: int) -> CommitResult:
+        reservation = self._reservations.pop(reservation_id, None)
+        if reservation is None:
+            raise InvalidArgument("reservation_id", f"reservation {reservation_id} is unknown or has expired")
+        end = start_block + len(reservation.slots)
+        if end > len(prompt.hashes):
+            self._free_slots(reservation)
+            raise InvalidArgument("start_block", f"blocks {start_block}..{end} exceed the prompt's "
+                                  f"{len(prompt.hashes)} full blocks")
+        return self._publish(prompt, reservation, start_block, end)
+
+    def _publish(self, prompt: _Prompt, reservation: Reservation, start: int, end: int) -> CommitResult:
+        now = self.clock()
+        # No TTL here: an expired block of this very prefix (tokens verified) holds the same KV
+        # the writer just computed, so it counts as a duplicate and the touch below revives it.
+        match = self.index.match(prompt.entry.index, prompt.hashes[:end], prompt.blocks[:end], now, float("inf"))
+        path, cached = match.rows.tolist(), len(match.rows)
+        # New blocks attach only right after a cached prefix that reaches `start`;
+        # a colliding block in the way keeps its place (a collision's KV is never replaced).
+        attachable = match.stop is MissReason.NOT_CACHED and cached >= start
+        tier, stored = TierKind(reservation.tier), 0
+        for i in range(start, end):
+            slot = reservation.slots[i - start]
+            if i < cached or not attachable or self.index.node_of(prompt.hashes[i]) is not None:
+                attachable = attachable and i < cached
+                self._free[tier].give(slot)
+                continue
+            node = self.index.add(prompt.entry.index, path[-1] if path else ROOT, prompt.hashes[i],
+                                  prompt.blocks[i], tier, slot, now)
+            path.append(node)
+            stored += 1
+            self._write_through(prompt, node, i)
+        self.index.touch(path, now)
+        deduplicated = max(0, min(cached, end) - start)
+        self.counters.blocks_committed += stored
+        self.counters.blocks_deduplicated += deduplicated
+        return CommitResult(stored, deduplicated, end - start - stored - deduplicated)
+
+    def _write_through(self, prompt: _Prompt, node: int, i: int) -> None:
+        """Queue a new block for Redis so other instances and restarts can hit it."""
+        if self.remote is None:
+            return
+        parent = prompt.hashes[i - 1] if i else prompt.entry.root
+        self._in_remote[node] = self._submit(prompt.entry.id, prompt.hashes[i], parent, node)
+
+    def _submit(self, ns_id: str, block_hash: BlockHash, parent: BlockHash, node: int) -> bool:
+        tier = self.tiers[TierKind(int(self.index.tier[node]))]
+        payload = tier.view(int(self.index.slot[node])).cpu().contiguous().view(torch.uint8).reshape(-1).numpy()
+        frame = encode_block(self.layout, ns_id, block_hash, parent, self.index.tokens[node], memoryview(payload))
+        accepted = self.remote.submit(ns_id, block_hash, frame)
+        if not accepted:
+            self.counters.spills_dropped += 1
+        return accepted
+
+    def store(self, ns_id: str, tokens, kv: torch.Tensor, start_block: int = 0) -> CommitResult:
+        """Reserve, write and commit in one call (the path for bytes sent over the wire).
+
+        `kv[j]` is block `start_block + j` of `tokens`; every block must be a full one.
+        Blocks already cached are not written again (deduplicated), and the cached
+        prefix is pinned while room is made, so a store never evicts its own prefix.
+        Blocks that get no slot (the host tier is pinned full) count as rejected.
+        """
+        if not isinstance(kv, torch.Tensor) or kv.dim() != len(self.layout.block_shape) + 1:
+            shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
+            raise LayoutMismatch(f"kv must be [blocks, *{self.layout.block_shape}], got {shape}")
+        self._check_block(kv[0] if len(kv) else torch.empty(self.layout.block_shape, dtype=kv.dtype))
+        prompt = self._prompt(ns_id, tokens)  # validate before taking slots
+        if not isinstance(start_block, int) or isinstance(start_block, bool) or start_block < 0 \
+                or start_block + len(kv) > len(prompt.hashes):
+            raise InvalidArgument("kv", f"{len(kv)} blocks from start_block {start_block!r} exceed the prompt's "
+                                        f"{len(prompt.hashes)} full blocks")
+        end = start_block + len(kv)
+        with self._lock:
+            cached = self.index.match(prompt.entry.index, prompt.hashes[:end], prompt.blocks[:end],
+                                      self.clock(), float("inf")).rows
+            skip = max(0, len(cached) - start_block)
+            self.index.pin(cached)
+            try:
+                reservation = self.reserve(len(kv) - skip)
+            finally:
+                self.index.unpin(cached)
+            for position, slot in enumerate(reservation.slots):
+                self.tiers[TierKind(reservation.tier)].write(slot, kv[skip + position])
+            result = self._commit(prompt, reservation.id, start_block + skip)
+            self.counters.blocks_deduplicated += skip
+        unreserved = len(kv) - skip - len(reservation.slots)
+        return CommitResult(result.stored, result.deduplicated + skip, result.rejected + unreserved)
+
+    def _free_slots(self, reservation: Reservation) -> None:
+        for slot in reservation.slots:
+            self._free[TierKind(reservation.tier)].give(slot)
+
+    # -- eviction -----------------------------------------------------------------
+    def _lower(self, kind: TierKind) -> TierKind | None:
+        lower = [k for k in self.tiers if k > kind]
+        return min(lower) if lower else None
+
+    def _make_room(self, kind: TierKind, count: int) -> bool:
+        """Free slots in `kind` until `count` are free, evicting in LRU order."""
+        free = self._free[kind]
+        if len(free) >= count:
+            return True
+        self._reclaim_expired(self.clock())  # a crashed worker's pins and slots go first
+        if len(free) >= count:
+            return True
+        lower = self._lower(kind)
+        for node in self.index.lru(kind):
+            if lower is None:
+                if self.index.children[node]:
+                    continue  # leaf-first: a block leaves the last tier after its descendants
+                self._drop(node, EvictionReason.LRU, spill=True)
+            elif self._make_room(lower, 1):
+                self._move(node, lower)
+                self.counters.spills[kind] += 1
+                self.counters.evictions[(kind, EvictionReason.LRU)] += 1
+            else:
+                break
+            if len(free) >= count:
+                return True
+        return len(free) >= count
+
+    def _move(self, node: int, kind: TierKind) -> None:
+        old_kind, old_slot = TierKind(int(self.index.tier[node])), int(self.index.slot[node])
+        slot = self._free[kind].take()
+        assert slot is not None, "caller made room"
+        self.tiers[kind].write(slot, self.tiers[old_kind].view(old_slot))
+        self.index.move(node, kind, slot)
+        self._free[old_kind].give(old_slot)
+
+    def _drop(self, node: int, reason: EvictionReason, spill: bool) -> None:
+        """Remove a leaf from the local tiers; spill it to Redis first when asked."""
+        kind = TierKind(int(self.index.tier[node]))
+        if spill and self.remote is not None:
+            if self._in_remote[node] or self._submit_node(node):
+                self.counters.spills[kind] += 1
+        self.counters.evictions[(kind, reason)] += 1
+        slot = int(self.index.slot[node])
+        self.index.remove(node)
+        self._in_remote[node] = False
+        self._free[kind].give(slot)
+
+    def _submit_node(self, node: int) -> bool:
+        parent = int(self.index.parent[node])
+        entry = self._entry_by_index(int(self.index.namespace[node]))
+        parent_hash = entry.root if parent == ROOT else self.index.hash_of(parent)
+        return self._submit(entry.id, self.index.hash_of(node), parent_hash, node)
+
+    def _drop_all(self, nodes: list[int], reason: EvictionReason, forget_remote: bool) -> int:
+        dropped = 0
+        for node in nodes:  # descendants first
+            if self.index.pins[node] or self.index.children[node]:
+                continue
+            if forget_remote and self.remote is not None:
+                entry = self._entry_by_index(int(self.index.namespace[node]))
+                self.remote.delete(entry.id, self.index.hash_of(node))
+            self._drop(node, reason, spill=False)
+            dropped += 1
+        return dropped
+
+    def _reclaim_expired(self, now: float) -> None:
+        """Unpin expired leases and return expired reservations' slots."""
+        for lease in lease_table.expired(self._leases, now):
+            self.index.unpin(list(lease.nodes))
+        for reservation in lease_table.expired(self._reservations, now):
+            self._free_slots(reservation)
+
+    def expire(self) -> int:
+        """Reclaim expired leases, reservations and blocks; returns blocks dropped."""
+        with self._lock:
+            now = self.clock()
+            self._reclaim_expired(now)
+            index = self.index
+            stale = index.select(index.last_access + self.config.ttl_s < now)
+            return self._drop_all(stale, EvictionReason.TTL, forget_remote=False)
+
+    def evict(self, ns_id: str | None = None, older_than_s: float | None = None, prefix_tokens=None) -> int:
+        """Manual eviction by namespace, by age, or of every prompt that starts with `prefix_tokens`."""
+        if older_than_s is not None and (isinstance(older_than_s, bool) or not isinstance(older_than_s, (int, float))
+                                         or not older_than_s >= 0):
+            raise InvalidArgument("older_than_s", f"must be a number >= 0, got {older_than_s!r}")
+        with self._lock:
+            index, live = self.index, self.index.live()
+            if prefix_tokens is not None:
+                if ns_id is None:
+                    raise InvalidArgument("namespace", "evicting by prefix needs a namespace")
+                prompt = self._prompt(ns_id, prefix_tokens)
+                match = index.match(prompt.entry.index, prompt.hashes, prompt.blocks, self.clock(), float("inf"))
+                nodes = index.subtree(int(match.rows[-1])) if len(match.rows) and match.stop is None else []
+            else:
+                mask = live.copy()
+                if ns_id is not None:
+                    mask &= index.namespace == self._entry(ns_id).index
+                    if self.remote is not None:
+                        self.remote.delete_namespace(ns_id)
+                if older_than_s is not None:
+                    mask &= index.last_access < self.clock() - older_than_s
+                nodes = index.select(mask)
+            return self._drop_all(nodes, EvictionReason.MANUAL, forget_remote=True)
+
+    def flush(self) -> int:
+        """Drop every unpinned block from every tier, Redis included."""
+        with self._lock:
+            dropped = self._drop_all(self.index.select(self.index.live()), EvictionReason.MANUAL, forget_remote=False)
+            if self.remote is not None:
+                self.remote.flush()
+            return dropped
+
+    # -- stats ----------------------------------------------------------------------
+    def stats(self) -> StatsSnapshot:
+        with self._lock:
+            c = self.counters
+            tiers = []
+            for kind, tier in self.tiers.items():
+                blocks = tier.num_slots - len(self._free[kind])
+                tiers.append(TierSnapshot(kind, blocks, blocks * self.layout.block_bytes, tier.capacity_bytes))
+            remote_up, remote = None, {}
+            if self.remote is not None:
+                remote_up = self.remote.is_up()
+                remote = {k: v for k, v in vars(self.remote.stats()).items() if isinstance(v, (int, float))}
+            return StatsSnapshot(
+                uptime_s=self.clock() - self._started, lookups=c.lookups, request_hits=c.request_hits,
+                request_misses=c.request_misses, block_hits=c.block_hits, block_misses=c.block_misses,
+                token_hits=c.token_hits, tokens_looked_up=c.tokens_looked_up, tokens_saved=c.token_hits,
+                blocks_committed=c.blocks_committed, blocks_deduplicated=c.blocks_deduplicated,
+                active_leases=len(self._leases), tiers=tuple(tiers), spills_dropped=c.spills_dropped,
+                remote_up=remote_up, remote=remote, **snapshot_dicts(c))
+
+    def close(self) -> None:
+        for tier in self.tiers.values():
+            tier.close()
+        if self.remote is not None:
+            self.remote.close()

@@ -1,0 +1,12 @@
+"""Worker-side client of the prefix-cache service; see `api.py` for usage.
+
+This package may import grpc (it is not part of the core library); the core
+(hashing, index, tiers, cache, config) never imports it.
+"""
+
+from .api import Attachment, BlockInfo, CacheClient, Hit, InspectReport
+from .errors import CacheUnavailable, PermissionDenied, ServiceError, Unauthenticated
+from .wire import ServiceStats
+
+__all__ = ["Attachment", "BlockInfo", "CacheClient", "CacheUnavailable", "Hit", "InspectReport",
+           "PermissionDenied", "ServiceError", "ServiceStats", "Unauthenticated"]

@@ -1,0 +1,350 @@
+"""`CacheClient`: what an inference worker calls to use the prefix-cache service.
+
+    client = CacheClient("127.0.0.1:50051", auth_token=token, timeout_s=0.2)
+    client.attach("my-model", layout, revision="abc123")     # once; maps shared memory if co-located
+    hit = client.lookup(tokens, take_lease=True)
+    try:
+        kv = client.read(hit)                                  # [hit blocks, *layout.block_shape]
+    finally:
+        client.release(hit)
+    client.store(tokens, new_kv, start_block=hit.hit_tokens // layout.block_size)
+
+The data plane is chosen at attach: a co-located worker maps the host tier's
+shared memory (and on CUDA the device pool by IPC) and reads or writes slots
+directly, gRPC carrying only slot numbers; otherwise KV travels in bounded
+chunks over the Fetch and Store streams.
+
+Invariants:
+- Bytes read from shared memory are returned only if the lease was still
+  live when the copy finished, judged by a local deadline measured from the
+  moment the Lookup was sent (never later than the service's own expiry).
+- The client sends back only ids the service issued (namespace, lease,
+  reservation) and never a hash or a slot it chose.
+- Every failure is a `PrefixCacheError` subclass (see client/errors.py);
+  `CacheUnavailable` means "prefill without the cache".
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ..config import KVLayout
+from ..errors import InvalidArgument, UnknownLease
+from ..index import MissReason
+from ..results import BlockLocations, CommitResult
+from ..rpc import cache_pb2 as pb
+from ..rpc import cache_pb2_grpc as pb_grpc
+from ..tiers.pool import torch_dtype
+from . import wire
+from .dataplane import LocalPools, map_device_pool, map_host_segment
+from .errors import error_from_rpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "prefixcache.v1.PrefixCache"
+LEASE_MARGIN_S = 0.05          # read from shared memory only this long before the lease ends
+MIN_STREAM_BYTES_PER_S = 100e6  # a Fetch/Store deadline grows with its size at this rate
+STORE_CHUNK_BYTES = 1 << 20     # data per Store message (the service may allow up to 4 MiB)
+
+
+@dataclass(frozen=True)
+class Attachment:
+    namespace_id: str
+    layout: KVLayout
+    lease_ttl_s: float
+    max_prompt_tokens: int
+    max_chunk_bytes: int
+    shared_memory: bool  # the host tier is mapped into this process
+    device_ipc: bool     # the device pool is mapped by CUDA IPC
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A lookup's answer: the first `hit_tokens` tokens' KV is at `locations`."""
+
+    namespace_id: str
+    prompt_tokens: int
+    hit_tokens: int
+    locations: BlockLocations
+    miss_reason: MissReason | None
+    lease_id: int | None
+    lease_deadline: float | None  # time.monotonic() before which the lease is surely live
+
+    @property
+    def blocks(self) -> int:
+        return len(self.locations)
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    block: int
+    tier: str
+    slot: int
+    ttl_left_s: float
+    last_access_age_s: float
+    leased: bool
+
+
+@dataclass(frozen=True)
+class InspectReport:
+    namespace_id: str
+    prompt_tokens: int
+    hit_tokens: int
+    blocks: tuple[BlockInfo, ...]
+    miss_reason: MissReason | None
+
+
+def _token_list(tokens) -> list[int]:
+    if isinstance(tokens, (np.ndarray, torch.Tensor)):
+        return tokens.reshape(-1).tolist()
+    return list(tokens)
+
+
+class CacheClient:
+    """One channel to the service; after `attach`, bound to one namespace. Thread-safe."""
+
+    def __init__(self, address: str, auth_token: str | None = None, timeout_s: float = 5.0,
+                 tls: bool = False, tls_root_cert_file: str | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                   ("grpc.keepalive_time_ms", 30000), ("grpc.keepalive_timeout_ms", 10000)]
+        if tls or tls_root_cert_file:
+            root = open(tls_root_cert_file, "rb").read() if tls_root_cert_file else None
+            self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root), options)
+        else:
+            self._channel = grpc.insecure_channel(address, options)
+        self._stub = pb_grpc.PrefixCacheStub(self._channel)
+        # The bulk calls skip protobuf objects for their payload (see wire.py): one copy per side.
+        self._fetch_call = self._channel.unary_stream(f"/{SERVICE_NAME}/Fetch", pb.FetchRequest.SerializeToString, None)
+        self._store_call = self._channel.stream_unary(f"/{SERVICE_NAME}/Store", None, pb.CommitResponse.FromString)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._attachment: Attachment | None = None
+        self._pools = LocalPools(None, None)
+
+    # -- plumbing ---------------------------------------------------------------
+    def _call(self, method, request, timeout_s: float | None = None, lease_id: int | None = None):
+        try:
+            return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, self.address, lease_id) from None
+
+    @property
+    def attachment(self) -> Attachment:
+        if self._attachment is None:
+            raise InvalidArgument("namespace", "call attach() first")
+        return self._attachment
+
+    def _stream_timeout(self, nbytes: int, timeout_s: float | None) -> float:
+        return (timeout_s or self.timeout_s) + nbytes / MIN_STREAM_BYTES_PER_S
+
+    # -- namespace ----------------------------------------------------------------
+    def attach(self, model: str, layout: KVLayout, revision: str = "", cache_salt: str | None = None,
+               same_host: bool = True, timeout_s: float | None = None) -> Attachment:
+        """Register this worker's namespace; maps shared memory (and CUDA IPC) when co-located."""
+        request = pb.AttachRequest(model=model, revision=revision, layout=wire.layout_message(layout),
+                                   same_host=same_host)
+        if cache_salt is not None:
+            request.cache_salt = cache_salt
+        reply = self._call(self._stub.Attach, request, timeout_s)
+        layout = wire.layout_of(reply.layout)
+        self._pools.close()
+        host = map_host_segment(reply.host_segment, layout) if reply.HasField("host_segment") else None
+        device = map_device_pool(reply.device_pool, layout) if reply.HasField("device_pool") else None
+        self._pools = LocalPools(host, device)
+        self._attachment = Attachment(reply.namespace_id, layout, reply.lease_ttl_seconds, reply.max_prompt_tokens,
+                                      reply.max_chunk_bytes, host is not None, device is not None)
+        return self._attachment
+
+    # -- lookups and reads ------------------------------------------------------------
+    def lookup(self, tokens, cache_salt: str | None = None, take_lease: bool = True,
+               timeout_s: float | None = None) -> Hit:
+        """Longest cached prefix of `tokens`; with a lease its blocks stay put until `release`."""
+        attachment = self.attachment
+        request = pb.LookupRequest(namespace_id=attachment.namespace_id, tokens=_token_list(tokens),
+                                   take_lease=take_lease)
+        if cache_salt is not None:
+            request.cache_salt = cache_salt
+        sent = time.monotonic()
+        reply = self._call(self._stub.Lookup, request, timeout_s)
+        locations = BlockLocations(wire.tier_kinds(reply.tiers), np.asarray(reply.slots, dtype=np.int64))
+        lease = reply.lease_id or None
+        return Hit(reply.namespace_id, reply.prompt_tokens, reply.hit_tokens, locations,
+                   wire.MISS_REASON_OF.get(reply.miss_reason), lease,
+                   sent + reply.lease_ttl_seconds - LEASE_MARGIN_S if lease else None)
+
+    def read(self, hit: Hit, out: torch.Tensor | None = None, timeout_s: float | None = None) -> torch.Tensor:
+        """The hit's KV, `[hit.blocks, *block_shape]`: from mapped memory, else the Fetch stream."""
+        layout = self.attachment.layout
+        shape = (hit.blocks, *layout.block_shape)
+        if out is None:
+            out = torch.empty(shape, dtype=torch_dtype(layout))
+        elif tuple(out.shape) != shape or out.dtype != torch_dtype(layout) or not out.is_contiguous():
+            raise InvalidArgument("out", f"must be a contiguous {torch_dtype(layout)} tensor of shape {shape}")
+        if hit.blocks == 0:
+            return out
+        if hit.lease_id is None:
+            raise InvalidArgument("hit", "reading blocks needs a lease: lookup(..., take_lease=True)")
+        if self._pools.covers(hit.locations):
+            self._pools.gather(hit.locations, out)
+            if time.monotonic() >= hit.lease_deadline:
+                raise UnknownLease(hit.lease_id)  # the slots may have been reused while we copied
+            return out
+        return self._fetch(hit, out, timeout_s)
+
+    def _fetch(self, hit: Hit, out: torch.Tensor, timeout_s: float | None) -> torch.Tensor:
+        target = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=out.dtype)
+        flat = target.view(torch.uint8).reshape(-1).numpy()
+        total, received = flat.nbytes, 0
+        stream = self._fetch_call(pb.FetchRequest(lease_id=hit.lease_id),
+                                  timeout=self._stream_timeout(total, timeout_s), metadata=self._metadata)
+        try:
+            for raw in stream:
+                chunk = wire.decode_fetch_chunk(raw)
+                end = received + len(chunk.data)
+                if chunk.offset != received or chunk.total_bytes != total or end > total:
+                    raise InvalidArgument("fetch", f"chunk at {chunk.offset} of {chunk.total_bytes} bytes does not "
+                                          f"continue {received} of the {total} expected")
+                flat[received:end] = np.frombuffer(chunk.data, dtype=np.uint8)
+                received = end
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, self.address, hit.lease_id) from None
+        except wire.WireError as error:
+            raise InvalidArgument("fetch", f"malformed chunk from the service: {error}") from None
+        finally:
+            stream.cancel()  # no-op when complete; frees the server promptly on an error
+        if received != total:
+            raise InvalidArgument("fetch", f"stream ended after {received} of {total} bytes")
+        if target is not out:
+            out.copy_(target)
+        return out
+
+    def release(self, hit: Hit | int, timeout_s: float | None = None) -> bool:
+        """Drop a lease; False when it had already expired (harmless). A hit without a lease is a no-op."""
+        lease_id = hit.lease_id if isinstance(hit, Hit) else hit
+        if not lease_id:
+            return False
+        try:
+            self._call(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id), timeout_s, lease_id)
+        except UnknownLease:
+            return False
+        return True
+
+    # -- writes ---------------------------------------------------------------------------
+    def store(self, tokens, kv: torch.Tensor, start_block: int = 0, cache_salt: str | None = None,
+              timeout_s: float | None = None) -> CommitResult:
+        """Publish `kv[i]` as block `start_block + i` of `tokens` (shared memory if mapped, else the stream).
+
+        Blocks the service had no free slot for are counted in `rejected`.
+        """
+        attachment = self.attachment
+        layout = attachment.layout
+        token_list = _token_list(tokens)
+        self._check_kv(kv, layout, start_block, len(token_list))
+        if len(kv) == 0:
+            return CommitResult(0, 0, 0)
+        if self._pools.host is not None:
+            return self._store_shared(token_list, kv, start_block, cache_salt, timeout_s)
+        return self._store_stream(token_list, kv, start_block, cache_salt, timeout_s)
+
+    @staticmethod
+    def _check_kv(kv: torch.Tensor, layout: KVLayout, start_block: int, token_count: int) -> None:
+        if kv.dtype != torch_dtype(layout):
+            raise InvalidArgument("kv", f"dtype {kv.dtype} differs from the namespace's {torch_dtype(layout)}")
+        if kv.dim() != 6 or tuple(kv.shape[1:]) != layout.block_shape:
+            raise InvalidArgument("kv", f"shape {tuple(kv.shape)} is not [blocks, *{layout.block_shape}]")
+        if start_block < 0 or (start_block + len(kv)) * layout.block_size > token_count:
+            raise InvalidArgument("start_block", f"blocks {start_block}..{start_block + len(kv)} exceed the "
+                                  f"{token_count // layout.block_size} full blocks of the tokens")
+
+    def _store_shared(self, tokens: list[int], kv: torch.Tensor, start_block: int, salt: str | None,
+                      timeout_s: float | None) -> CommitResult:
+        ns_id = self.attachment.namespace_id
+        reservation = self._call(self._stub.Reserve, pb.ReserveRequest(namespace_id=ns_id, block_count=len(kv)),
+                                 timeout_s)
+        slots = list(reservation.slots)
+        if not slots:
+            return CommitResult(0, 0, len(kv))
+        self._pools.scatter(slots, kv[: len(slots)])
+        request = pb.CommitRequest(namespace_id=ns_id, tokens=tokens, reservation_id=reservation.reservation_id,
+                                   start_block=start_block)
+        if salt is not None:
+            request.cache_salt = salt
+        reply = self._call(self._stub.Commit, request, timeout_s)
+        return CommitResult(reply.stored, reply.deduplicated, reply.rejected + len(kv) - len(slots))
+
+    def _store_stream(self, tokens: list[int], kv: torch.Tensor, start_block: int, salt: str | None,
+                      timeout_s: float | None) -> CommitResult:
+        attachment = self.attachment
+        layout = attachment.layout
+        header = pb.StoreHeader(namespace_id=attachment.namespace_id, tokens=tokens, start_block=start_block,
+                                block_count=len(kv), dtype=wire.DTYPES[layout.dtype], block_shape=layout.block_shape)
+        if salt is not None:
+            header.cache_salt = salt
+        payload = memoryview(kv.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
+        chunk = min(STORE_CHUNK_BYTES, attachment.max_chunk_bytes)
+
+        def messages():
+            yield pb.StoreRequest(header=header).SerializeToString()
+            for offset in range(0, len(payload), chunk):
+                yield wire.encode_store_data([payload[offset:offset + chunk]])
+
+        reply = self._call(self._store_call, messages(), self._stream_timeout(len(payload), timeout_s))
+        return CommitResult(reply.stored, reply.deduplicated, reply.rejected)
+
+    # -- operations -------------------------------------------------------------------------
+    def stats(self, timeout_s: float | None = None) -> wire.ServiceStats:
+        return wire.stats_of(self._call(self._stub.GetStats, pb.GetStatsRequest(), timeout_s))
+
+    def inspect(self, tokens, cache_salt: str | None = None, namespace_id: str | None = None,
+                timeout_s: float | None = None) -> InspectReport:
+        request = pb.InspectRequest(namespace_id=namespace_id or self.attachment.namespace_id,
+                                    tokens=_token_list(tokens))
+        if cache_salt is not None:
+            request.cache_salt = cache_salt
+        reply = self._call(self._stub.Inspect, request, timeout_s)
+        blocks = tuple(BlockInfo(b.block, wire.TIER_OF[b.tier].label, b.slot, b.ttl_left_seconds,
+                                 b.last_access_age_seconds, b.leased) for b in reply.blocks)
+        return InspectReport(reply.namespace_id, reply.prompt_tokens, reply.hit_tokens, blocks,
+                             wire.MISS_REASON_OF.get(reply.miss_reason))
+
+    def evict(self, namespace_id: str | None = None, older_than_s: float | None = None, prefix_tokens=None,
+              cache_salt: str | None = None, timeout_s: float | None = None) -> int:
+        """Blocks evicted by namespace, age or prefix (a prefix defaults to the attached namespace)."""
+        if prefix_tokens is not None and namespace_id is None:
+            namespace_id = self.attachment.namespace_id
+        request = pb.EvictRequest(namespace_id=namespace_id or "")
+        if cache_salt is not None:
+            request.cache_salt = cache_salt
+        if older_than_s is not None:
+            request.older_than_seconds = older_than_s
+        if prefix_tokens is not None:
+            request.prefix.SetInParent()
+            request.prefix.tokens.extend(_token_list(prefix_tokens))
+        return self._call(self._stub.Evict, request, timeout_s).evicted
+
+    def flush(self, timeout_s: float | None = None) -> int:
+        return self._call(self._stub.Flush, pb.FlushRequest(), timeout_s).evicted
+
+    def health(self, service: str = SERVICE_NAME, timeout_s: float | None = None) -> bool:
+        """True when the service reports SERVING."""
+        reply = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout_s)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def close(self) -> None:
+        self._pools.close()
+        self._channel.close()
+
+    def __enter__(self) -> "CacheClient":
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()

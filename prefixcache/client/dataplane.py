@@ -1,0 +1,113 @@
+"""The client's local data plane: the service's slot pools mapped into this process.
+
+- Host pool: the host tier's POSIX shared-memory segment, mapped read-write
+  (`MappedSegment`); a block in slot s is `pool[s]`, `[layers, 2, kv_heads,
+  block_size, head_dim]`.
+- Device pool (CUDA hosts only): the device tier's storage opened from its
+  CUDA IPC handle, so a device-resident hit is a device-to-device copy.
+
+Copies go run by run: consecutive slots of one tier move as one slice, so a
+prefix stored in order is one memcpy per run, not one per block.
+
+Invariant: this module never decides whether bytes are safe to read; the
+caller holds a lease (reads) or a reservation (writes) for every slot it names.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from ..config import KVLayout
+from ..errors import ConfigError
+from ..results import BlockLocations
+from ..rpc import cache_pb2 as pb
+from ..tiers.base import TierKind
+from ..tiers.host import MappedSegment
+from ..tiers.pool import torch_dtype
+
+log = logging.getLogger(__name__)
+
+
+def runs(tiers: np.ndarray, slots: np.ndarray) -> Iterator[tuple[int, int, int, int]]:
+    """(start, end, tier, first slot) of each run of consecutive slots within one tier."""
+    if len(slots) == 0:
+        return
+    tiers = np.asarray(tiers, dtype=np.int64)
+    slots = np.asarray(slots, dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(slots) != 1) | (np.diff(tiers) != 0)) + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), len(slots)]
+    for start, end in zip(starts, ends):
+        yield start, end, int(tiers[start]), int(slots[start])
+
+
+def map_host_segment(segment: pb.SharedMemorySegment, layout: KVLayout) -> MappedSegment | None:
+    """The host tier mapped into this process, or None when this process cannot open it."""
+    if segment.slot_bytes != layout.block_bytes:
+        log.warning("host segment slots are %d bytes, expected %d; using the stream",
+                    segment.slot_bytes, layout.block_bytes)
+        return None
+    try:
+        return MappedSegment(segment.name, layout, segment.num_slots)
+    except (OSError, ConfigError) as error:
+        # Another host, another user (the segment is 0600) or a container without
+        # the service's /dev/shm: the stream still works.
+        log.info("cannot map the host tier %r (%s); KV will travel through gRPC", segment.name, error)
+        return None
+
+
+def map_device_pool(pool: pb.CudaIpcPool, layout: KVLayout) -> torch.Tensor | None:
+    """The service's device pool opened from its CUDA IPC handle, or None."""
+    if not torch.cuda.is_available() or not pool.handle:
+        return None
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            pool.device_index, pool.handle, pool.storage_size_bytes, pool.storage_offset_bytes,
+            pool.ref_counter_handle, pool.ref_counter_offset, pool.event_handle, pool.event_sync_required)
+    except RuntimeError as error:
+        log.info("cannot open the device pool by CUDA IPC (%s); using the host tier or the stream", error)
+        return None
+    shape = (pool.num_slots, *layout.block_shape)
+    tensor = torch.empty(0, dtype=torch_dtype(layout), device=f"cuda:{pool.device_index}")
+    return tensor.set_(storage, 0, shape)
+
+
+class LocalPools:
+    """The slot pools this process can address directly, by tier."""
+
+    def __init__(self, host: MappedSegment | None, device: torch.Tensor | None) -> None:
+        self._host = host
+        self.pools: dict[int, torch.Tensor] = {}
+        if host is not None:
+            self.pools[int(TierKind.HOST)] = host.pool.storage
+        if device is not None:
+            self.pools[int(TierKind.DEVICE)] = device
+
+    @property
+    def host(self) -> torch.Tensor | None:
+        return self.pools.get(int(TierKind.HOST))
+
+    def covers(self, locations: BlockLocations) -> bool:
+        return bool(self.pools) and all(int(t) in self.pools for t in np.unique(locations.tiers).tolist())
+
+    def gather(self, locations: BlockLocations, out: torch.Tensor) -> None:
+        """out[i] <- the block at locations[i] (every tier must be mapped)."""
+        for start, end, tier, first in runs(locations.tiers, locations.slots):
+            out[start:end].copy_(self.pools[tier][first:first + end - start])
+
+    def scatter(self, slots: tuple[int, ...] | list[int], kv: torch.Tensor) -> None:
+        """host slot slots[i] <- kv[i]."""
+        host = self.pools[int(TierKind.HOST)]
+        tiers = np.full(len(slots), int(TierKind.HOST))
+        for start, end, _tier, first in runs(tiers, np.asarray(slots)):
+            host[first:first + end - start].copy_(kv[start:end])
+
+    def close(self) -> None:
+        self.pools.clear()
+        if self._host is not None:
+            self._host.close()
+            self._host = None

@@ -1,0 +1,68 @@
+"""gRPC status -> typed error, so a worker catches `PrefixCacheError` subclasses, never `grpc.RpcError`.
+
+| status                          | raised                                  |
+| ------------------------------- | --------------------------------------- |
+| INVALID_ARGUMENT                | `InvalidArgument` (field from metadata) |
+| NOT_FOUND                       | `UnknownLease`                          |
+| FAILED_PRECONDITION             | `LayoutMismatch`                        |
+| RESOURCE_EXHAUSTED              | `ResourceExhausted`                     |
+| UNAVAILABLE, DEADLINE_EXCEEDED  | `CacheUnavailable` (fall back to prefill) |
+| UNAUTHENTICATED                 | `Unauthenticated`                       |
+| PERMISSION_DENIED               | `PermissionDenied`                      |
+| anything else                   | `ServiceError` (carries the code)       |
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from ..errors import InvalidArgument, LayoutMismatch, PrefixCacheError, ResourceExhausted, UnknownLease
+
+FIELD_METADATA = "prefixcache-field"
+
+
+class CacheUnavailable(PrefixCacheError):
+    """The service is down, draining, unreachable or slower than the deadline."""
+
+
+class Unauthenticated(PrefixCacheError):
+    """The service wants a (different) bearer token."""
+
+
+class PermissionDenied(PrefixCacheError):
+    """The operation needs the admin credential."""
+
+
+class ServiceError(PrefixCacheError):
+    """Any other failure status (a bug on the service side: INTERNAL, UNKNOWN, ...)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+
+
+def _field(error: grpc.RpcError) -> str | None:
+    for key, value in error.trailing_metadata() or ():
+        if key == FIELD_METADATA:
+            return value if isinstance(value, str) else value.decode("utf-8", "replace")
+    return None
+
+
+def error_from_rpc(error: grpc.RpcError, address: str, lease_id: int | None = None) -> PrefixCacheError:
+    code, details = error.code(), error.details() or ""
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        field = _field(error) or "request"
+        return InvalidArgument(field, details.removeprefix(f"{field}: "))
+    if code is grpc.StatusCode.NOT_FOUND:
+        return UnknownLease(lease_id or 0)
+    if code is grpc.StatusCode.FAILED_PRECONDITION:
+        return LayoutMismatch(details)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(details)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        return CacheUnavailable(f"cache service {address}: {code.name}: {details}")
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated(details)
+    if code is grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDenied(details)
+    return ServiceError(code, details)

@@ -1,0 +1,227 @@
+"""The enum and value mappings between cache.proto and the library's types.
+
+Shared by the client and the service (the service imports them from here, so
+both ends agree by construction). Proto enums keep 0 for "unspecified";
+library enums are what the core uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import DType, KVLayout
+from ..errors import InvalidArgument
+from ..index import MissReason
+from ..rpc import cache_pb2 as pb
+from ..stats import StatsSnapshot, TierSnapshot
+from ..tiers.base import TierKind
+
+DTYPES = {DType.FLOAT32: pb.DTYPE_FLOAT32, DType.FLOAT16: pb.DTYPE_FLOAT16, DType.BFLOAT16: pb.DTYPE_BFLOAT16}
+DTYPE_OF = {value: key for key, value in DTYPES.items()}
+TIERS = {TierKind.DEVICE: pb.TIER_DEVICE, TierKind.HOST: pb.TIER_HOST, TierKind.REDIS: pb.TIER_REDIS}
+TIER_OF = {value: key for key, value in TIERS.items()}
+TIER_TABLE = np.array([TIERS[kind] for kind in sorted(TierKind)], dtype=np.int32)  # TierKind -> enum
+MISS_REASONS = {
+    None: pb.MISS_REASON_UNSPECIFIED,
+    MissReason.TOO_SHORT: pb.MISS_REASON_SHORTER_THAN_BLOCK,
+    MissReason.NOT_CACHED: pb.MISS_REASON_NOT_CACHED,
+    MissReason.EXPIRED: pb.MISS_REASON_EXPIRED,
+    MissReason.VERIFICATION_FAILED: pb.MISS_REASON_VERIFICATION_FAILED,
+}
+MISS_REASON_OF = {value: key for key, value in MISS_REASONS.items()}
+
+
+def layout_message(layout: KVLayout) -> pb.KVLayout:
+    return pb.KVLayout(layers=layout.layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim,
+                       block_size=layout.block_size, dtype=DTYPES[layout.dtype])
+
+
+def layout_of(message: pb.KVLayout) -> KVLayout:
+    if message.dtype not in DTYPE_OF:
+        raise InvalidArgument("layout.dtype", f"unknown dtype enum {message.dtype}")
+    return KVLayout(message.layers, message.kv_heads, message.head_dim, message.block_size, DTYPE_OF[message.dtype])
+
+
+def tier_kinds(values) -> np.ndarray:
+    """TierKind values (int8) of proto Tier enums; an unknown enum is an error."""
+    table = np.full(max(TIER_OF) + 1, -1, dtype=np.int8)
+    for enum_value, kind in TIER_OF.items():
+        table[enum_value] = int(kind)
+    array = np.asarray(values, dtype=np.int64)
+    if array.size and (array.min() < 0 or array.max() >= len(table) or (table[array] < 0).any()):
+        raise InvalidArgument("tiers", "unknown tier in the service's reply")
+    return table[array]
+
+
+@dataclass(frozen=True)
+class ServiceStats:
+    """GetStats: `snapshot` and `layout` are None until the first Attach created the cache."""
+
+    ready: bool
+    layout: KVLayout | None
+    snapshot: StatsSnapshot | None
+
+
+def stats_of(message: pb.Stats) -> ServiceStats:
+    if not message.ready:
+        return ServiceStats(False, None, None)
+    m = message
+    snapshot = StatsSnapshot(
+        uptime_s=m.uptime_seconds, lookups=m.lookups, request_hits=m.request_hits,
+        request_misses=m.request_misses, block_hits=m.block_hits, block_misses=m.block_misses,
+        token_hits=m.token_hits, tokens_looked_up=m.tokens_looked_up, tokens_saved=m.tokens_saved,
+        blocks_committed=m.blocks_committed, blocks_deduplicated=m.blocks_deduplicated,
+        active_leases=m.active_leases,
+        tiers=tuple(TierSnapshot(TIER_OF[t.tier], t.blocks, t.bytes_used, t.capacity_bytes) for t in m.tiers),
+        spills=dict(m.spills), spills_dropped=m.spills_dropped, promotions=dict(m.promotions),
+        evictions={tier: dict(counts.by_reason) for tier, counts in m.evictions.items()},
+        miss_reasons=dict(m.miss_reasons), remote_up=m.remote_up if m.HasField("remote_up") else None,
+        remote=dict(m.remote))
+    return ServiceStats(True, layout_of(m.layout) if m.HasField("layout") else None, snapshot)
+
+
+def stats_message(snapshot: StatsSnapshot | None, layout: KVLayout | None) -> pb.Stats:
+    if snapshot is None:
+        return pb.Stats(ready=False)
+    s = snapshot
+    message = pb.Stats(
+        ready=True, uptime_seconds=s.uptime_s, lookups=s.lookups, request_hits=s.request_hits,
+        request_misses=s.request_misses, block_hits=s.block_hits, block_misses=s.block_misses,
+        token_hits=s.token_hits, tokens_looked_up=s.tokens_looked_up, tokens_saved=s.tokens_saved,
+        blocks_committed=s.blocks_committed, blocks_deduplicated=s.blocks_deduplicated,
+        active_leases=s.active_leases, spills_dropped=s.spills_dropped,
+        tiers=[pb.TierStats(tier=TIERS[t.kind], blocks=t.blocks, bytes_used=t.bytes_used,
+                            capacity_bytes=t.capacity_bytes) for t in s.tiers],
+        spills=s.spills, promotions=s.promotions, miss_reasons=s.miss_reasons,
+        remote={k: float(v) for k, v in s.remote.items()})
+    for tier, reasons in s.evictions.items():
+        message.evictions[tier].by_reason.update(reasons)
+    if s.remote_up is not None:
+        message.remote_up = s.remote_up
+    if layout is not None:
+        message.layout.CopyFrom(layout_message(layout))
+    return message
+
+
+# -- bulk messages without extra copies ------------------------------------------------
+# FetchChunk and StoreRequest carry megabytes of KV. Going through protobuf objects
+# costs two extra copies per side (into the message, then out of it as `bytes`), which
+# halves stream bandwidth. These helpers write and read the same wire format directly:
+# a message is its small fields, serialized by protobuf, followed by the length-delimited
+# bytes field, so any generated client or grpcurl reads them as ordinary messages.
+WIRE_VARINT, WIRE_I64, WIRE_LEN, WIRE_I32 = 0, 1, 2, 5
+FETCH_DATA_FIELD = pb.FetchChunk.DESCRIPTOR.fields_by_name["data"].number
+STORE_HEADER_FIELD = pb.StoreRequest.DESCRIPTOR.fields_by_name["header"].number
+STORE_DATA_FIELD = pb.StoreRequest.DESCRIPTOR.fields_by_name["data"].number
+
+
+class WireError(ValueError):
+    """Bytes that are not a well-formed protobuf message."""
+
+
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if not value:
+            out.append(byte)
+            return bytes(out)
+        out.append(byte | 0x80)
+
+
+def bytes_field(number: int, parts: list) -> list:
+    """Wire pieces of one length-delimited field holding the concatenation of `parts`."""
+    return [varint(number << 3 | WIRE_LEN), varint(sum(len(p) for p in parts)), *parts]
+
+
+def _read_varint(raw: memoryview, position: int) -> tuple[int, int]:
+    value = shift = 0
+    for offset in range(10):
+        if position + offset >= len(raw):
+            raise WireError("truncated varint")
+        byte = raw[position + offset]
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value & (2 ** 64 - 1), position + offset + 1
+        shift += 7
+    raise WireError("varint longer than 10 bytes")
+
+
+def scan(raw: memoryview):
+    """(field number, wire type, value) of each field: an int, or a memoryview for bytes fields."""
+    position = 0
+    while position < len(raw):
+        key, position = _read_varint(raw, position)
+        number, wire_type = key >> 3, key & 7
+        if number == 0:
+            raise WireError("field number 0")
+        if wire_type == WIRE_VARINT:
+            value, position = _read_varint(raw, position)
+        elif wire_type == WIRE_LEN:
+            length, position = _read_varint(raw, position)
+            if position + length > len(raw):
+                raise WireError("truncated bytes field")
+            value, position = raw[position:position + length], position + length
+        elif wire_type in (WIRE_I64, WIRE_I32):
+            position += 8 if wire_type == WIRE_I64 else 4
+            if position > len(raw):
+                raise WireError("truncated fixed-width field")
+            value = None
+        else:
+            raise WireError(f"unsupported wire type {wire_type}")
+        yield number, wire_type, value
+
+
+@dataclass(frozen=True)
+class FetchPiece:
+    offset: int
+    data: memoryview
+    total_bytes: int
+    block_count: int
+
+
+def encode_fetch_chunk(offset: int, parts: list, total_bytes: int, block_count: int) -> bytes:
+    """A serialized FetchChunk whose data is `parts` joined (the only copy of the bytes)."""
+    head = pb.FetchChunk(offset=offset, total_bytes=total_bytes, block_count=block_count).SerializeToString()
+    return b"".join([head, *bytes_field(FETCH_DATA_FIELD, parts)])
+
+
+def decode_fetch_chunk(raw: bytes) -> FetchPiece:
+    """Parse a serialized FetchChunk; `data` is a view of `raw` (no copy)."""
+    fields = {"offset": 0, "total_bytes": 0, "block_count": 0}
+    numbers = {pb.FetchChunk.DESCRIPTOR.fields_by_name[name].number: name for name in fields}
+    data = memoryview(b"")
+    for number, wire_type, value in scan(memoryview(raw)):
+        if number == FETCH_DATA_FIELD and wire_type == WIRE_LEN:
+            data = value
+        elif number in numbers and wire_type == WIRE_VARINT:
+            fields[numbers[number]] = value
+    return FetchPiece(fields["offset"], data, fields["total_bytes"], fields["block_count"])
+
+
+def encode_store_data(parts: list) -> bytes:
+    """A serialized StoreRequest carrying `data` (the only copy of the bytes)."""
+    return b"".join(bytes_field(STORE_DATA_FIELD, parts))
+
+
+@dataclass(frozen=True)
+class StorePart:
+    """One parsed StoreRequest: the header, or a view of the data (the oneof's last field wins)."""
+
+    header: pb.StoreHeader | None
+    data: memoryview | None
+
+
+def decode_store_request(raw: bytes) -> StorePart:
+    part = StorePart(None, None)
+    for number, wire_type, value in scan(memoryview(raw)):
+        if wire_type != WIRE_LEN:
+            continue
+        if number == STORE_HEADER_FIELD:
+            part = StorePart(pb.StoreHeader.FromString(bytes(value)), None)
+        elif number == STORE_DATA_FIELD:
+            part = StorePart(None, value)
+    return part

@@ -1,0 +1,135 @@
+"""Block <-> one checked binary frame: the only serializer of blocks (never pickle).
+
+A frame is what the Redis tier stores under a block's key. Layout, all little-endian:
+
+    magic     4s   b"PFXB"
+    version   u16  VERSION
+    hdr_len   u32  bytes of the header that follows
+    header:
+      ns_len u16, namespace id (utf-8)
+      hash_len u8, block hash
+      parent_len u8, parent hash
+      dtype u8 (fixed codes below, not enum order)
+      shape 5 x u32  [layers, 2, kv_heads, block_size, head_dim]
+      n_tokens u32, tokens n_tokens x u32
+      payload_len u64
+      checksum u64   xxh3_64 of the payload
+    payload   payload_len bytes, the block tensor in the layout's dtype
+
+Invariants:
+- Decoding never trusts a size from the frame: every expected size and field
+  comes from the caller's layout and key (namespace id, block hash, parent hash,
+  tokens). The stored header must equal the header those values encode, byte
+  for byte, so a value copied under another block's key is rejected.
+- Nothing in a frame is ever executed or interpreted beyond fixed-width fields;
+  anything unexpected raises `CorruptBlock` with a reason, never another error.
+- `decode_block` returns a zero-copy view of the payload inside the frame.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import xxhash
+
+from .config import DType, KVLayout
+from .errors import CorruptBlock, InvalidArgument, LayoutMismatch
+from .hashing import token_array
+
+MAGIC = b"PFXB"
+VERSION = 1
+
+_PREFIX = struct.Struct("<4sHI")        # magic, version, header length
+_SHAPE = struct.Struct("<5I")
+_TAIL = struct.Struct("<QQ")            # payload length, payload checksum
+_DTYPE_CODES = {DType.FLOAT32: 1, DType.FLOAT16: 2, DType.BFLOAT16: 3}
+_MAX_ID_BYTES = 0xFFFF
+_MAX_HASH_BYTES = 0xFF
+
+
+def _checked_tokens(tokens: np.ndarray, layout: KVLayout) -> bytes:
+    array = tokens if isinstance(tokens, np.ndarray) and tokens.dtype == np.dtype("<u4") else token_array(tokens)
+    if array.ndim != 1 or array.shape[0] != layout.block_size:
+        raise InvalidArgument("tokens", f"a block holds {layout.block_size} tokens, got shape {array.shape}")
+    return array.tobytes()
+
+
+def _header_body(layout: KVLayout, namespace_id: str, block_hash: bytes, parent_hash: bytes,
+                 token_bytes: bytes) -> bytes:
+    """The header up to (not including) payload length and checksum."""
+    ns = namespace_id.encode("utf-8")
+    if len(ns) > _MAX_ID_BYTES:
+        raise InvalidArgument("namespace_id", f"at most {_MAX_ID_BYTES} bytes, got {len(ns)}")
+    for name, value in (("block_hash", block_hash), ("parent_hash", parent_hash)):
+        if len(value) > _MAX_HASH_BYTES:
+            raise InvalidArgument(name, f"at most {_MAX_HASH_BYTES} bytes, got {len(value)}")
+    return b"".join((
+        struct.pack("<H", len(ns)), ns,
+        struct.pack("<B", len(block_hash)), bytes(block_hash),
+        struct.pack("<B", len(parent_hash)), bytes(parent_hash),
+        struct.pack("<B", _DTYPE_CODES[layout.dtype]),
+        _SHAPE.pack(*layout.block_shape),
+        struct.pack("<I", len(token_bytes) // 4), token_bytes,
+    ))
+
+
+def encode_block(layout: KVLayout, namespace_id: str, block_hash: bytes, parent_hash: bytes,
+                 tokens: np.ndarray, payload: memoryview | bytes) -> bytes:
+    """One frame holding `payload` (exactly `layout.block_bytes` bytes) and its identity."""
+    view = memoryview(payload).cast("B")
+    if view.nbytes != layout.block_bytes:
+        raise LayoutMismatch(f"payload is {view.nbytes} bytes, the layout's block is {layout.block_bytes}")
+    body = _header_body(layout, namespace_id, block_hash, parent_hash, _checked_tokens(tokens, layout))
+    tail = _TAIL.pack(view.nbytes, xxhash.xxh3_64_intdigest(view))
+    prefix = _PREFIX.pack(MAGIC, VERSION, len(body) + len(tail))
+    return b"".join((prefix, body, tail, view))
+
+
+def decode_block(frame: bytes | memoryview, layout: KVLayout, namespace_id: str, block_hash: bytes,
+                 parent_hash: bytes, tokens: np.ndarray) -> memoryview:
+    """The payload of `frame` (a zero-copy view) after checking framing, binding and checksum.
+
+    Raises CorruptBlock(reason) on any mismatch; the frame's own sizes are only
+    compared with the expected ones, never used to size anything.
+    """
+    view = memoryview(frame).cast("B")
+    if view.nbytes < _PREFIX.size:
+        raise CorruptBlock(f"short frame: {view.nbytes} bytes, less than the {_PREFIX.size}-byte prefix")
+    magic, version, header_len = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise CorruptBlock(f"bad magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise CorruptBlock(f"unknown frame version {version} (this build reads {VERSION})")
+    body = _header_body(layout, namespace_id, block_hash, parent_hash, _checked_tokens(tokens, layout))
+    expected_len = len(body) + _TAIL.size
+    if header_len != expected_len:
+        raise CorruptBlock(f"header length {header_len} inconsistent with the expected {expected_len}")
+    payload_start = _PREFIX.size + expected_len
+    if view.nbytes != payload_start + layout.block_bytes:
+        raise CorruptBlock(f"frame is {view.nbytes} bytes, expected {payload_start + layout.block_bytes}")
+    stored_body = view[_PREFIX.size:_PREFIX.size + len(body)]
+    if stored_body != body:
+        raise CorruptBlock(_first_difference(stored_body.tobytes(), body))
+    payload_len, checksum = _TAIL.unpack_from(view, _PREFIX.size + len(body))
+    if payload_len != layout.block_bytes:
+        raise CorruptBlock(f"payload length {payload_len} != layout block bytes {layout.block_bytes}")
+    payload = view[payload_start:]
+    if xxhash.xxh3_64_intdigest(payload) != checksum:
+        raise CorruptBlock("payload checksum mismatch")
+    return payload
+
+
+def _first_difference(stored: bytes, expected: bytes) -> str:
+    """Name the first header field that differs (both headers have the same length)."""
+    ns_end = 2 + struct.unpack_from("<H", expected)[0]
+    hash_end = ns_end + 1 + expected[ns_end]
+    parent_end = hash_end + 1 + expected[hash_end]
+    bounds = (("namespace id", ns_end), ("block hash", hash_end), ("parent hash", parent_end),
+              ("dtype", parent_end + 1), ("shape", parent_end + 1 + _SHAPE.size), ("tokens", len(expected)))
+    start = 0
+    for name, end in bounds:
+        if stored[start:end] != expected[start:end]:
+            return f"{name} in the header does not match the key's expected value"
+        start = end
+    return "header does not match"

@@ -1,0 +1,192 @@
+"""Frozen, validated configuration values.
+
+Every dataclass here validates itself at construction and names the field in
+its error, so a bad flag or file fails at start-up rather than on first use.
+Sizes accept "512MiB"/"2GiB"/"1.5GB"/plain bytes; durations accept "300",
+"300s", "10m", "1h", "250ms".
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30,
+}
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: str | int, field_name: str = "size") -> int:
+    """Bytes from an int or a string like "512MiB"; rejects negatives and junk."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        match = _QUANTITY.match(str(value))
+        if not match or match.group(2).lower() not in _SIZE_UNITS:
+            raise ConfigError(field_name, f"cannot parse size {value!r} (try 512MiB, 2GiB, 1000000)")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    if number < 0 or not math.isfinite(number):
+        raise ConfigError(field_name, f"size must be >= 0, got {value!r}")
+    return int(number * _SIZE_UNITS[unit])
+
+
+def parse_duration(value: str | float, field_name: str = "duration") -> float:
+    """Seconds from a number or a string like "10m", "250ms", "300s"."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        match = _QUANTITY.match(str(value))
+        if not match or match.group(2).lower() not in _DURATION_UNITS:
+            raise ConfigError(field_name, f"cannot parse duration {value!r} (try 300s, 10m, 250ms)")
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
+    if seconds < 0 or not math.isfinite(seconds):
+        raise ConfigError(field_name, f"duration must be >= 0, got {value!r}")
+    return seconds
+
+
+class DType(enum.Enum):
+    """KV element types the cache stores; value = (name, bytes per element)."""
+
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self is DType.FLOAT32 else 2
+
+    @classmethod
+    def parse(cls, value: "str | DType", field_name: str = "dtype") -> "DType":
+        if isinstance(value, DType):
+            return value
+        try:
+            return cls(str(value).removeprefix("torch."))
+        except ValueError:
+            names = ", ".join(d.value for d in cls)
+            raise ConfigError(field_name, f"unsupported dtype {value!r} (one of {names})") from None
+
+
+class HashAlgorithm(enum.Enum):
+    XXH3_128 = "xxh3_128"
+    SHA256 = "sha256"
+
+    @classmethod
+    def parse(cls, value: "str | HashAlgorithm") -> "HashAlgorithm":
+        if isinstance(value, HashAlgorithm):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError("hash_algorithm", f"unknown {value!r} (xxh3_128 or sha256)") from None
+
+
+def _positive_int(name: str, value: int, upper: int = 1 << 20) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= upper:
+        raise ConfigError(name, f"must be an integer in [1, {upper}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one block's KV: `[layers, 2, kv_heads, block_size, head_dim]`.
+
+    Index 0 of the second axis holds keys, 1 values. Every tier stores blocks
+    in exactly this layout, so moving a block between tiers is a flat copy.
+    """
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int = 16
+    dtype: DType = DType.FLOAT16
+
+    def __post_init__(self) -> None:
+        _positive_int("layers", self.layers, 4096)
+        _positive_int("kv_heads", self.kv_heads, 4096)
+        _positive_int("head_dim", self.head_dim, 65536)
+        _positive_int("block_size", self.block_size, 65536)
+        object.__setattr__(self, "dtype", DType.parse(self.dtype))
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Budgets and policies of one cache instance (all capacities in bytes)."""
+
+    host_capacity: int = 1 << 30
+    device_capacity: int = 0
+    ttl_s: float = 300.0
+    lease_ttl_s: float = 30.0
+    hash_algorithm: HashAlgorithm = HashAlgorithm.XXH3_128
+    promote_on_hit: bool = True
+    max_prompt_tokens: int = 1 << 20
+    max_leases: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("host_capacity", "device_capacity"):
+            object.__setattr__(self, name, parse_size(getattr(self, name), name))
+        object.__setattr__(self, "ttl_s", parse_duration(self.ttl_s, "ttl_s"))
+        object.__setattr__(self, "lease_ttl_s", parse_duration(self.lease_ttl_s, "lease_ttl_s"))
+        object.__setattr__(self, "hash_algorithm", HashAlgorithm.parse(self.hash_algorithm))
+        if self.ttl_s <= 0:
+            raise ConfigError("ttl_s", "must be > 0")
+        if self.lease_ttl_s <= 0:
+            raise ConfigError("lease_ttl_s", "must be > 0")
+        _positive_int("max_prompt_tokens", self.max_prompt_tokens, 1 << 24)
+        _positive_int("max_leases", self.max_leases, 1 << 20)
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that makes KV incompatible. Different namespaces never share a block.
+
+    `tenant` is set by the service from the authenticated credential; `cache_salt`
+    is chosen by the client and only subdivides inside its tenant.
+    """
+
+    model: str
+    revision: str
+    layout: KVLayout
+    tenant: str = ""
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("model", "revision", "tenant", "cache_salt"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(name, f"must be a string, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.layout, KVLayout):
+            raise ConfigError("layout", f"must be a KVLayout, got {type(self.layout).__name__}")
+        if not self.model or len(self.model) > 512:
+            raise ConfigError("model", "must be a non-empty string of at most 512 characters")
+        if len(self.revision) > 512:
+            raise ConfigError("revision", "must be at most 512 characters")
+        validate_salt(self.cache_salt, allow_empty=True)
+        if len(self.tenant) > 128:
+            raise ConfigError("tenant", "must be at most 128 characters")
+
+
+def validate_salt(salt: str, allow_empty: bool = False) -> None:
+    """A salt is 1..128 printable characters (empty means "no salt" where allowed)."""
+    if salt == "" and allow_empty:
+        return
+    if not salt or len(salt) > 128 or not salt.isprintable():
+        raise ConfigError("cache_salt", "must be 1 to 128 printable characters")

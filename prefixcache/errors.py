@@ -1,0 +1,52 @@
+"""Typed errors that cross layers.
+
+Each error maps to one outcome at the service edge: `InvalidArgument` (and its
+subclasses) becomes INVALID_ARGUMENT with a message naming the field,
+`LayoutMismatch` FAILED_PRECONDITION, `ResourceExhausted` RESOURCE_EXHAUSTED.
+`TierUnavailable` and `CorruptBlock` never reach a caller of the cache: the
+cache turns them into misses and counts them.
+"""
+
+from __future__ import annotations
+
+
+class PrefixCacheError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class InvalidArgument(PrefixCacheError, ValueError):
+    """Bad input; `field` names the offending argument."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ConfigError(InvalidArgument):
+    """A configuration value is out of range or malformed."""
+
+
+class UnknownNamespace(InvalidArgument):
+    def __init__(self, namespace_id: str) -> None:
+        super().__init__("namespace", f"unknown namespace id {namespace_id!r}; call Attach first")
+
+
+class UnknownLease(InvalidArgument):
+    def __init__(self, lease_id: int) -> None:
+        super().__init__("lease_id", f"lease {lease_id} is unknown or has expired")
+
+
+class LayoutMismatch(PrefixCacheError):
+    """A tensor's shape or dtype does not match the namespace's KV layout."""
+
+
+class ResourceExhausted(PrefixCacheError):
+    """A request is larger than a configured limit or quota."""
+
+
+class TierUnavailable(PrefixCacheError):
+    """A tier cannot serve right now (e.g. Redis down); callers see a miss."""
+
+
+class CorruptBlock(PrefixCacheError):
+    """A stored block failed verification (checksum, key binding, framing)."""

@@ -1,0 +1,223 @@
+"""Radix index over block hashes: match, insert, pins, LRU order, TTL.
+
+One node per cached block. Because a block hash names its whole prefix (and
+namespace), children are found through one flat map `block hash -> node`
+(`BlockMap`); the parent pointer of each node spells the path back to its
+namespace root, so this is a radix tree stored as a hash table plus parent links.
+
+Nodes are rows in preallocated arrays (struct of arrays), not Python objects:
+a Python object per block costs ~350 bytes of metadata, a row ~150 (measured
+by benchmarks/index_bench.py).
+
+Invariants:
+- `map` maps exactly the live nodes' hashes; a live node's parent is ROOT or a
+  live node of the same namespace; `children[n]` counts n's live children.
+- `tick[parent] > tick[child]`: `touch` stamps a path leaf->root with rising
+  ticks, and every insert is followed by a touch of its path. Ascending tick
+  is therefore LRU order that visits descendants before their ancestors
+  (leaf-first, the deeper block first on ties).
+- `pins[n] > 0` implies `pins[parent] > 0`: leases pin whole paths from root.
+- Token ids of every block are kept; a match step is only taken when they
+  equal the prompt's, so a hash collision is a counted miss, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+import array
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .blockmap import BlockMap
+from .hashing import BlockHash
+
+ROOT = -1
+_NO_ROWS = np.empty(0, dtype=np.int64)
+
+
+class MissReason(enum.Enum):
+    """Why a lookup stopped before the prompt's last full block."""
+
+    TOO_SHORT = "shorter_than_block"
+    NOT_CACHED = "not_cached"
+    EXPIRED = "expired"
+    VERIFICATION_FAILED = "verification_failed"
+
+
+@dataclass(frozen=True)
+class Match:
+    """Matched node rows (int64), root first; `stop` is None when every full block matched."""
+
+    rows: np.ndarray
+    stop: MissReason | None
+
+    @property
+    def nodes(self) -> list[int]:
+        return self.rows.tolist()
+
+
+class RadixIndex:
+    """Metadata of up to `capacity` resident blocks of `block_size` tokens."""
+
+    def __init__(self, capacity: int, block_size: int, digest_size: int = 16) -> None:
+        self.capacity = capacity
+        self.block_size = block_size
+        self.parent = np.full(capacity, ROOT, dtype=np.int32)
+        self.namespace = np.zeros(capacity, dtype=np.int16)
+        self.tier = np.full(capacity, -1, dtype=np.int8)  # -1: row unused
+        self.slot = np.zeros(capacity, dtype=np.int32)
+        self.tick = np.zeros(capacity, dtype=np.int64)
+        self.last_access = np.zeros(capacity, dtype=np.float64)
+        self.pins = np.zeros(capacity, dtype=np.int32)
+        self.children = np.zeros(capacity, dtype=np.int32)
+        self.tokens = np.zeros((capacity, block_size), dtype=np.uint32)
+        self.map = BlockMap(capacity, digest_size)
+        self._free_rows = array.array("i", range(capacity - 1, -1, -1))
+        self._clock_tick = 0
+
+    def __len__(self) -> int:
+        return len(self.map)
+
+    def hash_of(self, node: int) -> BlockHash:
+        assert self.tier[node] >= 0, f"node {node} is not live"
+        return BlockHash(self.map.digest(node))
+
+    def node_of(self, block_hash: BlockHash) -> int | None:
+        return self.map.get(block_hash)
+
+    # -- matching ---------------------------------------------------------
+    def match(self, namespace: int, hashes: list[BlockHash], blocks: np.ndarray,
+              now: float, ttl_s: float) -> Match:
+        """Longest verified, unexpired chain for `hashes` (blocks: `[n, block_size]` u32)."""
+        if not hashes:
+            return Match(_NO_ROWS, None)
+        rows = self.map.get_many(hashes)
+        missing = rows < 0
+        stop: MissReason | None = None
+        if missing.any():
+            stop = MissReason.NOT_CACHED
+            rows = rows[: int(missing.argmax())]
+        if not rows.size:
+            return Match(rows, stop)
+        return Match(*self._verify(rows, stop, namespace, blocks, now - ttl_s))
+
+    def _verify(self, rows: np.ndarray, stop: MissReason | None, namespace: int, blocks: np.ndarray,
+                oldest: float) -> tuple[np.ndarray, MissReason | None]:
+        """Cut `rows` at the first block whose chain, tokens or age fail (verification wins ties).
+
+        Only the first row's namespace needs checking: every later row must be the child of
+        the row before it, and a child always shares its parent's namespace.
+        """
+        count, first = len(rows), int(rows[0])
+        first_bad = count
+        if self.namespace[first] != namespace or self.parent[first] != ROOT:
+            first_bad = 0
+        else:
+            broken = self.parent[rows][1:] != rows[:-1]
+            if broken.any():
+                first_bad = int(broken.argmax()) + 1
+            mismatch = np.take(self.tokens, rows, axis=0) != blocks[:count]
+            if mismatch.any():  # rare: find the rows only then
+                first_bad = min(first_bad, int(mismatch.any(axis=1).argmax()))
+        expired = self.last_access[rows] < oldest
+        first_expired = int(expired.argmax()) if expired.any() else count
+        if first_bad <= first_expired and first_bad < count:
+            return rows[:first_bad], MissReason.VERIFICATION_FAILED
+        if first_expired < count:
+            return rows[:first_expired], MissReason.EXPIRED
+        return rows, stop
+
+    # -- mutation -----------------------------------------------------------
+    def add(self, namespace: int, parent: int, block_hash: BlockHash, tokens: np.ndarray,
+            tier: int, slot: int, now: float) -> int:
+        """Insert one block under `parent`; the caller touches the path afterwards."""
+        if not self._free_rows:
+            raise RuntimeError("index is full (more blocks than tier slots)")
+        node = self._free_rows[-1]
+        self.map.insert(block_hash, node)  # raises KeyError if already indexed
+        self._free_rows.pop()
+        self.parent[node] = parent
+        self.namespace[node] = namespace
+        self.tier[node] = tier
+        self.slot[node] = slot
+        self.last_access[node] = now
+        self.tick[node] = 0  # oldest until the caller's touch of its path
+        self.pins[node] = 0
+        self.children[node] = 0
+        self.tokens[node] = tokens
+        if parent != ROOT:
+            self.children[parent] += 1
+        return node
+
+    def remove(self, node: int) -> None:
+        """Drop a leaf that no lease pins (prefix closure is the caller's promise)."""
+        if self.tier[node] < 0:
+            raise RuntimeError(f"node {node} is not live")
+        if self.children[node] or self.pins[node]:
+            raise RuntimeError(f"node {node} has children or pins; cannot remove")
+        self.map.delete(node)
+        parent = int(self.parent[node])
+        if parent != ROOT:
+            self.children[parent] -= 1
+        self.tier[node] = -1
+        self._free_rows.append(node)
+
+    def touch(self, path: Sequence[int] | np.ndarray, now: float) -> None:
+        """Mark a root-first path used now; the root ends with the highest tick."""
+        rows = np.asarray(path, dtype=np.int64)
+        if not rows.size:
+            return
+        self.tick[rows[::-1]] = np.arange(self._clock_tick + 1, self._clock_tick + 1 + len(rows))
+        self._clock_tick += len(rows)
+        self.last_access[rows] = now
+
+    def pin(self, path: Sequence[int] | np.ndarray) -> None:
+        """One more pin on each node of a path (a path holds no node twice)."""
+        self.pins[np.asarray(path, dtype=np.int64)] += 1
+
+    def unpin(self, path: Sequence[int] | np.ndarray) -> None:
+        rows = np.asarray(path, dtype=np.int64)
+        if (self.pins[rows] <= 0).any():
+            raise RuntimeError("unpinned more than pinned")
+        self.pins[rows] -= 1
+
+    def move(self, node: int, tier: int, slot: int) -> None:
+        self.tier[node] = tier
+        self.slot[node] = slot
+
+    # -- queries --------------------------------------------------------------
+    def lru(self, tier: int) -> Iterator[int]:
+        """Unpinned nodes of `tier`, least recently used (and deepest) first."""
+        rows = np.flatnonzero((self.tier == tier) & (self.pins == 0))
+        for node in rows[np.argsort(self.tick[rows], kind="stable")]:
+            yield int(node)
+
+    def select(self, mask: np.ndarray) -> list[int]:
+        """Live nodes where `mask` holds, descendants before ancestors."""
+        rows = np.flatnonzero(mask & (self.tier >= 0))
+        return [int(n) for n in rows[np.argsort(self.tick[rows], kind="stable")]]
+
+    def live(self) -> np.ndarray:
+        return self.tier >= 0
+
+    def subtree(self, node: int) -> list[int]:
+        """`node` and all its descendants, descendants first."""
+        members = np.zeros(self.capacity, dtype=bool)
+        members[node] = True
+        live = self.live()
+        while True:
+            grown = members | (live & (self.parent >= 0) & members[np.maximum(self.parent, 0)])
+            if (grown == members).all():
+                break
+            members = grown
+        return self.select(members)
+
+    def path_to(self, node: int) -> list[int]:
+        """Root-first path ending at `node`."""
+        path = []
+        while node != ROOT:
+            path.append(node)
+            node = int(self.parent[node])
+        return path[::-1]

@@ -1,0 +1,75 @@
+"""Host tier: a slot pool in a named POSIX shared-memory segment.
+
+A co-located worker maps the same segment (see `map_segment`) and reads or
+writes slots directly, so a hit moves no bytes through the service. The
+segment is created owner-only (mode 0600) and is unlinked when the owning
+tier closes. Pinned (page-locked) memory is used only when CUDA is present.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+from ..config import KVLayout
+from ..errors import ConfigError
+from .base import TierKind
+from .pool import TensorPool, torch_dtype
+
+log = logging.getLogger(__name__)
+
+
+def slots_for(capacity_bytes: int, layout: KVLayout, field_name: str) -> int:
+    """Whole blocks that fit in an exact byte budget; a budget below one block is an error."""
+    slots = capacity_bytes // layout.block_bytes
+    if slots < 1:
+        raise ConfigError(field_name, f"{capacity_bytes} bytes is less than one block ({layout.block_bytes} bytes)")
+    return slots
+
+
+def _tensor_over(buffer: memoryview, layout: KVLayout, num_slots: int) -> torch.Tensor:
+    flat = torch.frombuffer(buffer, dtype=torch_dtype(layout), count=num_slots * layout.block_bytes // layout.dtype.itemsize)
+    return flat.view(num_slots, *layout.block_shape)
+
+
+class HostTier(TensorPool):
+    """Owner of the shared-memory segment; `segment_name` is what workers map."""
+
+    def __init__(self, layout: KVLayout, capacity_bytes: int, segment_name: str | None = None) -> None:
+        num_slots = slots_for(capacity_bytes, layout, "host_capacity")
+        self.segment_name = segment_name or f"prefixcache-{secrets.token_hex(6)}"
+        self._shm = shared_memory.SharedMemory(self.segment_name, create=True, size=num_slots * layout.block_bytes)
+        storage = _tensor_over(self._shm.buf, layout, num_slots)
+        if torch.cuda.is_available():
+            torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes, 0)
+        super().__init__(TierKind.HOST, layout, storage)
+        log.info("host tier: %d slots of %d bytes in shm %s", num_slots, layout.block_bytes, self.segment_name)
+
+    def close(self) -> None:
+        if self._shm is None:
+            return
+        super().close()
+        self._shm.close()
+        self._shm.unlink()
+        self._shm = None
+
+
+class MappedSegment:
+    """A worker's mapping of the service's host tier (no copy, no ownership)."""
+
+    def __init__(self, segment_name: str, layout: KVLayout, num_slots: int) -> None:
+        self._shm = shared_memory.SharedMemory(segment_name, create=False)
+        # Python < 3.13 registers attached segments with the resource tracker,
+        # which would unlink the service's segment when this process exits.
+        resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
+        if self._shm.size < num_slots * layout.block_bytes:
+            self._shm.close()
+            raise ConfigError("segment", f"shared memory {segment_name!r} is smaller than {num_slots} slots")
+        self.pool = TensorPool(TierKind.HOST, layout, _tensor_over(self._shm.buf, layout, num_slots))
+
+    def close(self) -> None:
+        self.pool.close()
+        self._shm.close()

@@ -1,0 +1,41 @@
+"""A slot pool over one tensor: the storage shared by the device and host tiers."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import KVLayout
+from .base import TierKind
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(layout: KVLayout) -> torch.dtype:
+    return TORCH_DTYPES[layout.dtype.value]
+
+
+class TensorPool:
+    """`num_slots` blocks in one tensor `[num_slots, *layout.block_shape]`.
+
+    Reads gather with `index_select` (one copy); writes copy into the slot.
+    """
+
+    def __init__(self, kind: TierKind, layout: KVLayout, storage: torch.Tensor) -> None:
+        self.kind = kind
+        self.layout = layout
+        self.num_slots = storage.shape[0]
+        self.capacity_bytes = self.num_slots * layout.block_bytes
+        self.storage = storage
+
+    def read(self, slots: list[int]) -> torch.Tensor:
+        index = torch.tensor(slots, dtype=torch.long, device=self.storage.device)
+        return self.storage.index_select(0, index)
+
+    def write(self, slot: int, block: torch.Tensor) -> None:
+        self.storage[slot].copy_(block, non_blocking=False)
+
+    def view(self, slot: int) -> torch.Tensor:
+        return self.storage[slot]
+
+    def close(self) -> None:
+        self.storage = torch.empty(0)

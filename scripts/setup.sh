@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Prepares a fresh machine: a virtual env in .venv with the pinned CPU torch
+# first (a looser pin would download a multi-GB CUDA build), then this project
+# with its test extras, and Debian's redis-server when the binary is missing.
+# Idempotent: re-running it only installs what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+  echo "setup: installing redis-server (Debian package)"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+stamp=.venv/.prefixcache-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  pip install -q --disable-pip-version-check --upgrade pip
+  pip install -q --disable-pip-version-check torch==2.13.0
+  pip install -q --disable-pip-version-check -e ".[test]"
+  touch "$stamp"
+fi

@@ -1,0 +1,286 @@
+"""The service's side of one cache: created at the first Attach, scoped by tenant.
+
+The service starts with capacities and a block size but not the model
+geometry, so the `PrefixCache` (and its shared-memory host tier) is built at
+the first Attach, whose layout it then keeps; a later Attach with another
+layout is FAILED_PRECONDITION.
+
+Owns: that cache, the registry of the namespaces each tenant attached, and
+the draining flag.
+
+Invariants:
+- Every namespace the cache knows was attached through this backend, so
+  `_owners` holds the tenant of every namespace id. A caller of another tenant
+  is told the id is unknown, the same answer as for an id never issued.
+- A namespace with a `cache_salt` is a namespace of its own, derived from the
+  caller's attached namespace; the tenant is never taken from a request.
+- The cache is created at most once; after `close()` every call raises `Draining`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from prefixcache.cache import PrefixCache
+from prefixcache.config import CacheConfig, KVLayout, Namespace
+from prefixcache.errors import (ConfigError, InvalidArgument, PrefixCacheError, ResourceExhausted, UnknownLease,
+                                UnknownNamespace)
+from prefixcache.leases import Reservation
+from prefixcache.results import BlockLocation, CommitResult, LookupResult
+from prefixcache.stats import StatsSnapshot
+from prefixcache.tiers.base import TierKind
+from prefixcache.tiers.device import DeviceTier
+from prefixcache.tiers.host import HostTier
+
+from .auth import Principal
+from .inspect import BlockReport, inspect_prefix
+
+log = logging.getLogger(__name__)
+
+
+class Draining(PrefixCacheError):
+    """The service is shutting down and takes no new calls."""
+
+
+class PermissionDenied(PrefixCacheError):
+    """The operation needs the admin credential."""
+
+
+class ServiceMisconfigured(PrefixCacheError):
+    """The service's own settings cannot hold this namespace (e.g. capacity below one block)."""
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    cache: CacheConfig
+    block_size: int = 16
+    shm_name: str | None = None
+    device: str | None = None  # "cuda" when cache.device_capacity > 0
+    remote_factory: Callable[[KVLayout], object] | None = None
+    max_salts_per_tenant: int = 1024
+
+
+class CacheBackend:
+    def __init__(self, options: BackendOptions) -> None:
+        self.options = options
+        self._cache: PrefixCache | None = None
+        self._create_lock = threading.Lock()
+        self._registry_lock = threading.Lock()
+        self._owners: dict[str, str] = {}                   # namespace id -> tenant
+        self._salted: dict[tuple[str, str], str] = {}      # (namespace id, salt) -> namespace id
+        self._salt_counts: dict[str, int] = {}             # tenant -> salted namespaces created
+        self._draining = threading.Event()
+        self._closed = False
+
+    # -- lifecycle ----------------------------------------------------------
+    @property
+    def cache(self) -> PrefixCache | None:
+        return self._cache
+
+    def check_open(self) -> None:
+        if self._draining.is_set():
+            raise Draining("the service is draining; retry on another instance")
+
+    def begin_drain(self) -> None:
+        self._draining.set()
+
+    def close(self) -> None:
+        """Drop leases and reservations with the cache and close its tiers (unlinks shm)."""
+        self._draining.set()
+        with self._create_lock:
+            if self._cache is not None and not self._closed:
+                self._cache.close()
+                log.info("cache closed; host tier released")
+            self._closed = True
+
+    def expire(self) -> int:
+        cache = self._cache
+        return cache.expire() if cache is not None and not self._closed else 0
+
+    def _require(self) -> PrefixCache:
+        """The cache, for calls that resolved a namespace first (so it exists)."""
+        if self._cache is None:
+            raise UnknownNamespace("")
+        return self._cache
+
+    def _build(self, layout: KVLayout) -> PrefixCache:
+        options = self.options
+        config = options.cache
+        try:
+            host = HostTier(layout, config.host_capacity, options.shm_name)
+        except ConfigError as error:
+            raise ServiceMisconfigured(f"{error} for this layout") from None
+        try:
+            device = (DeviceTier(layout, config.device_capacity, options.device or "cuda")
+                      if config.device_capacity else None)
+            remote = options.remote_factory(layout) if options.remote_factory else None
+        except BaseException:
+            host.close()
+            raise
+        log.info("cache created for layout %s", layout)
+        return PrefixCache(config, layout, host, device=device, remote=remote)
+
+    def _cache_for(self, layout: KVLayout) -> PrefixCache:
+        with self._create_lock:
+            if self._closed:
+                raise Draining("the service is shutting down")
+            if self._cache is None:
+                self._cache = self._build(layout)
+            return self._cache
+
+    # -- namespaces ---------------------------------------------------------
+    def attach(self, principal: Principal, model: str, revision: str, layout: KVLayout,
+               salt: str | None) -> str:
+        namespace = Namespace(model, revision, layout, tenant=principal.tenant, cache_salt=salt or "")
+        cache = self._cache_for(layout)
+        ns_id = cache.attach(namespace)
+        with self._registry_lock:
+            self._owners[ns_id] = principal.tenant
+        return ns_id
+
+    def resolve(self, principal: Principal, ns_id: str, salt: str | None, create: bool = True) -> str | None:
+        """The namespace a call acts on: `ns_id`, or its salted sibling; checks the tenant.
+
+        A new salt creates its namespace only when `create` (lookups and writes);
+        read-only calls get None for a salt never used.
+        """
+        owner = self._owners.get(ns_id)
+        if owner is None or (owner != principal.tenant and not principal.admin):
+            raise UnknownNamespace(ns_id)
+        if salt is None:
+            return ns_id
+        salted = self._salted.get((ns_id, salt))
+        if salted is None and create:
+            salted = self._add_salted(ns_id, owner, salt)
+        return salted
+
+    def _add_salted(self, ns_id: str, owner: str, salt: str) -> str:
+        cache = self._require()
+        with self._registry_lock:
+            # The core never forgets a namespace (and has room for 32k), so each tenant
+            # gets a bounded number of salts rather than the power to exhaust everyone's.
+            if self._salt_counts.get(owner, 0) >= self.options.max_salts_per_tenant:
+                raise ResourceExhausted(f"cache_salt: this tenant already uses {self.options.max_salts_per_tenant} "
+                                        "distinct salts")
+            salted = cache.attach(dataclasses.replace(cache.namespace(ns_id), cache_salt=salt))
+            if salted not in self._owners:
+                self._salt_counts[owner] = self._salt_counts.get(owner, 0) + 1
+            self._owners[salted] = owner
+            self._salted[(ns_id, salt)] = salted
+        return salted
+
+    def _own_namespaces(self, principal: Principal) -> list[str]:
+        with self._registry_lock:
+            return [ns for ns, tenant in self._owners.items() if tenant == principal.tenant]
+
+    # -- lookups and leases ---------------------------------------------------------
+    def lookup(self, principal: Principal, ns_id: str, salt: str | None, tokens: np.ndarray,
+               take_lease: bool) -> LookupResult:
+        resolved = self.resolve(principal, ns_id, salt)
+        return self._require().lookup(resolved, tokens, take_lease)
+
+    def remaining_s(self, expires_at: float | None) -> float:
+        if expires_at is None or self._cache is None:
+            return 0.0
+        return max(0.0, expires_at - self._cache.clock())
+
+    def lease(self, principal: Principal, lease_id: int) -> LookupResult:
+        """A live lease of the caller's tenant (another tenant's lease is "unknown")."""
+        result = self._require_lease(lease_id).lease(lease_id)
+        owner = self._owners.get(result.namespace_id)
+        if owner != principal.tenant and not principal.admin:
+            raise UnknownLease(lease_id)
+        return result
+
+    def _require_lease(self, lease_id: int) -> PrefixCache:
+        if self._cache is None:
+            raise UnknownLease(lease_id)
+        return self._cache
+
+    def release(self, principal: Principal, lease_id: int) -> None:
+        self.lease(principal, lease_id)
+        self._require_lease(lease_id).release(lease_id)
+
+    def host_segment(self) -> tuple[str, int, int]:
+        """(shared-memory name, slots, bytes per slot) of the host tier."""
+        host = self._require().tiers[TierKind.HOST]
+        return host.segment_name, host.num_slots, self._require().layout.block_bytes
+
+    def device_pool_handle(self) -> tuple[tuple, int] | None:
+        """(`_share_cuda_()` of the device pool's storage, slots), or None without a CUDA device tier."""
+        device = self._require().tiers.get(TierKind.DEVICE)
+        if device is None or device.storage.device.type != "cuda":
+            return None
+        return device.storage.untyped_storage()._share_cuda_(), device.num_slots
+
+    def block_bytes(self, location: BlockLocation) -> memoryview:
+        """One block's bytes (a view into the tier for the host tier; the caller holds a lease)."""
+        tier = self._require().tiers[TierKind(location.tier)]
+        block = tier.view(location.slot)
+        if block.device.type != "cpu":
+            block = block.cpu()
+        return memoryview(block.view(torch.uint8).reshape(-1).numpy())
+
+    # -- writes -------------------------------------------------------------------------
+    def reserve(self, principal: Principal, ns_id: str, count: int) -> Reservation:
+        self.resolve(principal, ns_id, None)
+        return self._require().reserve(count)
+
+    def commit(self, principal: Principal, ns_id: str, salt: str | None, tokens: np.ndarray,
+               reservation_id: int, start_block: int) -> CommitResult:
+        resolved = self.resolve(principal, ns_id, salt)
+        return self._require().commit(resolved, tokens, reservation_id, start_block)
+
+    def store(self, principal: Principal, ns_id: str, salt: str | None, tokens: np.ndarray,
+              kv: torch.Tensor, start_block: int) -> CommitResult:
+        resolved = self.resolve(principal, ns_id, salt)
+        return self._require().store(resolved, tokens, kv, start_block)
+
+    # -- operations -------------------------------------------------------------------------
+    def stats(self) -> StatsSnapshot | None:
+        return self._cache.stats() if self._cache is not None else None
+
+    def inspect(self, principal: Principal, ns_id: str, salt: str | None,
+                tokens: np.ndarray) -> tuple[str, BlockReport]:
+        resolved = self.resolve(principal, ns_id, salt, create=False)
+        if resolved is None:  # a salt never used holds nothing
+            return ns_id, BlockReport.empty(len(tokens), self._require().layout.block_size)
+        return resolved, inspect_prefix(self._require(), resolved, tokens)
+
+    def evict(self, principal: Principal, ns_id: str | None, salt: str | None,
+              older_than_s: float | None, prefix: np.ndarray | None) -> int:
+        if ns_id is None:
+            if prefix is not None:
+                raise InvalidArgument("namespace_id", "evicting by prefix needs a namespace_id")
+            if older_than_s is None:
+                raise InvalidArgument("request", "give namespace_id, older_than_seconds or prefix")
+            if salt is not None:
+                raise InvalidArgument("cache_salt", "needs a namespace_id")
+            if self._cache is None:
+                return 0
+            if principal.admin:
+                return self._cache.evict(older_than_s=older_than_s)
+            return sum(self._cache.evict(ns, older_than_s=older_than_s) for ns in self._own_namespaces(principal))
+        resolved = self.resolve(principal, ns_id, salt, create=False)
+        if resolved is None:
+            return 0
+        if prefix is not None:
+            if older_than_s is not None:
+                raise InvalidArgument("older_than_seconds", "cannot be combined with prefix")
+            return self._require().evict(resolved, prefix_tokens=prefix)
+        return self._require().evict(resolved, older_than_s=older_than_s)
+
+    def flush(self, principal: Principal) -> int:
+        """Admin: everything, every tier. A tenant: its own namespaces only."""
+        if self._cache is None:
+            return 0
+        if principal.admin:
+            return self._cache.flush()
+        return sum(self._cache.evict(ns) for ns in self._own_namespaces(principal))

@@ -1,0 +1,152 @@
+"""`prefixcache serve`: flags -> ServerOptions -> a running server until SIGTERM/SIGINT.
+
+On start it prints one line, `prefixcache serve: listening on HOST:PORT`
+(the real port when `--listen` asks for port 0), so scripts and tests can wait
+for readiness without sleeping. SIGTERM or SIGINT drains within `--grace` and
+exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Callable
+
+import torch
+
+from prefixcache.config import CacheConfig, HashAlgorithm, KVLayout, parse_duration, parse_size
+from prefixcache.errors import ConfigError
+
+from .auth import Authenticator, load_credentials
+from .backend import BackendOptions
+from .options import ServerOptions, split_host_port
+from .server import build_server
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "PREFIXCACHE_AUTH_TOKEN"
+EXAMPLES = """examples:
+  prefixcache serve --host-capacity 8GiB --ttl 10m
+  prefixcache serve --listen 0.0.0.0:50051 --credentials tenants.txt --tls-cert c.pem --tls-key k.pem
+  PREFIXCACHE_AUTH_TOKEN=... prefixcache serve --metrics-port 9400
+  prefixcache serve --redis-url redis://127.0.0.1:6379/0 --redis-password-file /run/secrets/redis
+"""
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="run the cache service (gRPC)", epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run the prefix-cache gRPC service. The first worker to Attach fixes the KV layout.")
+    add = parser.add_argument
+    add("--listen", default="127.0.0.1:50051", help="HOST:PORT to listen on (default %(default)s; port 0: any)")
+    add("--host-capacity", default="1GiB", help="host tier (shared memory) byte budget (default %(default)s)")
+    add("--device-capacity", default="0", help="device tier byte budget on CUDA (default %(default)s: none)")
+    add("--block-size", type=int, default=16, help="tokens per block (default %(default)s)")
+    add("--ttl", default="300s", help="sliding time-to-live of a block (default %(default)s)")
+    add("--lease-ttl", default="30s", help="how long a lease pins blocks at most (default %(default)s)")
+    add("--hash", default="xxh3_128", choices=[h.value for h in HashAlgorithm], help="block hash")
+    add("--shm-name", default=None, help="name of the host tier's shared-memory segment (default: random)")
+    add("--max-prompt-tokens", type=int, default=1 << 20, help="longest prompt accepted (default %(default)s)")
+    add("--max-leases", type=int, default=4096, help="leases held at once (default %(default)s)")
+    auth = parser.add_mutually_exclusive_group()
+    auth.add_argument("--auth-token", default=None, help=f"shared bearer token (or env {TOKEN_ENV})")
+    auth.add_argument("--auth-token-file", default=None, help="file holding the shared bearer token")
+    auth.add_argument("--credentials", default=None, help="file of 'TOKEN TENANT [admin]' lines (multi-tenant)")
+    add("--tls-cert", default=None, help="PEM certificate chain (enables TLS, with --tls-key)")
+    add("--tls-key", default=None, help="PEM private key")
+    add("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (default: off)")
+    add("--metrics-host", default=None, help="metrics bind address (default: the --listen host)")
+    add("--grace", default="10s", help="drain period on SIGTERM (default %(default)s)")
+    add("--max-concurrent-rpcs", type=int, default=128, help="RPCs at once; more get RESOURCE_EXHAUSTED")
+    add("--workers", type=int, default=32, help="handler threads (default %(default)s)")
+    add("--max-message-size", default="16MiB", help="largest gRPC message either way (default %(default)s)")
+    redis = parser.add_argument_group("Redis tier (optional: shared across instances and restarts)")
+    redis.add_argument("--redis-url", default=None,
+                       help="redis://[user:pass@]host:port/0, rediss://..., or redis+cluster://host:port,...")
+    redis.add_argument("--redis-key-prefix", default="pfx", help="key prefix (default %(default)s)")
+    redis.add_argument("--redis-timeout-ms", type=int, default=50, help="read timeout (default %(default)s)")
+    redis.add_argument("--redis-ttl", default="1h", help="TTL of a block in Redis (default %(default)s)")
+    redis.add_argument("--redis-password-file", default=None, help="file holding the Redis password")
+    parser.set_defaults(handler=run)
+
+
+def authenticator_from(args: argparse.Namespace) -> Authenticator:
+    if args.credentials:
+        return Authenticator(load_credentials(args.credentials))
+    if args.auth_token_file:
+        with open(args.auth_token_file, encoding="utf-8") as handle:
+            return Authenticator.shared_token(handle.read().strip())
+    token = args.auth_token if args.auth_token is not None else os.environ.get(TOKEN_ENV)
+    return Authenticator.shared_token(token) if token is not None else Authenticator.open()
+
+
+def remote_factory_from(args: argparse.Namespace) -> Callable[[KVLayout], object] | None:
+    """Validated Redis options now; the tier itself is built with the cache (it does no I/O)."""
+    if args.redis_url is None:
+        if args.redis_password_file:
+            raise ConfigError("redis_password_file", "needs --redis-url")
+        return None
+    from prefixcache.tiers.redis import RedisTier  # only a service with a Redis tier imports redis
+    from prefixcache.tiers.redis_options import RedisOptions
+
+    password = None
+    if args.redis_password_file:
+        with open(args.redis_password_file, encoding="utf-8") as handle:
+            password = handle.read().strip()
+    if args.redis_timeout_ms < 1:
+        raise ConfigError("redis_timeout_ms", "must be >= 1")
+    options = RedisOptions(url=args.redis_url, key_prefix=args.redis_key_prefix,
+                           ttl_s=parse_duration(args.redis_ttl, "redis_ttl"),
+                           socket_timeout_s=args.redis_timeout_ms / 1000, password=password)
+    return lambda _layout: RedisTier(options)
+
+
+def options_from(args: argparse.Namespace) -> ServerOptions:
+    cache = CacheConfig(host_capacity=parse_size(args.host_capacity, "host_capacity"),
+                        device_capacity=parse_size(args.device_capacity, "device_capacity"),
+                        ttl_s=parse_duration(args.ttl, "ttl"), lease_ttl_s=parse_duration(args.lease_ttl, "lease_ttl"),
+                        hash_algorithm=args.hash, max_prompt_tokens=args.max_prompt_tokens,
+                        max_leases=args.max_leases)
+    if cache.device_capacity and not torch.cuda.is_available():
+        raise ConfigError("device_capacity", "needs a CUDA device and none is available")
+    if args.block_size < 1 or args.block_size > 65536:
+        raise ConfigError("block_size", f"must be in [1, 65536], got {args.block_size}")
+    if args.shm_name and os.path.exists(os.path.join("/dev/shm", args.shm_name)):
+        raise ConfigError("shm_name", f"shared memory {args.shm_name!r} already exists (another service?)")
+    message_size = parse_size(args.max_message_size, "max_message_size")
+    backend = BackendOptions(cache=cache, block_size=args.block_size, shm_name=args.shm_name,
+                             device="cuda" if cache.device_capacity else None,
+                             remote_factory=remote_factory_from(args))
+    split_host_port(args.listen)
+    return ServerOptions(
+        backend=backend, listen=args.listen, authenticator=authenticator_from(args),
+        tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host, max_receive_bytes=message_size, max_send_bytes=message_size,
+        max_chunk_bytes=min((4 << 20) - 1024, message_size - (64 << 10)), max_concurrent_rpcs=args.max_concurrent_rpcs,
+        workers=args.workers, grace_s=parse_duration(args.grace, "grace"))
+
+
+def run(args: argparse.Namespace) -> int:
+    options = options_from(args)
+    server = build_server(options)
+    stop = threading.Event()
+
+    def on_signal(signum, _frame) -> None:
+        log.info("received %s", signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    print(f"prefixcache serve: listening on {server.address}", flush=True)
+    if server.metrics_port is not None:
+        print(f"prefixcache serve: metrics on port {server.metrics_port}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    server.shutdown()
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,149 @@
+"""Messages <-> values: every request field is validated here, responses are built here.
+
+Each check raises `InvalidArgument` naming the field as it is spelled in
+cache.proto (`layout.head_dim`, `prefix.tokens`), so a client sees exactly
+which input was wrong. Nothing here touches the cache.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+from prefixcache.config import KVLayout, validate_salt
+from prefixcache.errors import ConfigError, InvalidArgument
+from prefixcache.hashing import MAX_TOKEN_ID
+from prefixcache.results import BlockLocations, CommitResult, LookupResult
+from prefixcache.client import wire
+from prefixcache.rpc import cache_pb2 as pb
+
+from .inspect import BlockReport
+
+_NAMESPACE_ID = re.compile(r"^[0-9a-f]{16}$")
+MIN_CHUNK_BYTES = 4096
+
+DTYPE_OF = wire.DTYPE_OF
+TIERS = wire.TIERS
+
+
+# -- requests ------------------------------------------------------------------
+def tokens(values, limit: int, field: str = "tokens") -> np.ndarray:
+    """Token ids as int64 (no copy per element); each must be in [0, 2^32), at most `limit`."""
+    array = np.array(values, dtype=np.int64)
+    if len(array) > limit:
+        raise InvalidArgument(field, f"{len(array)} tokens exceed the limit of {limit}")
+    if array.size and (int(array.min()) < 0 or int(array.max()) > MAX_TOKEN_ID):
+        raise InvalidArgument(field, "token ids must be integers in [0, 2^32)")
+    return array
+
+
+def salt(message, field: str = "cache_salt") -> str | None:
+    """The salt when the field is present (present and empty is an error), else None."""
+    if not message.HasField(field):
+        return None
+    value = getattr(message, field)
+    try:
+        validate_salt(value)
+    except ConfigError:
+        raise InvalidArgument(field, "must be 1 to 128 printable characters") from None
+    return value
+
+
+def namespace_id(value: str, field: str = "namespace_id") -> str:
+    if not _NAMESPACE_ID.match(value):
+        raise InvalidArgument(field, "must be the 16 hex digit id returned by Attach")
+    return value
+
+
+def optional_namespace_id(value: str) -> str | None:
+    return namespace_id(value) if value else None
+
+
+def positive_id(value: int, field: str) -> int:
+    if value == 0:
+        raise InvalidArgument(field, "is required (ids are never 0)")
+    return value
+
+
+def layout(message: pb.KVLayout, server_block_size: int) -> KVLayout:
+    """KVLayout from an Attach; block size 0 means the server's, any other value must equal it."""
+    if message.dtype not in DTYPE_OF:
+        names = ", ".join(pb.DType.Name(v) for v in DTYPE_OF)
+        raise InvalidArgument("layout.dtype", f"must be one of {names}")
+    block_size = message.block_size or server_block_size
+    if block_size != server_block_size:
+        raise InvalidArgument("layout.block_size", f"{block_size} differs from this service's block size "
+                              f"{server_block_size}")
+    try:
+        return KVLayout(message.layers, message.kv_heads, message.head_dim, block_size, DTYPE_OF[message.dtype])
+    except ConfigError as error:
+        raise InvalidArgument(f"layout.{error.field}", str(error).split(": ", 1)[-1]) from None
+
+
+def text(value: str, field: str, limit: int = 512, required: bool = True) -> str:
+    if required and not value:
+        raise InvalidArgument(field, "is required")
+    if len(value) > limit or not value.isprintable():
+        raise InvalidArgument(field, f"must be at most {limit} printable characters")
+    return value
+
+
+def chunk_bytes(value: int, default: int, maximum: int) -> int:
+    """Fetch chunk size: 0 is the default; above the service's maximum it is clamped (it is a "max")."""
+    if value == 0:
+        return min(default, maximum)
+    if value < MIN_CHUNK_BYTES:
+        raise InvalidArgument("max_chunk_bytes", f"must be 0 (default) or at least {MIN_CHUNK_BYTES}")
+    return min(value, maximum)
+
+
+def older_than(message: pb.EvictRequest) -> float | None:
+    if not message.HasField("older_than_seconds"):
+        return None
+    value = message.older_than_seconds
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument("older_than_seconds", "must be a finite number >= 0")
+    return value
+
+
+def store_header(header: pb.StoreHeader, expected: KVLayout) -> None:
+    """The declared dtype and block shape must be the namespace's."""
+    if DTYPE_OF.get(header.dtype) is not expected.dtype:
+        raise InvalidArgument("header.dtype", f"must be the namespace's {pb.DType.Name(wire.DTYPES[expected.dtype])}")
+    if tuple(header.block_shape) != expected.block_shape:
+        raise InvalidArgument("header.block_shape", f"{list(header.block_shape)} differs from the namespace's "
+                              f"{list(expected.block_shape)}")
+    if header.block_count == 0:
+        raise InvalidArgument("header.block_count", "must be at least 1")
+
+
+# -- responses ------------------------------------------------------------------
+layout_message = wire.layout_message
+stats_message = wire.stats_message
+
+
+def lookup_response(result: LookupResult, lease_ttl_s: float) -> pb.LookupResponse:
+    response = pb.LookupResponse(
+        namespace_id=result.namespace_id, prompt_tokens=result.prompt_tokens, hit_tokens=result.hit_tokens,
+        miss_reason=wire.MISS_REASONS[result.miss_reason], lease_id=result.lease_id or 0,
+        lease_ttl_seconds=lease_ttl_s)
+    locations = BlockLocations.of(result.locations)
+    if len(locations):
+        response.tiers.extend(wire.TIER_TABLE[locations.tiers].tolist())
+        response.slots.extend(locations.slots.tolist())
+    return response
+
+
+def commit_response(result: CommitResult) -> pb.CommitResponse:
+    return pb.CommitResponse(stored=result.stored, deduplicated=result.deduplicated, rejected=result.rejected)
+
+
+def inspect_response(ns_id: str, report: BlockReport) -> pb.InspectResponse:
+    return pb.InspectResponse(
+        namespace_id=ns_id, prompt_tokens=report.prompt_tokens, hit_tokens=report.hit_tokens,
+        miss_reason=wire.MISS_REASONS[report.miss_reason],
+        blocks=[pb.BlockInfo(block=b.block, tier=TIERS[b.tier], slot=b.slot, ttl_left_seconds=b.ttl_left_s,
+                             last_access_age_seconds=b.last_access_age_s, leased=b.leased)
+                for b in report.blocks])

@@ -1,0 +1,162 @@
+"""Builds and runs the gRPC server: servicer, auth, health, reflection, expiry, metrics, drain.
+
+Lifecycle:
+1. `build_server(options)` binds the port, starts the server and the expiry
+   ticker (`cache.expire()` every `expire_interval_s`), then sets health to
+   SERVING for "" and "prefixcache.v1.PrefixCache".
+2. `shutdown(grace_s)` (SIGTERM in `serve`): health NOT_SERVING, new calls get
+   UNAVAILABLE, calls in flight (Fetch streams included) get up to the grace
+   period to finish, then the server stops, the ticker stops, and the cache
+   closes: leases and reservations vanish with it and the host tier's
+   shared-memory segment is unlinked.
+
+Defaults are conservative: 127.0.0.1, explicit message-size limits,
+keepalive, a bound on concurrent RPCs (RESOURCE_EXHAUSTED beyond it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .auth import AuthInterceptor
+from .backend import CacheBackend
+from .metrics import ServiceMetrics
+from .options import ServerOptions
+from .servicer import SERVICE_NAME, Limits, PrefixCacheServicer, register
+from .status import CallTracker
+
+log = logging.getLogger(__name__)
+
+
+class Ticker:
+    """Calls `fn` every `interval_s` on a daemon thread until stopped."""
+
+    def __init__(self, name: str, interval_s: float, fn: Callable[[], object]) -> None:
+        self._stop = threading.Event()
+        self._fn = fn
+        self._interval = interval_s
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._fn()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+def _no_observer(_method: str, _code: grpc.StatusCode, _seconds: float) -> None:
+    return None
+
+
+class CacheServer:
+    """One running service; see the module docstring for its lifecycle."""
+
+    def __init__(self, options: ServerOptions) -> None:
+        self.options = options
+        self.backend = CacheBackend(options.backend)
+        self.tracker = CallTracker()
+        self.metrics = ServiceMetrics(self.backend.stats) if options.metrics_port is not None else None
+        self.health = health.HealthServicer()
+        self._ticker = Ticker("prefixcache-expire", options.expire_interval_s, self.backend.expire)
+        self._stopped = threading.Event()
+        self._shutdown_lock = threading.Lock()
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._server = self._build_grpc()
+
+    def _build_grpc(self) -> grpc.Server:
+        options = self.options
+        denied = self.metrics.denied if self.metrics else None
+        interceptors = [AuthInterceptor(options.authenticator, denied)] if options.authenticator.enabled else []
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix="rpc"),
+                             interceptors=interceptors, options=options.grpc_options(),
+                             maximum_concurrent_rpcs=options.max_concurrent_rpcs)
+        limits = Limits(options.backend.block_size, options.backend.cache.max_prompt_tokens, options.max_chunk_bytes)
+        servicer = PrefixCacheServicer(self.backend, options.authenticator, limits)
+        register(server, servicer, self.tracker, self.metrics.observe if self.metrics else _no_observer)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        return server
+
+    def _bind(self) -> int:
+        options = self.options
+        try:
+            if options.tls_cert_file:
+                with open(options.tls_key_file, "rb") as key, open(options.tls_cert_file, "rb") as cert:
+                    credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+                return self._server.add_secure_port(options.listen, credentials)
+            return self._server.add_insecure_port(options.listen)
+        except RuntimeError as error:
+            raise OSError(f"cannot listen on {options.listen}: {error}") from None
+
+    @property
+    def address(self) -> str:
+        host = self.options.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    def start(self) -> "CacheServer":
+        self.port = self._bind()
+        self._server.start()
+        self._ticker.start()
+        if self.metrics is not None:
+            self.metrics_port = self.metrics.serve(self.options.metrics_host or self.options.host,
+                                                   self.options.metrics_port)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving prefixcache.v1 on %s (%s, auth %s)", self.address,
+                 "TLS" if self.options.tls_cert_file else "plaintext",
+                 "on" if self.options.authenticator.enabled else "off")
+        return self
+
+    def shutdown(self, grace_s: float | None = None) -> None:
+        """Drain and stop (idempotent); see the module docstring."""
+        with self._shutdown_lock:
+            if self._stopped.is_set():
+                return
+            grace = self.options.grace_s if grace_s is None else grace_s
+            deadline = time.monotonic() + grace
+            self.health.enter_graceful_shutdown()
+            self.backend.begin_drain()
+            log.info("draining: %d call(s) in flight, grace %.1fs", self.tracker.in_flight, grace)
+            if not self.tracker.wait_idle(grace):
+                log.warning("grace period over with %d call(s) in flight; cancelling them", self.tracker.in_flight)
+            self._server.stop(max(0.0, deadline - time.monotonic())).wait()
+            self._ticker.stop()
+            self.backend.close()
+            if self.metrics is not None:
+                self.metrics.close()
+            self._stopped.set()
+            log.info("stopped")
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self._stopped.wait(timeout_s)
+
+
+def build_server(options: ServerOptions) -> CacheServer:
+    """A started server (health SERVING); call `shutdown()` to drain and stop it."""
+    server = CacheServer(options)
+    try:
+        return server.start()
+    except BaseException:
+        server._server.stop(0)
+        server._ticker.stop()
+        server.backend.close()
+        raise

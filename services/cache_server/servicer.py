@@ -1,0 +1,246 @@
+"""The gRPC servicer: validated messages in, library calls, messages out. Nothing else.
+
+Every method authenticates the caller (the tenant comes from the token, see
+auth.py), refuses new calls while draining, validates each field through
+convert.py and calls the backend. Errors are typed and mapped to status
+codes by status.py, which also wraps each method (timing, calls in flight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import grpc
+import numpy as np
+import torch
+
+from prefixcache.client import wire
+from prefixcache.errors import InvalidArgument, ResourceExhausted
+from prefixcache.rpc import cache_pb2 as pb
+from prefixcache.tiers.pool import torch_dtype
+
+from . import convert, status
+from .auth import OPEN, Authenticator, Principal
+from .backend import CacheBackend
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefixCache"].full_name
+MAX_CHUNK_BYTES = (4 << 20) - 1024  # a whole FetchChunk message stays <= 4 MiB
+DEFAULT_CHUNK_BYTES = 1 << 20       # measured fastest through gRPC Python (benchmarks/service_bench.py)
+
+# method -> (request type, response type)
+UNARY_METHODS = {
+    "Attach": (pb.AttachRequest, pb.AttachResponse),
+    "Lookup": (pb.LookupRequest, pb.LookupResponse),
+    "Reserve": (pb.ReserveRequest, pb.ReserveResponse),
+    "Commit": (pb.CommitRequest, pb.CommitResponse),
+    "Release": (pb.ReleaseRequest, pb.ReleaseResponse),
+    "GetStats": (pb.GetStatsRequest, pb.Stats),
+    "Inspect": (pb.InspectRequest, pb.InspectResponse),
+    "Evict": (pb.EvictRequest, pb.EvictResponse),
+    "Flush": (pb.FlushRequest, pb.FlushResponse),
+}
+METHODS = (*UNARY_METHODS, "Fetch", "Store")
+
+
+@dataclass(frozen=True)
+class Limits:
+    block_size: int
+    max_prompt_tokens: int
+    max_chunk_bytes: int = MAX_CHUNK_BYTES          # largest data payload per Fetch/Store message
+    default_chunk_bytes: int = DEFAULT_CHUNK_BYTES  # Fetch chunk when the request names none
+
+
+def byte_chunks(views: Iterable[memoryview], limit: int) -> Iterator[tuple[int, list[memoryview]]]:
+    """(offset, pieces) of the concatenated `views`, each chunk at most `limit` bytes (no copy)."""
+    pending: list[memoryview] = []
+    size = offset = 0
+    for view in views:
+        position = 0
+        while position < len(view):
+            take = min(limit - size, len(view) - position)
+            pending.append(view[position:position + take])
+            size += take
+            position += take
+            if size == limit:
+                yield offset, pending
+                offset, pending, size = offset + size, [], 0
+    if pending:
+        yield offset, pending
+
+
+class PrefixCacheServicer:
+    def __init__(self, backend: CacheBackend, authenticator: Authenticator, limits: Limits) -> None:
+        self._backend = backend
+        self._auth = authenticator
+        self._limits = limits
+
+    def _begin(self, request, context: grpc.ServicerContext) -> Principal:
+        status.check_parsed(request)
+        self._backend.check_open()
+        if not self._auth.enabled:
+            return OPEN
+        return self._auth.authenticate(context.invocation_metadata())
+
+    def _tokens(self, values, field: str = "tokens") -> np.ndarray:
+        return convert.tokens(values, self._limits.max_prompt_tokens, field)
+
+    def Attach(self, request: pb.AttachRequest, context) -> pb.AttachResponse:
+        principal = self._begin(request, context)
+        model = convert.text(request.model, "model")
+        revision = convert.text(request.revision, "revision", required=False)
+        if not request.HasField("layout"):
+            raise InvalidArgument("layout", "is required")
+        layout = convert.layout(request.layout, self._limits.block_size)
+        ns_id = self._backend.attach(principal, model, revision, layout, convert.salt(request))
+        response = pb.AttachResponse(
+            namespace_id=ns_id, layout=convert.layout_message(layout),
+            lease_ttl_seconds=self._backend.options.cache.lease_ttl_s,
+            max_prompt_tokens=self._limits.max_prompt_tokens, max_chunk_bytes=self._limits.max_chunk_bytes)
+        if request.same_host:
+            name, slots, slot_bytes = self._backend.host_segment()
+            response.host_segment.CopyFrom(pb.SharedMemorySegment(name=name, num_slots=slots, slot_bytes=slot_bytes))
+            self._add_device_pool(response)
+        return response
+
+    def _add_device_pool(self, response: pb.AttachResponse) -> None:
+        shared = self._backend.device_pool_handle()
+        if shared is None:
+            return
+        (device, handle, size, offset, ref_handle, ref_offset, event, sync), num_slots = shared
+        response.device_pool.CopyFrom(pb.CudaIpcPool(
+            device_index=device, handle=handle, storage_size_bytes=size, storage_offset_bytes=offset,
+            ref_counter_handle=ref_handle, ref_counter_offset=ref_offset, event_handle=event or b"",
+            event_sync_required=sync, num_slots=num_slots))
+
+    def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        principal = self._begin(request, context)
+        ns_id = convert.namespace_id(request.namespace_id)
+        salt = convert.salt(request)
+        result = self._backend.lookup(principal, ns_id, salt, self._tokens(request.tokens), request.take_lease)
+        return convert.lookup_response(result, self._backend.remaining_s(result.lease_expires_at))
+
+    def Fetch(self, request: pb.FetchRequest, context) -> Iterator[bytes]:
+        principal = self._begin(request, context)
+        lease_id = convert.positive_id(request.lease_id, "lease_id")
+        limit = convert.chunk_bytes(request.max_chunk_bytes, self._limits.default_chunk_bytes,
+                                    self._limits.max_chunk_bytes)
+        lease = self._backend.lease(principal, lease_id)
+        count = len(lease.locations)
+        total = count * self._backend.cache.layout.block_bytes
+        views = (self._backend.block_bytes(location) for location in lease.locations)
+        for offset, parts in byte_chunks(views, limit):
+            message = wire.encode_fetch_chunk(offset, parts, total, count)  # the one copy of the bytes
+            # Checked after the copy: if the lease is still live, the slots were pinned while
+            # they were read, so these bytes are the leased blocks and nothing else.
+            self._backend.lease(principal, lease_id)
+            yield message
+
+    def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
+        principal = self._begin(request, context)
+        ns_id = convert.namespace_id(request.namespace_id)
+        if request.block_count == 0:
+            raise InvalidArgument("block_count", "must be at least 1")
+        reservation = self._backend.reserve(principal, ns_id, request.block_count)
+        return pb.ReserveResponse(reservation_id=reservation.id, tier=convert.TIERS[reservation.tier],
+                                  slots=reservation.slots,
+                                  ttl_seconds=self._backend.remaining_s(reservation.expires_at))
+
+    def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
+        principal = self._begin(request, context)
+        ns_id = convert.namespace_id(request.namespace_id)
+        salt = convert.salt(request)
+        reservation_id = convert.positive_id(request.reservation_id, "reservation_id")
+        result = self._backend.commit(principal, ns_id, salt, self._tokens(request.tokens), reservation_id,
+                                      request.start_block)
+        return convert.commit_response(result)
+
+    def Store(self, requests: Iterator[wire.StorePart], context) -> pb.CommitResponse:
+        first = next(requests, None)
+        if first is None:
+            raise InvalidArgument("header", "the stream is empty; the first message must carry the header")
+        principal = self._begin(first, context)
+        if first.header is None:
+            raise InvalidArgument("header", "the first message must carry the header")
+        header = first.header
+        ns_id = convert.namespace_id(header.namespace_id, "header.namespace_id")
+        salt = convert.salt(header)
+        tokens = self._tokens(header.tokens, "header.tokens")
+        self._backend.resolve(principal, ns_id, salt)  # an unknown namespace fails before any bytes are read
+        layout = self._backend.cache.layout
+        convert.store_header(header, layout)
+        total = header.block_count * layout.block_bytes
+        capacity = self._backend.options.cache.host_capacity
+        if total > capacity:
+            raise ResourceExhausted(f"header.block_count: {header.block_count} blocks ({total} bytes) exceed "
+                                    f"the host tier's {capacity} bytes")
+        buffer = torch.empty(total, dtype=torch.uint8)
+        received = _receive(requests, buffer.numpy())
+        if received != total:
+            raise InvalidArgument("data", f"{received} bytes received; header.block_count announced {total}")
+        kv = buffer.view(torch_dtype(layout)).view(header.block_count, *layout.block_shape)
+        return convert.commit_response(self._backend.store(principal, ns_id, salt, tokens, kv, header.start_block))
+
+    def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        principal = self._begin(request, context)
+        self._backend.release(principal, convert.positive_id(request.lease_id, "lease_id"))
+        return pb.ReleaseResponse()
+
+    def GetStats(self, request: pb.GetStatsRequest, context) -> pb.Stats:
+        self._begin(request, context)
+        cache = self._backend.cache
+        return convert.stats_message(self._backend.stats(), cache.layout if cache is not None else None)
+
+    def Inspect(self, request: pb.InspectRequest, context) -> pb.InspectResponse:
+        principal = self._begin(request, context)
+        ns_id = convert.namespace_id(request.namespace_id)
+        salt = convert.salt(request)
+        resolved, report = self._backend.inspect(principal, ns_id, salt, self._tokens(request.tokens))
+        return convert.inspect_response(resolved, report)
+
+    def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
+        principal = self._begin(request, context)
+        ns_id = convert.optional_namespace_id(request.namespace_id)
+        prefix = self._tokens(request.prefix.tokens, "prefix.tokens") if request.HasField("prefix") else None
+        evicted = self._backend.evict(principal, ns_id, convert.salt(request), convert.older_than(request), prefix)
+        return pb.EvictResponse(evicted=evicted)
+
+    def Flush(self, request: pb.FlushRequest, context) -> pb.FlushResponse:
+        principal = self._begin(request, context)
+        return pb.FlushResponse(evicted=self._backend.flush(principal))
+
+
+def _receive(requests: Iterator[wire.StorePart], out: np.ndarray) -> int:
+    """Copy the `data` messages into `out`; returns the bytes received."""
+    offset = 0
+    for part in requests:
+        status.check_parsed(part)
+        if part.header is not None:
+            raise InvalidArgument("header", "only the first message may carry a header")
+        if part.data is None:
+            raise InvalidArgument("data", "a message after the header carries no data")
+        end = offset + len(part.data)
+        if end > len(out):
+            raise InvalidArgument("data", f"more bytes than header.block_count announced ({len(out)})")
+        out[offset:end] = np.frombuffer(part.data, dtype=np.uint8)
+        offset = end
+    return offset
+
+
+def register(server: grpc.Server, servicer: PrefixCacheServicer, tracker: status.CallTracker,
+             observe: status.Observer) -> None:
+    """Add the service's handlers, with parsers that turn junk into INVALID_ARGUMENT."""
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            status.unary(name, getattr(servicer, name), tracker, observe),
+            request_deserializer=status.parser(request), response_serializer=response.SerializeToString)
+        for name, (request, response) in UNARY_METHODS.items()
+    }
+    handlers["Fetch"] = grpc.unary_stream_rpc_method_handler(  # yields serialized FetchChunks (wire.py)
+        status.streaming("Fetch", servicer.Fetch, tracker, observe),
+        request_deserializer=status.parser(pb.FetchRequest), response_serializer=None)
+    handlers["Store"] = grpc.stream_unary_rpc_method_handler(
+        status.unary("Store", servicer.Store, tracker, observe),
+        request_deserializer=status.parser(pb.StoreRequest, wire.decode_store_request),
+        response_serializer=pb.CommitResponse.SerializeToString)
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)

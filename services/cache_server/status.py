@@ -1,0 +1,166 @@
+"""The service edge: typed errors -> gRPC status codes, and the wrappers every handler runs in.
+
+Mapping (see cache.proto):
+- `UnknownLease`                                -> NOT_FOUND (an expected race: it timed out)
+- `InvalidArgument` and subclasses              -> INVALID_ARGUMENT, field named in the details
+                                                   and in trailing metadata `prefixcache-field`
+- `LayoutMismatch`, `ServiceMisconfigured`      -> FAILED_PRECONDITION
+- `ResourceExhausted`                           -> RESOURCE_EXHAUSTED
+- `Draining`, `TierUnavailable`                 -> UNAVAILABLE
+- `PermissionDenied`                            -> PERMISSION_DENIED
+- `Unauthenticated` (normally caught earlier by the auth interceptor) -> UNAUTHENTICATED
+- bytes that do not parse as the request type   -> INVALID_ARGUMENT (field `request`)
+- anything else is a bug: logged with its traceback, answered INTERNAL (never
+  UNKNOWN), and the server keeps serving.
+
+`CallTracker` counts calls in flight so that a drain can wait for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from prefixcache.client.wire import WireError
+from prefixcache.errors import (InvalidArgument, LayoutMismatch, PrefixCacheError, ResourceExhausted,
+                                TierUnavailable, UnknownLease)
+
+from .auth import Unauthenticated
+from .backend import Draining, PermissionDenied, ServiceMisconfigured
+
+log = logging.getLogger(__name__)
+
+FIELD_METADATA = "prefixcache-field"
+Observer = Callable[[str, grpc.StatusCode, float], None]
+
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (UnknownLease, grpc.StatusCode.NOT_FOUND),          # before its base class InvalidArgument
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (LayoutMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    (ServiceMisconfigured, grpc.StatusCode.FAILED_PRECONDITION),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Draining, grpc.StatusCode.UNAVAILABLE),
+    (TierUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+)
+
+
+@dataclass(frozen=True)
+class Failure:
+    code: grpc.StatusCode
+    details: str
+    field: str | None = None
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """Stands in for a request whose bytes did not parse (so the handler can say so)."""
+
+    type_name: str
+
+
+def failure_of(error: PrefixCacheError) -> Failure:
+    for kind, code in _CODES:
+        if isinstance(error, kind):
+            return Failure(code, str(error), getattr(error, "field", None))
+    return Failure(grpc.StatusCode.INTERNAL, f"unexpected {type(error).__name__}")
+
+
+def parser(message_type, decode: Callable[[bytes], object] | None = None) -> Callable[[bytes], object]:
+    """A request deserializer that never raises: junk becomes `Malformed`."""
+    name = message_type.DESCRIPTOR.full_name
+    decode = decode or message_type.FromString
+
+    def parse(data: bytes):
+        try:
+            return decode(data)
+        except (DecodeError, WireError):
+            return Malformed(name)
+    return parse
+
+
+def check_parsed(request):
+    if isinstance(request, Malformed):
+        raise InvalidArgument("request", f"cannot be parsed as {request.type_name}")
+    return request
+
+
+class CallTracker:
+    """Calls in flight; `wait_idle` returns when none are left or the deadline passes."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._idle = threading.Condition()
+
+    def __enter__(self) -> "CallTracker":
+        with self._idle:
+            self._count += 1
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        with self._idle:
+            self._count -= 1
+            if self._count == 0:
+                self._idle.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        return self._count
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._count == 0, timeout=timeout_s)
+
+
+def _fail(context: grpc.ServicerContext, failure: Failure) -> None:
+    if failure.field:
+        context.set_trailing_metadata(((FIELD_METADATA, failure.field),))
+    context.abort(failure.code, failure.details)
+
+
+def _failure_from(error: BaseException, method: str) -> Failure:
+    if isinstance(error, PrefixCacheError):
+        return failure_of(error)
+    log.error("bug in %s: %s", method, type(error).__name__, exc_info=error)
+    return Failure(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the service log")
+
+
+def unary(method: str, handler: Callable, tracker: CallTracker, observe: Observer) -> Callable:
+    """Wrap a unary-response handler: map typed errors, count it in flight, time it."""
+    def wrapped(request, context):
+        started = time.perf_counter()
+        with tracker:
+            try:
+                response = handler(request, context)
+            except Exception as error:  # noqa: BLE001 - the edge: typed errors mapped, bugs logged
+                failure = _failure_from(error, method)
+            else:
+                observe(method, grpc.StatusCode.OK, time.perf_counter() - started)
+                return response
+        observe(method, failure.code, time.perf_counter() - started)
+        _fail(context, failure)
+    return wrapped
+
+
+def streaming(method: str, handler: Callable, tracker: CallTracker, observe: Observer) -> Callable:
+    """Wrap a response-streaming handler (a generator) the same way."""
+    def wrapped(request, context) -> Iterator:
+        started = time.perf_counter()
+        with tracker:
+            try:
+                yield from handler(request, context)
+            except Exception as error:  # noqa: BLE001 - the edge, as in `unary`
+                failure = _failure_from(error, method)
+            else:
+                observe(method, grpc.StatusCode.OK, time.perf_counter() - started)
+                return
+        observe(method, failure.code, time.perf_counter() - started)
+        _fail(context, failure)
+    return wrapped

@@ -1,0 +1,208 @@
+"""Replays a `Schedule` against an OpenAI-compatible target, and A/B against a baseline.
+
+Owns: following the plan in real time with asyncio — one task per conversation, sleeping to
+its start offset, sending its turns one after another (turn k+1 `think_times_s[k]` after turn
+k completes), with at most `config.concurrency` requests in flight across the run.
+
+Invariants:
+- bounded in count by the plan (`Schedule.request_count`) and in time: no request starts at or
+  after `duration_s`, and every in-flight request is cut at `duration_s + drain_s` (recorded
+  as an error), so a run lasts at most `duration_s + drain_s` past its start;
+- nothing raised by a request escapes: failures are `RequestRecord`s with an error;
+- an A/B replay runs the two targets one after the other (never overlapping, so each run has
+  the machine to itself) with identical prompts: prompts come from the transcript only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from services.replay.openai_client import ChatClient, Completion
+from services.replay.schedule import Schedule, ScheduledConversation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Target:
+    """An OpenAI-compatible server to replay against."""
+
+    name: str
+    base_url: str
+    model: str
+    api_key: str | None = None
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Per-request knobs shared by both sides of an A/B run."""
+
+    max_tokens: int = 64
+    request_timeout_s: float = 300.0
+    drain_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.request_timeout_s > 0 or not self.drain_s >= 0:
+            raise ValueError("request_timeout_s must be > 0 and drain_s >= 0")
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One sent request: which turn, when it started (s from run start), what came back."""
+
+    conversation_id: str
+    turn_index: int
+    start_s: float
+    completion: Completion
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.conversation_id, self.turn_index)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """All requests of one run, in completion order; `not_sent` were cut by the duration cap."""
+
+    target: Target
+    records: tuple[RequestRecord, ...]
+    wall_s: float
+    scheduled: int
+    not_sent: int
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Per-request output comparison of two runs over requests that succeeded in both."""
+
+    compared: int
+    mismatches: int
+    mismatched: tuple[tuple[str, int], ...]
+    only_in_cache_run: int
+    only_in_baseline_run: int
+
+
+@dataclass(frozen=True)
+class ABResult:
+    cache: RunResult
+    baseline: RunResult | None
+    comparison: Comparison | None
+
+
+class _Run:
+    """State of one run in progress; owned by the event loop task running it."""
+
+    def __init__(self, schedule: Schedule, client: ChatClient, options: RunOptions,
+                 on_done: Callable[[], None]) -> None:
+        self.schedule = schedule
+        self.client = client
+        self.options = options
+        self.on_done = on_done
+        self.slots = asyncio.Semaphore(schedule.config.concurrency)
+        self.records: list[RequestRecord] = []
+        self.not_sent = 0
+        self.t0 = time.perf_counter()
+        duration = schedule.config.duration_s
+        self.stop_at = None if duration is None else self.t0 + duration
+        self.hard_stop_at = None if duration is None else self.t0 + duration + options.drain_s
+
+    def _expired(self) -> bool:
+        return self.stop_at is not None and time.perf_counter() >= self.stop_at
+
+    async def _sleep_until(self, when: float) -> None:
+        # Never sleep past the duration cap: a long think time must not stretch the run.
+        if self.stop_at is not None:
+            when = min(when, self.stop_at)
+        delay = when - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    async def conversation(self, conv: ScheduledConversation) -> None:
+        await self._sleep_until(self.t0 + conv.start_s)
+        for k, turn in enumerate(conv.turns):
+            if k > 0:
+                await self._sleep_until(time.perf_counter() + conv.think_times_s[k - 1])
+            async with self.slots:
+                # Checked after getting a slot: the wait for one may outlast the duration cap.
+                if self._expired():
+                    self._skip(len(conv.turns) - k)
+                    return
+                start = time.perf_counter()
+                completion = await self._send(turn.openai_messages())
+            self.records.append(RequestRecord(conv.conversation_id, turn.index,
+                                              start - self.t0, completion))
+            self.on_done()
+
+    def _skip(self, count: int) -> None:
+        self.not_sent += count
+        for _ in range(count):
+            self.on_done()
+
+    async def _send(self, messages: list[dict[str, str]]) -> Completion:
+        if self.hard_stop_at is None:
+            return await self.client.complete(messages, self.options.max_tokens)
+        try:
+            async with asyncio.timeout_at(_loop_time_at(self.hard_stop_at)):
+                return await self.client.complete(messages, self.options.max_tokens)
+        except TimeoutError:
+            return Completion(error="cut at run deadline (duration_s + drain_s)")
+
+
+def _loop_time_at(perf_deadline: float) -> float:
+    """Translate a perf_counter deadline to the running loop's clock."""
+    return asyncio.get_running_loop().time() + (perf_deadline - time.perf_counter())
+
+
+async def run_schedule(schedule: Schedule, target: Target, options: RunOptions = RunOptions(),
+                       console: Console | None = None) -> RunResult:
+    """Replay `schedule` against `target`; a rich progress bar is drawn on `console` if given."""
+    total = schedule.request_count
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                        MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, disable=console is None)
+    async with ChatClient(target.base_url, target.model, api_key=target.api_key,
+                          timeout_s=options.request_timeout_s) as client:
+        with progress:
+            task_id = progress.add_task(f"replay -> {target.name}", total=total)
+            run = _Run(schedule, client, options, lambda: progress.advance(task_id))
+            await asyncio.gather(*(run.conversation(c) for c in schedule.conversations))
+    wall = time.perf_counter() - run.t0
+    errors = sum(1 for r in run.records if not r.completion.ok)
+    log.info("run %s: %d requests (%d errors, %d not sent) in %.1fs",
+             target.name, len(run.records), errors, run.not_sent, wall)
+    return RunResult(target, tuple(run.records), wall, total, run.not_sent)
+
+
+def compare_runs(cache: RunResult, baseline: RunResult) -> Comparison:
+    """Compare outputs request by request (matched on conversation id and turn index)."""
+    a = {r.key: r.completion for r in cache.records if r.completion.ok}
+    b = {r.key: r.completion for r in baseline.records if r.completion.ok}
+    both = sorted(a.keys() & b.keys())
+    mismatched = tuple(k for k in both if a[k].text != b[k].text)
+    return Comparison(
+        compared=len(both), mismatches=len(mismatched), mismatched=mismatched,
+        only_in_cache_run=len(a.keys() - b.keys()), only_in_baseline_run=len(b.keys() - a.keys()),
+    )
+
+
+async def run_ab(schedule: Schedule, cache: Target, baseline: Target | None,
+                 options: RunOptions = RunOptions(), console: Console | None = None) -> ABResult:
+    """Replay against `cache`, then (if given) the same schedule against `baseline`; compare."""
+    cache_run = await run_schedule(schedule, cache, options, console)
+    if baseline is None:
+        return ABResult(cache_run, None, None)
+    base_run = await run_schedule(schedule, baseline, options, console)
+    comparison = compare_runs(cache_run, base_run)
+    if comparison.mismatches:
+        log.warning("A/B: %d of %d outputs differ between %s and %s", comparison.mismatches,
+                    comparison.compared, cache.name, baseline.name)
+    return ABResult(cache_run, base_run, comparison)

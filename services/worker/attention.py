@@ -1,0 +1,92 @@
+"""Length-invariant causal attention, so cached and recomputed KV agree bit for bit.
+
+Owns the attention function the worker registers with transformers (`PREFIX_EXACT`).
+
+Why it exists: a prefix's KV is computed inside one prompt and reused inside another of a
+different length. Stock kernels pick their tiling from the sequence lengths: PyTorch's CPU
+flash-attention kernel uses one kv tile of the whole length when it is <= 512 keys and 512-key
+tiles above, so the floating-point summation order of a query row depends on how many
+tokens were in the forward pass. Measured on this CPU with the tiny model in bfloat16, stock
+`sdpa` gave 1-ulp different KV for a reused prefix in ~1 of 5 random prompt pairs of 300-1800
+tokens (and `eager` at > ~1k tokens); greedy tokens still agreed, but not bit for bit.
+
+What it does: pads keys/values to a multiple of `KV_TILE` (= the kernel's kv tile, 512) and
+masks the padding, so every query row sees the same tiles, aligned at position 0, whatever
+the total length. Fully masked tiles contribute exact zeros, so a row's result depends only
+on the tokens up to it. With no cache (queries == keys) it uses `is_causal=True`, which skips
+masked tiles (same speed as stock sdpa); with a cache it passes an explicit bottom-right
+aligned causal mask. GQA is handled inside SDPA (`enable_gqa`), no repeated KV.
+
+Invariants and limits:
+- single sequence, no padding: query i sits at absolute position kv_len - q_len + i;
+- plain causal full attention only: softcapping, attention sinks, sliding windows and
+  non-causal modules raise `ValueError`;
+- bfloat16 on CPU: cached == recomputed bit for bit (verified). float32 is not bit-exact on
+  CPU whatever the attention (MKL sgemm and vectorised elementwise kernels such as SiLU also
+  change rounding with the row count), differences ~1e-6 in logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+PREFIX_EXACT = "prefix_exact_sdpa"
+KV_TILE = 512
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sliding_window")
+
+
+def _padded_length(kv_len: int) -> int:
+    return max(KV_TILE, -(-kv_len // KV_TILE) * KV_TILE)
+
+
+def _reject_unsupported(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{PREFIX_EXACT} attention does not support {name}")
+    if not getattr(module, "is_causal", True):
+        raise ValueError(f"{PREFIX_EXACT} attention only supports causal attention")
+    if dropout:
+        raise ValueError(f"{PREFIX_EXACT} attention is inference-only (dropout={dropout})")
+
+
+def prefix_exact_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: [b, h, q, d] inputs -> ([b, q, h, d], None).
+
+    `attention_mask` is ignored (it is None: no mask function is registered for this
+    implementation); the causal mask is derived from the lengths.
+    """
+    _reject_unsupported(module, dropout, kwargs)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    padded = _padded_length(kv_len)
+    if padded != kv_len:
+        key = F.pad(key, (0, 0, 0, padded - kv_len))
+        value = F.pad(value, (0, 0, 0, padded - kv_len))
+    if q_len == kv_len:
+        # Top-left causal alignment is right here, and padded keys lie beyond every query.
+        out = F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=True
+        )
+    else:
+        positions = torch.arange(kv_len - q_len, kv_len, device=query.device)
+        mask = torch.arange(padded, device=query.device)[None, :] <= positions[:, None]
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_prefix_exact_attention() -> str:
+    """Register the function with transformers (idempotent) and return its name."""
+    AttentionInterface.register(PREFIX_EXACT, prefix_exact_attention)
+    return PREFIX_EXACT

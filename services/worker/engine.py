@@ -1,0 +1,272 @@
+"""The worker's inference engine: prefill from cached prefix blocks, then decode.
+
+Owns running the model for one request at a time: building the KV cache from prefix blocks,
+computing only the uncached suffix, streaming generated tokens, and copying the prompt's
+KV back out as blocks (layout in `kv_blocks`).
+
+Invariants:
+- At least one prompt token is always computed: prefix blocks must cover fewer tokens than
+  the prompt (else `ValueError`), so there are always last-position logits to sample from.
+- The suffix runs at its absolute positions (`position_ids` = prefix_len ... len - 1) and
+  only the last position's logits are produced (`logits_to_keep=1`).
+- Greedy decoding is a pure function of the prompt's KV: with `attention.PREFIX_EXACT` in
+  bfloat16, prefilling from cached blocks gives bitwise the same logits and tokens as a full
+  prefill (float32 agrees to ~1e-6, see `attention`).
+- All model work runs under `torch.inference_mode()`; `extract_blocks` returns ordinary
+  tensors the caller may write to.
+- An `Engine` is driven by one thread: torch parallelises inside each forward pass.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from services.worker.kv_blocks import KVLayout, blocks_to_cache, extract_blocks, validate_blocks
+from services.worker.model import LoadedModel
+from services.worker.prefill_rate import PrefillRateMeter
+
+logger = logging.getLogger(__name__)
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # a stop token was sampled (it is not yielded)
+    LENGTH = "length"  # max_tokens reached, or the model's position limit
+    CANCELLED = "cancelled"  # should_stop() returned True
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    cache: DynamicCache  # the prompt's KV (grows as a Generation decodes into it)
+    logits: torch.Tensor  # [vocab] float32, at the last prompt position
+    prompt_tokens: int
+    prefix_tokens: int  # loaded from prefix blocks
+    computed_tokens: int  # prompt_tokens - prefix_tokens, always >= 1
+    load_seconds: float  # building the cache from blocks
+    compute_seconds: float  # the forward pass over the suffix
+
+
+def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    if temperature == 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Generation:
+    """Iterator over generated token ids of one request; its prefill has already run.
+
+    `prefill.cache` holds the prompt's KV for `Engine.extract_blocks` at any time: decoding
+    appends after the prompt and never changes prompt positions.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        prefill: PrefillResult,
+        *,
+        max_tokens: int,
+        stop_token_ids: frozenset[int],
+        temperature: float,
+        seed: int | None,
+        should_stop: Callable[[], bool] | None,
+    ) -> None:
+        self._engine = engine
+        self.prefill = prefill
+        self.seed = seed
+        self._max_tokens = max_tokens
+        self._stop = stop_token_ids
+        self._temperature = temperature
+        self._should_stop = should_stop
+        self._tokens: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self._generator = None
+        if temperature > 0.0:
+            device = engine.loaded.model.device
+            self._generator = torch.Generator(device=device).manual_seed(seed)
+
+    @property
+    def cache(self) -> DynamicCache:
+        return self.prefill.cache
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Tokens yielded so far (stop tokens excluded)."""
+        return list(self._tokens)
+
+    def __iter__(self) -> Generation:
+        return self
+
+    def _finish(self, reason: FinishReason) -> None:
+        self.finish_reason = reason
+        raise StopIteration
+
+    def __next__(self) -> int:
+        if self.finish_reason is not None:
+            raise StopIteration
+        if self._should_stop is not None and self._should_stop():
+            self._finish(FinishReason.CANCELLED)
+        if len(self._tokens) >= self._max_tokens:
+            self._finish(FinishReason.LENGTH)
+        if self._tokens:
+            position = self.prefill.prompt_tokens + len(self._tokens) - 1
+            if not self._engine.fits(position + 1):
+                self._finish(FinishReason.LENGTH)
+            logits = self._engine.decode_step(self._tokens[-1], position, self.cache)
+        else:
+            logits = self.prefill.logits
+        token = _sample(logits, self._temperature, self._generator)
+        if token in self._stop:
+            self._finish(FinishReason.STOP)
+        self._tokens.append(token)
+        return token
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, rate_meter: PrefillRateMeter | None = None) -> None:
+        self.loaded = loaded
+        self._model = loaded.model
+        self._vocab = self._model.get_input_embeddings().num_embeddings
+        self._rate = rate_meter if rate_meter is not None else PrefillRateMeter()
+
+    @property
+    def kv(self) -> KVLayout:
+        return self.loaded.kv
+
+    def fits(self, n_positions: int) -> bool:
+        limit = self.loaded.max_positions
+        return limit is None or n_positions <= limit
+
+    def _prompt_tensor(self, token_ids: Sequence[int]) -> torch.Tensor:
+        if len(token_ids) == 0:
+            raise ValueError("the prompt has no tokens")
+        if not self.fits(len(token_ids)):
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens exceeds the model's "
+                f"{self.loaded.max_positions} positions"
+            )
+        ids = torch.tensor(list(token_ids), device=self._model.device)
+        if ids.dtype != torch.long:
+            raise ValueError(f"token ids must be integers, got {ids.dtype}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self._vocab:
+            bad = next(i for i in token_ids if not 0 <= i < self._vocab)
+            raise ValueError(f"token id {bad} is outside the model vocabulary [0, {self._vocab})")
+        return ids.unsqueeze(0)
+
+    def _initial_cache(
+        self, prompt_len: int, prefix_blocks: torch.Tensor | None
+    ) -> tuple[DynamicCache, int]:
+        if prefix_blocks is None:
+            return DynamicCache(config=self._model.config), 0
+        block_size = validate_blocks(prefix_blocks, self.kv, self._model.device)
+        prefix = prefix_blocks.shape[0] * block_size
+        if prefix >= prompt_len:
+            raise ValueError(
+                f"prefix blocks cover {prefix} tokens but the prompt has {prompt_len}: "
+                "at least one prompt token must be computed"
+            )
+        with torch.inference_mode():
+            return blocks_to_cache(prefix_blocks, self._model.config), prefix
+
+    def prefill(
+        self, token_ids: Sequence[int], prefix_blocks: torch.Tensor | None = None
+    ) -> PrefillResult:
+        """Load `prefix_blocks` (covering the first n * block_size tokens) and compute the rest."""
+        ids = self._prompt_tensor(token_ids)
+        n = ids.shape[1]
+        started = time.perf_counter()
+        cache, prefix = self._initial_cache(n, prefix_blocks)
+        loaded = time.perf_counter()
+        positions = torch.arange(prefix, n, device=ids.device).unsqueeze(0)
+        with torch.inference_mode():
+            out = self._model(
+                input_ids=ids[:, prefix:],
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                # An index tensor, not the int 1: it yields a contiguous [1, 1, hidden] row,
+                # whereas the int's strided slice sends bf16 CPU matmul down a path that
+                # copies the whole lm_head weight (~90 ms per call at 100k vocab).
+                logits_to_keep=torch.tensor([n - prefix - 1], device=ids.device),
+            )
+            logits = out.logits[0, -1].float()
+        done = time.perf_counter()
+        self._rate.observe(n - prefix, done - loaded)
+        logger.debug("prefill %d tokens (%d from prefix) in %.3fs", n, prefix, done - started)
+        return PrefillResult(out.cache, logits, n, prefix, n - prefix, loaded - started, done - loaded)
+
+    def decode_step(self, token: int, position: int, cache: DynamicCache) -> torch.Tensor:
+        """Append `token` at `position` to `cache`; return the next-token logits [vocab] (fp32)."""
+        with torch.inference_mode():
+            out = self._model(
+                input_ids=torch.tensor([[token]], device=self._model.device),
+                position_ids=torch.tensor([[position]], device=self._model.device),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            return out.logits[0, -1].float()
+
+    def generate(
+        self,
+        token_ids: Sequence[int],
+        prefix_blocks: torch.Tensor | None = None,
+        *,
+        max_tokens: int = 256,
+        stop_token_ids: Iterable[int] | None = None,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Generation:
+        """Prefill now; return an iterator that decodes one token per `next()`.
+
+        Greedy when `temperature` is 0, else sampling from a generator seeded with `seed`
+        (random if None; kept on `Generation.seed`). Stops on a stop token (default: the
+        model's EOS / end-of-turn ids), after `max_tokens`, or once `should_stop()` is True.
+        """
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        if not (math.isfinite(temperature) and temperature >= 0.0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        if temperature > 0.0 and seed is None:
+            seed = int.from_bytes(os.urandom(8), "little") >> 1
+        stops = self.loaded.stop_token_ids if stop_token_ids is None else frozenset(stop_token_ids)
+        return Generation(
+            self,
+            self.prefill(token_ids, prefix_blocks),
+            max_tokens=max_tokens,
+            stop_token_ids=stops,
+            temperature=temperature,
+            seed=seed,
+            should_stop=should_stop,
+        )
+
+    def extract_blocks(
+        self, cache: DynamicCache, first_block: int, n_blocks: int, block_size: int
+    ) -> torch.Tensor:
+        """Contiguous copy [n_blocks, layers, 2, kv_heads, block_size, head_dim] of the KV of
+        tokens [first_block * block_size, (first_block + n_blocks) * block_size)."""
+        return extract_blocks(cache, first_block, n_blocks, block_size)
+
+    @property
+    def prefill_rate(self) -> float | None:
+        """Measured prefill speed in computed tokens/s (EWMA over real prefills), or None."""
+        return self._rate.rate
+
+    def measure_prefill_rate(self, n_tokens: int = 512) -> float:
+        """Run one real prefill of `n_tokens` synthetic tokens (e.g. at start-up) and return
+        the updated rate estimate."""
+        if n_tokens < self._rate.min_tokens:
+            raise ValueError(f"n_tokens must be >= {self._rate.min_tokens}, got {n_tokens}")
+        self.prefill([(1000 + i) % self._vocab for i in range(n_tokens)])
+        rate = self._rate.rate
+        assert rate is not None  # the prefill above was large enough to count
+        return rate

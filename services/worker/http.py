@@ -1,0 +1,208 @@
+"""OpenAI-compatible HTTP front end of the worker (aiohttp).
+
+Concurrency model: requests are accepted concurrently but generated one at a
+time, in arrival order, on a single inference thread (a CPU model gains
+nothing from interleaving, and one owner keeps the model and the cache link
+simple). Each request's events flow back to its handler through an asyncio
+queue. A client that disconnects sets its request's cancel flag, which stops
+its generation at the next token and releases its lease; a request that fails
+only fails itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from .openai_api import ApiError, GenerationRequest, ResponseShaper, parse_request, usage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Started:
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" or "length"
+    completion_tokens: int
+
+
+class Backend(Protocol):
+    model_name: str
+    registry: CollectorRegistry
+
+    def generate(self, request: GenerationRequest, cancelled: threading.Event) -> Iterator[Started | str | Finished]:
+        """Runs on the inference thread: Started, then text pieces, then Finished."""
+
+
+class _End:
+    """Sentinel closing a request's event queue, optionally with the error that ended it."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.error = error
+
+
+class WorkerApp:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
+        self.app = web.Application(client_max_size=8 * 1024 * 1024, middlewares=[self._errors])
+        self.app.add_routes([
+            web.post("/v1/chat/completions", self.chat),
+            web.post("/v1/completions", self.completions),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
+        ])
+        self.app.on_shutdown.append(self._shutdown)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except ApiError as error:
+            return web.json_response(error.body(), status=error.status)
+        except web.HTTPException as error:
+            if error.status >= 400:
+                body = ApiError(error.reason or "request failed", status=error.status).body()
+                return web.json_response(body, status=error.status)
+            raise
+
+    async def _shutdown(self, _app: web.Application) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "model": self.backend.model_name})
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.backend.model_name, "object": "model", "owned_by": "prefixcache"}]})
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        body = generate_latest(self.backend.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "completion")
+
+    async def _serve(self, http: web.Request, kind: str) -> web.StreamResponse:
+        parsed = parse_request(await http.read(), kind)
+        cancelled = threading.Event()
+        events: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._executor, self._pump, parsed, cancelled, events, loop)
+        try:
+            if parsed.stream:
+                return await self._stream(http, parsed, events)
+            return await self._collect(parsed, events)
+        finally:
+            cancelled.set()  # a no-op when finished; stops generation on disconnect
+            await asyncio.shield(future)
+
+    def _pump(self, parsed: GenerationRequest, cancelled: threading.Event, events: asyncio.Queue,
+              loop: asyncio.AbstractEventLoop) -> None:
+        end = _End()
+        try:
+            if not cancelled.is_set():
+                for event in self.backend.generate(parsed, cancelled):
+                    loop.call_soon_threadsafe(events.put_nowait, event)
+        except ApiError as error:
+            end = _End(error)
+        except Exception as error:  # noqa: BLE001 - one request's failure must not stop the worker
+            log.exception("generation failed")
+            end = _End(error)
+        loop.call_soon_threadsafe(events.put_nowait, end)
+
+    async def _events(self, events: asyncio.Queue):
+        while True:
+            event = await events.get()
+            if isinstance(event, _End):
+                if event.error is not None:
+                    raise event.error
+                return
+            yield event
+
+    async def _collect(self, parsed: GenerationRequest, events: asyncio.Queue) -> web.Response:
+        shaper = ResponseShaper(parsed.kind, self.backend.model_name)
+        pieces, started, finished = [], None, None
+        try:
+            async for event in self._events(events):
+                if isinstance(event, Started):
+                    started = event
+                elif isinstance(event, Finished):
+                    finished = event
+                else:
+                    pieces.append(event)
+        except ApiError:
+            raise
+        except Exception as error:  # noqa: BLE001 - reported to this client only
+            return web.json_response({"error": {"message": f"generation failed: {error}",
+                                                "type": "server_error", "param": None, "code": None}}, status=500)
+        body = usage(started.prompt_tokens, finished.completion_tokens, started.cached_tokens)
+        return web.json_response(shaper.full("".join(pieces), finished.finish_reason, body))
+
+    async def _stream(self, http: web.Request, parsed: GenerationRequest, events: asyncio.Queue) -> web.StreamResponse:
+        shaper = ResponseShaper(parsed.kind, self.backend.model_name)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        started = None
+
+        async def send(payload: dict) -> None:
+            await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+        try:
+            async for event in self._events(events):
+                if isinstance(event, Started):
+                    started = event
+                    await response.prepare(http)
+                    if parsed.kind == "chat":
+                        await send(shaper.chunk("", None, first=True))
+                elif isinstance(event, Finished):
+                    await send(shaper.chunk("", event.finish_reason))
+                    if parsed.include_usage:
+                        await send(shaper.usage_chunk(usage(started.prompt_tokens, event.completion_tokens,
+                                                            started.cached_tokens)))
+                else:
+                    await send(shaper.chunk(event, None))
+        except ApiError:
+            if not response.prepared:
+                raise
+            await send(ApiError("generation failed").body())
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as error:  # noqa: BLE001 - reported to this client only
+            if not response.prepared:
+                await response.prepare(http)
+            await send({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+async def run_app(app: WorkerApp, host: str, port: int, ready: threading.Event | None = None) -> None:
+    """Serve until cancelled (SIGINT/SIGTERM handled by the caller's loop)."""
+    runner = web.AppRunner(app.app, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    log.info("worker listening on http://%s:%d", host, port)
+    if ready is not None:
+        ready.set()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

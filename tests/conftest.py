@@ -1,0 +1,3 @@
+"""Shared fixtures: real redis-server processes (tests/redis_server.py)."""
+
+pytest_plugins = ["tests.redis_server"]

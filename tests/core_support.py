@@ -1,0 +1,140 @@
+"""Helpers for the core tests: a manual clock, a cache over real tiers, KV that names its prefix,
+and a checker of every cross-structure invariant of a `PrefixCache`.
+
+Everything here is real: the host tier is a shared-memory segment and the device tier is the
+real `DeviceTier` on `device="cpu"`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from contextlib import contextmanager
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from prefixcache.cache import PrefixCache
+from prefixcache.config import CacheConfig, KVLayout, Namespace
+from prefixcache.index import ROOT
+from prefixcache.tiers.base import TierKind
+from prefixcache.tiers.device import DeviceTier
+from prefixcache.tiers.host import HostTier
+from prefixcache.tiers.pool import torch_dtype
+
+TINY = KVLayout(layers=1, kv_heads=1, head_dim=2, block_size=4, dtype="float32")
+
+
+class ManualClock:
+    """A clock that only moves when told to (injected as `PrefixCache(clock=...)`)."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@contextmanager
+def make_cache(host_slots: int, device_slots: int = 0, layout: KVLayout = TINY,
+               clock: ManualClock | None = None, **config) -> Iterator[PrefixCache]:
+    """A cache over a real shared-memory host tier (and a cpu device tier), closed afterwards."""
+    hasher = config.pop("hasher", None)
+    host = HostTier(layout, host_slots * layout.block_bytes)
+    device = DeviceTier(layout, device_slots * layout.block_bytes, device="cpu") if device_slots else None
+    cache = PrefixCache(CacheConfig(host_capacity=host_slots * layout.block_bytes,
+                                    device_capacity=device_slots * layout.block_bytes, **config),
+                        layout, host, device, clock=clock or ManualClock(), hasher=hasher)
+    try:
+        yield cache
+    finally:
+        cache.close()
+
+
+def namespace(layout: KVLayout = TINY, model: str = "test-model", **fields) -> Namespace:
+    return Namespace(model, fields.pop("revision", "r1"), layout, **fields)
+
+
+def kv_for(tokens, layout: KVLayout = TINY, start_block: int = 0, salt: int = 0) -> torch.Tensor:
+    """KV of every full block from `start_block`: block i's bits depend on tokens[: (i+1)*block_size]
+    (and on `salt`, standing in for the namespace).
+
+    Random bit patterns (NaN payloads included) so that any conversion, not just a lost
+    block, would show up in a byte comparison.
+    """
+    size = layout.block_size
+    full = len(tokens) // size
+    itemsize = layout.dtype.itemsize
+    blocks = []
+    for i in range(start_block, full):
+        prefix = np.asarray(tokens[: (i + 1) * size], dtype="<u4").tobytes()
+        seed = hashlib.sha256(salt.to_bytes(4, "little") + prefix).digest()
+        raw = np.random.default_rng(list(seed)).integers(0, 256, layout.block_bytes, dtype=np.uint8)
+        blocks.append(torch.from_numpy(raw.copy()).view(_int_dtype(itemsize)))
+    stacked = torch.stack(blocks) if blocks else torch.empty((0, layout.block_bytes // itemsize),
+                                                            dtype=_int_dtype(itemsize))
+    return stacked.view(torch_dtype(layout)).reshape(len(blocks), *layout.block_shape)
+
+
+def _int_dtype(itemsize: int) -> torch.dtype:
+    return {2: torch.int16, 4: torch.int32}[itemsize]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads included)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def live_nodes(cache: PrefixCache) -> list[int]:
+    return np.flatnonzero(cache.index.tier >= 0).tolist()
+
+
+def live_hashes(cache: PrefixCache) -> set[bytes]:
+    return {cache.index.hash_of(n) for n in live_nodes(cache)}
+
+
+def block_hashes(cache: PrefixCache, ns_id: str, tokens) -> list[bytes]:
+    root = cache.hasher.root(cache.namespace(ns_id))
+    return cache.hasher.block_hashes(root, np.asarray(tokens, dtype="<u4"), cache.layout.block_size)
+
+
+def assert_consistent(cache: PrefixCache) -> None:
+    """Every invariant that ties the index, the free lists, leases and reservations together."""
+    index = cache.index
+    live = live_nodes(cache)
+    live_set = set(live)
+    assert len(index) == len(live) == len(index.map)
+    child_count: Counter = Counter()
+    for node in live:
+        parent = int(index.parent[node])
+        assert parent == ROOT or parent in live_set, f"prefix closure broken at node {node}"
+        if parent != ROOT:
+            child_count[parent] += 1
+            assert index.namespace[parent] == index.namespace[node]
+            assert index.tick[parent] > index.tick[node], "a parent must be more recent than its child"
+            assert index.last_access[parent] >= index.last_access[node]
+        assert index.node_of(index.hash_of(node)) == node
+    for node in live:
+        assert index.children[node] == child_count[node], f"children count of {node}"
+    pins: Counter = Counter()
+    for lease in cache._leases.values():
+        pins.update(lease.nodes)
+    for node in live:
+        assert index.pins[node] == pins[node], f"pins of {node}: {index.pins[node]} vs {pins[node]} leases"
+    assert not (set(pins) - live_set), "a lease holds a node that is gone"
+    for kind, tier in cache.tiers.items():
+        owned = [int(index.slot[n]) for n in live if index.tier[n] == kind]
+        reserved = [s for r in cache._reservations.values() if r.tier == kind for s in r.slots]
+        free = list(cache._free[kind]._free)
+        everything = owned + reserved + free
+        assert len(everything) == len(set(everything)) == tier.num_slots, f"{kind.label} slots leak or are shared"
+        assert all(cache._free[kind].is_free(s) for s in free)
+        assert not any(cache._free[kind].is_free(s) for s in owned + reserved)
+    for snapshot in cache.stats().tiers:
+        assert snapshot.bytes_used <= snapshot.capacity_bytes
+    assert set(cache.tiers) <= {TierKind.DEVICE, TierKind.HOST}

@@ -1,0 +1,170 @@
+"""Stateful property test: the cache (small host + small cpu device tier) against a plain model.
+
+The model remembers every prefix the cache ever accepted (a cache may forget, never invent) and
+the KV of a block is a pure function of (namespace, prefix). After any sequence of store, lookup
+(with or without a lease), release, manual evict, expire (after moving the injected clock) and
+flush:
+- every hit returns exactly the KV of that prefix (compared as bytes), in the right namespace;
+- every hit block is a prefix the model saw stored, and the hit length equals a scalar re-walk of
+  the chain that skips expired blocks (so nothing expired is served);
+- a leased path stays readable byte-exact until it is released or its lease runs out;
+- capacities hold, prefix closure holds, and every slot is free, reserved or owned by exactly
+  one block (`assert_consistent`).
+
+Runs under the "stateful-ci" profile by default (about 10 s); set PREFIXCACHE_STATEFUL_PROFILE=
+stateful-long for a deeper search.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from prefixcache.cache import PrefixCache
+from prefixcache.config import CacheConfig, DType, KVLayout
+from prefixcache.errors import ResourceExhausted, UnknownLease
+from prefixcache.tiers.device import DeviceTier
+from prefixcache.tiers.host import HostTier
+from tests.core_support import ManualClock, assert_consistent, block_hashes, kv_for, namespace, same_bytes
+
+TTL_S = 10.0
+LEASE_TTL_S = 4.0
+
+settings.register_profile("stateful-ci", max_examples=40, stateful_step_count=25, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("stateful-long", max_examples=1500, stateful_step_count=60, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+TOKENS = st.lists(st.integers(0, 2), max_size=14)  # a tiny alphabet, so prompts share prefixes
+NAMESPACE = st.integers(0, 1)
+
+
+@dataclass(frozen=True)
+class HeldLease:
+    namespace: int
+    expires_at: float
+    kv: torch.Tensor
+
+
+class CacheMachine(RuleBasedStateMachine):
+    cache: PrefixCache | None = None
+
+    @initialize(block_size=st.integers(2, 4), host_slots=st.integers(3, 6), device_slots=st.integers(0, 2),
+                dtype=st.sampled_from(list(DType)))
+    def build(self, block_size: int, host_slots: int, device_slots: int, dtype: DType) -> None:
+        self.layout = KVLayout(layers=1, kv_heads=1, head_dim=2, block_size=block_size, dtype=dtype)
+        self.clock = ManualClock()
+        bytes_per = self.layout.block_bytes
+        host = HostTier(self.layout, host_slots * bytes_per)
+        device = DeviceTier(self.layout, device_slots * bytes_per, device="cpu") if device_slots else None
+        config = CacheConfig(host_capacity=host_slots * bytes_per, device_capacity=device_slots * bytes_per,
+                             ttl_s=TTL_S, lease_ttl_s=LEASE_TTL_S)
+        self.cache = PrefixCache(config, self.layout, host, device, clock=self.clock)
+        self.ns = [self.cache.attach(namespace(self.layout, tenant=f"t{i}")) for i in range(2)]
+        self.stored: set[tuple[int, tuple[int, ...]]] = set()   # (namespace, full-block prefix) ever accepted
+        self.leases: dict[int, HeldLease] = {}
+
+    def teardown(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+
+    # -- helpers ---------------------------------------------------------------------
+    def kv(self, ns: int, tokens: list[int], start: int = 0) -> torch.Tensor:
+        return kv_for(tokens, self.layout, start, salt=ns)
+
+    def prefix(self, tokens: list[int], blocks: int) -> tuple[int, ...]:
+        return tuple(tokens[: blocks * self.layout.block_size])
+
+    def reachable(self, ns: int, tokens: list[int]) -> int:
+        """Blocks a lookup may serve: a scalar walk of live, unexpired, chained nodes."""
+        index, parent, count = self.cache.index, -1, 0
+        for block_hash in block_hashes(self.cache, self.ns[ns], tokens):
+            node = index.node_of(block_hash)
+            if node is None or int(index.parent[node]) != parent:
+                break
+            if index.last_access[node] < self.clock() - TTL_S:
+                break
+            parent, count = node, count + 1
+        return count
+
+    # -- rules -------------------------------------------------------------------------
+    @rule(ns=NAMESPACE, tokens=TOKENS, start=st.integers(0, 2))
+    def store(self, ns: int, tokens: list[int], start: int) -> None:
+        full = len(tokens) // self.layout.block_size
+        start = min(start, full)
+        try:
+            result = self.cache.store(self.ns[ns], tokens, self.kv(ns, tokens, start), start)
+        except ResourceExhausted:
+            return  # more new blocks than the host tier has slots
+        accepted = result.stored + result.deduplicated
+        assert accepted + result.rejected == full - start
+        for blocks in range(start + 1, start + accepted + 1):
+            self.stored.add((ns, self.prefix(tokens, blocks)))
+
+    @rule(ns=NAMESPACE, tokens=TOKENS, take_lease=st.booleans())
+    def lookup(self, ns: int, tokens: list[int], take_lease: bool) -> None:
+        expected_blocks = self.reachable(ns, tokens)
+        result = self.cache.lookup(self.ns[ns], tokens, take_lease=take_lease)
+        size = self.layout.block_size
+        assert result.hit_tokens % size == 0 and result.hit_tokens == len(result.locations) * size
+        hit = result.hit_tokens // size
+        assert hit == expected_blocks
+        assert all((ns, self.prefix(tokens, i)) in self.stored for i in range(1, hit + 1))
+        expected = self.kv(ns, tokens)[:hit]
+        assert same_bytes(self.cache.read(result.locations), expected)
+        if result.lease_id is not None:
+            assert take_lease and hit > 0
+            self.leases[result.lease_id] = HeldLease(ns, result.lease_expires_at, expected)
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        lease_id = data.draw(st.sampled_from(sorted(self.leases)))
+        held = self.leases.pop(lease_id)
+        try:
+            self.cache.release(lease_id)
+        except UnknownLease:
+            assert held.expires_at <= self.clock(), "a live lease was unknown"
+
+    @rule(ns=NAMESPACE)
+    def evict_namespace(self, ns: int) -> None:
+        self.cache.evict(self.ns[ns])
+
+    @rule(seconds=st.floats(0, 15))
+    def evict_older(self, seconds: float) -> None:
+        self.cache.evict(older_than_s=seconds)
+
+    @rule(ns=NAMESPACE, tokens=TOKENS)
+    def evict_prefix(self, ns: int, tokens: list[int]) -> None:
+        self.cache.evict(self.ns[ns], prefix_tokens=tokens)
+
+    @rule(seconds=st.sampled_from([0.5, 3.0, 4.0, 6.0, 10.0, 10.5, 12.0]), reclaim=st.booleans())
+    def advance_clock(self, seconds: float, reclaim: bool) -> None:
+        self.clock.advance(seconds)
+        if reclaim:
+            self.cache.expire()
+
+    @rule()
+    def flush(self) -> None:
+        self.cache.flush()
+
+    # -- invariants --------------------------------------------------------------------
+    @invariant()
+    def consistent(self) -> None:
+        if self.cache is not None:
+            assert_consistent(self.cache)
+
+    @invariant()
+    def leased_paths_stay_readable(self) -> None:
+        for lease_id, held in self.leases.items():
+            if held.expires_at > self.clock():
+                assert same_bytes(self.cache.read_lease(lease_id), held.kv)
+
+
+CacheMachine.TestCase.settings = settings.get_profile(os.environ.get("PREFIXCACHE_STATEFUL_PROFILE", "stateful-ci"))
+TestCacheMachine = CacheMachine.TestCase

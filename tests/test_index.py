@@ -1,0 +1,211 @@
+"""The radix index and its block map: exact LRU order, verification of every match step,
+TTL, pins, and the hash table against a plain dict (with forced bucket collisions)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixcache.blockmap import BUCKET, BlockMap
+from prefixcache.index import ROOT, MissReason, RadixIndex
+
+BS = 2
+
+
+def digest(*parts: int) -> bytes:
+    """A 16-byte stand-in block hash whose first byte (the bucket) is chosen by the test."""
+    return bytes([parts[0] % 256]) + bytes(15 - len(parts) + 1) + bytes(p % 256 for p in parts[1:])
+
+
+# -- BlockMap ---------------------------------------------------------------------
+@pytest.mark.parametrize("digest_size", [1, 3, 8, 9, 16, 32])
+@pytest.mark.parametrize("seed", range(12))
+def test_block_map_matches_a_dict(digest_size: int, seed: int) -> None:
+    rnd = random.Random(seed * 100 + digest_size)
+    capacity = rnd.randint(1, 40)
+    table = BlockMap(capacity, digest_size)
+    # First bytes drawn from a tiny set: most digests share a home bucket and overflow.
+    universe = list(dict.fromkeys(
+        bytes([rnd.choice([0, 1, 2, 255])] + [rnd.getrandbits(8) for _ in range(digest_size - 1)])
+        for _ in range(3 * capacity + 5)))
+    reference: dict[bytes, int] = {}
+    free = list(range(capacity))
+    for _ in range(300):
+        roll = rnd.random()
+        if roll < 0.5 and free:
+            key = rnd.choice(universe)
+            if key in reference:
+                with pytest.raises(KeyError):
+                    table.insert(key, free[-1])
+            else:
+                row = free.pop(rnd.randrange(len(free)))
+                table.insert(key, row)
+                reference[key] = row
+        elif roll < 0.85 and reference:
+            row = reference.pop(rnd.choice(list(reference)))
+            table.delete(row)
+            free.append(row)
+        probe = rnd.sample(universe, min(len(universe), 24))
+        assert table.get_many(probe).tolist() == [reference.get(k, -1) for k in probe]
+        assert [table.get(k) for k in probe] == [reference.get(k) for k in probe]
+        assert len(table) == len(reference)
+    for key, row in reference.items():
+        assert table.digest(row) == key
+
+
+def test_block_map_rejects_foreign_sizes_and_unknown_rows() -> None:
+    table = BlockMap(4, 16)
+    table.insert(digest(1), 0)
+    assert table.get(b"short") is None
+    assert table.get_many([digest(1), b"short"]).tolist() == [0, -1]
+    with pytest.raises(ValueError):
+        table.insert(b"short", 1)
+    with pytest.raises(KeyError):
+        table.delete(3)
+    assert table.get_many([]).tolist() == []
+
+
+def test_block_map_sizes_its_table_for_a_third_load() -> None:
+    table = BlockMap(1000, 16)
+    assert table.cells.size >= 3 * 1000
+    assert table.cells.shape[1] == BUCKET
+
+
+def test_block_map_refills_a_bucket_from_overflowed_entries() -> None:
+    """Fill one home bucket past BUCKET, delete from it, and every key stays findable."""
+    table = BlockMap(16, 16)
+    keys = [digest(0, i) for i in range(BUCKET + 3)]  # all share bucket 0
+    for row, key in enumerate(keys):
+        table.insert(key, row)
+    deleted: set[int] = set()
+    for gone in (0, 2, 5):
+        table.delete(gone)
+        deleted.add(gone)
+        alive_rows = [r for r in range(len(keys)) if r not in deleted]
+        alive = [keys[r] for r in alive_rows]
+        assert [table.get(k) for k in alive] == alive_rows
+        assert table.get_many(alive).tolist() == alive_rows
+        assert table.get(keys[gone]) is None
+
+
+# -- RadixIndex ---------------------------------------------------------------------
+def chain(index: RadixIndex, tokens: list[int], namespace: int = 0, now: float = 0.0,
+          salt: int = 0, parent: int = ROOT, tier: int = 1) -> tuple[list[bytes], np.ndarray, list[int]]:
+    """Insert one block per BS tokens under `parent` and touch the path; returns hashes, blocks, nodes."""
+    blocks = np.asarray(tokens, dtype=np.uint32).reshape(-1, BS)
+    hashes, nodes = [], []
+    for i, block in enumerate(blocks):
+        hashes.append(digest(hash((salt, tuple(tokens[: (i + 1) * BS]))) & 0xFF, salt, i, *block.tolist()))
+        nodes.append(index.add(namespace, nodes[-1] if nodes else parent, hashes[-1], block, tier, len(index), now))
+    index.touch(index.path_to(nodes[-1]), now)
+    return hashes, blocks, nodes
+
+
+def test_match_walks_the_longest_verified_chain() -> None:
+    index = RadixIndex(16, BS)
+    hashes, blocks, nodes = chain(index, [1, 2, 3, 4, 5, 6])
+    full = index.match(0, hashes, blocks, now=0.0, ttl_s=10.0)
+    assert full.nodes == nodes and full.stop is None
+    extra = hashes + [digest(99)]
+    more_blocks = np.vstack([blocks, [[7, 8]]]).astype(np.uint32)
+    partial = index.match(0, extra, more_blocks, now=0.0, ttl_s=10.0)
+    assert partial.nodes == nodes and partial.stop is MissReason.NOT_CACHED
+    assert index.match(0, [], blocks[:0], 0.0, 10.0).nodes == []
+
+
+def test_match_rejects_wrong_tokens_parent_or_namespace() -> None:
+    index = RadixIndex(16, BS)
+    hashes, blocks, nodes = chain(index, [1, 2, 3, 4, 5, 6])
+    wrong_tokens = blocks.copy()
+    wrong_tokens[1, 0] = 42
+    result = index.match(0, hashes, wrong_tokens, 0.0, 10.0)
+    assert result.nodes == nodes[:1] and result.stop is MissReason.VERIFICATION_FAILED
+    other_ns = index.match(1, hashes, blocks, 0.0, 10.0)
+    assert other_ns.nodes == [] and other_ns.stop is MissReason.VERIFICATION_FAILED
+    skipped = index.match(0, [hashes[0], hashes[2]], blocks[[0, 2]], 0.0, 10.0)  # a hash out of its chain
+    assert skipped.nodes == nodes[:1] and skipped.stop is MissReason.VERIFICATION_FAILED
+
+
+def test_match_stops_at_the_first_expired_block() -> None:
+    index = RadixIndex(16, BS)
+    hashes, blocks, nodes = chain(index, [1, 2, 3, 4], now=0.0)
+    index.touch(nodes[:1], 5.0)  # the first block was hit again later
+    result = index.match(0, hashes, blocks, now=12.0, ttl_s=10.0)
+    assert result.nodes == nodes[:1] and result.stop is MissReason.EXPIRED
+    at_limit = index.match(0, hashes, blocks, now=10.0, ttl_s=10.0)
+    assert at_limit.nodes == nodes and at_limit.stop is None  # expired means strictly older than ttl
+
+
+def test_lru_is_leaf_first_deeper_first_and_a_hit_touches_the_whole_path() -> None:
+    index = RadixIndex(16, BS)
+    _, _, a = chain(index, [1, 1, 2, 2, 3, 3], now=1.0)                        # a0 a1 a2
+    _, _, b = chain(index, [4, 4, 5, 5], now=2.0, salt=1)                       # b0 b1
+    _, _, c = chain(index, [6, 6], now=3.0, salt=2, parent=a[0])                # a0 -> c0
+    # ticks: a2 a1 | b1 b0 | c0 a0  (a0 was re-touched by c's path)
+    assert list(index.lru(1)) == [a[2], a[1], b[1], b[0], c[0], a[0]]
+    index.touch(a, 4.0)                                                         # hit on a's whole path
+    assert list(index.lru(1)) == [b[1], b[0], c[0], a[2], a[1], a[0]]
+    index.pin(b)
+    assert list(index.lru(1)) == [c[0], a[2], a[1], a[0]]
+    index.unpin(b)
+    assert index.select(index.live()) == list(index.lru(1))
+    assert index.subtree(a[0]) == [c[0], a[2], a[1], a[0]]
+
+
+def test_remove_refuses_parents_and_pinned_nodes_and_frees_rows() -> None:
+    index = RadixIndex(4, BS)
+    hashes, _, nodes = chain(index, [1, 2, 3, 4])
+    with pytest.raises(RuntimeError):
+        index.remove(nodes[0])
+    index.pin(nodes)
+    with pytest.raises(RuntimeError):
+        index.remove(nodes[1])
+    index.unpin(nodes)
+    with pytest.raises(RuntimeError):
+        index.unpin(nodes)  # more unpins than pins leaves the counts untouched
+    assert index.pins[nodes].tolist() == [0, 0]
+    index.remove(nodes[1])
+    index.remove(nodes[0])
+    assert len(index) == 0 and index.node_of(hashes[0]) is None
+    with pytest.raises(RuntimeError):
+        index.remove(nodes[0])
+    again, _, _ = chain(index, [1, 2, 3, 4, 5, 6, 7, 8])  # every row is reusable
+    assert len(index) == 4 == len(again)
+    with pytest.raises(RuntimeError):
+        index.add(0, ROOT, digest(200), np.zeros(BS, dtype=np.uint32), 1, 0, 0.0)
+
+
+def test_add_rejects_a_hash_already_indexed_without_side_effects() -> None:
+    index = RadixIndex(4, BS)
+    hashes, blocks, nodes = chain(index, [1, 2])
+    with pytest.raises(KeyError):
+        index.add(0, ROOT, hashes[0], blocks[0], 1, 3, 0.0)
+    assert len(index) == 1 and index.children[nodes[0]] == 0
+    chain(index, [5, 6, 7, 8, 9, 10], salt=3)  # the three remaining rows are all still free
+    assert len(index) == 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 3)), min_size=1, max_size=25))
+def test_lru_order_always_lists_descendants_before_ancestors(paths: list[tuple[int, int]]) -> None:
+    index = RadixIndex(64, BS)
+    for step, (branch, depth) in enumerate(paths):
+        tokens = [branch, branch] + [7, 7] * (depth - 1)
+        hashes = []
+        for i in range(depth):
+            hashes.append(digest(hash(tuple(tokens[: 2 * (i + 1)])) & 0xFF, 1, i, *tokens[: 2 * (i + 1)]))
+        blocks = np.asarray(tokens, dtype=np.uint32).reshape(-1, BS)
+        match = index.match(0, hashes, blocks, float(step), 1e9)
+        path = match.nodes
+        for i in range(len(path), depth):
+            path.append(index.add(0, path[-1] if path else ROOT, hashes[i], blocks[i], 1, 0, float(step)))
+        index.touch(path, float(step))
+        order = {node: rank for rank, node in enumerate(index.lru(1))}
+        for node in order:
+            parent = int(index.parent[node])
+            if parent != ROOT:
+                assert order[node] < order[parent]

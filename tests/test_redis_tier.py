@@ -1,0 +1,394 @@
+"""Redis tier against a real redis-server: storage, TTL, integrity handling, every fault, cluster.
+
+Servers come from tests/redis_server.py; tests that kill, pause or reconfigure
+Redis use a private server. Waiting is always a bounded poll.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefixcache.codec import decode_block, encode_block
+from prefixcache.config import DType, KVLayout
+from prefixcache.errors import ConfigError, CorruptBlock
+from prefixcache.tiers.breaker import Backoff, BreakerState, CircuitBreaker, Retry
+from prefixcache.tiers.redis import RedisOptions, RedisTier
+from prefixcache.tiers.redis_options import connect
+from tests.redis_server import RedisServer, make_tls_files
+
+LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=16, block_size=4, dtype=DType.FLOAT16)
+NS = "00112233aabbccdd"
+PARENT = bytes(16)
+TOKENS = np.arange(4, dtype="<u4")
+
+
+def block_hash(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def frame_for(i: int) -> bytes:
+    payload = np.random.default_rng(i).integers(0, 256, LAYOUT.block_bytes, dtype=np.uint8).tobytes()
+    return encode_block(LAYOUT, NS, block_hash(i), PARENT, TOKENS, payload)
+
+
+def fast_options(url: str, **overrides) -> RedisOptions:
+    """Short backoffs so recovery shows within a test's time budget."""
+    values = dict(url=url, key_prefix=f"t{random.getrandbits(32):08x}", breaker_backoff_min_s=0.05,
+                  breaker_backoff_max_s=0.4, write_timeout_s=0.5)
+    values.update(overrides)
+    return RedisOptions(**values)
+
+
+def poll(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.fixture
+def tier(redis_server: RedisServer) -> Iterator[RedisTier]:
+    with RedisTier(fast_options(redis_server.url)) as t:
+        yield t
+
+
+# ---- storage and TTL --------------------------------------------------------------------------
+
+def test_submit_then_fetch_returns_the_frame(tier: RedisTier) -> None:
+    frames = [frame_for(i) for i in range(3)]
+    assert all(tier.submit(NS, block_hash(i), frames[i]) for i in range(3))
+    assert tier.wait_idle(5)
+    got = tier.fetch(NS, [block_hash(i) for i in range(4)])
+    assert got[:3] == frames and got[3] is None
+    payload = decode_block(got[1], LAYOUT, NS, block_hash(1), PARENT, TOKENS)
+    assert payload.tobytes() == frames[1][-LAYOUT.block_bytes:]
+    stats = tier.stats()
+    assert (stats.hits, stats.misses, stats.spills_queued, stats.state) == (3, 1, 3, BreakerState.UP)
+    assert stats.bytes_written == stats.bytes_read == sum(map(len, frames))
+    assert stats.read_latency.count == 1 and stats.write_latency.count >= 1
+    assert tier.key(NS, block_hash(1)) == f"{tier.options.key_prefix}:{NS}:{block_hash(1).hex()}"
+
+
+def test_a_hit_lengthens_the_ttl(tier: RedisTier, redis_server: RedisServer) -> None:
+    tier.submit(NS, block_hash(1), frame_for(1), ttl_s=2.0)
+    assert tier.wait_idle(5)
+    key = tier.key(NS, block_hash(1))
+    with redis_server.client() as raw:
+        assert 0 < raw.pttl(key) <= 2000
+        assert tier.fetch(NS, [block_hash(1)], ttl_s=600)[0] is not None
+        assert raw.pttl(key) > 590_000
+        tier.fetch(NS, [block_hash(1)])  # the default TTL from the options (3600 s)
+        assert raw.pttl(key) > 3_590_000
+
+
+def test_fetch_in_byte_bounded_round_trips_keeps_order(tier: RedisTier) -> None:
+    frames = {i: frame_for(i) for i in (0, 1, 2, 4, 5)}
+    for i, frame in frames.items():
+        tier.submit(NS, block_hash(i), frame)
+    assert tier.wait_idle(5)
+    wanted = [block_hash(i) for i in range(6)]
+    expected = [frames.get(i) for i in range(6)]
+    # 2 frames per round trip, so three round trips
+    assert tier.fetch(NS, wanted, frame_bytes=tier.options.max_fetch_bytes // 2) == expected
+    assert tier.fetch(NS, wanted, frame_bytes=10 * tier.options.max_fetch_bytes) == expected  # one per trip
+    assert tier.stats().hits == 10 and tier.stats().misses == 2
+
+
+def test_prefix_only_stops_after_the_first_miss(tier: RedisTier, redis_server: RedisServer) -> None:
+    """Blocks past a miss are not fetched, and so their TTL is not refreshed."""
+    for i in (0, 2):
+        tier.submit(NS, block_hash(i), frame_for(i), ttl_s=5)
+    assert tier.wait_idle(5)
+    got = tier.fetch(NS, [block_hash(i) for i in range(3)], ttl_s=600, frame_bytes=tier.options.max_fetch_bytes,
+                     prefix_only=True)
+    assert got == [frame_for(0), None, None]
+    with redis_server.client() as raw:
+        assert raw.pttl(tier.key(NS, block_hash(0))) > 500_000
+        assert raw.pttl(tier.key(NS, block_hash(2))) <= 5000
+    one_trip = tier.fetch(NS, [block_hash(i) for i in range(3)], prefix_only=True)
+    assert one_trip == [frame_for(0), None, None]  # block 2 was read in the same trip, but is past the miss
+
+
+def test_an_expired_key_is_never_served(tier: RedisTier, redis_server: RedisServer) -> None:
+    tier.submit(NS, block_hash(2), frame_for(2), ttl_s=0.05)
+    assert tier.wait_idle(5)
+    with redis_server.client() as raw:
+        assert poll(lambda: raw.pttl(tier.key(NS, block_hash(2))) == -2, 3)
+    assert tier.fetch(NS, [block_hash(2)]) == [None]
+
+
+def test_integrity_failure_is_counted_and_the_key_deleted(tier: RedisTier, redis_server: RedisServer,
+                                                          tmp_path: Path) -> None:
+    """What the cache does with a pickle stored under a valid-looking key: a counted miss, key gone."""
+
+    class CreatesFile:
+        def __reduce__(self):
+            return (Path.touch, (tmp_path / "pwned",))
+
+    key = tier.key(NS, block_hash(3))
+    with redis_server.client() as raw:
+        raw.set(key, pickle.dumps(CreatesFile()), px=60_000)
+        frame = tier.fetch(NS, [block_hash(3)])[0]
+        with pytest.raises(CorruptBlock, match="bad magic"):
+            decode_block(frame, LAYOUT, NS, block_hash(3), PARENT, TOKENS)
+        tier.record_integrity_failure()
+        tier.delete(NS, block_hash(3))
+        assert tier.wait_idle(5)
+        assert raw.exists(key) == 0
+    assert not (tmp_path / "pwned").exists()
+    assert tier.stats().integrity_failures == 1
+
+
+def test_delete_namespace_and_flush_touch_only_their_keys(tier: RedisTier, redis_server: RedisServer) -> None:
+    other_ns = "ffffffffffffffff"
+    for i in range(5):
+        tier.submit(NS, block_hash(i), b"a")
+        tier.submit(other_ns, block_hash(i), b"b")
+    assert tier.wait_idle(5)
+    with redis_server.client() as raw:
+        raw.set("unrelated:key", b"x")
+        tier.delete_namespace(NS)
+        assert tier.wait_idle(5)
+        assert tier.fetch(NS, [block_hash(i) for i in range(5)]) == [None] * 5
+        assert tier.fetch(other_ns, [block_hash(i) for i in range(5)]) == [b"b"] * 5
+        tier.flush()
+        assert tier.wait_idle(5)
+        assert tier.fetch(other_ns, [block_hash(i) for i in range(5)]) == [None] * 5
+        assert raw.get("unrelated:key") == b"x"  # never FLUSHDB
+
+
+def test_a_foreign_value_type_is_a_miss_not_a_fault(tier: RedisTier, redis_server: RedisServer) -> None:
+    with redis_server.client() as raw:
+        raw.rpush(tier.key(NS, block_hash(9)), b"x")
+    tier.submit(NS, block_hash(8), b"frame")
+    assert tier.wait_idle(5)
+    assert tier.fetch(NS, [block_hash(9), block_hash(8)]) == [None, b"frame"]
+    assert tier.stats().read_errors == 0
+
+
+# ---- back-pressure ------------------------------------------------------------------------------
+
+def test_full_queue_drops_and_counts(private_redis: RedisServer) -> None:
+    frame = frame_for(0)
+    with RedisTier(fast_options(private_redis.url, max_queue_bytes=2 * len(frame) + 1)) as tier:
+        assert tier.submit(NS, block_hash(0), frame + frame + frame) is False  # larger than the whole queue
+        assert tier.submit(NS, block_hash(50), b"warm") and tier.wait_idle(5)  # the writer is past its first probe
+        private_redis.pause(1500)  # the writer's next batch now waits: nothing drains
+        accepted = [tier.submit(NS, block_hash(i), frame) for i in range(5)]
+        start = time.perf_counter()
+        assert tier.submit(NS, block_hash(99), frame) is False
+        assert time.perf_counter() - start < 0.01  # refusing never blocks
+        assert accepted == [True, True, False, False, False]
+        stats = tier.stats()
+        assert (stats.spills_queued, stats.spills_dropped) == (3, 5)
+        assert stats.queue_bytes == 2 * len(frame)
+
+
+# ---- faults ---------------------------------------------------------------------------------------
+
+def test_sigkill_then_restart_on_the_same_port(private_redis: RedisServer) -> None:
+    with RedisTier(fast_options(private_redis.url)) as tier:
+        for i in range(400):
+            if i == 100:
+                private_redis.kill()
+            tier.submit(NS, block_hash(i), frame_for(i % 7))
+            got = tier.fetch(NS, [block_hash(i), block_hash(i + 1)])
+            assert len(got) == 2
+        assert poll(lambda: not tier.is_up(), 3)
+        stats = tier.stats()
+        assert stats.state is BreakerState.DOWN and stats.breaker_trips >= 1
+        assert stats.read_errors + stats.writes_failed >= 1 and stats.reads_skipped > 0
+
+        private_redis.start()
+        assert poll(tier.is_up, 5), "the tier must recover without a restart"
+        assert tier.submit(NS, block_hash(1000), b"after")
+        assert tier.wait_idle(5)
+        assert tier.fetch(NS, [block_hash(1000)]) == [b"after"]
+
+
+def test_a_paused_redis_costs_at_most_the_read_timeout(private_redis: RedisServer) -> None:
+    options = fast_options(private_redis.url, socket_timeout_s=0.05)
+    with RedisTier(options) as tier:
+        tier.submit(NS, block_hash(1), b"x")
+        assert tier.wait_idle(5) and tier.fetch(NS, [block_hash(1)]) == [b"x"]
+        private_redis.pause(2000)
+        for _ in range(5):
+            start = time.perf_counter()
+            assert tier.fetch(NS, [block_hash(1), block_hash(2)]) == [None, None]
+            assert time.perf_counter() - start < options.socket_timeout_s + 0.1
+        assert not tier.is_up()
+
+
+def test_tier_started_before_redis_starts_fast_and_picks_it_up(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "late")
+    try:
+        start = time.perf_counter()
+        tier = RedisTier(fast_options(server.url))
+        assert time.perf_counter() - start < 0.5
+        assert tier.fetch(NS, [block_hash(1)]) == [None]
+        assert poll(lambda: not tier.is_up(), 2)
+        server.start()
+        assert poll(tier.is_up, 5)
+        assert tier.submit(NS, block_hash(1), b"late") and tier.wait_idle(5)
+        assert tier.fetch(NS, [block_hash(1)]) == [b"late"]
+        tier.close()
+    finally:
+        server.kill()
+
+
+@pytest.mark.parametrize("fault", ["readonly", "noauth"])
+def test_server_side_refusals_fail_open(private_redis: RedisServer, fault: str) -> None:
+    with RedisTier(fast_options(private_redis.url, breaker_failures=2)) as tier:
+        assert tier.submit(NS, block_hash(1), b"x") and tier.wait_idle(5)
+        with private_redis.client() as raw:
+            if fault == "readonly":      # a replica: GETEX and SET both answer READONLY
+                raw.execute_command("REPLICAOF", "127.0.0.1", "1")
+            else:                        # new connections now need a password the tier lacks
+                raw.config_set("requirepass", "s3cret")
+                raw.client_kill_filter(_type="normal", skipme=True)
+        for i in range(4):
+            assert tier.fetch(NS, [block_hash(1)]) == [None]
+            tier.submit(NS, block_hash(i), b"y")
+        assert poll(lambda: not tier.is_up(), 3)
+        assert tier.stats().read_errors >= 2
+
+
+def test_out_of_memory_drops_writes_but_keeps_serving_reads(private_redis: RedisServer) -> None:
+    """OOM refuses SET but not GETEX (not a denyoom command): hits continue, spills fail, counted."""
+    with RedisTier(fast_options(private_redis.url)) as tier:
+        assert tier.submit(NS, block_hash(1), b"x") and tier.wait_idle(5)
+        with private_redis.client() as raw:
+            raw.config_set("maxmemory-policy", "noeviction")
+            raw.config_set("maxmemory", "1")
+        for i in range(2, 6):
+            assert tier.submit(NS, block_hash(i), b"y")
+            assert tier.wait_idle(5)
+            assert tier.fetch(NS, [block_hash(1), block_hash(i)]) == [b"x", None]
+        assert tier.stats().writes_failed == 4
+
+
+# ---- cluster and connection variants ----------------------------------------------------------
+
+def test_cluster_spreads_blocks_over_every_master(redis_cluster) -> None:
+    with RedisTier(fast_options(redis_cluster.url, socket_timeout_s=0.5)) as tier:
+        assert poll(tier.is_up, 10)
+        hashes = [block_hash(i * 7919) for i in range(200)]
+        assert all(tier.submit(NS, h, b"v" + h) for h in hashes)
+        assert tier.wait_idle(10)
+        assert tier.fetch(NS, hashes) == [b"v" + h for h in hashes]
+        assert tier.stats().writes_failed == 0
+        per_node = []
+        for node in redis_cluster.nodes:
+            with node.client() as raw:
+                per_node.append(sum(1 for _ in raw.scan_iter(match=f"{tier.options.key_prefix}:*")))
+        assert sum(per_node) == 200 and all(n > 0 for n in per_node), per_node
+        tier.flush()
+        assert tier.wait_idle(10)
+        assert tier.fetch(NS, hashes[:10]) == [None] * 10
+
+
+def test_unix_socket_url(tmp_path: Path) -> None:
+    sock = tmp_path / "r.sock"
+    server = RedisServer(tmp_path / "unix", extra_args=("--unixsocket", str(sock), "--unixsocketperm", "700"))
+    server.start()
+    try:
+        with RedisTier(fast_options(f"unix://{sock}")) as tier:
+            assert tier.submit(NS, block_hash(5), b"u") and tier.wait_idle(5)
+            assert tier.fetch(NS, [block_hash(5)]) == [b"u"]
+    finally:
+        server.kill()
+
+
+def test_tls_url_verifies_the_server_certificate(tmp_path: Path) -> None:
+    tls = make_tls_files(tmp_path / "tls")
+    server = RedisServer(tmp_path / "tls-redis", tls=tls).start()
+    try:
+        assert server.url.startswith("rediss://")
+        with RedisTier(fast_options(server.url, tls_ca_file=str(tls.ca))) as tier:
+            assert tier.submit(NS, block_hash(6), b"secure") and tier.wait_idle(5)
+            assert tier.fetch(NS, [block_hash(6)]) == [b"secure"]
+        with RedisTier(fast_options(server.url)) as untrusting:  # system CAs do not know this one
+            assert poll(lambda: not untrusting.is_up(), 3)
+            assert untrusting.fetch(NS, [block_hash(6)]) == [None]
+    finally:
+        server.kill()
+
+
+def test_connect_sets_every_timeout_and_disables_library_retries(redis_server: RedisServer) -> None:
+    options = RedisOptions(url=redis_server.url, socket_timeout_s="40ms", connect_timeout_s=0.3)
+    client = connect(options.url, options)
+    kwargs = client.connection_pool.connection_kwargs
+    assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == (0.04, 0.3)
+    assert kwargs["retry"].get_retries() == 0
+    assert client.ping()
+    with redis_server.client() as raw:
+        assert any(c["name"] == "prefixcache" for c in raw.client_list())  # named for operators
+    client.close()
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("url", "http://localhost:6379"), ("key_prefix", "a{b}"), ("key_prefix", "x*"),
+    ("socket_timeout_s", 0), ("max_batch", 0), ("tls_ca_file", "/ca.pem"),
+])
+def test_bad_options_name_the_field(field: str, value: object) -> None:
+    values = {"url": "redis://127.0.0.1:1", field: value}
+    with pytest.raises(ConfigError, match=field if field != "url" else "redis_url"):
+        RedisOptions(**values)
+
+
+def test_password_is_not_in_repr() -> None:
+    assert "hunter2" not in repr(RedisOptions(url="redis://127.0.0.1:1", password="hunter2"))
+
+
+# ---- breaker and retry (no Redis: a hand-driven clock) --------------------------------------
+
+def test_breaker_opens_after_n_failures_and_probes_with_growing_jittered_backoff() -> None:
+    now = [0.0]
+    breaker = CircuitBreaker("dep", 3, Backoff(1.0, 4.0), clock=lambda: now[0], rng=random.Random(7))
+    breaker.record_failure("x")
+    breaker.record_failure("x")
+    breaker.record_success()  # resets the run of failures
+    breaker.record_failure("x")
+    breaker.record_failure("x")
+    assert breaker.is_up()
+    breaker.record_failure("x")
+    assert breaker.state is BreakerState.DOWN and breaker.trips == 1
+    delays = []
+    for _ in range(5):
+        wait = breaker.seconds_until_probe()
+        assert not breaker.probe_due() and wait > 0
+        delays.append(wait)
+        now[0] += wait
+        assert breaker.probe_due()
+        breaker.record_failure("probe")
+    assert 0.5 <= delays[0] <= 1.0 and 1.0 <= delays[1] <= 2.0
+    assert all(2.0 <= d <= 4.0 for d in delays[2:])  # capped at max_s, never below half of it
+    breaker.record_success()
+    assert breaker.is_up() and breaker.seconds_until_probe() == 0.0
+
+
+def test_retry_runs_only_on_listed_errors_and_counts_attempts() -> None:
+    calls = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError("reset")
+        return "ok"
+
+    sleeps: list[float] = []
+    retry = Retry(2, Backoff(0.01, 0.02), (ConnectionError,))
+    assert retry.call(flaky, random.Random(1), sleep=sleeps.append) == "ok"
+    assert len(calls) == 3 and len(sleeps) == 2
+    with pytest.raises(ValueError):
+        retry.call(lambda: (_ for _ in ()).throw(ValueError("bug")), random.Random(1), sleep=sleeps.append)
+    assert len(sleeps) == 2  # a non-listed error is never retried

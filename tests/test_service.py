@@ -1,0 +1,586 @@
+"""The gRPC cache service over a real loopback channel to a server started by each test.
+
+Covers: byte-exact KV round trips through shared memory and through the
+Fetch/Store streams (float16, bfloat16, float32, random bit patterns);
+leases blocking eviction and expiring; the malformed-request matrix (each
+case answers its status code and names its field, and the server keeps
+serving); protobuf fuzzing through generic calls; health transitions while
+draining; auth on and off, tenants; metrics; generated code freshness.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixcache.client import CacheClient, CacheUnavailable, Unauthenticated, wire
+from prefixcache.config import CacheConfig, KVLayout
+from prefixcache.errors import InvalidArgument, ResourceExhausted, UnknownLease
+from prefixcache.rpc import cache_pb2 as pb
+from prefixcache.rpc import cache_pb2_grpc as pb_grpc
+from services.cache_server.auth import Authenticator, parse_credentials
+from services.cache_server.backend import BackendOptions
+from services.cache_server.options import ServerOptions
+from services.cache_server.server import build_server
+from services.cache_server.servicer import SERVICE_NAME
+
+ROOT = Path(__file__).resolve().parent.parent
+DTYPES = ("float16", "bfloat16", "float32")
+BLOCK = 16
+CACHE_FIELDS = {"ttl_s", "lease_ttl_s", "max_prompt_tokens", "max_leases"}
+CODE = grpc.StatusCode
+
+
+def layout_of(dtype: str = "float16") -> KVLayout:
+    # 3 layers x 20 head_dim: a block (3840 bytes in fp16) never divides a 4 KiB chunk evenly.
+    return KVLayout(layers=3, kv_heads=1, head_dim=20, block_size=BLOCK, dtype=dtype)
+
+
+def random_kv(blocks: int, layout: KVLayout, seed: int) -> torch.Tensor:
+    """Random bit patterns (NaNs and all) so that only a byte-exact copy compares equal."""
+    generator = torch.Generator().manual_seed(seed)
+    itemsize = layout.dtype.itemsize
+    bits = torch.randint(-(2 ** 15), 2 ** 15, (blocks, *layout.block_shape, itemsize // 2), dtype=torch.int16,
+                         generator=generator)
+    torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[layout.dtype.value]
+    return bits.view(torch_dtype).reshape(blocks, *layout.block_shape)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def prompt(blocks: int, start: int = 1000, extra: int = 5) -> list[int]:
+    return list(range(start, start + blocks * BLOCK + extra))
+
+
+@pytest.fixture
+def start():
+    """Factory of started servers (and clients) that are all stopped at teardown."""
+    servers, clients = [], []
+
+    def make_server(host_capacity: str | int = "4MiB", authenticator: Authenticator | None = None, **kwargs):
+        cache_kwargs = {key: kwargs.pop(key) for key in list(kwargs) if key in CACHE_FIELDS}
+        backend = BackendOptions(cache=CacheConfig(host_capacity=host_capacity, **cache_kwargs), block_size=BLOCK)
+        options = ServerOptions(backend=backend, listen="127.0.0.1:0",
+                                authenticator=authenticator or Authenticator.open(), **kwargs)
+        server = build_server(options)
+        servers.append(server)
+        return server
+
+    def make_client(server, **kwargs) -> CacheClient:
+        client = CacheClient(server.address, timeout_s=10, **kwargs)
+        clients.append(client)
+        return client
+
+    make_server.client = make_client
+    yield make_server
+    for client in clients:
+        client.close()
+    for server in servers:
+        server.shutdown(0)
+
+
+def stub_for(server) -> pb_grpc.PrefixCacheStub:
+    return pb_grpc.PrefixCacheStub(grpc.insecure_channel(server.address))
+
+
+def rpc_code(call, *args, **kwargs) -> tuple[grpc.StatusCode, str | None]:
+    """(status code, `prefixcache-field` metadata) of a call that is expected to fail."""
+    try:
+        result = call(*args, **kwargs)
+        if hasattr(result, "__next__"):
+            for _ in result:
+                pass
+    except grpc.RpcError as error:
+        field = dict(error.trailing_metadata() or ()).get("prefixcache-field")
+        return error.code(), field
+    return CODE.OK, None
+
+
+# -- round trips ---------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("writer_local,reader_local", [(True, True), (False, False), (True, False), (False, True)])
+def test_round_trip_is_byte_exact(start, dtype, writer_local, reader_local):
+    server = start(max_chunk_bytes=4096, metrics_port=0)  # many chunks, blocks straddling them
+    layout = layout_of(dtype)
+    writer, reader = start.client(server), start.client(server)
+    assert writer.attach("model", layout, same_host=writer_local).shared_memory is writer_local
+    assert reader.attach("model", layout, same_host=reader_local).shared_memory is reader_local
+    tokens, kv = prompt(7), random_kv(7, layout, seed=len(dtype))
+    assert writer.store(tokens, kv).stored == 7
+    hit = reader.lookup(tokens)
+    assert (hit.hit_tokens, hit.blocks, hit.miss_reason) == (7 * BLOCK, 7, None)
+    try:
+        assert same_bytes(reader.read(hit), kv)
+    finally:
+        assert reader.release(hit)
+    fetches = server.metrics.registry.get_sample_value("prefixcache_rpcs_total", {"method": "Fetch", "code": "OK"})
+    assert (fetches or 0) == (0 if reader_local else 1)  # shared memory moves no KV through gRPC
+
+
+def test_fetch_chunks_are_bounded_and_contiguous(start):
+    server = start(host_capacity="16MiB")
+    layout = KVLayout(layers=4, kv_heads=8, head_dim=64, block_size=BLOCK, dtype="float16")  # 128 KiB blocks
+    client = start.client(server)
+    client.attach("model", layout)
+    tokens, kv = prompt(40), random_kv(40, layout, seed=1)  # 5 MiB: more than one default chunk
+    client.store(tokens, kv)
+    hit = client.lookup(tokens)
+    stub = stub_for(server)
+    for limit, expected_max in ((0, 1 << 20), (300_000, 300_000), (4 << 20, server.options.max_chunk_bytes)):
+        chunks = list(stub.Fetch(pb.FetchRequest(lease_id=hit.lease_id, max_chunk_bytes=limit)))
+        assert max(len(c.data) for c in chunks) == expected_max
+        assert max(c.ByteSize() for c in chunks) <= 4 << 20  # default clients accept every message
+        assert [c.offset for c in chunks] == [sum(len(c.data) for c in chunks[:i]) for i in range(len(chunks))]
+        assert {c.total_bytes for c in chunks} == {kv.numel() * 2} and {c.block_count for c in chunks} == {40}
+        assert b"".join(c.data for c in chunks) == kv.view(torch.uint8).numpy().tobytes()
+
+
+def test_partial_hit_and_salted_namespace(start):
+    server = start()
+    layout = layout_of()
+    client = start.client(server)
+    client.attach("model", layout)
+    tokens, kv = prompt(6), random_kv(6, layout, seed=2)
+    client.store(tokens[: 4 * BLOCK], kv[:4])
+    hit = client.lookup(tokens, take_lease=False)
+    assert (hit.hit_tokens, hit.lease_id, hit.miss_reason.value) == (4 * BLOCK, None, "not_cached")
+    assert client.store(tokens, kv[4:], start_block=4).stored == 2  # extends the cached prefix
+    salted = client.lookup(tokens, cache_salt="user-42", take_lease=False)
+    assert salted.hit_tokens == 0 and salted.namespace_id != hit.namespace_id
+    client.store(tokens, kv, cache_salt="user-42")
+    assert client.lookup(tokens, cache_salt="user-42", take_lease=False).hit_tokens == 6 * BLOCK
+    assert client.lookup(tokens[:10], take_lease=False).miss_reason.value == "shorter_than_block"
+
+
+def test_device_tier_hits_stream_when_the_pool_is_not_mapped(start):
+    """CI has no GPU: a CPU-backed device tier runs the same code; a worker without IPC gets the stream."""
+    layout = layout_of("bfloat16")
+    backend = BackendOptions(cache=CacheConfig(host_capacity=16 * layout.block_bytes,
+                                               device_capacity=4 * layout.block_bytes), block_size=BLOCK, device="cpu")
+    server = build_server(ServerOptions(backend=backend, listen="127.0.0.1:0"))
+    try:
+        client = start.client(server)
+        assert not client.attach("model", layout).device_ipc
+        tokens, kv = prompt(8), random_kv(8, layout, seed=12)
+        client.store(tokens, kv)
+        hit = client.lookup(tokens)
+        assert [int(t) for t in hit.locations.tiers] == [0] * 4 + [1] * 4  # root side promoted to the device
+        assert same_bytes(client.read(hit), kv)
+        client.release(hit)
+    finally:
+        server.shutdown(0)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_tls(start, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-days", "1", "-subj", "/CN=localhost", "-addext",
+                    "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=30)
+    server = start(tls_cert_file=str(cert), tls_key_file=str(key))
+    secure = start.client(server, tls_root_cert_file=str(cert))
+    secure.attach("model", layout_of())
+    assert secure.stats().ready
+    with pytest.raises(CacheUnavailable):
+        start.client(server).stats()  # plaintext to a TLS port
+
+
+def test_salts_per_tenant_are_bounded(start):
+    backend = BackendOptions(cache=CacheConfig(host_capacity="1MiB"), block_size=BLOCK, max_salts_per_tenant=2)
+    server = build_server(ServerOptions(backend=backend, listen="127.0.0.1:0"))
+    try:
+        client = start.client(server)
+        client.attach("model", layout_of())
+        assert client.inspect(prompt(1), cache_salt="never-used").hit_tokens == 0  # creates nothing
+        assert client.evict(namespace_id=client.attachment.namespace_id, cache_salt="never-used") == 0
+        for salt in ("a", "b", "a"):
+            client.lookup(prompt(1), cache_salt=salt, take_lease=False)
+        with pytest.raises(ResourceExhausted, match="cache_salt"):
+            client.lookup(prompt(1), cache_salt="c", take_lease=False)
+    finally:
+        server.shutdown(0)
+
+
+# -- leases ----------------------------------------------------------------------
+def test_lease_blocks_eviction_until_released(start):
+    layout = layout_of()
+    server = start(host_capacity=8 * layout.block_bytes)  # exactly 8 slots
+    client = start.client(server)
+    client.attach("model", layout)
+    first, kv = prompt(8, start=0), random_kv(8, layout, seed=3)
+    assert client.store(first, kv).stored == 8
+    hit = client.lookup(first)
+    second = prompt(4, start=50_000)
+    assert client.store(second, random_kv(4, layout, seed=4)).stored == 0  # every slot is leased
+    assert same_bytes(client.read(hit), kv)
+    assert client.lookup(second, take_lease=False).hit_tokens == 0
+    client.release(hit)
+    assert client.store(second, random_kv(4, layout, seed=4)).stored == 4
+    assert client.lookup(first, take_lease=False).hit_tokens == 4 * BLOCK  # leaf-first: the tail went
+
+
+def test_lease_expires_and_frees_its_blocks(start):
+    layout = layout_of()
+    server = start(host_capacity=8 * layout.block_bytes, lease_ttl_s=0.3, expire_interval_s=0.05)
+    local, remote = start.client(server), start.client(server)
+    local.attach("model", layout)
+    remote.attach("model", layout, same_host=False)
+    tokens = prompt(8, start=0)
+    local.store(tokens, random_kv(8, layout, seed=5))
+    local_hit, remote_hit = local.lookup(tokens), remote.lookup(tokens)
+    assert local.stats().snapshot.active_leases == 2
+    deadline = time.monotonic() + 5
+    while local.stats().snapshot.active_leases and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert local.stats().snapshot.active_leases == 0
+    with pytest.raises(UnknownLease):
+        local.read(local_hit)   # its local deadline passed: shared memory is not trusted
+    with pytest.raises(UnknownLease):
+        remote.read(remote_hit)  # the service says NOT_FOUND
+    assert local.release(local_hit) is False
+    assert local.store(prompt(4, start=90_000), random_kv(4, layout, seed=6)).stored == 4
+
+
+# -- malformed requests ------------------------------------------------------------------
+def _layout_msg(**overrides) -> pb.KVLayout:
+    fields = dict(layers=3, kv_heads=1, head_dim=20, block_size=BLOCK, dtype=pb.DTYPE_FLOAT16)
+    fields.update(overrides)
+    return pb.KVLayout(**fields)
+
+
+def _store(stub, ns, *messages):
+    return stub.Store(iter(messages))
+
+
+def _header(ns, **overrides) -> pb.StoreRequest:
+    fields = dict(namespace_id=ns, tokens=prompt(2), block_count=2, dtype=pb.DTYPE_FLOAT16,
+                  block_shape=list(layout_of().block_shape))
+    fields.update(overrides)
+    return pb.StoreRequest(header=pb.StoreHeader(**fields))
+
+
+BLOCK_BYTES = layout_of().block_bytes
+MATRIX = {
+    "negative token": (lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[1, -1])), CODE.INVALID_ARGUMENT, "tokens"),
+    "token >= 2^32": (lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[2 ** 32])), CODE.INVALID_ARGUMENT, "tokens"),
+    "too many tokens": (lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[1] * 5000)), CODE.INVALID_ARGUMENT, "tokens"),
+    "unknown namespace": (lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id="0123456789abcdef")), CODE.INVALID_ARGUMENT, "namespace"),
+    "malformed namespace": (lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id="../x")), CODE.INVALID_ARGUMENT, "namespace_id"),
+    "empty salt": (lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt="")), CODE.INVALID_ARGUMENT, "cache_salt"),
+    "long salt": (lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt="s" * 129)), CODE.INVALID_ARGUMENT, "cache_salt"),
+    "unprintable salt": (lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt="a\x00b")), CODE.INVALID_ARGUMENT, "cache_salt"),
+    "block size mismatch": (lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(block_size=32))), CODE.INVALID_ARGUMENT, "layout.block_size"),
+    "no dtype": (lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(dtype=0))), CODE.INVALID_ARGUMENT, "layout.dtype"),
+    "unknown dtype enum": (lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(dtype=99))), CODE.INVALID_ARGUMENT, "layout.dtype"),
+    "zero layers": (lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(layers=0))), CODE.INVALID_ARGUMENT, "layout.layers"),
+    "no model": (lambda s, ns: s.Attach(pb.AttachRequest(layout=_layout_msg())), CODE.INVALID_ARGUMENT, "model"),
+    "no layout": (lambda s, ns: s.Attach(pb.AttachRequest(model="m")), CODE.INVALID_ARGUMENT, "layout"),
+    "salt on attach": (lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(), cache_salt="\n")), CODE.INVALID_ARGUMENT, "cache_salt"),
+    "layout mismatch": (lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(head_dim=64))), CODE.FAILED_PRECONDITION, None),
+    "fetch without lease": (lambda s, ns: s.Fetch(pb.FetchRequest()), CODE.INVALID_ARGUMENT, "lease_id"),
+    "fetch unknown lease": (lambda s, ns: s.Fetch(pb.FetchRequest(lease_id=12345)), CODE.NOT_FOUND, "lease_id"),
+    "fetch tiny chunks": (lambda s, ns: s.Fetch(pb.FetchRequest(lease_id=1, max_chunk_bytes=100)), CODE.INVALID_ARGUMENT, "max_chunk_bytes"),
+    "release unknown lease": (lambda s, ns: s.Release(pb.ReleaseRequest(lease_id=2 ** 64 - 1)), CODE.NOT_FOUND, "lease_id"),
+    "reserve nothing": (lambda s, ns: s.Reserve(pb.ReserveRequest(namespace_id=ns)), CODE.INVALID_ARGUMENT, "block_count"),
+    "reserve too much": (lambda s, ns: s.Reserve(pb.ReserveRequest(namespace_id=ns, block_count=2 ** 32 - 1)), CODE.RESOURCE_EXHAUSTED, None),
+    "commit no reservation": (lambda s, ns: s.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1))), CODE.INVALID_ARGUMENT, "reservation_id"),
+    "commit unknown reservation": (lambda s, ns: s.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1), reservation_id=7)), CODE.INVALID_ARGUMENT, "reservation_id"),
+    "commit past the prompt": (lambda s, ns: s.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1), start_block=3, reservation_id=s.Reserve(pb.ReserveRequest(namespace_id=ns, block_count=1)).reservation_id)), CODE.INVALID_ARGUMENT, "start_block"),
+    "store empty stream": (lambda s, ns: _store(s, ns), CODE.INVALID_ARGUMENT, "header"),
+    "store data first": (lambda s, ns: _store(s, ns, pb.StoreRequest(data=b"x")), CODE.INVALID_ARGUMENT, "header"),
+    "store wrong dtype": (lambda s, ns: _store(s, ns, _header(ns, dtype=pb.DTYPE_BFLOAT16)), CODE.INVALID_ARGUMENT, "header.dtype"),
+    "store wrong shape": (lambda s, ns: _store(s, ns, _header(ns, block_shape=[3, 2, 1, 16, 21])), CODE.INVALID_ARGUMENT, "header.block_shape"),
+    "store too few bytes": (lambda s, ns: _store(s, ns, _header(ns), pb.StoreRequest(data=b"x" * BLOCK_BYTES)), CODE.INVALID_ARGUMENT, "data"),
+    "store too many bytes": (lambda s, ns: _store(s, ns, _header(ns), pb.StoreRequest(data=b"x" * (2 * BLOCK_BYTES + 1))), CODE.INVALID_ARGUMENT, "data"),
+    "store two headers": (lambda s, ns: _store(s, ns, _header(ns), _header(ns)), CODE.INVALID_ARGUMENT, "header"),
+    "store too large": (lambda s, ns: _store(s, ns, _header(ns, block_count=2 ** 32 - 1)), CODE.RESOURCE_EXHAUSTED, None),
+    "store bad tokens": (lambda s, ns: _store(s, ns, _header(ns, tokens=[-5])), CODE.INVALID_ARGUMENT, "header.tokens"),
+    "evict nothing": (lambda s, ns: s.Evict(pb.EvictRequest()), CODE.INVALID_ARGUMENT, "request"),
+    "evict NaN age": (lambda s, ns: s.Evict(pb.EvictRequest(older_than_seconds=math.nan)), CODE.INVALID_ARGUMENT, "older_than_seconds"),
+    "evict negative age": (lambda s, ns: s.Evict(pb.EvictRequest(older_than_seconds=-1)), CODE.INVALID_ARGUMENT, "older_than_seconds"),
+    "evict prefix without namespace": (lambda s, ns: s.Evict(pb.EvictRequest(prefix=pb.TokenPrefix(tokens=[1]))), CODE.INVALID_ARGUMENT, "namespace_id"),
+    "evict bad prefix": (lambda s, ns: s.Evict(pb.EvictRequest(namespace_id=ns, prefix=pb.TokenPrefix(tokens=[-1]))), CODE.INVALID_ARGUMENT, "prefix.tokens"),
+    "inspect bad tokens": (lambda s, ns: s.Inspect(pb.InspectRequest(namespace_id=ns, tokens=[2 ** 40])), CODE.INVALID_ARGUMENT, "tokens"),
+}
+
+
+@pytest.fixture
+def attached(start):
+    server = start(host_capacity=64 * BLOCK_BYTES, max_prompt_tokens=4096)
+    client = start.client(server)
+    client.attach("model", layout_of())
+    client.store(prompt(2), random_kv(2, layout_of(), seed=7))
+    return server, stub_for(server), client
+
+
+def test_malformed_request_matrix(attached):
+    server, stub, client = attached
+    ns = client.attachment.namespace_id
+    failures = []
+    for name, (call, code, field) in MATRIX.items():
+        got = rpc_code(call, stub, ns)
+        if got != (code, field):
+            failures.append(f"{name}: got {got}, expected {(code, field)}")
+        assert client.lookup(prompt(2), take_lease=False).hit_tokens == 2 * BLOCK  # still serving
+    assert not failures, "\n".join(failures)
+
+
+def test_client_raises_typed_errors(attached):
+    _server, _stub, client = attached
+    with pytest.raises(InvalidArgument) as caught:
+        client.lookup([3, -3])
+    assert caught.value.field == "tokens"
+    with pytest.raises(InvalidArgument) as caught:
+        client.store(prompt(1), random_kv(1, layout_of("bfloat16"), seed=0))
+    assert caught.value.field == "kv"
+    dead = CacheClient("127.0.0.1:1", timeout_s=2)
+    with pytest.raises(CacheUnavailable):
+        dead.stats()
+    dead.close()
+
+
+def test_oversized_message_is_resource_exhausted(start):
+    server = start(max_receive_bytes=1 << 20, max_send_bytes=1 << 20, max_chunk_bytes=256 << 10)
+    stub = stub_for(server)
+    code, _ = rpc_code(stub.Lookup, pb.LookupRequest(namespace_id="0" * 16, tokens=[2 ** 31] * 400_000))
+    assert code is CODE.RESOURCE_EXHAUSTED
+    assert rpc_code(stub.GetStats, pb.GetStatsRequest())[0] is CODE.OK
+
+
+# -- fuzzing ---------------------------------------------------------------------------
+FUZZ_METHODS = {
+    "Attach": ("unary", pb.AttachRequest(model="m", revision="r", layout=_layout_msg(), cache_salt="s", same_host=True)),
+    "Lookup": ("unary", pb.LookupRequest(namespace_id="0" * 16, tokens=prompt(3), cache_salt="s", take_lease=True)),
+    "Reserve": ("unary", pb.ReserveRequest(namespace_id="0" * 16, block_count=2)),
+    "Commit": ("unary", pb.CommitRequest(namespace_id="0" * 16, tokens=prompt(2), reservation_id=9, start_block=1)),
+    "Release": ("unary", pb.ReleaseRequest(lease_id=99)),
+    "GetStats": ("unary", pb.GetStatsRequest()),
+    "Inspect": ("unary", pb.InspectRequest(namespace_id="0" * 16, tokens=prompt(2))),
+    "Evict": ("unary", pb.EvictRequest(namespace_id="0" * 16, older_than_seconds=5, prefix=pb.TokenPrefix(tokens=[1]))),
+    "Flush": ("unary", pb.FlushRequest()),
+    "Fetch": ("stream_out", pb.FetchRequest(lease_id=5, max_chunk_bytes=8192)),
+    "Store": ("stream_in", _header("0" * 16)),
+}
+
+
+def _fuzz_inputs(rng: random.Random, valid: bytes) -> list[bytes]:
+    inputs = [rng.randbytes(rng.randrange(0, 64)) for _ in range(25)]
+    inputs += [valid[:cut] for cut in range(0, len(valid), max(1, len(valid) // 12))]
+    flipped = bytearray(valid)
+    for _ in range(10):
+        position = rng.randrange(len(flipped)) if flipped else 0
+        if flipped:
+            flipped[position] ^= 1 << rng.randrange(8)
+        inputs.append(bytes(flipped))
+    return inputs
+
+
+def test_protobuf_fuzzing_never_yields_unknown(attached):
+    server, _stub, client = attached
+    channel = grpc.insecure_channel(server.address)
+    rng = random.Random(20240611)
+    seen: dict[grpc.StatusCode, int] = {}
+    for method, (kind, valid) in FUZZ_METHODS.items():
+        path = f"/{SERVICE_NAME}/{method}"
+        for data in _fuzz_inputs(rng, valid.SerializeToString()):
+            if kind == "unary":
+                code, _ = rpc_code(channel.unary_unary(path), data, timeout=10)
+            elif kind == "stream_out":
+                code, _ = rpc_code(channel.unary_stream(path), data, timeout=10)
+            else:
+                code, _ = rpc_code(channel.stream_unary(path), iter([data, rng.randbytes(7)]), timeout=10)
+            seen[code] = seen.get(code, 0) + 1
+            assert code not in (CODE.UNKNOWN, CODE.INTERNAL), f"{method} answered {code} to {data!r}"
+    assert seen.get(CODE.INVALID_ARGUMENT, 0) > 100  # the fuzz did reach the validators
+    client.store(prompt(2), random_kv(2, layout_of(), seed=7))  # the fuzz may have flushed
+    assert client.lookup(prompt(2), take_lease=False).hit_tokens == 2 * BLOCK
+    channel.close()
+
+
+# -- health and drain -----------------------------------------------------------------
+def _health(channel, service: str = SERVICE_NAME) -> int:
+    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def test_health_transitions_while_draining_a_stream(start):
+    server = start(host_capacity="32MiB", max_chunk_bytes=1 << 20)
+    layout = KVLayout(layers=4, kv_heads=8, head_dim=64, block_size=BLOCK, dtype="bfloat16")
+    client = start.client(server)
+    client.attach("model", layout)
+    tokens, kv = prompt(192), random_kv(192, layout, seed=8)  # 24 MiB: more than the stream's windows
+    client.store(tokens, kv)
+    hit = client.lookup(tokens)
+    channel = grpc.insecure_channel(server.address)
+    assert _health(channel) == _health(channel, "") == health_pb2.HealthCheckResponse.SERVING
+    stream = pb_grpc.PrefixCacheStub(channel).Fetch(pb.FetchRequest(lease_id=hit.lease_id))
+    received = [next(stream).data]
+    drain = threading.Thread(target=server.shutdown, args=(20,))
+    drain.start()
+    deadline = time.monotonic() + 5
+    while _health(channel) != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert server.tracker.in_flight == 1  # the Fetch is still being served
+    with pytest.raises(CacheUnavailable):
+        client.lookup(tokens)
+    received += [chunk.data for chunk in stream]
+    drain.join(10)
+    assert not drain.is_alive()
+    assert b"".join(received) == kv.view(torch.uint8).numpy().tobytes()
+    with pytest.raises(grpc.RpcError):
+        _health(channel)
+    channel.close()
+
+
+# -- auth ---------------------------------------------------------------------------------
+def test_auth_shared_token(start):
+    token = "s3cret-token-0123456789"
+    server = start(authenticator=Authenticator.shared_token(token))
+    for bad in (None, "wrong-token-0123456789", token + "x"):
+        client = start.client(server, auth_token=bad)
+        with pytest.raises(Unauthenticated):
+            client.attach("model", layout_of())
+    stub = stub_for(server)
+    assert rpc_code(stub.Fetch, pb.FetchRequest(lease_id=1))[0] is CODE.UNAUTHENTICATED
+    assert rpc_code(stub.Store, iter([_header("0" * 16)]))[0] is CODE.UNAUTHENTICATED
+    channel = grpc.insecure_channel(server.address)
+    assert _health(channel) == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+    channel.close()
+    good = start.client(server, auth_token=token)
+    good.attach("model", layout_of())
+    good.store(prompt(2), random_kv(2, layout_of(), seed=9))
+    assert good.lookup(prompt(2), take_lease=False).hit_tokens == 2 * BLOCK
+    assert good.flush() == 2  # the single shared token is the admin
+
+
+def test_auth_off_accepts_anyone(start):
+    server = start()
+    for token in (None, "anything"):
+        client = start.client(server, auth_token=token)
+        client.attach("model", layout_of())
+        assert client.stats().ready
+
+
+def test_tenants_are_isolated_and_salts_only_subdivide(start):
+    credentials = parse_credentials("tok-acme-0123456789 acme\ntok-globex-0123456789 globex\n"
+                                    "tok-ops-0123456789 ops admin\n")
+    server = start(authenticator=Authenticator(credentials))
+    acme, globex, ops = (start.client(server, auth_token=f"tok-{n}-0123456789") for n in ("acme", "globex", "ops"))
+    layout = layout_of()
+    ids = [c.attach("model", layout, same_host=False).namespace_id for c in (acme, globex)]
+    assert ids[0] != ids[1]
+    tokens, kv = prompt(3), random_kv(3, layout, seed=10)
+    acme.store(tokens, kv, cache_salt="team-a")
+    acme_hit = acme.lookup(tokens, cache_salt="team-a")
+    assert acme_hit.hit_tokens == 3 * BLOCK                     # positive control
+    assert globex.lookup(tokens, cache_salt="team-a", take_lease=False).hit_tokens == 0
+    assert globex.lookup(tokens, take_lease=False).hit_tokens == 0
+    with pytest.raises(InvalidArgument):                        # another tenant's id is "unknown"
+        globex.inspect(tokens, namespace_id=acme_hit.namespace_id)
+    with pytest.raises(UnknownLease):
+        globex.read(acme_hit)                                   # another tenant's lease is "unknown"
+    assert globex.flush() == 0                                  # a tenant flushes only its own blocks
+    assert same_bytes(acme.read(acme_hit), kv)
+    acme.release(acme_hit)
+    assert ops.flush() == 3                                     # the admin flushes everything
+    assert acme.lookup(tokens, cache_salt="team-a", take_lease=False).hit_tokens == 0
+
+
+def test_credentials_file_errors_name_the_line():
+    with pytest.raises(InvalidArgument, match="line 2"):
+        parse_credentials("good-token-0123 acme\nbad-line\n")
+    with pytest.raises(InvalidArgument, match="twice"):
+        parse_credentials("t1 acme\nt1 globex\n")
+    assert parse_credentials("sha256:" + "ab" * 32 + " acme admin")  # digests instead of tokens
+
+
+# -- inspect, evict, metrics --------------------------------------------------------------
+def test_inspect_and_evict(start):
+    server = start(ttl_s=60)
+    client = start.client(server)
+    client.attach("model", layout_of())
+    tokens = prompt(4)
+    client.store(tokens, random_kv(4, layout_of(), seed=11))
+    report = client.inspect(tokens)
+    assert [b.block for b in report.blocks] == [0, 1, 2, 3] and {b.tier for b in report.blocks} == {"host"}
+    assert all(0 < b.ttl_left_s <= 60 and not b.leased for b in report.blocks)
+    hit = client.lookup(tokens)
+    assert all(b.leased for b in client.inspect(tokens).blocks)
+    assert client.evict(prefix_tokens=tokens[: 2 * BLOCK]) == 0  # leased blocks stay
+    client.release(hit)
+    assert client.evict(prefix_tokens=tokens[: 2 * BLOCK]) == 3   # block 1 and its descendants
+    assert client.lookup(tokens, take_lease=False).hit_tokens == BLOCK
+    assert client.evict(older_than_s=0) == 1
+    assert client.stats().snapshot.tiers[0].blocks == 0
+
+
+def test_metrics_endpoint(start):
+    server = start(metrics_port=0)
+    client = start.client(server)
+    client.attach("model", layout_of())
+    secret = [987_654_321] * (2 * BLOCK)
+    client.lookup(secret, take_lease=False)
+    client.lookup(secret, take_lease=False)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    assert "prefixcache_lookups_total 2.0" in body
+    assert 'prefixcache_rpc_duration_seconds_count{method="Lookup"} 2.0' in body
+    assert 'prefixcache_tier_capacity_bytes{tier="host"}' in body
+    assert "987654321" not in body
+
+
+# -- the hand-written wire format of the bulk messages ----------------------------------
+@settings(max_examples=60, deadline=None)
+@given(offset=st.integers(0, 2 ** 64 - 1), total=st.integers(0, 2 ** 64 - 1), count=st.integers(0, 2 ** 32 - 1),
+       parts=st.lists(st.binary(max_size=300), max_size=4))
+def test_bulk_messages_match_protobuf(offset, total, count, parts):
+    encoded = wire.encode_fetch_chunk(offset, parts, total, count)
+    assert pb.FetchChunk.FromString(encoded) == pb.FetchChunk(offset=offset, data=b"".join(parts),
+                                                             total_bytes=total, block_count=count)
+    reference = pb.FetchChunk(offset=offset, data=b"".join(parts), total_bytes=total, block_count=count)
+    piece = wire.decode_fetch_chunk(reference.SerializeToString())
+    assert (piece.offset, bytes(piece.data), piece.total_bytes, piece.block_count) == \
+        (offset, b"".join(parts), total, count)
+    data = wire.encode_store_data(parts)
+    assert pb.StoreRequest.FromString(data) == pb.StoreRequest(data=b"".join(parts))
+    assert bytes(wire.decode_store_request(pb.StoreRequest(data=b"".join(parts)).SerializeToString()).data) == \
+        b"".join(parts)
+    header = pb.StoreHeader(namespace_id="0" * 16, tokens=[offset % 100], block_count=count)
+    assert wire.decode_store_request(pb.StoreRequest(header=header).SerializeToString()).header == header
+
+
+@settings(max_examples=150, deadline=None)
+@given(raw=st.binary(max_size=64))
+def test_bulk_decoders_reject_junk_with_wire_error_only(raw):
+    for decode in (wire.decode_fetch_chunk, wire.decode_store_request):
+        try:
+            decode(raw)
+        except (wire.WireError, DecodeError):
+            pass
+
+
+# -- generated code ------------------------------------------------------------------------
+def test_generated_code_is_fresh(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable)
+    subprocess.run([str(ROOT / "scripts" / "gen_proto.sh"), str(tmp_path)], check=True, env=env, timeout=60)
+    for name in ("cache_pb2.py", "cache_pb2.pyi", "cache_pb2_grpc.py"):
+        committed = (ROOT / "prefixcache" / "rpc" / name).read_bytes()
+        assert (tmp_path / name).read_bytes() == committed, f"prefixcache/rpc/{name} is stale: run scripts/gen_proto.sh"
