@@ -9,10 +9,12 @@ well within 8 minutes (about a minute on an H100/H200):
    a `PrefixCache` with a device tier promotes a hit from host to device;
 2. pinned host memory: the host tier's shared memory is page-locked
    (`is_pinned()`), and host->device copies from it vs from pageable memory;
-3. CUDA IPC: `python -m services serve --device-capacity ...` in its own
+3. a worker's mapping of the host tier is pinned in its own process, and a
+   host-tier hit is read straight into GPU memory;
+4. CUDA IPC: `python -m services serve --device-capacity ...` in its own
    process; this process attaches as a same-host worker, opens the device pool
    from its IPC handle, and reads a promoted hit device-to-device;
-4. bf16 exactness: every byte read back (device tier, IPC, shared memory, gRPC
+5. bf16 exactness: every byte read back (device tier, IPC, shared memory, gRPC
    stream) equals what was stored, NaN payloads included.
 
 Prints a table (and JSON); exits 1 if any check fails.
@@ -98,9 +100,10 @@ def check_device_tier(rows: list) -> None:
         cache.close()
 
 
-def start_service() -> tuple[subprocess.Popen, str]:
+def start_service(device_blocks: int) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "services", "--log-level", "WARNING", "serve", "--listen", "127.0.0.1:0",
-               "--host-capacity", str(256 * LAYOUT.block_bytes), "--device-capacity", str(128 * LAYOUT.block_bytes),
+               "--host-capacity", str(256 * LAYOUT.block_bytes),
+               "--device-capacity", str(device_blocks * LAYOUT.block_bytes),
                "--shm-name", f"pfx-gpucheck-{secrets.token_hex(4)}", "--grace", "5s"]
     process = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                                stdout=subprocess.PIPE, text=True)
@@ -115,8 +118,34 @@ def start_service() -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the service did not start")
 
 
+def check_host_to_gpu(rows: list) -> None:
+    """A service without a device tier: a worker's hit goes from the (pinned) shared memory to its GPU."""
+    process, address = start_service(device_blocks=0)
+    try:
+        client = CacheClient(address, timeout_s=60)
+        client.attach("gpu-check", LAYOUT)
+        mapping = client._pools.host
+        rows.append(("worker's shm mapping is pinned too", bool(mapping is not None and mapping.is_pinned()),
+                     "cudaHostRegister per process"))
+        tokens, data = list(range(64 * 16)), random_bits(64)
+        client.store(tokens, data)
+        hit = client.lookup(tokens)
+        out = torch.empty((64, *LAYOUT.block_shape), dtype=torch.bfloat16, device="cuda")
+        nbytes = out.numel() * out.element_size()
+        h2d = gbps(nbytes, lambda: client.read(hit, out=out))
+        pageable = data.clone()
+        plain = gbps(nbytes, lambda: out.copy_(pageable))
+        rows.append(("host-tier hit read into GPU, bf16 exact", exact(out, data),
+                     f"{h2d:.1f} GB/s (pageable memcpy {plain:.1f})"))
+        client.release(hit)
+        client.close()
+    finally:
+        process.terminate()
+        rows.append(("service (host tier only) exits 0 after SIGTERM", process.wait(60) == 0, ""))
+
+
 def check_ipc(rows: list) -> None:
-    process, address = start_service()
+    process, address = start_service(device_blocks=128)
     try:
         local, remote = CacheClient(address, timeout_s=60), CacheClient(address, timeout_s=60)
         attachment = local.attach("gpu-check", LAYOUT)
@@ -156,7 +185,7 @@ def main() -> int:
     started = time.monotonic()
     torch.manual_seed(0)
     rows: list[tuple[str, bool, str]] = []
-    for check in (check_device_tier, check_ipc):
+    for check in (check_device_tier, check_host_to_gpu, check_ipc):
         try:
             check(rows)
         except (RuntimeError, OSError, AssertionError) as error:  # report and go on to the next check

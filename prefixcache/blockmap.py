@@ -4,7 +4,7 @@ Why not a dict: a Python dict of 16-byte `bytes` keys to `int` rows costs
 ~120 bytes per block (key object, value object, table), more than half of the
 index's metadata budget. This table costs the digest (padded to 8-byte words)
 plus 12..24 bytes of cells per block, and a lookup resolves all of a prompt's
-block hashes in one or two vectorised numpy passes instead of a dict probe each.
+block hashes in one vectorised numpy pass instead of a dict probe each.
 
 Layout:
 - `columns[k][row]`: word k of the row's digest as a native u64 (the digest
@@ -72,20 +72,21 @@ class BlockMap:
 
     # -- scalar operations ------------------------------------------------------
     def _find(self, words: array.array) -> int:
-        """Flat cell index holding the row of `words`, or -1."""
+        """Flat cell holding the row of `words`, or -1 - (the cell where it would be inserted)."""
         cells, table, capacity = self._cells, self._words, self.capacity
         bucket = words[0] & self.bucket_mask
         while True:
-            has_empty = False
+            empty = -1
             for cell in range(bucket * BUCKET, (bucket + 1) * BUCKET):
                 row = cells[cell]
                 if row == EMPTY:
-                    has_empty = True
+                    if empty < 0:
+                        empty = cell
                 elif table[row] == words[0] and all(
                         table[k * capacity + row] == words[k] for k in range(1, self.word_count)):
                     return cell
-            if has_empty:
-                return -1
+            if empty >= 0:  # earlier buckets on the path are full, so this is the first free cell
+                return -1 - empty
             bucket = (bucket + 1) & self.bucket_mask
 
     def get(self, digest: bytes) -> int | None:
@@ -99,18 +100,13 @@ class BlockMap:
         if len(digest) != self.digest_size:
             raise ValueError(f"digest of {len(digest)} bytes, expected {self.digest_size}")
         words = self._split(digest)
-        if self._find(words) >= 0:
+        cell = self._find(words)
+        if cell >= 0:
             raise KeyError("digest already mapped")
-        cells, bucket = self._cells, words[0] & self.bucket_mask
-        while True:
-            for cell in range(bucket * BUCKET, (bucket + 1) * BUCKET):
-                if cells[cell] == EMPTY:
-                    for k in range(self.word_count):
-                        self._words[k * self.capacity + row] = words[k]
-                    cells[cell] = row
-                    self._count += 1
-                    return
-            bucket = (bucket + 1) & self.bucket_mask
+        for k in range(self.word_count):
+            self._words[k * self.capacity + row] = words[k]
+        self._cells[-1 - cell] = row
+        self._count += 1
 
     def delete(self, row: int) -> None:
         """Unmap `row`, then refill its bucket from entries that overflowed past it."""
@@ -140,31 +136,34 @@ class BlockMap:
 
     # -- batch lookup -------------------------------------------------------------
     def get_many(self, digests: list[bytes]) -> np.ndarray:
-        """Rows of `digests` (int64, -1 where unmapped), one vectorised pass per bucket probed."""
+        """Rows of `digests` (int64, -1 where unmapped).
+
+        One vectorised pass over the home buckets resolves nearly every digest; the few whose
+        home bucket is full without holding them (an entry that overflowed, or a miss) are
+        finished by the scalar search, which is cheaper than another vectorised round.
+        """
         count = len(digests)
         joined = b"".join(digests)
         if len(joined) != count * self.digest_size:  # a digest of a foreign size: never mapped
             return np.array([EMPTY if (r := self.get(d)) is None else r for d in digests], dtype=np.int64)
         query = self._query_words(joined, count)
         found = np.full(count, EMPTY, dtype=np.int64)
-        pending = np.arange(count)
-        bucket = (query[:, 0] & np.uint64(self.bucket_mask)).astype(np.intp)
-        while True:
-            rows = np.take(self.cells, bucket, axis=0)  # [pending, BUCKET]
-            occupied = rows >= 0
-            candidates = np.flatnonzero(occupied & (np.take(self.columns[0], rows) == query[:, :1]))
-            owners, candidate_rows = candidates // BUCKET, rows.reshape(-1)[candidates]
-            for k in range(1, self.word_count):  # the rest of the digest, for word-0 matches only
-                same = np.take(self.columns[k], candidate_rows) == query[owners, k]
-                if not same.all():
-                    owners, candidate_rows = owners[same], candidate_rows[same]
-            found[pending[owners]] = candidate_rows
-            going = occupied.view(np.uint32).reshape(-1) == _FULL_BUCKET
-            going[owners] = False
-            if not going.any():
-                return found
-            pending, query = pending[going], query[going]
-            bucket = (bucket[going] + 1) & self.bucket_mask
+        rows = np.take(self.cells, (query[:, 0] & np.uint64(self.bucket_mask)).astype(np.intp), axis=0)
+        occupied = rows >= 0
+        candidates = np.flatnonzero(occupied & (np.take(self.columns[0], rows) == query[:, :1]))
+        owners, candidate_rows = candidates // BUCKET, rows.reshape(-1)[candidates]
+        for k in range(1, self.word_count):  # the rest of the digest, for word-0 matches only
+            same = np.take(self.columns[k], candidate_rows) == query[owners, k]
+            if not same.all():
+                owners, candidate_rows = owners[same], candidate_rows[same]
+        found[owners] = candidate_rows
+        unresolved = occupied.view(np.uint32).reshape(-1) == _FULL_BUCKET
+        unresolved[owners] = False
+        for i in np.flatnonzero(unresolved).tolist():
+            row = self.get(digests[i])
+            if row is not None:
+                found[i] = row
+        return found
 
     def _query_words(self, joined: bytes, count: int) -> np.ndarray:
         width = self.word_count * 8

@@ -28,11 +28,12 @@ from .codec import decode_block, encode_block
 from .config import CacheConfig, KVLayout, Namespace
 from .errors import CorruptBlock, InvalidArgument, LayoutMismatch, ResourceExhausted, UnknownLease, UnknownNamespace
 from .hashing import BlockHash, Hasher, namespace_id, token_array
-from .index import ROOT, MissReason, RadixIndex
+from .index import ROOT, Match, MissReason, RadixIndex
 from .leases import Lease, Reservation
+from .placement import Placement
 from .results import BlockLocation, BlockLocations, CommitResult, LookupResult
 from .stats import Counters, EvictionReason, StatsSnapshot, TierSnapshot, snapshot_dicts
-from .tiers.base import FreeSlots, SlotTier, TierKind
+from .tiers.base import SlotTier, TierKind
 from .tiers.pool import torch_dtype
 
 log = logging.getLogger(__name__)
@@ -68,15 +69,20 @@ class PrefixCache:
         self.remote = remote
         self.clock = clock
         self.hasher = hasher or Hasher(config.hash_algorithm)
-        self._free = {kind: FreeSlots(t.num_slots) for kind, t in self.tiers.items()}
         self.index = RadixIndex(sum(t.num_slots for t in self.tiers.values()), layout.block_size,
                                 self.hasher.digest_size)
-        self._in_remote = np.zeros(self.index.capacity, dtype=bool)
+        # Per node: cache-clock time until which Redis is believed to hold the block (its write or
+        # last Redis hit plus the Redis TTL). Local hits do not refresh the Redis copy, so past
+        # that time an evicted block is written again rather than assumed safe in Redis.
+        self._remote_until = np.zeros(self.index.capacity, dtype=np.float64)
+        self._remote_ttl_s = float(remote.options.ttl_s) if remote is not None else 0.0
         self._namespaces: dict[str, _Entry] = {}
         self._by_index: list[_Entry] = []
         self._leases: dict[int, Lease] = {}
         self._reservations: dict[int, Reservation] = {}
         self.counters = Counters()
+        self.placement = Placement(self.index, self.tiers, self.counters,
+                                   reclaim=lambda: self._reclaim_expired(self.clock()), on_drop=self._on_drop)
         self._lock = threading.RLock()
         self._started = clock()
         self._dtype = torch_dtype(layout)
@@ -130,7 +136,7 @@ class PrefixCache:
                 return self._finish_lookup(prompt, path, stop, take_lease)
             self.index.pin(path)  # the local prefix stays put while Redis is asked without the lock
         try:
-            payloads = self._fetch_remote(prompt, len(path))
+            payloads, corrupt = self._fetch_remote(prompt, len(path))
         except BaseException:
             with self._lock:
                 self.index.unpin(path)
@@ -142,6 +148,8 @@ class PrefixCache:
                 self.index.unpin(path)
             if len(extended) == len(prompt.hashes):
                 stop = None
+            elif corrupt and len(extended) == len(path) + len(payloads):
+                stop = MissReason.VERIFICATION_FAILED  # the hit ends at the block Redis held corrupt
             return self._finish_lookup(prompt, extended, stop, take_lease)
 
     def _finish_lookup(self, prompt: _Prompt, path: np.ndarray, stop: MissReason | None,
@@ -158,7 +166,8 @@ class PrefixCache:
             if len(self._leases) >= self.config.max_leases:
                 raise ResourceExhausted(f"lease limit of {self.config.max_leases} reached")
         self.index.touch(path, now)
-        self._promote(path)
+        if self.config.promote_on_hit:
+            self.placement.promote(path)
         if take_lease and hit:
             lease_id = lease_table.new_id(self._leases)
             expires = now + self.config.lease_ttl_s
@@ -184,39 +193,17 @@ class PrefixCache:
         rows = np.asarray(path, dtype=np.int64)
         return BlockLocations.adopt(self.index.tier[rows], self.index.slot[rows])
 
-    def _promote(self, path: np.ndarray) -> None:
-        """Move host-resident hit blocks up to the device tier, root first, while room can be made.
-
-        A block another lease pins never moves: its holder reads that very slot.
-        Promotion stops at the first block that cannot move, so the device keeps
-        the root side of a path.
-        """
-        if TierKind.DEVICE not in self.tiers or not self.config.promote_on_hit or not len(path):
-            return
-        index = self.index
-        if not (index.tier[path] == TierKind.HOST).any():
-            return
-        index.pin(path)  # this path's blocks are not candidates for making room
-        try:
-            for node in path.tolist():
-                if index.tier[node] != TierKind.HOST:
-                    continue
-                if index.pins[node] > 1 or not self._make_room(TierKind.DEVICE, 1):
-                    break
-                self._move(node, TierKind.DEVICE)
-                self.counters.promotions[TierKind.DEVICE] += 1
-        finally:
-            index.unpin(path)
-
-    def _fetch_remote(self, prompt: _Prompt, start: int) -> list[memoryview]:
-        """Verified payloads of the blocks after `start` that Redis holds, in order."""
+    def _fetch_remote(self, prompt: _Prompt, start: int) -> tuple[list[memoryview], bool]:
+        """Verified payloads of the blocks after `start` that Redis holds, in order, and
+        whether they end at a block that failed verification (its key is deleted)."""
         entry, payloads = prompt.entry, []
         for batch_start in range(start, len(prompt.hashes), REMOTE_PROBE_BATCH):
             batch = prompt.hashes[batch_start: batch_start + REMOTE_PROBE_BATCH]
-            for offset, frame in enumerate(self.remote.fetch(entry.id, batch)):
+            for offset, frame in enumerate(self.remote.fetch(entry.id, batch, frame_bytes=self.layout.block_bytes,
+                                                                prefix_only=True)):
                 i = batch_start + offset
                 if frame is None:
-                    return payloads
+                    return payloads, False
                 parent = prompt.hashes[i - 1] if i else entry.root
                 try:
                     payloads.append(decode_block(frame, self.layout, entry.id, prompt.hashes[i], parent, prompt.blocks[i]))
@@ -226,8 +213,8 @@ class PrefixCache:
                         self.counters.remote_integrity_failures += 1
                     self.remote.record_integrity_failure()
                     self.remote.delete(entry.id, prompt.hashes[i])
-                    return payloads
-        return payloads
+                    return payloads, True
+        return payloads, False
 
     def _admit(self, prompt: _Prompt, path: np.ndarray, payloads: list[memoryview]) -> np.ndarray:
         """Insert blocks fetched from Redis after the (pinned) `path` into the host tier.
@@ -236,23 +223,36 @@ class PrefixCache:
         before the lookup finishes.
         """
         path = path.tolist()
-        if not payloads or not self._make_room(TierKind.HOST, len(payloads)):
-            payloads = payloads[: len(self._free[TierKind.HOST])]
+        free = self.placement.free[TierKind.HOST]
+        if not payloads or not self.placement.make_room(TierKind.HOST, len(payloads)):
+            payloads = payloads[: len(free)]
         now = self.clock()
         for payload in payloads:
             i = len(path)
-            if self.index.node_of(prompt.hashes[i]) is not None:
-                break  # stored meanwhile by a commit; its own chain decides
-            slot = self._free[TierKind.HOST].take()
+            known = self.index.node_of(prompt.hashes[i])
+            if known is not None:
+                # Indexed while the lock was dropped (a concurrent lookup admitted it, or a commit
+                # stored it): continue through it if it is this very block, else stop there.
+                if not self._continues(known, path[-1] if path else ROOT, prompt, i):
+                    break
+                path.append(known)
+                continue
+            slot = free.take()
             if slot is None:
                 break
             self.tiers[TierKind.HOST].write(slot, self._as_block(payload))
             node = self.index.add(prompt.entry.index, path[-1] if path else ROOT, prompt.hashes[i],
                                   prompt.blocks[i], TierKind.HOST, slot, now)
-            self._in_remote[node] = True
+            self._remote_until[node] = now + self._remote_ttl_s  # GETEX just refreshed its TTL
             path.append(node)
             self.counters.promotions[TierKind.HOST] += 1
         return np.asarray(path, dtype=np.int64)
+
+    def _continues(self, node: int, parent: int, prompt: _Prompt, i: int) -> bool:
+        """Whether indexed `node` is block `i` of the prompt right below `parent` (tokens verified)."""
+        index = self.index
+        return (int(index.parent[node]) == parent and int(index.namespace[node]) == prompt.entry.index
+                and bool(np.array_equal(index.tokens[node], prompt.blocks[i])))
 
     def _as_block(self, payload: memoryview) -> torch.Tensor:
         return torch.frombuffer(payload, dtype=self._dtype).view(self.layout.block_shape)
@@ -312,8 +312,8 @@ class PrefixCache:
         if count > host.num_slots:
             raise ResourceExhausted(f"count: {count} blocks exceed the host tier's {host.num_slots} slots")
         with self._lock:
-            self._make_room(TierKind.HOST, count)
-            free = self._free[TierKind.HOST]
+            self.placement.make_room(TierKind.HOST, count)
+            free = self.placement.free[TierKind.HOST]
             slots = tuple(s for s in (free.take() for _ in range(min(count, len(free)))) if s is not None)
             reservation = Reservation(lease_table.new_id(self._reservations), TierKind.HOST, slots,
                                       self.clock() + self.config.lease_ttl_s)
@@ -347,7 +347,8 @@ class PrefixCache:
         with self._lock:
             return self._commit(prompt, reservation_id, start_block)
 
-    def _commit(self, prompt: _Prompt, reservation_id: int, start_block: int) -> CommitResult:
+    def _commit(self, prompt: _Prompt, reservation_id: int, start_block: int,
+                match: Match | None = None) -> CommitResult:
         reservation = self._reservations.pop(reservation_id, None)
         if reservation is None:
             raise InvalidArgument("reservation_id", f"reservation {reservation_id} is unknown or has expired")
@@ -356,41 +357,67 @@ class PrefixCache:
             self._free_slots(reservation)
             raise InvalidArgument("start_block", f"blocks {start_block}..{end} exceed the prompt's "
                                   f"{len(prompt.hashes)} full blocks")
-        return self._publish(prompt, reservation, start_block, end)
+        return self._publish(prompt, reservation, start_block, end, match)
 
-    def _publish(self, prompt: _Prompt, reservation: Reservation, start: int, end: int) -> CommitResult:
-        now = self.clock()
+    def _match_for_commit(self, prompt: _Prompt, end: int) -> Match:
         # No TTL here: an expired block of this very prefix (tokens verified) holds the same KV
-        # the writer just computed, so it counts as a duplicate and the touch below revives it.
-        match = self.index.match(prompt.entry.index, prompt.hashes[:end], prompt.blocks[:end], now, float("inf"))
+        # the writer just computed, so it counts as a duplicate and the commit's touch revives it.
+        return self.index.match(prompt.entry.index, prompt.hashes[:end], prompt.blocks[:end], self.clock(),
+                                float("inf"))
+
+    def _publish(self, prompt: _Prompt, reservation: Reservation, start: int, end: int,
+                 match: Match | None) -> CommitResult:
+        """Index the reserved slots' blocks after the cached prefix; `match` (of hashes[:end]) may
+        come from the caller when its matched rows have stayed pinned since."""
+        now = self.clock()
+        if match is None or len(match.found) < end:
+            match = self._match_for_commit(prompt, end)
         path, cached = match.rows.tolist(), len(match.rows)
-        # New blocks attach only right after a cached prefix that reaches `start`;
-        # a colliding block in the way keeps its place (a collision's KV is never replaced).
-        attachable = match.stop is MissReason.NOT_CACHED and cached >= start
-        tier, stored = TierKind(reservation.tier), 0
-        for i in range(start, end):
-            slot = reservation.slots[i - start]
-            if i < cached or not attachable or self.index.node_of(prompt.hashes[i]) is not None:
-                attachable = attachable and i < cached
-                self._free[tier].give(slot)
-                continue
-            node = self.index.add(prompt.entry.index, path[-1] if path else ROOT, prompt.hashes[i],
-                                  prompt.blocks[i], tier, slot, now)
-            path.append(node)
-            stored += 1
-            self._write_through(prompt, node, i)
-        self.index.touch(path, now)
+        tier = TierKind(reservation.tier)
+        new = self._attachable(prompt, match, start, end)
+        nodes: list[int] = []
+        if new:
+            first = cached - start  # block `cached` was written to the reservation's slot `cached - start`
+            nodes = self.index.add_chain(prompt.entry.index, path[-1] if path else ROOT,
+                                         prompt.hashes[cached:cached + new], prompt.blocks[cached:cached + new],
+                                         tier, reservation.slots[first:first + new], now)
+            for offset, node in enumerate(nodes):
+                self._write_through(prompt, node, cached + offset)
+        used = set(reservation.slots[cached - start:cached - start + new]) if new else set()
+        for slot in reservation.slots:
+            if slot not in used:
+                self.placement.free[tier].give(slot)
+        self.index.touch(path + nodes, now)
         deduplicated = max(0, min(cached, end) - start)
-        self.counters.blocks_committed += stored
+        self.counters.blocks_committed += new
         self.counters.blocks_deduplicated += deduplicated
-        return CommitResult(stored, deduplicated, end - start - stored - deduplicated)
+        return CommitResult(new, deduplicated, end - start - new - deduplicated)
+
+    def _attachable(self, prompt: _Prompt, match: Match, start: int, end: int) -> int:
+        """How many blocks after the cached prefix may be added: they must follow a cached
+        prefix that reaches `start`, and stop before any hash that is already indexed
+        elsewhere or repeats (a collision's KV is never replaced)."""
+        cached = len(match.rows)
+        if match.stop is not MissReason.NOT_CACHED or cached < start or cached >= end:
+            return 0
+        segment = prompt.hashes[cached:end]
+        taken = np.flatnonzero(match.found[cached:end] >= 0)
+        new = int(taken[0]) if taken.size else len(segment)
+        if len(set(segment[:new])) != new:
+            seen: set[BlockHash] = set()
+            for offset, block_hash in enumerate(segment[:new]):
+                if block_hash in seen:
+                    return offset
+                seen.add(block_hash)
+        return new
 
     def _write_through(self, prompt: _Prompt, node: int, i: int) -> None:
         """Queue a new block for Redis so other instances and restarts can hit it."""
         if self.remote is None:
             return
         parent = prompt.hashes[i - 1] if i else prompt.entry.root
-        self._in_remote[node] = self._submit(prompt.entry.id, prompt.hashes[i], parent, node)
+        accepted = self._submit(prompt.entry.id, prompt.hashes[i], parent, node)
+        self._remote_until[node] = self.clock() + self._remote_ttl_s if accepted else 0.0
 
     def _submit(self, ns_id: str, block_hash: BlockHash, parent: BlockHash, node: int) -> bool:
         tier = self.tiers[TierKind(int(self.index.tier[node]))]
@@ -420,73 +447,32 @@ class PrefixCache:
                                         f"{len(prompt.hashes)} full blocks")
         end = start_block + len(kv)
         with self._lock:
-            cached = self.index.match(prompt.entry.index, prompt.hashes[:end], prompt.blocks[:end],
-                                      self.clock(), float("inf")).rows
+            match = self._match_for_commit(prompt, end)
+            cached = match.rows
             skip = max(0, len(cached) - start_block)
             self.index.pin(cached)
             try:
                 reservation = self.reserve(len(kv) - skip)
             finally:
                 self.index.unpin(cached)
-            for position, slot in enumerate(reservation.slots):
-                self.tiers[TierKind(reservation.tier)].write(slot, kv[skip + position])
-            result = self._commit(prompt, reservation.id, start_block + skip)
+            self.tiers[TierKind(reservation.tier)].write_many(list(reservation.slots),
+                                                              kv[skip:skip + len(reservation.slots)])
+            result = self._commit(prompt, reservation.id, start_block + skip, match)
             self.counters.blocks_deduplicated += skip
         unreserved = len(kv) - skip - len(reservation.slots)
         return CommitResult(result.stored, result.deduplicated + skip, result.rejected + unreserved)
 
     def _free_slots(self, reservation: Reservation) -> None:
         for slot in reservation.slots:
-            self._free[TierKind(reservation.tier)].give(slot)
+            self.placement.free[TierKind(reservation.tier)].give(slot)
 
     # -- eviction -----------------------------------------------------------------
-    def _lower(self, kind: TierKind) -> TierKind | None:
-        lower = [k for k in self.tiers if k > kind]
-        return min(lower) if lower else None
-
-    def _make_room(self, kind: TierKind, count: int) -> bool:
-        """Free slots in `kind` until `count` are free, evicting in LRU order."""
-        free = self._free[kind]
-        if len(free) >= count:
-            return True
-        self._reclaim_expired(self.clock())  # a crashed worker's pins and slots go first
-        if len(free) >= count:
-            return True
-        lower = self._lower(kind)
-        for node in self.index.lru(kind):
-            if lower is None:
-                if self.index.children[node]:
-                    continue  # leaf-first: a block leaves the last tier after its descendants
-                self._drop(node, EvictionReason.LRU, spill=True)
-            elif self._make_room(lower, 1):
-                self._move(node, lower)
-                self.counters.spills[kind] += 1
-                self.counters.evictions[(kind, EvictionReason.LRU)] += 1
-            else:
-                break
-            if len(free) >= count:
-                return True
-        return len(free) >= count
-
-    def _move(self, node: int, kind: TierKind) -> None:
-        old_kind, old_slot = TierKind(int(self.index.tier[node])), int(self.index.slot[node])
-        slot = self._free[kind].take()
-        assert slot is not None, "caller made room"
-        self.tiers[kind].write(slot, self.tiers[old_kind].view(old_slot))
-        self.index.move(node, kind, slot)
-        self._free[old_kind].give(old_slot)
-
-    def _drop(self, node: int, reason: EvictionReason, spill: bool) -> None:
-        """Remove a leaf from the local tiers; spill it to Redis first when asked."""
-        kind = TierKind(int(self.index.tier[node]))
-        if spill and self.remote is not None:
-            if self._in_remote[node] or self._submit_node(node):
-                self.counters.spills[kind] += 1
-        self.counters.evictions[(kind, reason)] += 1
-        slot = int(self.index.slot[node])
-        self.index.remove(node)
-        self._in_remote[node] = False
-        self._free[kind].give(slot)
+    def _on_drop(self, node: int, spill: bool) -> bool:
+        """A block is leaving the slot tiers; with `spill`, make sure Redis keeps it."""
+        spilled = spill and self.remote is not None and bool(
+            self._remote_until[node] > self.clock() or self._submit_node(node))
+        self._remote_until[node] = 0.0
+        return spilled
 
     def _submit_node(self, node: int) -> bool:
         parent = int(self.index.parent[node])
@@ -494,17 +480,10 @@ class PrefixCache:
         parent_hash = entry.root if parent == ROOT else self.index.hash_of(parent)
         return self._submit(entry.id, self.index.hash_of(node), parent_hash, node)
 
-    def _drop_all(self, nodes: list[int], reason: EvictionReason, forget_remote: bool) -> int:
-        dropped = 0
-        for node in nodes:  # descendants first
-            if self.index.pins[node] or self.index.children[node]:
-                continue
-            if forget_remote and self.remote is not None:
-                entry = self._entry_by_index(int(self.index.namespace[node]))
-                self.remote.delete(entry.id, self.index.hash_of(node))
-            self._drop(node, reason, spill=False)
-            dropped += 1
-        return dropped
+    def _forget_remote(self, node: int) -> None:
+        if self.remote is not None:
+            entry = self._entry_by_index(int(self.index.namespace[node]))
+            self.remote.delete(entry.id, self.index.hash_of(node))
 
     def _reclaim_expired(self, now: float) -> None:
         """Unpin expired leases and return expired reservations' slots."""
@@ -520,7 +499,7 @@ class PrefixCache:
             self._reclaim_expired(now)
             index = self.index
             stale = index.select(index.last_access + self.config.ttl_s < now)
-            return self._drop_all(stale, EvictionReason.TTL, forget_remote=False)
+            return self.placement.drop_all(stale, EvictionReason.TTL)
 
     def evict(self, ns_id: str | None = None, older_than_s: float | None = None, prefix_tokens=None) -> int:
         """Manual eviction by namespace, by age, or of every prompt that starts with `prefix_tokens`."""
@@ -541,17 +520,19 @@ class PrefixCache:
                     mask &= index.namespace == self._entry(ns_id).index
                     if self.remote is not None:
                         self.remote.delete_namespace(ns_id)
+                        self._remote_until[mask] = 0.0  # pinned survivors are no longer in Redis
                 if older_than_s is not None:
                     mask &= index.last_access < self.clock() - older_than_s
                 nodes = index.select(mask)
-            return self._drop_all(nodes, EvictionReason.MANUAL, forget_remote=True)
+            return self.placement.drop_all(nodes, EvictionReason.MANUAL, before=self._forget_remote)
 
     def flush(self) -> int:
         """Drop every unpinned block from every tier, Redis included."""
         with self._lock:
-            dropped = self._drop_all(self.index.select(self.index.live()), EvictionReason.MANUAL, forget_remote=False)
+            dropped = self.placement.drop_all(self.index.select(self.index.live()), EvictionReason.MANUAL)
             if self.remote is not None:
                 self.remote.flush()
+                self._remote_until[:] = 0.0  # pinned survivors are no longer in Redis
             return dropped
 
     # -- stats ----------------------------------------------------------------------
@@ -560,7 +541,7 @@ class PrefixCache:
             c = self.counters
             tiers = []
             for kind, tier in self.tiers.items():
-                blocks = tier.num_slots - len(self._free[kind])
+                blocks = self.placement.used(kind)
                 tiers.append(TierSnapshot(kind, blocks, blocks * self.layout.block_bytes, tier.capacity_bytes))
             remote_up, remote = None, {}
             if self.remote is not None:

@@ -6,7 +6,7 @@ namespace), children are found through one flat map `block hash -> node`
 namespace root, so this is a radix tree stored as a hash table plus parent links.
 
 Nodes are rows in preallocated arrays (struct of arrays), not Python objects:
-a Python object per block costs ~350 bytes of metadata, a row ~150 (measured
+a Python object per block costs ~350 bytes of metadata, a row ~140 (measured
 by benchmarks/index_bench.py).
 
 Invariants:
@@ -15,7 +15,8 @@ Invariants:
 - `tick[parent] > tick[child]`: `touch` stamps a path leaf->root with rising
   ticks, and every insert is followed by a touch of its path. Ascending tick
   is therefore LRU order that visits descendants before their ancestors
-  (leaf-first, the deeper block first on ties).
+  (leaf-first, the deeper block first on ties). Ticks come from a `TouchLog`,
+  so eviction reads that order without sorting.
 - `pins[n] > 0` implies `pins[parent] > 0`: leases pin whole paths from root.
 - Token ids of every block are kept; a match step is only taken when they
   equal the prompt's, so a hash collision is a counted miss, never wrong KV.
@@ -23,15 +24,16 @@ Invariants:
 
 from __future__ import annotations
 
+import array
 import enum
 from dataclasses import dataclass
-import array
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from .blockmap import BlockMap
 from .hashing import BlockHash
+from .touchlog import TouchLog
 
 ROOT = -1
 _NO_ROWS = np.empty(0, dtype=np.int64)
@@ -48,10 +50,15 @@ class MissReason(enum.Enum):
 
 @dataclass(frozen=True)
 class Match:
-    """Matched node rows (int64), root first; `stop` is None when every full block matched."""
+    """Matched node rows (int64), root first; `stop` is None when every full block matched.
+
+    `found` is the block map's answer for every hash asked (-1 where absent), matched or not:
+    a hash past the match that is indexed anyway belongs to another chain (a collision).
+    """
 
     rows: np.ndarray
     stop: MissReason | None
+    found: np.ndarray
 
     @property
     def nodes(self) -> list[int]:
@@ -74,8 +81,8 @@ class RadixIndex:
         self.children = np.zeros(capacity, dtype=np.int32)
         self.tokens = np.zeros((capacity, block_size), dtype=np.uint32)
         self.map = BlockMap(capacity, digest_size)
+        self.log = TouchLog(capacity, self.tick, self.tier)
         self._free_rows = array.array("i", range(capacity - 1, -1, -1))
-        self._clock_tick = 0
 
     def __len__(self) -> int:
         return len(self.map)
@@ -92,16 +99,16 @@ class RadixIndex:
               now: float, ttl_s: float) -> Match:
         """Longest verified, unexpired chain for `hashes` (blocks: `[n, block_size]` u32)."""
         if not hashes:
-            return Match(_NO_ROWS, None)
-        rows = self.map.get_many(hashes)
-        missing = rows < 0
+            return Match(_NO_ROWS, None, _NO_ROWS)
+        found = self.map.get_many(hashes)
+        rows, missing = found, found < 0
         stop: MissReason | None = None
         if missing.any():
             stop = MissReason.NOT_CACHED
-            rows = rows[: int(missing.argmax())]
+            rows = found[: int(missing.argmax())]
         if not rows.size:
-            return Match(rows, stop)
-        return Match(*self._verify(rows, stop, namespace, blocks, now - ttl_s))
+            return Match(rows, stop, found)
+        return Match(*self._verify(rows, stop, namespace, blocks, now - ttl_s), found)
 
     def _verify(self, rows: np.ndarray, stop: MissReason | None, namespace: int, blocks: np.ndarray,
                 oldest: float) -> tuple[np.ndarray, MissReason | None]:
@@ -143,13 +150,50 @@ class RadixIndex:
         self.tier[node] = tier
         self.slot[node] = slot
         self.last_access[node] = now
-        self.tick[node] = 0  # oldest until the caller's touch of its path
+        self.tick[node] = 0  # below every logged tick, and not in the LRU scan until touched
         self.pins[node] = 0
         self.children[node] = 0
         self.tokens[node] = tokens
         if parent != ROOT:
             self.children[parent] += 1
         return node
+
+    def add_chain(self, namespace: int, parent: int, hashes: list[BlockHash], tokens: np.ndarray,
+                  tier: int, slots: Sequence[int], now: float) -> list[int]:
+        """Insert consecutive blocks under `parent` (block i+1 the child of block i), vectorised.
+
+        Raises KeyError, changing nothing, if any hash is already indexed or repeats in `hashes`.
+        The caller touches the path afterwards.
+        """
+        count = len(hashes)
+        if not count:
+            return []
+        if count > len(self._free_rows):
+            raise RuntimeError("index is full (more blocks than tier slots)")
+        nodes = self._free_rows[len(self._free_rows) - count:][::-1].tolist()
+        for done, (node, block_hash) in enumerate(zip(nodes, hashes)):
+            try:
+                self.map.insert(block_hash, node)
+            except KeyError:
+                for inserted in nodes[:done]:
+                    self.map.delete(inserted)
+                raise
+        del self._free_rows[len(self._free_rows) - count:]
+        rows = np.asarray(nodes, dtype=np.int64)
+        self.parent[rows[0]] = parent
+        self.parent[rows[1:]] = rows[:-1]
+        self.namespace[rows] = namespace
+        self.tier[rows] = tier
+        self.slot[rows] = slots
+        self.last_access[rows] = now
+        self.tick[rows] = 0  # below every logged tick, and not in the LRU scan until touched
+        self.pins[rows] = 0
+        self.children[rows] = 1
+        self.children[rows[-1]] = 0
+        self.tokens[rows] = tokens
+        if parent != ROOT:
+            self.children[parent] += 1
+        return nodes
 
     def remove(self, node: int) -> None:
         """Drop a leaf that no lease pins (prefix closure is the caller's promise)."""
@@ -169,8 +213,7 @@ class RadixIndex:
         rows = np.asarray(path, dtype=np.int64)
         if not rows.size:
             return
-        self.tick[rows[::-1]] = np.arange(self._clock_tick + 1, self._clock_tick + 1 + len(rows))
-        self._clock_tick += len(rows)
+        self.log.append(rows[::-1])
         self.last_access[rows] = now
 
     def pin(self, path: Sequence[int] | np.ndarray) -> None:
@@ -189,10 +232,12 @@ class RadixIndex:
 
     # -- queries --------------------------------------------------------------
     def lru(self, tier: int) -> Iterator[int]:
-        """Unpinned nodes of `tier`, least recently used (and deepest) first."""
-        rows = np.flatnonzero((self.tier == tier) & (self.pins == 0))
-        for node in rows[np.argsort(self.tick[rows], kind="stable")]:
-            yield int(node)
+        """Unpinned nodes of `tier`, least recently used (and deepest) first.
+
+        Lazy: each step reads the current state, so the caller may evict as it goes. A node
+        added but not yet touched is not offered (every add is followed by a touch).
+        """
+        return self.log.scan(lambda nodes: (self.tier[nodes] == tier) & (self.pins[nodes] == 0))
 
     def select(self, mask: np.ndarray) -> list[int]:
         """Live nodes where `mask` holds, descendants before ancestors."""

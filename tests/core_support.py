@@ -130,11 +130,11 @@ def assert_consistent(cache: PrefixCache) -> None:
     for kind, tier in cache.tiers.items():
         owned = [int(index.slot[n]) for n in live if index.tier[n] == kind]
         reserved = [s for r in cache._reservations.values() if r.tier == kind for s in r.slots]
-        free = list(cache._free[kind]._free)
+        free = list(cache.placement.free[kind]._free)
         everything = owned + reserved + free
         assert len(everything) == len(set(everything)) == tier.num_slots, f"{kind.label} slots leak or are shared"
-        assert all(cache._free[kind].is_free(s) for s in free)
-        assert not any(cache._free[kind].is_free(s) for s in owned + reserved)
+        assert all(cache.placement.free[kind].is_free(s) for s in free)
+        assert not any(cache.placement.free[kind].is_free(s) for s in owned + reserved)
     for snapshot in cache.stats().tiers:
         assert snapshot.bytes_used <= snapshot.capacity_bytes
     assert set(cache.tiers) <= {TierKind.DEVICE, TierKind.HOST}

@@ -19,6 +19,7 @@ import socket
 import ssl
 import subprocess
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,12 @@ def make_tls_files(directory: Path) -> TlsFiles:
     return files
 
 
+def _kill_process(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=READY_TIMEOUT_S)
+
+
 class RedisServer:
     """One redis-server process on a fixed loopback port; restartable on that port."""
 
@@ -124,6 +131,8 @@ class RedisServer:
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(self.log_path),
                 *self.extra_args]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Kill it at interpreter exit too, should a script or test die before its teardown.
+        weakref.finalize(self, _kill_process, self.process)
         self.wait_ready(timeout_s)
         return self
 

@@ -30,6 +30,7 @@ from prefixcache.config import CacheConfig, DType, KVLayout
 from prefixcache.errors import ResourceExhausted, UnknownLease
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier
+from prefixcache.touchlog import TouchLog
 from tests.core_support import ManualClock, assert_consistent, block_hashes, kv_for, namespace, same_bytes
 
 TTL_S = 10.0
@@ -65,6 +66,8 @@ class CacheMachine(RuleBasedStateMachine):
         config = CacheConfig(host_capacity=host_slots * bytes_per, device_capacity=device_slots * bytes_per,
                              ttl_s=TTL_S, lease_ttl_s=LEASE_TTL_S)
         self.cache = PrefixCache(config, self.layout, host, device, clock=self.clock)
+        index = self.cache.index  # a log with almost no slack compacts every few steps: exercise that too
+        index.log = TouchLog(index.capacity, index.tick, index.tier, slack=1)
         self.ns = [self.cache.attach(namespace(self.layout, tenant=f"t{i}")) for i in range(2)]
         self.stored: set[tuple[int, tuple[int, ...]]] = set()   # (namespace, full-block prefix) ever accepted
         self.leases: dict[int, HeldLease] = {}

@@ -492,23 +492,21 @@ def exercise_tier(url: str, password: str) -> None:
 
 
 def test_redis_conf_runs_the_tier_as_the_acl_user_and_evicts_when_full(tmp_path: Path) -> None:
-    password = "5f1c" * 8
-    with redis_process(["redis-server", str(DEPLOY / "redis.conf")], free_port(), tmp_path) as admin:
+    port, password = free_port(), "5f1c" * 8
+    with redis_process(["redis-server", str(DEPLOY / "redis.conf")], port, tmp_path) as admin:
         assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
         assert admin.config_get("save") == {"save": ""} and admin.config_get("appendonly") == {"appendonly": "no"}
-        admin.execute_command("ACL", "SETUSER", "prefixcache", "on", f">{password}")
-        exercise_tier(f"redis://prefixcache@127.0.0.1:{admin.connection_pool.connection_kwargs['port']}/0", password)
-        user = redis.Redis(port=admin.connection_pool.connection_kwargs["port"], username="prefixcache",
-                           password=password)
-        for denied in (lambda: user.set("other:1", b"x"), user.flushall, lambda: user.keys("*"),
-                       lambda: user.config_get("*"), user.info):
-            with pytest.raises(redis.exceptions.NoPermissionError):
-                denied()
-        admin.config_set("maxmemory", "4mb")
-        for i in range(64):   # 16 MiB into a 4 MiB Redis: never an OOM error
-            user.set(f"pfx:ns:{i}", os.urandom(256 << 10), px=60_000)
+        admin.execute_command("ACL", "SETUSER", "prefixcache", "on", f">{password}")   # as docs/deploy.md says
+        exercise_tier(f"redis://prefixcache@127.0.0.1:{port}/0", password)
+        with redis.Redis(port=port, username="prefixcache", password=password) as user:
+            for denied in (lambda: user.set("other:1", b"x"), user.flushall, lambda: user.keys("*"),
+                           lambda: user.config_get("*"), user.info):
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    denied()
+            admin.config_set("maxmemory", "4mb")
+            for i in range(64):   # 16 MiB into a 4 MiB Redis: never an OOM error
+                user.set(f"pfx:ns:{i}", os.urandom(256 << 10), px=60_000)
         assert 0 < admin.dbsize() < 64 and admin.info("stats")["evicted_keys"] > 0
-        user.close()
 
 
 def test_k8s_redis_cluster_scripts_form_a_cluster_the_tier_can_use(tmp_path: Path) -> None:

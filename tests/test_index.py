@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from prefixcache.blockmap import BUCKET, BlockMap
 from prefixcache.index import ROOT, MissReason, RadixIndex
+from prefixcache.touchlog import TouchLog
 
 BS = 2
 
@@ -189,6 +190,28 @@ def test_add_rejects_a_hash_already_indexed_without_side_effects() -> None:
     assert len(index) == 4
 
 
+def test_add_chain_links_blocks_like_single_adds_and_is_all_or_nothing() -> None:
+    index = RadixIndex(8, BS)
+    hashes, blocks, nodes = chain(index, [1, 2])
+    more = [digest(50, i) for i in range(3)]
+    tokens = np.array([[3, 4], [5, 6], [7, 8]], dtype=np.uint32)
+    added = index.add_chain(0, nodes[0], more, tokens, 1, [5, 6, 7], 2.0)
+    index.touch(index.path_to(added[-1]), 2.0)
+    assert index.path_to(added[-1]) == nodes + added
+    assert index.children[nodes + added].tolist() == [1, 1, 1, 0]
+    assert index.slot[added].tolist() == [5, 6, 7] and index.tokens[added].tolist() == tokens.tolist()
+    full = index.match(0, hashes + more, np.vstack([blocks, tokens]), 2.0, 10.0)
+    assert full.nodes == nodes + added and full.stop is None
+    for bad in ([digest(60), digest(60)], [digest(61), more[1]]):  # repeats itself / already indexed
+        with pytest.raises(KeyError):
+            index.add_chain(0, added[-1], bad, tokens[:2], 1, [0, 1], 3.0)
+    assert len(index) == 4 and index.children[added[-1]] == 0
+    assert index.add_chain(0, ROOT, [], tokens[:0], 1, [], 3.0) == []
+    with pytest.raises(RuntimeError):
+        index.add_chain(0, ROOT, [digest(70, i) for i in range(5)], np.zeros((5, BS), np.uint32), 1, range(5), 0.0)
+    assert len(index) == 4
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 3)), min_size=1, max_size=25))
 def test_lru_order_always_lists_descendants_before_ancestors(paths: list[tuple[int, int]]) -> None:
@@ -209,3 +232,49 @@ def test_lru_order_always_lists_descendants_before_ancestors(paths: list[tuple[i
             parent = int(index.parent[node])
             if parent != ROOT:
                 assert order[node] < order[parent]
+
+
+def sorted_reference(index: RadixIndex, tier: int = 1) -> list[int]:
+    """The LRU order by definition: unpinned live nodes of `tier` sorted by tick."""
+    rows = np.flatnonzero((index.tier == tier) & (index.pins == 0))
+    return rows[np.argsort(index.tick[rows], kind="stable")].tolist()
+
+
+@pytest.mark.parametrize("slack", [1, 7, 1024])
+def test_touch_log_order_survives_compaction_pins_and_evictions_during_a_scan(slack: int) -> None:
+    rnd = random.Random(slack)
+    capacity = 12
+    index = RadixIndex(capacity, BS)
+    index.log = TouchLog(capacity, index.tick, index.tier, slack=slack)
+    made, compactions, base = 0, 0, index.log.base
+    for step in range(1500):
+        live = np.flatnonzero(index.tier >= 0).tolist()
+        roll = rnd.random()
+        if roll < 0.3 and len(live) + 3 <= capacity:
+            parent = rnd.choice(live + [ROOT] * 3)
+            chain(index, [made, made, made + 1, made + 1], salt=made, parent=parent, now=float(step))
+            made += 2
+        elif roll < 0.6 and live:
+            index.touch(index.path_to(rnd.choice(live)), float(step))
+        elif roll < 0.7 and live:
+            path = index.path_to(rnd.choice(live))
+            if (index.pins[path] > 0).all() and rnd.random() < 0.5:
+                index.unpin(path)
+            else:
+                index.pin(path)
+        elif live:
+            # Evict like the cache does: walk the lazy LRU order and drop unpinned leaves as they come.
+            expected = sorted_reference(index)
+            seen = []
+            for node in index.lru(1):
+                seen.append(node)
+                if not index.children[node] and rnd.random() < 0.5:
+                    index.remove(node)
+            assert seen == expected  # removing a node as it comes never hides or reorders the rest
+        assert list(index.lru(1)) == sorted_reference(index)
+        for node in np.flatnonzero(index.tier >= 0).tolist():
+            parent = int(index.parent[node])
+            assert parent == ROOT or index.tick[parent] > index.tick[node]
+        if index.log.base != base:
+            compactions, base = compactions + 1, index.log.base
+    assert compactions > (5 if slack < 1024 else -1)

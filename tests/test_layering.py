@@ -15,9 +15,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 CORE = [
-    "prefixcache.hashing", "prefixcache.index", "prefixcache.blockmap", "prefixcache.codec",
+    "prefixcache.hashing", "prefixcache.index", "prefixcache.blockmap", "prefixcache.touchlog", "prefixcache.codec",
     "prefixcache.tiers.base", "prefixcache.tiers.pool", "prefixcache.tiers.host", "prefixcache.tiers.device",
-    "prefixcache.cache", "prefixcache.results", "prefixcache.config", "prefixcache.stats",
+    "prefixcache.cache", "prefixcache.placement", "prefixcache.results", "prefixcache.config", "prefixcache.stats",
     "prefixcache.leases", "prefixcache.errors",
 ]
 FORBIDDEN = ["grpc", "redis", "transformers", "services", "google.protobuf"]

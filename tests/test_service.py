@@ -204,18 +204,51 @@ def test_tls(start, tmp_path):
         start.client(server).stats()  # plaintext to a TLS port
 
 
-def test_salts_per_tenant_are_bounded(start):
-    backend = BackendOptions(cache=CacheConfig(host_capacity="1MiB"), block_size=BLOCK, max_salts_per_tenant=2)
+def test_namespaces_per_tenant_are_bounded(start):
+    backend = BackendOptions(cache=CacheConfig(host_capacity="1MiB"), block_size=BLOCK,
+                             max_namespaces_per_tenant=3)
     server = build_server(ServerOptions(backend=backend, listen="127.0.0.1:0"))
     try:
         client = start.client(server)
         client.attach("model", layout_of())
         assert client.inspect(prompt(1), cache_salt="never-used").hit_tokens == 0  # creates nothing
         assert client.evict(namespace_id=client.attachment.namespace_id, cache_salt="never-used") == 0
-        for salt in ("a", "b", "a"):
+        for salt in ("a", "b", "a"):  # the attached namespace and two salts: the budget of 3
             client.lookup(prompt(1), cache_salt=salt, take_lease=False)
         with pytest.raises(ResourceExhausted, match="cache_salt"):
             client.lookup(prompt(1), cache_salt="c", take_lease=False)
+        with pytest.raises(ResourceExhausted, match="model"):
+            client.attach("another-model", layout_of())
+        assert client.attach("model", layout_of()).namespace_id  # attaching again is idempotent
+    finally:
+        server.shutdown(0)
+
+
+def test_serve_flags_wire_the_redis_tier(start, private_redis):
+    from services.cli import build_parser
+    from services.cache_server.command import options_from
+
+    layout = layout_of()
+    args = build_parser().parse_args(["serve", "--listen", "127.0.0.1:0", "--block-size", str(BLOCK),
+                                      "--host-capacity", str(8 * layout.block_bytes), "--redis-url", private_redis.url,
+                                      "--redis-key-prefix", "pfxtest", "--redis-timeout-ms", "500"])
+    server = build_server(options_from(args))
+    try:
+        client = start.client(server)
+        client.attach("model", layout)
+        first, kv = prompt(4, start=0), random_kv(4, layout, seed=13)
+        client.store(first, kv)                                   # written through to Redis
+        client.store(prompt(8, start=70_000), random_kv(8, layout, seed=14))  # pushes `first` out of host
+        deadline = time.monotonic() + 10
+        while client.stats().snapshot.remote.get("spills_queued", 0) < 12 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.backend.cache.remote.wait_idle(10)
+        assert client.stats().snapshot.remote_up is True
+        assert client.inspect(first).hit_tokens == 0              # gone from the host tier...
+        hit = client.lookup(first)                                # ...and promoted back from Redis
+        assert hit.hit_tokens == 4 * BLOCK and same_bytes(client.read(hit), kv)
+        assert client.stats().snapshot.promotions == {"host": 4}
+        client.release(hit)
     finally:
         server.shutdown(0)
 
@@ -271,6 +304,10 @@ def _store(stub, ns, *messages):
     return stub.Store(iter(messages))
 
 
+def _reserve(stub, ns) -> int:
+    return stub.Reserve(pb.ReserveRequest(namespace_id=ns, block_count=1)).reservation_id
+
+
 def _header(ns, **overrides) -> pb.StoreRequest:
     fields = dict(namespace_id=ns, tokens=prompt(2), block_count=2, dtype=pb.DTYPE_FLOAT16,
                   block_shape=list(layout_of().block_shape))
@@ -280,46 +317,87 @@ def _header(ns, **overrides) -> pb.StoreRequest:
 
 BLOCK_BYTES = layout_of().block_bytes
 MATRIX = {
-    "negative token": (lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[1, -1])), CODE.INVALID_ARGUMENT, "tokens"),
-    "token >= 2^32": (lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[2 ** 32])), CODE.INVALID_ARGUMENT, "tokens"),
-    "too many tokens": (lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[1] * 5000)), CODE.INVALID_ARGUMENT, "tokens"),
-    "unknown namespace": (lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id="0123456789abcdef")), CODE.INVALID_ARGUMENT, "namespace"),
-    "malformed namespace": (lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id="../x")), CODE.INVALID_ARGUMENT, "namespace_id"),
-    "empty salt": (lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt="")), CODE.INVALID_ARGUMENT, "cache_salt"),
-    "long salt": (lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt="s" * 129)), CODE.INVALID_ARGUMENT, "cache_salt"),
-    "unprintable salt": (lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt="a\x00b")), CODE.INVALID_ARGUMENT, "cache_salt"),
-    "block size mismatch": (lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(block_size=32))), CODE.INVALID_ARGUMENT, "layout.block_size"),
-    "no dtype": (lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(dtype=0))), CODE.INVALID_ARGUMENT, "layout.dtype"),
-    "unknown dtype enum": (lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(dtype=99))), CODE.INVALID_ARGUMENT, "layout.dtype"),
-    "zero layers": (lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(layers=0))), CODE.INVALID_ARGUMENT, "layout.layers"),
-    "no model": (lambda s, ns: s.Attach(pb.AttachRequest(layout=_layout_msg())), CODE.INVALID_ARGUMENT, "model"),
-    "no layout": (lambda s, ns: s.Attach(pb.AttachRequest(model="m")), CODE.INVALID_ARGUMENT, "layout"),
-    "salt on attach": (lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(), cache_salt="\n")), CODE.INVALID_ARGUMENT, "cache_salt"),
-    "layout mismatch": (lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(head_dim=64))), CODE.FAILED_PRECONDITION, None),
-    "fetch without lease": (lambda s, ns: s.Fetch(pb.FetchRequest()), CODE.INVALID_ARGUMENT, "lease_id"),
-    "fetch unknown lease": (lambda s, ns: s.Fetch(pb.FetchRequest(lease_id=12345)), CODE.NOT_FOUND, "lease_id"),
-    "fetch tiny chunks": (lambda s, ns: s.Fetch(pb.FetchRequest(lease_id=1, max_chunk_bytes=100)), CODE.INVALID_ARGUMENT, "max_chunk_bytes"),
-    "release unknown lease": (lambda s, ns: s.Release(pb.ReleaseRequest(lease_id=2 ** 64 - 1)), CODE.NOT_FOUND, "lease_id"),
-    "reserve nothing": (lambda s, ns: s.Reserve(pb.ReserveRequest(namespace_id=ns)), CODE.INVALID_ARGUMENT, "block_count"),
-    "reserve too much": (lambda s, ns: s.Reserve(pb.ReserveRequest(namespace_id=ns, block_count=2 ** 32 - 1)), CODE.RESOURCE_EXHAUSTED, None),
-    "commit no reservation": (lambda s, ns: s.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1))), CODE.INVALID_ARGUMENT, "reservation_id"),
-    "commit unknown reservation": (lambda s, ns: s.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1), reservation_id=7)), CODE.INVALID_ARGUMENT, "reservation_id"),
-    "commit past the prompt": (lambda s, ns: s.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1), start_block=3, reservation_id=s.Reserve(pb.ReserveRequest(namespace_id=ns, block_count=1)).reservation_id)), CODE.INVALID_ARGUMENT, "start_block"),
-    "store empty stream": (lambda s, ns: _store(s, ns), CODE.INVALID_ARGUMENT, "header"),
-    "store data first": (lambda s, ns: _store(s, ns, pb.StoreRequest(data=b"x")), CODE.INVALID_ARGUMENT, "header"),
-    "store wrong dtype": (lambda s, ns: _store(s, ns, _header(ns, dtype=pb.DTYPE_BFLOAT16)), CODE.INVALID_ARGUMENT, "header.dtype"),
-    "store wrong shape": (lambda s, ns: _store(s, ns, _header(ns, block_shape=[3, 2, 1, 16, 21])), CODE.INVALID_ARGUMENT, "header.block_shape"),
-    "store too few bytes": (lambda s, ns: _store(s, ns, _header(ns), pb.StoreRequest(data=b"x" * BLOCK_BYTES)), CODE.INVALID_ARGUMENT, "data"),
-    "store too many bytes": (lambda s, ns: _store(s, ns, _header(ns), pb.StoreRequest(data=b"x" * (2 * BLOCK_BYTES + 1))), CODE.INVALID_ARGUMENT, "data"),
-    "store two headers": (lambda s, ns: _store(s, ns, _header(ns), _header(ns)), CODE.INVALID_ARGUMENT, "header"),
-    "store too large": (lambda s, ns: _store(s, ns, _header(ns, block_count=2 ** 32 - 1)), CODE.RESOURCE_EXHAUSTED, None),
-    "store bad tokens": (lambda s, ns: _store(s, ns, _header(ns, tokens=[-5])), CODE.INVALID_ARGUMENT, "header.tokens"),
-    "evict nothing": (lambda s, ns: s.Evict(pb.EvictRequest()), CODE.INVALID_ARGUMENT, "request"),
-    "evict NaN age": (lambda s, ns: s.Evict(pb.EvictRequest(older_than_seconds=math.nan)), CODE.INVALID_ARGUMENT, "older_than_seconds"),
-    "evict negative age": (lambda s, ns: s.Evict(pb.EvictRequest(older_than_seconds=-1)), CODE.INVALID_ARGUMENT, "older_than_seconds"),
-    "evict prefix without namespace": (lambda s, ns: s.Evict(pb.EvictRequest(prefix=pb.TokenPrefix(tokens=[1]))), CODE.INVALID_ARGUMENT, "namespace_id"),
-    "evict bad prefix": (lambda s, ns: s.Evict(pb.EvictRequest(namespace_id=ns, prefix=pb.TokenPrefix(tokens=[-1]))), CODE.INVALID_ARGUMENT, "prefix.tokens"),
-    "inspect bad tokens": (lambda s, ns: s.Inspect(pb.InspectRequest(namespace_id=ns, tokens=[2 ** 40])), CODE.INVALID_ARGUMENT, "tokens"),
+    "negative token": (CODE.INVALID_ARGUMENT, "tokens",
+        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[1, -1]))),
+    "token >= 2^32": (CODE.INVALID_ARGUMENT, "tokens",
+        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[2 ** 32]))),
+    "too many tokens": (CODE.INVALID_ARGUMENT, "tokens",
+        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[1] * 5000))),
+    "unknown namespace": (CODE.INVALID_ARGUMENT, "namespace",
+        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id="0123456789abcdef"))),
+    "malformed namespace": (CODE.INVALID_ARGUMENT, "namespace_id",
+        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id="../x"))),
+    "empty salt": (CODE.INVALID_ARGUMENT, "cache_salt",
+        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt=""))),
+    "long salt": (CODE.INVALID_ARGUMENT, "cache_salt",
+        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt="s" * 129))),
+    "unprintable salt": (CODE.INVALID_ARGUMENT, "cache_salt",
+        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt="a\x00b"))),
+    "block size mismatch": (CODE.INVALID_ARGUMENT, "layout.block_size",
+        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(block_size=32)))),
+    "no dtype": (CODE.INVALID_ARGUMENT, "layout.dtype",
+        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(dtype=0)))),
+    "unknown dtype enum": (CODE.INVALID_ARGUMENT, "layout.dtype",
+        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(dtype=99)))),
+    "zero layers": (CODE.INVALID_ARGUMENT, "layout.layers",
+        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(layers=0)))),
+    "no model": (CODE.INVALID_ARGUMENT, "model",
+        lambda s, ns: s.Attach(pb.AttachRequest(layout=_layout_msg()))),
+    "no layout": (CODE.INVALID_ARGUMENT, "layout",
+        lambda s, ns: s.Attach(pb.AttachRequest(model="m"))),
+    "salt on attach": (CODE.INVALID_ARGUMENT, "cache_salt",
+        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(), cache_salt="\n"))),
+    "layout mismatch": (CODE.FAILED_PRECONDITION, None,
+        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(head_dim=64)))),
+    "fetch without lease": (CODE.INVALID_ARGUMENT, "lease_id",
+        lambda s, ns: s.Fetch(pb.FetchRequest())),
+    "fetch unknown lease": (CODE.NOT_FOUND, "lease_id",
+        lambda s, ns: s.Fetch(pb.FetchRequest(lease_id=12345))),
+    "fetch tiny chunks": (CODE.INVALID_ARGUMENT, "max_chunk_bytes",
+        lambda s, ns: s.Fetch(pb.FetchRequest(lease_id=1, max_chunk_bytes=100))),
+    "release unknown lease": (CODE.NOT_FOUND, "lease_id",
+        lambda s, ns: s.Release(pb.ReleaseRequest(lease_id=2 ** 64 - 1))),
+    "reserve nothing": (CODE.INVALID_ARGUMENT, "block_count",
+        lambda s, ns: s.Reserve(pb.ReserveRequest(namespace_id=ns))),
+    "reserve too much": (CODE.RESOURCE_EXHAUSTED, None,
+        lambda s, ns: s.Reserve(pb.ReserveRequest(namespace_id=ns, block_count=2 ** 32 - 1))),
+    "commit no reservation": (CODE.INVALID_ARGUMENT, "reservation_id",
+        lambda s, ns: s.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1)))),
+    "commit unknown reservation": (CODE.INVALID_ARGUMENT, "reservation_id",
+        lambda s, ns: s.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1), reservation_id=7))),
+    "commit past the prompt": (CODE.INVALID_ARGUMENT, "start_block",
+        lambda s, ns: s.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1), start_block=3,
+                                                reservation_id=_reserve(s, ns)))),
+    "store empty stream": (CODE.INVALID_ARGUMENT, "header",
+        lambda s, ns: _store(s, ns)),
+    "store data first": (CODE.INVALID_ARGUMENT, "header",
+        lambda s, ns: _store(s, ns, pb.StoreRequest(data=b"x"))),
+    "store wrong dtype": (CODE.INVALID_ARGUMENT, "header.dtype",
+        lambda s, ns: _store(s, ns, _header(ns, dtype=pb.DTYPE_BFLOAT16))),
+    "store wrong shape": (CODE.INVALID_ARGUMENT, "header.block_shape",
+        lambda s, ns: _store(s, ns, _header(ns, block_shape=[3, 2, 1, 16, 21]))),
+    "store too few bytes": (CODE.INVALID_ARGUMENT, "data",
+        lambda s, ns: _store(s, ns, _header(ns), pb.StoreRequest(data=b"x" * BLOCK_BYTES))),
+    "store too many bytes": (CODE.INVALID_ARGUMENT, "data",
+        lambda s, ns: _store(s, ns, _header(ns), pb.StoreRequest(data=b"x" * (2 * BLOCK_BYTES + 1)))),
+    "store two headers": (CODE.INVALID_ARGUMENT, "header",
+        lambda s, ns: _store(s, ns, _header(ns), _header(ns))),
+    "store too large": (CODE.RESOURCE_EXHAUSTED, None,
+        lambda s, ns: _store(s, ns, _header(ns, block_count=2 ** 32 - 1))),
+    "store bad tokens": (CODE.INVALID_ARGUMENT, "header.tokens",
+        lambda s, ns: _store(s, ns, _header(ns, tokens=[-5]))),
+    "evict nothing": (CODE.INVALID_ARGUMENT, "request",
+        lambda s, ns: s.Evict(pb.EvictRequest())),
+    "evict NaN age": (CODE.INVALID_ARGUMENT, "older_than_seconds",
+        lambda s, ns: s.Evict(pb.EvictRequest(older_than_seconds=math.nan))),
+    "evict negative age": (CODE.INVALID_ARGUMENT, "older_than_seconds",
+        lambda s, ns: s.Evict(pb.EvictRequest(older_than_seconds=-1))),
+    "evict prefix without namespace": (CODE.INVALID_ARGUMENT, "namespace_id",
+        lambda s, ns: s.Evict(pb.EvictRequest(prefix=pb.TokenPrefix(tokens=[1])))),
+    "evict bad prefix": (CODE.INVALID_ARGUMENT, "prefix.tokens",
+        lambda s, ns: s.Evict(pb.EvictRequest(namespace_id=ns, prefix=pb.TokenPrefix(tokens=[-1])))),
+    "inspect bad tokens": (CODE.INVALID_ARGUMENT, "tokens",
+        lambda s, ns: s.Inspect(pb.InspectRequest(namespace_id=ns, tokens=[2 ** 40]))),
 }
 
 
@@ -336,7 +414,7 @@ def test_malformed_request_matrix(attached):
     server, stub, client = attached
     ns = client.attachment.namespace_id
     failures = []
-    for name, (call, code, field) in MATRIX.items():
+    for name, (code, field, call) in MATRIX.items():
         got = rpc_code(call, stub, ns)
         if got != (code, field):
             failures.append(f"{name}: got {got}, expected {(code, field)}")
@@ -368,7 +446,8 @@ def test_oversized_message_is_resource_exhausted(start):
 
 # -- fuzzing ---------------------------------------------------------------------------
 FUZZ_METHODS = {
-    "Attach": ("unary", pb.AttachRequest(model="m", revision="r", layout=_layout_msg(), cache_salt="s", same_host=True)),
+    "Attach": ("unary", pb.AttachRequest(model="m", revision="r", layout=_layout_msg(), cache_salt="s",
+                                         same_host=True)),
     "Lookup": ("unary", pb.LookupRequest(namespace_id="0" * 16, tokens=prompt(3), cache_salt="s", take_lease=True)),
     "Reserve": ("unary", pb.ReserveRequest(namespace_id="0" * 16, block_count=2)),
     "Commit": ("unary", pb.CommitRequest(namespace_id="0" * 16, tokens=prompt(2), reservation_id=9, start_block=1)),
@@ -448,6 +527,24 @@ def test_health_transitions_while_draining_a_stream(start):
     assert b"".join(received) == kv.view(torch.uint8).numpy().tobytes()
     with pytest.raises(grpc.RpcError):
         _health(channel)
+    channel.close()
+
+
+def test_reflection_describes_the_service(start):
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    server = start()
+    channel = grpc.insecure_channel(server.address)
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME)]
+    listed, files = list(stub.ServerReflectionInfo(iter(requests), timeout=5))
+    names = {service.name for service in listed.list_services_response.service}
+    assert {SERVICE_NAME, "grpc.health.v1.Health"} <= names
+    described = descriptor_pb2.FileDescriptorProto.FromString(files.file_descriptor_response.file_descriptor_proto[0])
+    assert described.name == "prefixcache/v1/cache.proto"
+    assert "Lookup" in {method.name for method in described.service[0].method}
     channel.close()
 
 

@@ -2,7 +2,8 @@
 
 - Host pool: the host tier's POSIX shared-memory segment, mapped read-write
   (`MappedSegment`); a block in slot s is `pool[s]`, `[layers, 2, kv_heads,
-  block_size, head_dim]`.
+  block_size, head_dim]`. On a CUDA host the mapping is page-locked here too
+  (pinning is per process), so a host hit copies to the GPU by DMA.
 - Device pool (CUDA hosts only): the device tier's storage opened from its
   CUDA IPC handle, so a device-resident hit is a device-to-device copy.
 
@@ -76,14 +77,27 @@ def map_device_pool(pool: pb.CudaIpcPool, layout: KVLayout) -> torch.Tensor | No
     return tensor.set_(storage, 0, shape)
 
 
+def _register_pinned(storage: torch.Tensor) -> bool:
+    """Page-lock this process's mapping (pinning is per process) so host->GPU copies run at full speed."""
+    if not torch.cuda.is_available():
+        return False
+    code = torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.numel() * storage.element_size(), 0)
+    if int(code) != 0:
+        log.info("cannot pin the mapped host tier (cudaError %d); host->GPU copies will be slower", int(code))
+        return False
+    return True
+
+
 class LocalPools:
     """The slot pools this process can address directly, by tier."""
 
     def __init__(self, host: MappedSegment | None, device: torch.Tensor | None) -> None:
         self._host = host
+        self._pinned = False
         self.pools: dict[int, torch.Tensor] = {}
         if host is not None:
             self.pools[int(TierKind.HOST)] = host.pool.storage
+            self._pinned = _register_pinned(host.pool.storage)
         if device is not None:
             self.pools[int(TierKind.DEVICE)] = device
 
@@ -107,6 +121,10 @@ class LocalPools:
             host[first:first + end - start].copy_(kv[start:end])
 
     def close(self) -> None:
+        host = self.pools.get(int(TierKind.HOST))
+        if self._pinned and host is not None:
+            torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+            self._pinned = False
         self.pools.clear()
         if self._host is not None:
             self._host.close()

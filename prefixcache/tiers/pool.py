@@ -34,6 +34,13 @@ class TensorPool:
     def write(self, slot: int, block: torch.Tensor) -> None:
         self.storage[slot].copy_(block, non_blocking=False)
 
+    def write_many(self, slots: list[int], blocks: torch.Tensor) -> None:
+        """`blocks[i]` into `slots[i]` in one copy (a torch call per block costs more than the copy)."""
+        if not slots:
+            return
+        index = torch.tensor(slots, dtype=torch.long, device=self.storage.device)
+        self.storage.index_copy_(0, index, blocks.to(self.storage.device))
+
     def view(self, slot: int) -> torch.Tensor:
         return self.storage[slot]
 

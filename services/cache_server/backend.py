@@ -14,6 +14,8 @@ Invariants:
   is told the id is unknown, the same answer as for an id never issued.
 - A namespace with a `cache_salt` is a namespace of its own, derived from the
   caller's attached namespace; the tenant is never taken from a request.
+- A tenant registers at most `max_namespaces_per_tenant` namespaces (the core
+  never forgets one and holds 32k in all): one tenant cannot exhaust them.
 - The cache is created at most once; after `close()` every call raises `Draining`.
 """
 
@@ -30,6 +32,7 @@ import torch
 
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, KVLayout, Namespace
+from prefixcache.hashing import namespace_id
 from prefixcache.errors import (ConfigError, InvalidArgument, PrefixCacheError, ResourceExhausted, UnknownLease,
                                 UnknownNamespace)
 from prefixcache.leases import Reservation
@@ -49,10 +52,6 @@ class Draining(PrefixCacheError):
     """The service is shutting down and takes no new calls."""
 
 
-class PermissionDenied(PrefixCacheError):
-    """The operation needs the admin credential."""
-
-
 class ServiceMisconfigured(PrefixCacheError):
     """The service's own settings cannot hold this namespace (e.g. capacity below one block)."""
 
@@ -64,7 +63,7 @@ class BackendOptions:
     shm_name: str | None = None
     device: str | None = None  # "cuda" when cache.device_capacity > 0
     remote_factory: Callable[[KVLayout], object] | None = None
-    max_salts_per_tenant: int = 1024
+    max_namespaces_per_tenant: int = 1024  # models, revisions and salts together
 
 
 class CacheBackend:
@@ -75,7 +74,7 @@ class CacheBackend:
         self._registry_lock = threading.Lock()
         self._owners: dict[str, str] = {}                   # namespace id -> tenant
         self._salted: dict[tuple[str, str], str] = {}      # (namespace id, salt) -> namespace id
-        self._salt_counts: dict[str, int] = {}             # tenant -> salted namespaces created
+        self._counts: dict[str, int] = {}                  # tenant -> namespaces registered
         self._draining = threading.Event()
         self._closed = False
 
@@ -139,10 +138,21 @@ class CacheBackend:
     def attach(self, principal: Principal, model: str, revision: str, layout: KVLayout,
                salt: str | None) -> str:
         namespace = Namespace(model, revision, layout, tenant=principal.tenant, cache_salt=salt or "")
-        cache = self._cache_for(layout)
-        ns_id = cache.attach(namespace)
+        return self._register(self._cache_for(layout), namespace, "model")
+
+    def _register(self, cache: PrefixCache, namespace: Namespace, field: str) -> str:
+        """Attach `namespace` to the cache for its tenant, within the tenant's namespace budget."""
+        tenant, limit = namespace.tenant, self.options.max_namespaces_per_tenant
         with self._registry_lock:
-            self._owners[ns_id] = principal.tenant
+            # The core never forgets a namespace and has room for 32k in all, so each
+            # tenant gets a bounded share instead of the power to exhaust everyone's.
+            if namespace_id(cache.hasher.root(namespace)) not in self._owners:
+                if self._counts.get(tenant, 0) >= limit:
+                    raise ResourceExhausted(f"{field}: this tenant already has {limit} namespaces "
+                                            "(models, revisions and salts)")
+                self._counts[tenant] = self._counts.get(tenant, 0) + 1
+            ns_id = cache.attach(namespace)
+            self._owners[ns_id] = tenant
         return ns_id
 
     def resolve(self, principal: Principal, ns_id: str, salt: str | None, create: bool = True) -> str | None:
@@ -158,21 +168,8 @@ class CacheBackend:
             return ns_id
         salted = self._salted.get((ns_id, salt))
         if salted is None and create:
-            salted = self._add_salted(ns_id, owner, salt)
-        return salted
-
-    def _add_salted(self, ns_id: str, owner: str, salt: str) -> str:
-        cache = self._require()
-        with self._registry_lock:
-            # The core never forgets a namespace (and has room for 32k), so each tenant
-            # gets a bounded number of salts rather than the power to exhaust everyone's.
-            if self._salt_counts.get(owner, 0) >= self.options.max_salts_per_tenant:
-                raise ResourceExhausted(f"cache_salt: this tenant already uses {self.options.max_salts_per_tenant} "
-                                        "distinct salts")
-            salted = cache.attach(dataclasses.replace(cache.namespace(ns_id), cache_salt=salt))
-            if salted not in self._owners:
-                self._salt_counts[owner] = self._salt_counts.get(owner, 0) + 1
-            self._owners[salted] = owner
+            cache = self._require()
+            salted = self._register(cache, dataclasses.replace(cache.namespace(ns_id), cache_salt=salt), "cache_salt")
             self._salted[(ns_id, salt)] = salted
         return salted
 

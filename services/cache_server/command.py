@@ -63,7 +63,7 @@ def register(subparsers) -> None:
     add("--metrics-host", default=None, help="metrics bind address (default: the --listen host)")
     add("--grace", default="10s", help="drain period on SIGTERM (default %(default)s)")
     add("--max-concurrent-rpcs", type=int, default=128, help="RPCs at once; more get RESOURCE_EXHAUSTED")
-    add("--workers", type=int, default=32, help="handler threads (default %(default)s)")
+    add("--workers", type=int, default=16, help="handler threads (default %(default)s)")
     add("--max-message-size", default="16MiB", help="largest gRPC message either way (default %(default)s)")
     redis = parser.add_argument_group("Redis tier (optional: shared across instances and restarts)")
     redis.add_argument("--redis-url", default=None,

@@ -36,7 +36,7 @@ class ServerOptions:
     max_chunk_bytes: int = 4 * MIB - 1024  # Fetch/Store data per message: whole messages stay <= 4 MiB,
                                            # which any gRPC client accepts with default settings
     max_concurrent_rpcs: int = 128       # beyond: RESOURCE_EXHAUSTED from gRPC itself
-    workers: int = 32
+    workers: int = 16                    # handler threads; a Fetch or Store stream holds one while it runs
     grace_s: float = 10.0
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent import futures
 from typing import Callable
 
@@ -132,13 +131,14 @@ class CacheServer:
             if self._stopped.is_set():
                 return
             grace = self.options.grace_s if grace_s is None else grace_s
-            deadline = time.monotonic() + grace
             self.health.enter_graceful_shutdown()
             self.backend.begin_drain()
             log.info("draining: %d call(s) in flight, grace %.1fs", self.tracker.in_flight, grace)
             if not self.tracker.wait_idle(grace):
                 log.warning("grace period over with %d call(s) in flight; cancelling them", self.tracker.in_flight)
-            self._server.stop(max(0.0, deadline - time.monotonic())).wait()
+            # Every cache call has finished (or run out of time); what is left are health
+            # watches and calls answered UNAVAILABLE, which need no grace.
+            self._server.stop(0).wait()
             self._ticker.stop()
             self.backend.close()
             if self.metrics is not None:

@@ -7,7 +7,6 @@ Mapping (see cache.proto):
 - `LayoutMismatch`, `ServiceMisconfigured`      -> FAILED_PRECONDITION
 - `ResourceExhausted`                           -> RESOURCE_EXHAUSTED
 - `Draining`, `TierUnavailable`                 -> UNAVAILABLE
-- `PermissionDenied`                            -> PERMISSION_DENIED
 - `Unauthenticated` (normally caught earlier by the auth interceptor) -> UNAUTHENTICATED
 - bytes that do not parse as the request type   -> INVALID_ARGUMENT (field `request`)
 - anything else is a bug: logged with its traceback, answered INTERNAL (never
@@ -32,7 +31,7 @@ from prefixcache.errors import (InvalidArgument, LayoutMismatch, PrefixCacheErro
                                 TierUnavailable, UnknownLease)
 
 from .auth import Unauthenticated
-from .backend import Draining, PermissionDenied, ServiceMisconfigured
+from .backend import Draining, ServiceMisconfigured
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,6 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Draining, grpc.StatusCode.UNAVAILABLE),
     (TierUnavailable, grpc.StatusCode.UNAVAILABLE),
-    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
 )
 
@@ -128,6 +126,9 @@ def _fail(context: grpc.ServicerContext, failure: Failure) -> None:
 def _failure_from(error: BaseException, method: str) -> Failure:
     if isinstance(error, PrefixCacheError):
         return failure_of(error)
+    if isinstance(error, grpc.RpcError):  # reading a request stream the client cancelled
+        log.debug("%s: the client went away", method)
+        return Failure(grpc.StatusCode.CANCELLED, "the call was cancelled")
     log.error("bug in %s: %s", method, type(error).__name__, exc_info=error)
     return Failure(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the service log")
 

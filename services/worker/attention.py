@@ -34,6 +34,7 @@ from transformers import AttentionInterface
 
 PREFIX_EXACT = "prefix_exact_sdpa"
 KV_TILE = 512
+Q_CHUNK = 16
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sliding_window")
 
 
@@ -68,22 +69,65 @@ def prefix_exact_attention(
     """
     _reject_unsupported(module, dropout, kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
+    first = kv_len - q_len  # absolute position of query 0
     padded = _padded_length(kv_len)
     if padded != kv_len:
         key = F.pad(key, (0, 0, 0, padded - kv_len))
         value = F.pad(value, (0, 0, 0, padded - kv_len))
-    if q_len == kv_len:
-        # Top-left causal alignment is right here, and padded keys lie beyond every query.
-        out = F.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=scaling, enable_gqa=True
-        )
-    else:
-        positions = torch.arange(kv_len - q_len, kv_len, device=query.device)
-        mask = torch.arange(padded, device=query.device)[None, :] <= positions[:, None]
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True
-        )
+    outs = [
+        _attend(query[:, :, start - first : end - first], key, value, start, rows, scaling)
+        for start, end, rows in _spans(first, kv_len)
+    ]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _spans(first: int, end: int) -> list[tuple[int, int, int]]:
+    """Cut absolute query positions [first, end) into (start, stop, rows_per_chunk) spans.
+
+    A span is either one partial Q_CHUNK-aligned chunk, or a run of whole chunks inside one
+    KV tile (run as one batched call, one chunk per batch item).
+    """
+    spans = []
+    start = first
+    while start < end:
+        chunk_end = (start // Q_CHUNK + 1) * Q_CHUNK
+        if start % Q_CHUNK or chunk_end > end:
+            stop = min(chunk_end, end)
+            spans.append((start, stop, stop - start))
+        else:
+            tile_end = (start // KV_TILE + 1) * KV_TILE
+            stop = min(tile_end, end // Q_CHUNK * Q_CHUNK)
+            spans.append((start, stop, Q_CHUNK))
+        start = stop
+    return spans
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    first: int,
+    rows: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Attention of queries at absolute positions first.. ([1, h, n * rows, d]), chunk by
+    chunk as batch items, over the whole KV tiles up to the span's tile, explicit mask."""
+    _, heads, total, dim = query.shape
+    items = total // rows
+    n_keys = _padded_length(first + total)
+    chunks = query.view(heads, items, rows, dim).transpose(0, 1)
+    positions = torch.arange(first, first + total, device=query.device).view(items, 1, rows, 1)
+    mask = torch.arange(n_keys, device=query.device).view(1, 1, 1, n_keys) <= positions
+    out = F.scaled_dot_product_attention(
+        chunks,
+        key[:, :, :n_keys].expand(items, -1, -1, -1),
+        value[:, :, :n_keys].expand(items, -1, -1, -1),
+        attn_mask=mask,
+        scale=scaling,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1).reshape(1, heads, total, dim)
 
 
 def register_prefix_exact_attention() -> str:

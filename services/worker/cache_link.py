@@ -1,0 +1,132 @@
+"""The worker's fail-open link to the cache service.
+
+Wraps `CacheClient` so that the cache can only make a request faster, never
+fail it: every call has a deadline; any cache failure (service down, slower
+than the deadline, invalid reply, expired lease) turns into "prefill in full"
+for that request, is counted as a fallback, and marks the link down. While
+down, requests skip the cache without waiting; the link re-attaches after a
+backoff. State changes are logged once, not per request.
+
+Invariant: a `Prefix` handed to the engine covers strictly fewer tokens than
+the prompt (at least one token is always computed), and its lease is
+released exactly once by `finish`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from prometheus_client import CollectorRegistry, Counter
+
+from prefixcache.client import CacheClient
+from prefixcache.client.api import Hit
+from prefixcache.config import KVLayout
+from prefixcache.errors import PrefixCacheError
+
+from .model import LoadedModel
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 2.0
+
+
+@dataclass
+class Prefix:
+    """What a lookup gave one request: KV for its first `tokens` tokens (may be 0)."""
+
+    tokens: int
+    blocks: torch.Tensor | None
+    hit: Hit | None
+
+
+class CacheLink:
+    def __init__(self, address: str, loaded: LoadedModel, block_size: int, deadline_s: float,
+                 registry: CollectorRegistry, auth_token: str | None = None, clock=time.monotonic) -> None:
+        kv = loaded.kv
+        self.layout = KVLayout(kv.layers, kv.kv_heads, kv.head_dim, block_size, kv.dtype)
+        self.model_id, self.revision = loaded.model_id, loaded.weights_digest
+        self.deadline_s = deadline_s
+        self.clock = clock
+        self._client = CacheClient(address, auth_token=auth_token, timeout_s=deadline_s)
+        self._attached = False
+        self._retry_at = 0.0
+        self._lock = threading.Lock()
+        self.fallbacks = Counter("prefixcache_worker_cache_fallbacks", "Requests served without the cache "
+                                 "because it failed or was down", ["stage"], registry=registry)
+
+    @property
+    def up(self) -> bool:
+        return self._attached
+
+    def _ready(self) -> bool:
+        """Attached, or re-attached now if the backoff has passed."""
+        if self._attached:
+            return True
+        if self.clock() < self._retry_at:
+            return False
+        with self._lock:
+            try:
+                self._client.attach(self.model_id, self.layout, revision=self.revision, same_host=True,
+                                    timeout_s=max(self.deadline_s, 1.0))
+            except PrefixCacheError as error:
+                self._down("attach", error)
+                return False
+            self._attached = True
+            log.info("cache link up (%s, namespace %s, shared memory %s)", self._client.address,
+                     self._client.attachment.namespace_id, self._client.attachment.shared_memory)
+            return True
+
+    def _down(self, stage: str, error: Exception) -> None:
+        self.fallbacks.labels(stage).inc()
+        self._retry_at = self.clock() + RETRY_AFTER_S
+        if self._attached:
+            log.warning("cache link down (%s failed: %s); prefilling in full until it recovers", stage, error)
+        self._attached = False
+
+    def lookup(self, tokens: list[int], salt: str | None) -> Prefix:
+        """Leased KV of the longest usable cached prefix, or an empty prefix."""
+        if not self._ready():
+            return Prefix(0, None, None)
+        try:
+            hit = self._client.lookup(tokens, cache_salt=salt, take_lease=True)
+        except PrefixCacheError as error:
+            self._down("lookup", error)
+            return Prefix(0, None, None)
+        size = self.layout.block_size
+        usable = min(hit.blocks, (len(tokens) - 1) // size)  # leave at least one token to compute
+        if usable == 0:
+            return Prefix(0, None, hit)
+        try:
+            blocks = self._client.read(hit)[:usable]
+        except PrefixCacheError as error:
+            self._down("read", error)
+            self.release(hit)
+            return Prefix(0, None, None)
+        return Prefix(usable * size, blocks, hit)
+
+    def store(self, tokens: list[int], cache, start_block: int, engine, salt: str | None) -> None:
+        """Commit the prompt's full blocks from `start_block` on (KV taken from `cache`)."""
+        size = self.layout.block_size
+        end = len(tokens) // size
+        if not self._attached or end <= start_block:
+            return
+        try:
+            kv = engine.extract_blocks(cache, start_block, end - start_block, size)
+            self._client.store(tokens, kv, start_block=start_block, cache_salt=salt)
+        except PrefixCacheError as error:
+            self._down("store", error)
+
+    def release(self, hit: Hit | None) -> None:
+        if hit is None or hit.lease_id is None:
+            return
+        try:
+            self._client.release(hit)
+        except PrefixCacheError as error:
+            self._down("release", error)  # the service's lease timeout reclaims it
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,392 @@
+"""PrefixCache over a real host tier (shared memory) and a real Redis tier (redis-server).
+
+What only the cache can show: blocks that leave a tiny host tier come back from Redis; a prefix
+stored by one instance, or before a restart, is a hit on another; every Redis fault degrades to
+the host tier and recovers without recreating the cache; a bad value under a block's key is a
+counted miss that is deleted and never executed; a Redis hit slides the key's TTL; the same over
+Redis Cluster. Every hit is compared byte for byte with what was stored (`hit_blocks`).
+
+Servers come from tests/redis_server.py (`private_redis` where a test kills or pauses Redis).
+Asynchronous writes are awaited with `RedisTier.wait_idle`; breaker state is polled with a
+bounded deadline, never slept on.
+"""
+
+from __future__ import annotations
+
+import pickle
+import secrets
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from prefixcache.cache import PrefixCache
+from prefixcache.config import CacheConfig, DType, KVLayout
+from prefixcache.index import MissReason
+from prefixcache.tiers.base import TierKind
+from prefixcache.tiers.host import HostTier
+from prefixcache.tiers.redis import RedisOptions, RedisTier
+from tests.core_support import ManualClock, block_hashes, kv_for, namespace, same_bytes
+from tests.redis_server import RedisServer
+
+LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=8, block_size=4, dtype=DType.FLOAT16)  # 512-byte blocks
+BS = LAYOUT.block_size
+CACHE_TTL_S = 300.0
+REDIS_TTL_S = 900.0   # deliberately not the cache's TTL: the Redis copy follows RedisOptions.ttl_s
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix of this test's own, so tests sharing a server never see each other's keys."""
+    return f"c{secrets.token_hex(4)}"
+
+
+@contextmanager
+def redis_cache(url: str, key_prefix: str, host_slots: int = 16, clock: ManualClock | None = None,
+                cache_ttl_s: float = CACHE_TTL_S, **redis_options) -> Iterator[tuple[PrefixCache, str]]:
+    """A cache over a shared-memory host tier and a Redis tier with short breaker backoffs."""
+    options = RedisOptions(**{"url": url, "key_prefix": key_prefix, "ttl_s": REDIS_TTL_S,
+                              "breaker_backoff_min_s": 0.05, "breaker_backoff_max_s": 0.4, **redis_options})
+    host = HostTier(LAYOUT, host_slots * LAYOUT.block_bytes)
+    cache = PrefixCache(CacheConfig(host_capacity=host_slots * LAYOUT.block_bytes, ttl_s=cache_ttl_s),
+                        LAYOUT, host, remote=RedisTier(options), clock=clock or ManualClock())
+    try:
+        yield cache, cache.attach(namespace(LAYOUT))
+    finally:
+        cache.close()
+
+
+def tokens_for(seed: int, blocks: int) -> list[int]:
+    """`blocks` full blocks of tokens no other seed shares (so prompts share no prefix)."""
+    return [seed * 10_000 + i for i in range(blocks * BS)]
+
+
+def store(cache: PrefixCache, ns: str, tokens: list[int]):
+    return cache.store(ns, tokens, kv_for(tokens, LAYOUT))
+
+
+def hit_blocks(cache: PrefixCache, ns: str, tokens: list[int]) -> int:
+    """Blocks of `tokens` the cache hits, each checked byte for byte against what was stored."""
+    result = cache.lookup(ns, tokens)
+    hit = result.hit_tokens // BS
+    if hit:
+        assert same_bytes(cache.read(result.locations), kv_for(tokens, LAYOUT)[:hit])
+    return hit
+
+
+def keys_of(cache: PrefixCache, ns: str, tokens: list[int]) -> list[str]:
+    return [cache.remote.key(ns, h) for h in block_hashes(cache, ns, tokens)]
+
+
+def poll(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def remote_up(*caches: PrefixCache) -> Callable[[], bool]:
+    return lambda: all(c.stats().remote_up is True for c in caches)
+
+
+def remote_down(*caches: PrefixCache) -> Callable[[], bool]:
+    return lambda: all(c.stats().remote_up is False for c in caches)
+
+
+# ---- spill and return ---------------------------------------------------------------------------
+
+def test_blocks_pushed_out_of_a_tiny_host_tier_come_back_from_redis(redis_server: RedisServer, prefix: str) -> None:
+    with redis_cache(redis_server.url, prefix, host_slots=4) as (cache, ns):
+        a, b = tokens_for(1, 4), tokens_for(2, 3)
+        assert store(cache, ns, a).stored == 4
+        assert store(cache, ns, b).stored == 3            # evicts a3, a2, a1 (leaf first); a0 stays
+        assert cache.remote.wait_idle(5)
+        assert cache.stats().spills == {"host": 3}
+        result = cache.lookup(ns, a)                       # a0 from the host tier, a1..a3 from Redis
+        assert result.hit_tokens == 4 * BS and result.miss_reason is None
+        assert set(result.locations.tiers.tolist()) == {TierKind.HOST}
+        assert same_bytes(cache.read(result.locations), kv_for(a, LAYOUT))
+        stats = cache.stats()
+        assert stats.promotions == {"host": 3} and stats.remote["hits"] == 3
+        assert stats.spills == {"host": 6}                 # admitting a1..a3 pushed b out in turn
+        assert hit_blocks(cache, ns, b) == 3               # ...and b comes back the same way
+        assert cache.stats().promotions == {"host": 6}
+
+
+def test_a_block_whose_write_through_was_dropped_is_spilled_on_eviction(private_redis: RedisServer,
+                                                                      prefix: str) -> None:
+    with redis_cache(private_redis.url, prefix, host_slots=4) as (cache, ns):
+        private_redis.kill()
+        assert poll(lambda: hit_blocks(cache, ns, tokens_for(9, 1)) == 0 and remote_down(cache)(), 3)
+        a = tokens_for(1, 4)
+        assert store(cache, ns, a).stored == 4
+        assert cache.stats().spills_dropped == 4           # the write-through found Redis down
+        private_redis.start()
+        assert poll(remote_up(cache), 5)
+        assert store(cache, ns, tokens_for(2, 3)).stored == 3   # evicts a1..a3: now they are written
+        assert cache.remote.wait_idle(5)
+        with private_redis.client() as raw:
+            assert [raw.exists(key) for key in keys_of(cache, ns, a)] == [0, 1, 1, 1]
+        assert hit_blocks(cache, ns, a) == 4
+        assert cache.stats().promotions == {"host": 3}
+
+
+def test_an_evicted_block_whose_redis_copy_has_expired_is_spilled_again(redis_server: RedisServer,
+                                                                       prefix: str) -> None:
+    """A host tier can keep a hot block longer than Redis keeps its written-through copy."""
+    clock = ManualClock()
+    with redis_cache(redis_server.url, prefix, host_slots=4, clock=clock, cache_ttl_s=10 * REDIS_TTL_S) as (a, ns), \
+            redis_cache(redis_server.url, prefix) as (b, _):
+        tokens = tokens_for(1, 4)
+        assert store(a, ns, tokens).stored == 4 and a.remote.wait_idle(5)
+        with redis_server.client() as raw:
+            clock.advance(REDIS_TTL_S + 1)                 # past the Redis TTL, and Redis forgot them...
+            raw.unlink(*keys_of(a, ns, tokens))
+            assert hit_blocks(a, ns, tokens) == 4          # ...while local hits kept them warm here
+            assert store(a, ns, tokens_for(2, 4)).stored == 4   # evicts all four
+            assert a.remote.wait_idle(5)
+            assert raw.exists(*keys_of(a, ns, tokens)) == 4
+        assert hit_blocks(b, ns, tokens) == 4
+
+
+# ---- sharing across instances and restarts --------------------------------------------------------
+
+def test_a_prefix_stored_through_one_instance_is_a_hit_on_another(redis_server: RedisServer, prefix: str) -> None:
+    with redis_cache(redis_server.url, prefix) as (a, ns), redis_cache(redis_server.url, prefix) as (b, ns_b):
+        assert ns_b == ns                                   # the namespace id is a hash, the same everywhere
+        prompts = [tokens_for(seed, 5) for seed in (1, 2)]
+        for tokens in prompts:
+            assert store(a, ns, tokens).stored == 5
+        assert a.remote.wait_idle(5)
+        assert [hit_blocks(b, ns, tokens) for tokens in prompts] == [5, 5]
+        stats = b.stats()
+        assert (stats.blocks_committed, stats.promotions, stats.remote["hits"]) == (0, {"host": 10}, 10)
+        longer = prompts[0] + tokens_for(3, 2)             # shares five blocks, then diverges
+        assert hit_blocks(b, ns, longer) == 5
+        salted = b.attach(namespace(LAYOUT, cache_salt="tenant-b"))
+        assert b.lookup(salted, prompts[0]).hit_tokens == 0  # another namespace never shares a block
+
+
+def test_a_long_prefix_comes_back_in_several_round_trips_in_order(redis_server: RedisServer, prefix: str) -> None:
+    """40 blocks: two probe batches (32 + 8), each split into round trips of at most 3 frames."""
+    tokens = tokens_for(8, 40)
+    with redis_cache(redis_server.url, prefix, host_slots=48) as (a, ns), \
+            redis_cache(redis_server.url, prefix, host_slots=48, max_fetch_bytes=3 * LAYOUT.block_bytes) as (b, _):
+        assert store(a, ns, tokens).stored == 40 and a.remote.wait_idle(5)
+        result = b.lookup(ns, tokens, take_lease=True)
+        assert result.hit_tokens == 40 * BS and result.lease_id is not None
+        assert same_bytes(b.read_lease(result.lease_id), kv_for(tokens, LAYOUT))
+        b.release(result.lease_id)
+        remote = b.remote.stats()
+        assert (remote.hits, remote.misses, remote.read_latency.count) == (40, 0, 2)  # one fetch per probe batch
+
+
+def test_concurrent_lookups_of_a_prefix_in_redis_all_hit_it(redis_server: RedisServer, prefix: str) -> None:
+    """Lookups racing to admit the same blocks: the losers continue through the winner's blocks."""
+    tokens = tokens_for(6, 8)
+    with redis_cache(redis_server.url, prefix) as (a, ns), redis_cache(redis_server.url, prefix) as (b, _):
+        assert store(a, ns, tokens).stored == 8 and a.remote.wait_idle(5)
+        start = threading.Barrier(6)
+
+        def look() -> int:
+            start.wait(5)
+            return b.lookup(ns, tokens).hit_tokens // BS
+
+        with ThreadPoolExecutor(6) as pool:
+            hits = list(pool.map(lambda _: look(), range(6)))
+        assert hits == [8] * 6
+        assert b.stats().promotions == {"host": 8}          # each block admitted once
+        assert hit_blocks(b, ns, tokens) == 8
+
+
+def test_a_restarted_instance_hits_prefixes_stored_before_it_started(redis_server: RedisServer,
+                                                                     prefix: str) -> None:
+    prompts = [tokens_for(seed, 3) for seed in (1, 2, 3)]
+    with redis_cache(redis_server.url, prefix) as (first, ns):
+        for tokens in prompts:
+            assert store(first, ns, tokens).stored == 3
+    # no wait_idle: close() drains the write queue, as a graceful shutdown does
+    with redis_cache(redis_server.url, prefix) as (restarted, ns):
+        assert [hit_blocks(restarted, ns, tokens) for tokens in prompts] == [3, 3, 3]
+
+
+# ---- faults ------------------------------------------------------------------------------------------
+
+def test_sigkill_mid_stream_degrades_to_the_host_tier_and_recovers(private_redis: RedisServer,
+                                                                   prefix: str) -> None:
+    url, kill_at = private_redis.url, 6
+    with redis_cache(url, prefix, host_slots=24) as (a, ns), redis_cache(url, prefix, host_slots=24) as (b, _):
+        prompts = [tokens_for(seed, 4) for seed in range(1, 17)]
+        for i, tokens in enumerate(prompts):
+            if i == kill_at:
+                private_redis.kill()
+            assert store(a, ns, tokens).stored == 4
+            assert hit_blocks(a, ns, tokens) == 4           # the host tier keeps serving its own blocks
+            if i < kill_at:
+                assert a.remote.wait_idle(5) and hit_blocks(b, ns, tokens) == 4
+            else:
+                assert hit_blocks(b, ns, tokens) == 0       # never written: Redis was gone
+        unknown = tokens_for(99, 1)                         # a miss that asks Redis: drives both breakers
+        assert poll(lambda: hit_blocks(a, ns, unknown) + hit_blocks(b, ns, unknown) == 0 and remote_down(a, b)(), 3)
+        assert hit_blocks(a, ns, prompts[0]) == 0           # pushed out of a's host tier, Redis unreachable
+        assert hit_blocks(a, ns, prompts[-1]) == 4
+        dropped = a.stats().spills_dropped
+        assert store(a, ns, tokens_for(50, 2)).stored == 2
+        assert a.stats().spills_dropped == dropped + 2      # refused at once while down, counted
+
+        private_redis.start()                               # empty: persistence is off
+        began = time.monotonic()
+        assert poll(remote_up(a, b), 5), "the tier must recover without recreating the cache"
+        recovered_s = time.monotonic() - began
+        fresh = tokens_for(60, 4)
+        assert store(a, ns, fresh).stored == 4 and a.remote.wait_idle(5)
+        assert hit_blocks(b, ns, fresh) == 4
+        assert recovered_s < 5
+
+
+def test_a_paused_redis_costs_a_lookup_at_most_the_read_timeout(private_redis: RedisServer, prefix: str) -> None:
+    timeout_s = 0.05
+    url = private_redis.url
+    with redis_cache(url, prefix, socket_timeout_s=timeout_s) as (a, ns), \
+            redis_cache(url, prefix, socket_timeout_s=timeout_s) as (b, _):
+        tokens = tokens_for(1, 4)
+        assert store(a, ns, tokens).stored == 4 and a.remote.wait_idle(5)
+        private_redis.pause(1000)
+        for _ in range(5):
+            began = time.perf_counter()
+            assert b.lookup(ns, tokens).hit_tokens == 0      # Redis holds it, but does not answer
+            assert time.perf_counter() - began < timeout_s + 0.15
+        assert b.stats().remote_up is False
+        assert hit_blocks(a, ns, tokens) == 4               # local hits never wait on Redis
+        assert poll(remote_up(b), 5)                        # the pause ends; a probe brings it back
+        assert hit_blocks(b, ns, tokens) == 4
+
+
+def test_a_cache_created_while_redis_is_down_starts_promptly_and_picks_it_up(tmp_path: Path, prefix: str) -> None:
+    server = RedisServer(tmp_path / "late")
+    try:
+        began = time.perf_counter()
+        with redis_cache(server.url, prefix) as (a, ns):
+            assert time.perf_counter() - began < 0.5
+            early = tokens_for(1, 3)
+            assert hit_blocks(a, ns, early) == 0
+            assert store(a, ns, early).stored == 3 and hit_blocks(a, ns, early) == 3
+            assert poll(remote_down(a), 2)
+            server.start()
+            assert poll(remote_up(a), 5)
+            late = tokens_for(2, 3)
+            assert store(a, ns, late).stored == 3 and a.remote.wait_idle(5)
+            with redis_cache(server.url, prefix) as (b, _):
+                assert hit_blocks(b, ns, late) == 3
+                assert hit_blocks(b, ns, early) == 0        # its write-through was dropped while down
+    finally:
+        server.kill()
+
+
+# ---- integrity -----------------------------------------------------------------------------------------
+
+class _TouchesFile:
+    """Unpickling this creates a file: its absence proves nothing was unpickled."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def _flip_payload_byte(frame: bytes) -> bytes:
+    return frame[:-1] + bytes([frame[-1] ^ 0x01])
+
+
+CORRUPTIONS: dict[str, Callable[[list[bytes], int, Path], bytes]] = {
+    "flipped payload byte": lambda frames, i, _: _flip_payload_byte(frames[i]),
+    "truncated value": lambda frames, i, _: frames[i][: len(frames[i]) - 7],
+    "another block's value": lambda frames, i, _: frames[i + 1],
+    "bad magic": lambda frames, i, _: b"XXXX" + frames[i][4:],
+    "unknown version": lambda frames, i, _: frames[i][:4] + struct.pack("<H", 99) + frames[i][6:],
+    "absurd header length": lambda frames, i, _: frames[i][:6] + struct.pack("<I", 0xFFFFFFFF) + frames[i][10:],
+    "pickle": lambda frames, i, tmp: pickle.dumps(_TouchesFile(tmp / "pwned")),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_a_bad_value_under_a_block_key_is_a_counted_miss_and_is_deleted(
+        redis_server: RedisServer, prefix: str, tmp_path: Path, corruption: str) -> None:
+    tokens = tokens_for(5, 4)
+    with redis_cache(redis_server.url, prefix) as (writer, ns), redis_cache(redis_server.url, prefix) as (reader, _):
+        assert store(writer, ns, tokens).stored == 4 and writer.remote.wait_idle(5)
+        keys = keys_of(reader, ns, tokens)
+        with redis_server.client() as raw:
+            frames = [raw.get(key) for key in keys]
+            raw.set(keys[2], CORRUPTIONS[corruption](frames, 2, tmp_path), px=60_000)
+            result = reader.lookup(ns, tokens)
+            assert result.hit_tokens == 2 * BS                 # stops before the bad block
+            assert result.miss_reason is MissReason.VERIFICATION_FAILED
+            assert same_bytes(reader.read(result.locations), kv_for(tokens, LAYOUT)[:2])
+            stats = reader.stats()
+            assert (stats.remote["integrity_failures"], reader.counters.remote_integrity_failures) == (1, 1)
+            assert (stats.block_hits, stats.block_misses, stats.miss_reasons) == (2, 2, {"verification_failed": 1})
+            assert reader.remote.wait_idle(5)
+            assert [raw.exists(key) for key in keys] == [1, 1, 0, 1]   # only the bad key is gone
+            assert hit_blocks(reader, ns, tokens) == 2          # now a plain miss, not counted again
+            assert reader.stats().remote["integrity_failures"] == 1
+    assert not (tmp_path / "pwned").exists()
+
+
+# ---- TTL -------------------------------------------------------------------------------------------------
+
+def test_a_redis_hit_lengthens_the_key_ttl_and_a_local_hit_does_not(redis_server: RedisServer,
+                                                                   prefix: str) -> None:
+    full_ms = REDIS_TTL_S * 1000
+    with redis_cache(redis_server.url, prefix) as (a, ns), redis_cache(redis_server.url, prefix) as (b, _):
+        tokens = tokens_for(3, 3)
+        assert store(a, ns, tokens).stored == 3 and a.remote.wait_idle(5)
+        keys = keys_of(a, ns, tokens)
+        with redis_server.client() as raw:
+            assert all(full_ms - 10_000 < raw.pttl(key) <= full_ms for key in keys)  # RedisOptions.ttl_s
+            for key in keys:
+                raw.pexpire(key, 2000)                        # as if the keys had aged
+            assert hit_blocks(a, ns, tokens) == 3             # local hit: Redis is not asked
+            assert all(raw.pttl(key) <= 2000 for key in keys)
+            assert hit_blocks(b, ns, tokens) == 3             # Redis hit: GETEX ... PX slides the TTL
+            assert all(raw.pttl(key) > full_ms - 10_000 for key in keys)
+
+
+def test_an_expired_redis_key_is_never_served(redis_server: RedisServer, prefix: str) -> None:
+    with redis_cache(redis_server.url, prefix) as (a, ns), redis_cache(redis_server.url, prefix) as (b, _):
+        tokens = tokens_for(4, 3)
+        assert store(a, ns, tokens).stored == 3 and a.remote.wait_idle(5)
+        keys = keys_of(a, ns, tokens)
+        with redis_server.client() as raw:
+            raw.pexpire(keys[1], 1)
+            assert poll(lambda: raw.pttl(keys[1]) == -2, 2)
+        assert hit_blocks(b, ns, tokens) == 1
+        assert b.stats().remote["integrity_failures"] == 0
+
+
+# ---- Redis Cluster ---------------------------------------------------------------------------------------
+
+def test_two_caches_share_prefixes_across_every_cluster_node(redis_cluster, prefix: str) -> None:
+    url = redis_cluster.url
+    with redis_cache(url, prefix, host_slots=64, socket_timeout_s=0.5) as (a, ns), \
+            redis_cache(url, prefix, host_slots=64, socket_timeout_s=0.5) as (b, _):
+        assert poll(remote_up(a, b), 10)                     # the cluster client connects in the background
+        prompts = [tokens_for(seed, 4) for seed in range(1, 13)]
+        for tokens in prompts:
+            assert store(a, ns, tokens).stored == 4
+        assert a.remote.wait_idle(10)
+        assert [hit_blocks(b, ns, tokens) for tokens in prompts] == [4] * 12
+        assert b.stats().remote["hits"] == 48 and a.stats().remote["writes_failed"] == 0
+        per_node = []
+        for node in redis_cluster.nodes:
+            with node.client() as raw:
+                per_node.append(sum(1 for _ in raw.scan_iter(match=f"{prefix}:*")))
+        assert sum(per_node) == 48 and all(count > 0 for count in per_node), per_node
