@@ -343,6 +343,22 @@ def test_commit_extends_a_cached_prefix_and_rejects_a_gap() -> None:
         assert_consistent(cache)
 
 
+def test_store_never_evicts_its_own_cached_prefix_to_make_room() -> None:
+    clock = ManualClock()
+    with make_cache(host_slots=4, clock=clock) as cache:
+        ns = cache.attach(namespace())
+        a, b = prompt(1, 2), prompt(3, 4)
+        store(cache, ns, a)                      # the least recently used blocks...
+        clock.advance(1)
+        store(cache, ns, b)
+        clock.advance(1)
+        longer = prompt(1, 2, 5, 6)              # ...are the prefix of the next store
+        result = store(cache, ns, longer)
+        assert (result.stored, result.deduplicated, result.rejected) == (2, 2, 0)
+        assert cache.lookup(ns, longer).hit_tokens == 4 * BS and cache.lookup(ns, b).hit_tokens == 0
+        assert_consistent(cache)
+
+
 def test_commit_validates_its_block_range_without_leaking_slots() -> None:
     with make_cache(host_slots=4) as cache:
         ns = cache.attach(namespace())

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, DType, KVLayout
@@ -41,8 +41,10 @@ settings.register_profile("stateful-ci", max_examples=40, stateful_step_count=25
 settings.register_profile("stateful-long", max_examples=1500, stateful_step_count=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-TOKENS = st.lists(st.integers(0, 2), max_size=14)  # a tiny alphabet, so prompts share prefixes
-NAMESPACE = st.integers(0, 1)
+# A tiny alphabet, so fresh prompts share prefixes too; at least one block (block_size <= 4).
+FRESH = st.lists(st.integers(0, 2), min_size=4, max_size=9)
+TURN = st.lists(st.integers(0, 2), min_size=1, max_size=8)
+NAMESPACE = st.sampled_from([0, 0, 1])
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,11 @@ class HeldLease:
 
 
 class CacheMachine(RuleBasedStateMachine):
+    """Prompts live in a bundle: rules reuse them and `extend` grows them turn by turn, so
+    stores and lookups keep meeting cached prefixes (dedup, extension, shared parents)."""
+
     cache: PrefixCache | None = None
+    prompts = Bundle("prompts")
 
     @initialize(block_size=st.integers(2, 4), host_slots=st.integers(3, 6), device_slots=st.integers(0, 2),
                 dtype=st.sampled_from(list(DType)))
@@ -96,7 +102,15 @@ class CacheMachine(RuleBasedStateMachine):
         return count
 
     # -- rules -------------------------------------------------------------------------
-    @rule(ns=NAMESPACE, tokens=TOKENS, start=st.integers(0, 2))
+    @rule(target=prompts, tokens=FRESH)
+    def new_prompt(self, tokens: list[int]) -> list[int]:
+        return tokens
+
+    @rule(target=prompts, base=prompts, more=TURN)
+    def extend(self, base: list[int], more: list[int]) -> list[int]:
+        return base + more
+
+    @rule(ns=NAMESPACE, tokens=prompts, start=st.integers(0, 2))
     def store(self, ns: int, tokens: list[int], start: int) -> None:
         full = len(tokens) // self.layout.block_size
         start = min(start, full)
@@ -109,7 +123,7 @@ class CacheMachine(RuleBasedStateMachine):
         for blocks in range(start + 1, start + accepted + 1):
             self.stored.add((ns, self.prefix(tokens, blocks)))
 
-    @rule(ns=NAMESPACE, tokens=TOKENS, take_lease=st.booleans())
+    @rule(ns=NAMESPACE, tokens=prompts, take_lease=st.booleans())
     def lookup(self, ns: int, tokens: list[int], take_lease: bool) -> None:
         expected_blocks = self.reachable(ns, tokens)
         result = self.cache.lookup(self.ns[ns], tokens, take_lease=take_lease)
@@ -142,7 +156,7 @@ class CacheMachine(RuleBasedStateMachine):
     def evict_older(self, seconds: float) -> None:
         self.cache.evict(older_than_s=seconds)
 
-    @rule(ns=NAMESPACE, tokens=TOKENS)
+    @rule(ns=NAMESPACE, tokens=prompts)
     def evict_prefix(self, ns: int, tokens: list[int]) -> None:
         self.cache.evict(self.ns[ns], prefix_tokens=tokens)
 

@@ -10,7 +10,6 @@ draining; auth on and off, tenants; metrics; generated code freshness.
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import shutil
@@ -19,13 +18,12 @@ import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
 import torch
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,79 +37,16 @@ from services.cache_server.backend import BackendOptions
 from services.cache_server.options import ServerOptions
 from services.cache_server.server import build_server
 from services.cache_server.servicer import SERVICE_NAME
-
-ROOT = Path(__file__).resolve().parent.parent
-DTYPES = ("float16", "bfloat16", "float32")
-BLOCK = 16
-CACHE_FIELDS = {"ttl_s", "lease_ttl_s", "max_prompt_tokens", "max_leases"}
-CODE = grpc.StatusCode
-
-
-def layout_of(dtype: str = "float16") -> KVLayout:
-    # 3 layers x 20 head_dim: a block (3840 bytes in fp16) never divides a 4 KiB chunk evenly.
-    return KVLayout(layers=3, kv_heads=1, head_dim=20, block_size=BLOCK, dtype=dtype)
-
-
-def random_kv(blocks: int, layout: KVLayout, seed: int) -> torch.Tensor:
-    """Random bit patterns (NaNs and all) so that only a byte-exact copy compares equal."""
-    generator = torch.Generator().manual_seed(seed)
-    itemsize = layout.dtype.itemsize
-    bits = torch.randint(-(2 ** 15), 2 ** 15, (blocks, *layout.block_shape, itemsize // 2), dtype=torch.int16,
-                         generator=generator)
-    torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[layout.dtype.value]
-    return bits.view(torch_dtype).reshape(blocks, *layout.block_shape)
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-def prompt(blocks: int, start: int = 1000, extra: int = 5) -> list[int]:
-    return list(range(start, start + blocks * BLOCK + extra))
+from tests.service_support import (BLOCK, BLOCK_BYTES, CODE, DTYPES, FUZZ_METHODS, MATRIX, ROOT, fuzz_inputs,
+                                   health_status, layout_of, prompt, random_kv, rpc_code, running_servers, same_bytes,
+                                   store_header, stub_for)
 
 
 @pytest.fixture
 def start():
-    """Factory of started servers (and clients) that are all stopped at teardown."""
-    servers, clients = [], []
-
-    def make_server(host_capacity: str | int = "4MiB", authenticator: Authenticator | None = None, **kwargs):
-        cache_kwargs = {key: kwargs.pop(key) for key in list(kwargs) if key in CACHE_FIELDS}
-        backend = BackendOptions(cache=CacheConfig(host_capacity=host_capacity, **cache_kwargs), block_size=BLOCK)
-        options = ServerOptions(backend=backend, listen="127.0.0.1:0",
-                                authenticator=authenticator or Authenticator.open(), **kwargs)
-        server = build_server(options)
-        servers.append(server)
-        return server
-
-    def make_client(server, **kwargs) -> CacheClient:
-        client = CacheClient(server.address, timeout_s=10, **kwargs)
-        clients.append(client)
-        return client
-
-    make_server.client = make_client
-    yield make_server
-    for client in clients:
-        client.close()
-    for server in servers:
-        server.shutdown(0)
-
-
-def stub_for(server) -> pb_grpc.PrefixCacheStub:
-    return pb_grpc.PrefixCacheStub(grpc.insecure_channel(server.address))
-
-
-def rpc_code(call, *args, **kwargs) -> tuple[grpc.StatusCode, str | None]:
-    """(status code, `prefixcache-field` metadata) of a call that is expected to fail."""
-    try:
-        result = call(*args, **kwargs)
-        if hasattr(result, "__next__"):
-            for _ in result:
-                pass
-    except grpc.RpcError as error:
-        field = dict(error.trailing_metadata() or ()).get("prefixcache-field")
-        return error.code(), field
-    return CODE.OK, None
+    """`start(**server options)` -> a running server; `start.client(server)` -> a client; all stopped after."""
+    with running_servers() as make:
+        yield make
 
 
 # -- round trips ---------------------------------------------------------------
@@ -293,114 +228,6 @@ def test_lease_expires_and_frees_its_blocks(start):
     assert local.store(prompt(4, start=90_000), random_kv(4, layout, seed=6)).stored == 4
 
 
-# -- malformed requests ------------------------------------------------------------------
-def _layout_msg(**overrides) -> pb.KVLayout:
-    fields = dict(layers=3, kv_heads=1, head_dim=20, block_size=BLOCK, dtype=pb.DTYPE_FLOAT16)
-    fields.update(overrides)
-    return pb.KVLayout(**fields)
-
-
-def _store(stub, ns, *messages):
-    return stub.Store(iter(messages))
-
-
-def _reserve(stub, ns) -> int:
-    return stub.Reserve(pb.ReserveRequest(namespace_id=ns, block_count=1)).reservation_id
-
-
-def _header(ns, **overrides) -> pb.StoreRequest:
-    fields = dict(namespace_id=ns, tokens=prompt(2), block_count=2, dtype=pb.DTYPE_FLOAT16,
-                  block_shape=list(layout_of().block_shape))
-    fields.update(overrides)
-    return pb.StoreRequest(header=pb.StoreHeader(**fields))
-
-
-BLOCK_BYTES = layout_of().block_bytes
-MATRIX = {
-    "negative token": (CODE.INVALID_ARGUMENT, "tokens",
-        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[1, -1]))),
-    "token >= 2^32": (CODE.INVALID_ARGUMENT, "tokens",
-        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[2 ** 32]))),
-    "too many tokens": (CODE.INVALID_ARGUMENT, "tokens",
-        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[1] * 5000))),
-    "unknown namespace": (CODE.INVALID_ARGUMENT, "namespace",
-        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id="0123456789abcdef"))),
-    "malformed namespace": (CODE.INVALID_ARGUMENT, "namespace_id",
-        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id="../x"))),
-    "empty salt": (CODE.INVALID_ARGUMENT, "cache_salt",
-        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt=""))),
-    "long salt": (CODE.INVALID_ARGUMENT, "cache_salt",
-        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt="s" * 129))),
-    "unprintable salt": (CODE.INVALID_ARGUMENT, "cache_salt",
-        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt="a\x00b"))),
-    "block size mismatch": (CODE.INVALID_ARGUMENT, "layout.block_size",
-        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(block_size=32)))),
-    "no dtype": (CODE.INVALID_ARGUMENT, "layout.dtype",
-        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(dtype=0)))),
-    "unknown dtype enum": (CODE.INVALID_ARGUMENT, "layout.dtype",
-        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(dtype=99)))),
-    "zero layers": (CODE.INVALID_ARGUMENT, "layout.layers",
-        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(layers=0)))),
-    "no model": (CODE.INVALID_ARGUMENT, "model",
-        lambda s, ns: s.Attach(pb.AttachRequest(layout=_layout_msg()))),
-    "no layout": (CODE.INVALID_ARGUMENT, "layout",
-        lambda s, ns: s.Attach(pb.AttachRequest(model="m"))),
-    "salt on attach": (CODE.INVALID_ARGUMENT, "cache_salt",
-        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(), cache_salt="\n"))),
-    "layout mismatch": (CODE.FAILED_PRECONDITION, None,
-        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(head_dim=64)))),
-    "fetch without lease": (CODE.INVALID_ARGUMENT, "lease_id",
-        lambda s, ns: s.Fetch(pb.FetchRequest())),
-    "fetch unknown lease": (CODE.NOT_FOUND, "lease_id",
-        lambda s, ns: s.Fetch(pb.FetchRequest(lease_id=12345))),
-    "fetch tiny chunks": (CODE.INVALID_ARGUMENT, "max_chunk_bytes",
-        lambda s, ns: s.Fetch(pb.FetchRequest(lease_id=1, max_chunk_bytes=100))),
-    "release unknown lease": (CODE.NOT_FOUND, "lease_id",
-        lambda s, ns: s.Release(pb.ReleaseRequest(lease_id=2 ** 64 - 1))),
-    "reserve nothing": (CODE.INVALID_ARGUMENT, "block_count",
-        lambda s, ns: s.Reserve(pb.ReserveRequest(namespace_id=ns))),
-    "reserve too much": (CODE.RESOURCE_EXHAUSTED, None,
-        lambda s, ns: s.Reserve(pb.ReserveRequest(namespace_id=ns, block_count=2 ** 32 - 1))),
-    "commit no reservation": (CODE.INVALID_ARGUMENT, "reservation_id",
-        lambda s, ns: s.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1)))),
-    "commit unknown reservation": (CODE.INVALID_ARGUMENT, "reservation_id",
-        lambda s, ns: s.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1), reservation_id=7))),
-    "commit past the prompt": (CODE.INVALID_ARGUMENT, "start_block",
-        lambda s, ns: s.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1), start_block=3,
-                                                reservation_id=_reserve(s, ns)))),
-    "store empty stream": (CODE.INVALID_ARGUMENT, "header",
-        lambda s, ns: _store(s, ns)),
-    "store data first": (CODE.INVALID_ARGUMENT, "header",
-        lambda s, ns: _store(s, ns, pb.StoreRequest(data=b"x"))),
-    "store wrong dtype": (CODE.INVALID_ARGUMENT, "header.dtype",
-        lambda s, ns: _store(s, ns, _header(ns, dtype=pb.DTYPE_BFLOAT16))),
-    "store wrong shape": (CODE.INVALID_ARGUMENT, "header.block_shape",
-        lambda s, ns: _store(s, ns, _header(ns, block_shape=[3, 2, 1, 16, 21]))),
-    "store too few bytes": (CODE.INVALID_ARGUMENT, "data",
-        lambda s, ns: _store(s, ns, _header(ns), pb.StoreRequest(data=b"x" * BLOCK_BYTES))),
-    "store too many bytes": (CODE.INVALID_ARGUMENT, "data",
-        lambda s, ns: _store(s, ns, _header(ns), pb.StoreRequest(data=b"x" * (2 * BLOCK_BYTES + 1)))),
-    "store two headers": (CODE.INVALID_ARGUMENT, "header",
-        lambda s, ns: _store(s, ns, _header(ns), _header(ns))),
-    "store too large": (CODE.RESOURCE_EXHAUSTED, None,
-        lambda s, ns: _store(s, ns, _header(ns, block_count=2 ** 32 - 1))),
-    "store bad tokens": (CODE.INVALID_ARGUMENT, "header.tokens",
-        lambda s, ns: _store(s, ns, _header(ns, tokens=[-5]))),
-    "evict nothing": (CODE.INVALID_ARGUMENT, "request",
-        lambda s, ns: s.Evict(pb.EvictRequest())),
-    "evict NaN age": (CODE.INVALID_ARGUMENT, "older_than_seconds",
-        lambda s, ns: s.Evict(pb.EvictRequest(older_than_seconds=math.nan))),
-    "evict negative age": (CODE.INVALID_ARGUMENT, "older_than_seconds",
-        lambda s, ns: s.Evict(pb.EvictRequest(older_than_seconds=-1))),
-    "evict prefix without namespace": (CODE.INVALID_ARGUMENT, "namespace_id",
-        lambda s, ns: s.Evict(pb.EvictRequest(prefix=pb.TokenPrefix(tokens=[1])))),
-    "evict bad prefix": (CODE.INVALID_ARGUMENT, "prefix.tokens",
-        lambda s, ns: s.Evict(pb.EvictRequest(namespace_id=ns, prefix=pb.TokenPrefix(tokens=[-1])))),
-    "inspect bad tokens": (CODE.INVALID_ARGUMENT, "tokens",
-        lambda s, ns: s.Inspect(pb.InspectRequest(namespace_id=ns, tokens=[2 ** 40]))),
-}
-
-
 @pytest.fixture
 def attached(start):
     server = start(host_capacity=64 * BLOCK_BYTES, max_prompt_tokens=4096)
@@ -445,34 +272,6 @@ def test_oversized_message_is_resource_exhausted(start):
 
 
 # -- fuzzing ---------------------------------------------------------------------------
-FUZZ_METHODS = {
-    "Attach": ("unary", pb.AttachRequest(model="m", revision="r", layout=_layout_msg(), cache_salt="s",
-                                         same_host=True)),
-    "Lookup": ("unary", pb.LookupRequest(namespace_id="0" * 16, tokens=prompt(3), cache_salt="s", take_lease=True)),
-    "Reserve": ("unary", pb.ReserveRequest(namespace_id="0" * 16, block_count=2)),
-    "Commit": ("unary", pb.CommitRequest(namespace_id="0" * 16, tokens=prompt(2), reservation_id=9, start_block=1)),
-    "Release": ("unary", pb.ReleaseRequest(lease_id=99)),
-    "GetStats": ("unary", pb.GetStatsRequest()),
-    "Inspect": ("unary", pb.InspectRequest(namespace_id="0" * 16, tokens=prompt(2))),
-    "Evict": ("unary", pb.EvictRequest(namespace_id="0" * 16, older_than_seconds=5, prefix=pb.TokenPrefix(tokens=[1]))),
-    "Flush": ("unary", pb.FlushRequest()),
-    "Fetch": ("stream_out", pb.FetchRequest(lease_id=5, max_chunk_bytes=8192)),
-    "Store": ("stream_in", _header("0" * 16)),
-}
-
-
-def _fuzz_inputs(rng: random.Random, valid: bytes) -> list[bytes]:
-    inputs = [rng.randbytes(rng.randrange(0, 64)) for _ in range(25)]
-    inputs += [valid[:cut] for cut in range(0, len(valid), max(1, len(valid) // 12))]
-    flipped = bytearray(valid)
-    for _ in range(10):
-        position = rng.randrange(len(flipped)) if flipped else 0
-        if flipped:
-            flipped[position] ^= 1 << rng.randrange(8)
-        inputs.append(bytes(flipped))
-    return inputs
-
-
 def test_protobuf_fuzzing_never_yields_unknown(attached):
     server, _stub, client = attached
     channel = grpc.insecure_channel(server.address)
@@ -480,7 +279,7 @@ def test_protobuf_fuzzing_never_yields_unknown(attached):
     seen: dict[grpc.StatusCode, int] = {}
     for method, (kind, valid) in FUZZ_METHODS.items():
         path = f"/{SERVICE_NAME}/{method}"
-        for data in _fuzz_inputs(rng, valid.SerializeToString()):
+        for data in fuzz_inputs(rng, valid.SerializeToString()):
             if kind == "unary":
                 code, _ = rpc_code(channel.unary_unary(path), data, timeout=10)
             elif kind == "stream_out":
@@ -496,10 +295,6 @@ def test_protobuf_fuzzing_never_yields_unknown(attached):
 
 
 # -- health and drain -----------------------------------------------------------------
-def _health(channel, service: str = SERVICE_NAME) -> int:
-    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
-
-
 def test_health_transitions_while_draining_a_stream(start):
     server = start(host_capacity="32MiB", max_chunk_bytes=1 << 20)
     layout = KVLayout(layers=4, kv_heads=8, head_dim=64, block_size=BLOCK, dtype="bfloat16")
@@ -509,15 +304,15 @@ def test_health_transitions_while_draining_a_stream(start):
     client.store(tokens, kv)
     hit = client.lookup(tokens)
     channel = grpc.insecure_channel(server.address)
-    assert _health(channel) == _health(channel, "") == health_pb2.HealthCheckResponse.SERVING
+    assert health_status(channel) == health_status(channel, "") == health_pb2.HealthCheckResponse.SERVING
     stream = pb_grpc.PrefixCacheStub(channel).Fetch(pb.FetchRequest(lease_id=hit.lease_id))
     received = [next(stream).data]
     drain = threading.Thread(target=server.shutdown, args=(20,))
     drain.start()
     deadline = time.monotonic() + 5
-    while _health(channel) != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
+    while health_status(channel) != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
     assert server.tracker.in_flight == 1  # the Fetch is still being served
     with pytest.raises(CacheUnavailable):
         client.lookup(tokens)
@@ -526,7 +321,7 @@ def test_health_transitions_while_draining_a_stream(start):
     assert not drain.is_alive()
     assert b"".join(received) == kv.view(torch.uint8).numpy().tobytes()
     with pytest.raises(grpc.RpcError):
-        _health(channel)
+        health_status(channel)
     channel.close()
 
 
@@ -558,9 +353,9 @@ def test_auth_shared_token(start):
             client.attach("model", layout_of())
     stub = stub_for(server)
     assert rpc_code(stub.Fetch, pb.FetchRequest(lease_id=1))[0] is CODE.UNAUTHENTICATED
-    assert rpc_code(stub.Store, iter([_header("0" * 16)]))[0] is CODE.UNAUTHENTICATED
+    assert rpc_code(stub.Store, iter([store_header("0" * 16)]))[0] is CODE.UNAUTHENTICATED
     channel = grpc.insecure_channel(server.address)
-    assert _health(channel) == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+    assert health_status(channel) == health_pb2.HealthCheckResponse.SERVING  # probes need no token
     channel.close()
     good = start.client(server, auth_token=token)
     good.attach("model", layout_of())

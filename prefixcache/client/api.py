@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -118,7 +119,7 @@ class CacheClient:
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
                    ("grpc.keepalive_time_ms", 30000), ("grpc.keepalive_timeout_ms", 10000)]
         if tls or tls_root_cert_file:
-            root = open(tls_root_cert_file, "rb").read() if tls_root_cert_file else None
+            root = Path(tls_root_cert_file).read_bytes() if tls_root_cert_file else None
             self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root), options)
         else:
             self._channel = grpc.insecure_channel(address, options)

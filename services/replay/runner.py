@@ -2,7 +2,9 @@
 
 Owns: following the plan in real time with asyncio — one task per conversation, sleeping to
 its start offset, sending its turns one after another (turn k+1 `think_times_s[k]` after turn
-k completes), with at most `config.concurrency` requests in flight across the run.
+k completes), with at most `config.concurrency` requests in flight across the run. How a turn
+is sent is a `SendTurn` coroutine: the streaming chat client (`run_schedule`), or the cache
+service driven directly (`cache_only`, through `run_schedule_with`).
 
 Invariants:
 - bounded in count by the plan (`Schedule.request_count`) and in time: no request starts at or
@@ -19,13 +21,14 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from services.replay.openai_client import ChatClient, Completion
 from services.replay.schedule import Schedule, ScheduledConversation
+from services.replay.turns import Turn
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +101,17 @@ class ABResult:
     comparison: Comparison | None
 
 
+SendTurn = Callable[[Turn], Awaitable[Completion]]
+"""Sends one turn and returns its outcome; must not raise for server or network failures."""
+
+
 class _Run:
     """State of one run in progress; owned by the event loop task running it."""
 
-    def __init__(self, schedule: Schedule, client: ChatClient, options: RunOptions,
+    def __init__(self, schedule: Schedule, send: SendTurn, options: RunOptions,
                  on_done: Callable[[], None]) -> None:
         self.schedule = schedule
-        self.client = client
+        self.send = send
         self.options = options
         self.on_done = on_done
         self.slots = asyncio.Semaphore(schedule.config.concurrency)
@@ -137,7 +144,7 @@ class _Run:
                     self._skip(len(conv.turns) - k)
                     return
                 start = time.perf_counter()
-                completion = await self._send(turn.openai_messages())
+                completion = await self._send(turn)
             self.records.append(RequestRecord(conv.conversation_id, turn.index,
                                               start - self.t0, completion))
             self.on_done()
@@ -147,12 +154,12 @@ class _Run:
         for _ in range(count):
             self.on_done()
 
-    async def _send(self, messages: list[dict[str, str]]) -> Completion:
+    async def _send(self, turn: Turn) -> Completion:
         if self.hard_stop_at is None:
-            return await self.client.complete(messages, self.options.max_tokens)
+            return await self.send(turn)
         try:
             async with asyncio.timeout_at(_loop_time_at(self.hard_stop_at)):
-                return await self.client.complete(messages, self.options.max_tokens)
+                return await self.send(turn)
         except TimeoutError:
             return Completion(error="cut at run deadline (duration_s + drain_s)")
 
@@ -165,16 +172,26 @@ def _loop_time_at(perf_deadline: float) -> float:
 async def run_schedule(schedule: Schedule, target: Target, options: RunOptions = RunOptions(),
                        console: Console | None = None) -> RunResult:
     """Replay `schedule` against `target`; a rich progress bar is drawn on `console` if given."""
+    async with ChatClient(target.base_url, target.model, api_key=target.api_key,
+                          timeout_s=options.request_timeout_s) as client:
+        async def send(turn: Turn) -> Completion:
+            return await client.complete(turn.openai_messages(), options.max_tokens)
+
+        return await run_schedule_with(schedule, target, send, options, console)
+
+
+async def run_schedule_with(schedule: Schedule, target: Target, send: SendTurn,
+                            options: RunOptions = RunOptions(),
+                            console: Console | None = None) -> RunResult:
+    """Replay `schedule` in real time through `send` (any transport); `target` only labels it."""
     total = schedule.request_count
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                         MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, disable=console is None)
-    async with ChatClient(target.base_url, target.model, api_key=target.api_key,
-                          timeout_s=options.request_timeout_s) as client:
-        with progress:
-            task_id = progress.add_task(f"replay -> {target.name}", total=total)
-            run = _Run(schedule, client, options, lambda: progress.advance(task_id))
-            await asyncio.gather(*(run.conversation(c) for c in schedule.conversations))
+    with progress:
+        task_id = progress.add_task(f"replay -> {target.name}", total=total)
+        run = _Run(schedule, send, options, lambda: progress.advance(task_id))
+        await asyncio.gather(*(run.conversation(c) for c in schedule.conversations))
     wall = time.perf_counter() - run.t0
     errors = sum(1 for r in run.records if not r.completion.ok)
     log.info("run %s: %d requests (%d errors, %d not sent) in %.1fs",

@@ -3,27 +3,39 @@
 Owns the attention function the worker registers with transformers (`PREFIX_EXACT`).
 
 Why it exists: a prefix's KV is computed inside one prompt and reused inside another of a
-different length. Stock kernels pick their tiling from the sequence lengths: PyTorch's CPU
-flash-attention kernel uses one kv tile of the whole length when it is <= 512 keys and 512-key
-tiles above, so the floating-point summation order of a query row depends on how many
-tokens were in the forward pass. Measured on this CPU with the tiny model in bfloat16, stock
-`sdpa` gave 1-ulp different KV for a reused prefix in ~1 of 5 random prompt pairs of 300-1800
-tokens (and `eager` at > ~1k tokens); greedy tokens still agreed, but not bit for bit.
+different length, and the suffix is then computed without the prefix's queries. Stock
+kernels pick their tiling from the sequence lengths, so a query row's floating-point
+summation order depends on how many tokens share the forward pass. PyTorch's CPU
+flash-attention kernel uses one kv tile of the whole length up to 512 keys and 512-key tiles
+above; its q blocks are 32/64/256 rows depending on the query count, and the last, short q
+block (and the causal diagonal block, cut at the diagonal) goes through differently rounded
+code. Measured with the tiny model in bfloat16, stock `sdpa` gave 1-ulp different KV for a
+reused prefix in ~1 of 5 random prompt pairs of 300-1800 tokens (`eager` too, above ~1k
+tokens), occasionally flipping a greedy token.
 
-What it does: pads keys/values to a multiple of `KV_TILE` (= the kernel's kv tile, 512) and
-masks the padding, so every query row sees the same tiles, aligned at position 0, whatever
-the total length. Fully masked tiles contribute exact zeros, so a row's result depends only
-on the tokens up to it. With no cache (queries == keys) it uses `is_causal=True`, which skips
-masked tiles (same speed as stock sdpa); with a cache it passes an explicit bottom-right
-aligned causal mask. GQA is handled inside SDPA (`enable_gqa`), no repeated KV.
+What it does, so that each query row is computed by the identical kernel call whatever the
+prompt length or how much of it was cached:
+- keys/values are zero-padded to a multiple of `KV_TILE` (512, the kernel's kv tile) and
+  the padding masked, so kv tiles are always the same, aligned at position 0;
+- queries are cut into `Q_CHUNK`-row chunks aligned at absolute positions (multiples of 16);
+  each chunk is one batch item (its own single q block in the kernel), attending over all
+  kv tiles up to the end of its own tile with an explicit causal mask. Chunks whose tiles
+  coincide run as one batched SDPA call. Tiles past a chunk's own are fully masked for it;
+  they are skipped (they would add exact zeros);
+- GQA is handled inside SDPA (`enable_gqa`), no repeated KV.
+Because cached prefixes end on block boundaries, a suffix starts on a chunk boundary when
+`block_size % Q_CHUNK == 0` (the default block_size 16 qualifies): then every chunk, and so
+every row, is the same in a full prefill and in a cached one. Cost: ~2x stock `sdpa` at 4k
+tokens (small q blocks, explicit mask), still well under a second for the tiny model.
 
 Invariants and limits:
 - single sequence, no padding: query i sits at absolute position kv_len - q_len + i;
 - plain causal full attention only: softcapping, attention sinks, sliding windows and
   non-causal modules raise `ValueError`;
-- bfloat16 on CPU: cached == recomputed bit for bit (verified). float32 is not bit-exact on
-  CPU whatever the attention (MKL sgemm and vectorised elementwise kernels such as SiLU also
-  change rounding with the row count), differences ~1e-6 in logits.
+- bfloat16 on CPU: cached == recomputed bit for bit (verified on random prompt pairs of up
+  to 3k tokens, 1 and 2 threads). float32 is not bit-exact on CPU whatever the attention
+  (MKL sgemm and vectorised elementwise kernels such as SiLU round differently with the
+  row count and thread split): logits differ by ~1e-6.
 """
 
 from __future__ import annotations

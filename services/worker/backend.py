@@ -77,6 +77,10 @@ class InferenceBackend:
         self.metrics = WorkerMetrics(registry)
         self.model_name = engine.loaded.model_id
 
+    @property
+    def cache_state(self) -> str:
+        return "off" if self.cache is None else self.cache.state
+
     def prompt_tokens(self, request: GenerationRequest) -> list[int]:
         loaded = self.engine.loaded
         try:

@@ -51,16 +51,32 @@ class CacheLink:
         self.model_id, self.revision = loaded.model_id, loaded.weights_digest
         self.deadline_s = deadline_s
         self.clock = clock
-        self._client = CacheClient(address, auth_token=auth_token, timeout_s=deadline_s)
+        self._address, self._auth_token = address, auth_token
+        self._client = self._new_client()
         self._attached = False
+        self._failed = False  # the link went down since the client's channel was opened
         self._retry_at = 0.0
         self._lock = threading.Lock()
         self.fallbacks = Counter("prefixcache_worker_cache_fallbacks", "Requests served without the cache "
                                  "because it failed or was down", ["stage"], registry=registry)
 
+    def _new_client(self) -> CacheClient:
+        return CacheClient(self._address, auth_token=self._auth_token, timeout_s=self.deadline_s)
+
     @property
     def up(self) -> bool:
         return self._attached
+
+    @property
+    def state(self) -> str:
+        """"up", "down" (failed, retrying after a backoff) or "pending" (not attached yet)."""
+        if self._attached:
+            return "up"
+        return "down" if self._failed else "pending"
+
+    def connect(self) -> bool:
+        """Attach now if possible (at start-up, so the first request does not pay for it)."""
+        return self._ready()
 
     def _ready(self) -> bool:
         """Attached, or re-attached now if the backoff has passed."""
@@ -69,13 +85,18 @@ class CacheLink:
         if self.clock() < self._retry_at:
             return False
         with self._lock:
+            if self._failed:
+                # A fresh channel: the old one may sit in gRPC's exponential reconnect
+                # backoff (up to minutes), failing every call fast after the service is back.
+                self._client.close()
+                self._client = self._new_client()
             try:
                 self._client.attach(self.model_id, self.layout, revision=self.revision, same_host=True,
                                     timeout_s=max(self.deadline_s, 1.0))
             except PrefixCacheError as error:
                 self._down("attach", error)
                 return False
-            self._attached = True
+            self._attached, self._failed = True, False
             log.info("cache link up (%s, namespace %s, shared memory %s)", self._client.address,
                      self._client.attachment.namespace_id, self._client.attachment.shared_memory)
             return True
@@ -83,9 +104,9 @@ class CacheLink:
     def _down(self, stage: str, error: Exception) -> None:
         self.fallbacks.labels(stage).inc()
         self._retry_at = self.clock() + RETRY_AFTER_S
-        if self._attached:
+        if self._attached or not self._failed:
             log.warning("cache link down (%s failed: %s); prefilling in full until it recovers", stage, error)
-        self._attached = False
+        self._attached, self._failed = False, True
 
     def lookup(self, tokens: list[int], salt: str | None) -> Prefix:
         """Leased KV of the longest usable cached prefix, or an empty prefix."""

@@ -68,6 +68,7 @@ def build_backend(args):
     if not args.no_cache:
         link = CacheLink(args.cache, loaded, args.block_size, parse_duration(args.cache_deadline_ms / 1000.0),
                          registry, auth_token=args.auth_token)
+        link.connect()  # best effort: a service that is down now is retried on later requests
     return InferenceBackend(engine, link, registry)
 
 

@@ -43,6 +43,10 @@ class Backend(Protocol):
     model_name: str
     registry: CollectorRegistry
 
+    @property
+    def cache_state(self) -> str:
+        """"off" (--no-cache), or the cache link's "up" / "down" / "pending"."""
+
     def generate(self, request: GenerationRequest, cancelled: threading.Event) -> Iterator[Started | str | Finished]:
         """Runs on the inference thread: Started, then text pieces, then Finished."""
 
@@ -84,7 +88,9 @@ class WorkerApp:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def health(self, _request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "model": self.backend.model_name})
+        # Healthy whatever the cache's state: the worker fails open and serves without it.
+        return web.json_response({"status": "ok", "model": self.backend.model_name,
+                                  "cache": self.backend.cache_state})
 
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [

@@ -63,6 +63,15 @@ def _number(body: dict, name: str, default, low, high, integer: bool):
     return value
 
 
+def _flag(body: dict, name: str, param: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):  # the string "false" must not mean True
+        raise ApiError(f"'{param}' must be a boolean, got {value!r}", param)
+    return value
+
+
 def _stop(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -114,6 +123,9 @@ def parse_request(raw: bytes, kind: str) -> GenerationRequest:
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 128 or not salt.isprintable()):
         raise ApiError("'cache_salt' must be 1 to 128 printable characters", "cache_salt")
+    choices = body.get("n")
+    if choices is not None and (isinstance(choices, bool) or choices != 1):
+        raise ApiError(f"'n' must be 1 (one choice per request), got {choices!r}", "n")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16))
     return GenerationRequest(
         kind=kind,
@@ -123,8 +135,8 @@ def parse_request(raw: bytes, kind: str) -> GenerationRequest:
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0, False)),
         seed=_number(body, "seed", None, 0, 2**63 - 1, True),
         stop=_stop(body),
-        stream=bool(body.get("stream", False)),
-        include_usage=bool(stream_options.get("include_usage", False)),
+        stream=_flag(body, "stream", "stream"),
+        include_usage=_flag(stream_options, "include_usage", "stream_options.include_usage"),
         cache_salt=salt,
     )
 

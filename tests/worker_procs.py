@@ -1,0 +1,321 @@
+"""Real `prefixcache serve` and `prefixcache worker` processes for tests, on free loopback ports.
+
+- `CacheService`: `python -m services serve` with its own shared-memory name; readiness is its
+  `prefixcache serve: listening on HOST:PORT` line. It can be SIGKILLed (as a crash would) and
+  restarted on the same port, optionally over a Redis tier (`--redis-url`), whose key prefix is
+  unique per service object so stacks sharing one redis-server never see each other's blocks.
+- `WorkerProcess`: `python -m services worker` (the tiny bfloat16 model) pointed at a service
+  or `--no-cache`; readiness is polled on `GET /health` with a deadline.
+- `WorkerClient`: a small stdlib HTTP client (one connection per call, so threads may share
+  it) for the OpenAI endpoints, including server-sent-event streams.
+
+Readiness is always polled with a bounded deadline, never a blind sleep. Every process is
+killed when its owner is torn down, and at interpreter exit should a test die first; a
+SIGKILLed service's shared-memory segment is unlinked by `kill`.
+
+Model processes take seconds to start, so test modules share them through module-scoped
+fixtures; `start_all` starts several at once and waits for them together.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import queue
+import secrets
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+READY_LINE = "prefixcache serve: listening on "
+SERVICE_READY_S = 60.0
+WORKER_READY_S = 180.0  # model load on a busy 2-core CI runner
+HTTP_TIMEOUT_S = 120.0
+_POLL_S = 0.05
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+
+
+def _kill(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=30)
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"
+
+
+def _lines(stream, sink: queue.Queue) -> None:
+    for line in stream:
+        sink.put(line)
+    sink.put(None)
+
+
+class CacheService:
+    """One cache service process; `restart` keeps its port (and its Redis, if any)."""
+
+    def __init__(self, workdir: Path, host_capacity: str = "256MiB", redis_url: str | None = None,
+                 extra_args: Sequence[str] = ()) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.host_capacity = host_capacity
+        self.redis_url = redis_url
+        self.redis_key_prefix = f"pfxt{secrets.token_hex(4)}"
+        self.extra_args = tuple(extra_args)
+        self.port = 0  # fixed by the first start
+        self.shm_name = ""
+        self.process: subprocess.Popen | None = None
+        self._starts = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "service.log"
+
+    def _command(self) -> list[str]:
+        command = [sys.executable, "-m", "services", "serve", "--listen", f"127.0.0.1:{self.port}",
+                   "--host-capacity", self.host_capacity, "--shm-name", self.shm_name, "--grace", "2s",
+                   "--workers", "8", *self.extra_args]
+        if self.redis_url:
+            command += ["--redis-url", self.redis_url, "--redis-key-prefix", self.redis_key_prefix,
+                        "--redis-timeout-ms", "2000"]
+        return command
+
+    def start(self, timeout_s: float = SERVICE_READY_S) -> CacheService:
+        self._starts += 1
+        self.shm_name = f"pfx-test-{secrets.token_hex(4)}-{self._starts}"
+        with self.log_path.open("a") as log:
+            self.process = subprocess.Popen(self._command(), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                                            stderr=log, text=True)
+        weakref.finalize(self, _kill, self.process)
+        address = self._await_ready(timeout_s)
+        self.port = int(address.rpartition(":")[2])
+        return self
+
+    def _await_ready(self, timeout_s: float) -> str:
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=_lines, args=(self.process.stdout, lines), daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            if line.startswith(READY_LINE):
+                return line[len(READY_LINE):].strip()
+        _kill(self.process)
+        raise RuntimeError(f"cache service did not report readiness within {timeout_s}s "
+                           f"(exit {self.process.poll()}): {_tail(self.log_path)}")
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL (a crash): the segment it would have unlinked is removed here."""
+        if self.process is not None:
+            _kill(self.process)
+        Path("/dev/shm", self.shm_name).unlink(missing_ok=True)
+
+    def restart(self, timeout_s: float = SERVICE_READY_S) -> None:
+        self.kill()
+        self.start(timeout_s)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def client(self, timeout_s: float = 10.0):
+        """A plain `CacheClient` for assertions (stats, inspect); not attached."""
+        from prefixcache.client import CacheClient
+
+        return CacheClient(self.address, timeout_s=timeout_s)
+
+
+class WorkerProcess:
+    """One `prefixcache worker` (tiny model) on a free port; `cache=None` means `--no-cache`."""
+
+    def __init__(self, workdir: Path, cache: CacheService | None, extra_args: Sequence[str] = ()) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.cache = cache
+        self.extra_args = tuple(extra_args)
+        self.port = free_port()
+        self.process: subprocess.Popen | None = None
+        self.client = WorkerClient("127.0.0.1", self.port)
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"worker-{self.port}.log"
+
+    def launch(self) -> WorkerProcess:
+        cache = ["--no-cache"] if self.cache is None else ["--cache", self.cache.address]
+        command = [sys.executable, "-m", "services", "worker", "--listen", f"127.0.0.1:{self.port}", *cache,
+                   *self.extra_args]
+        with self.log_path.open("a") as log:
+            self.process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        weakref.finalize(self, _kill, self.process)
+        return self
+
+    def wait_ready(self, timeout_s: float = WORKER_READY_S) -> WorkerProcess:
+        deadline = time.monotonic() + timeout_s
+        while not self.client.healthy():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.process.returncode}: {_tail(self.log_path)}")
+            if time.monotonic() > deadline:
+                _kill(self.process)
+                raise TimeoutError(f"worker on port {self.port} not healthy after {timeout_s}s: "
+                                   f"{_tail(self.log_path)}")
+            time.sleep(_POLL_S)
+        return self
+
+    def log(self) -> str:
+        return _tail(self.log_path, 200_000)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                _kill(self.process)
+
+
+def start_all(workers: Sequence[WorkerProcess]) -> None:
+    """Launch every worker first, then wait: model loads overlap."""
+    for worker in workers:
+        worker.launch()
+    try:
+        for worker in workers:
+            worker.wait_ready()
+    except BaseException:
+        for worker in workers:
+            worker.stop()
+        raise
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: dict
+
+    @property
+    def text(self) -> str:
+        choice = self.body["choices"][0]
+        return choice["message"]["content"] if "message" in choice else choice["text"]
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.body["usage"]["prompt_tokens"]
+
+
+class WorkerClient:
+    """Minimal OpenAI-style client over http.client: one connection per call (thread-safe)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+
+    def connection(self, timeout_s: float = HTTP_TIMEOUT_S) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+
+    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes, str]:
+        connection = self.connection()
+        try:
+            headers = {"Content-Type": "application/json"} if body is not None else {}
+            connection.request(method, path, body=body, headers=headers)
+            response = connection.getresponse()
+            return response.status, response.read(), response.getheader("Content-Type", "")
+        finally:
+            connection.close()
+
+    def healthy(self) -> bool:
+        try:
+            status, _, _ = self.request("GET", "/health")
+        except OSError:
+            return False
+        return status == 200
+
+    def post(self, path: str, payload: dict | bytes) -> Reply:
+        raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        status, data, _ = self.request("POST", path, raw)
+        return Reply(status, json.loads(data))
+
+    def chat(self, messages: Sequence[dict], **options) -> Reply:
+        options.setdefault("temperature", 0)
+        return self._ok(self.post("/v1/chat/completions", {"messages": list(messages), **options}))
+
+    def complete(self, prompt: str | Sequence[int], **options) -> Reply:
+        options.setdefault("temperature", 0)
+        body = {"prompt": prompt if isinstance(prompt, str) else list(prompt), **options}
+        return self._ok(self.post("/v1/completions", body))
+
+    @staticmethod
+    def _ok(reply: Reply) -> Reply:
+        if reply.status != 200:
+            raise AssertionError(f"HTTP {reply.status}: {reply.body}")
+        return reply
+
+    def stream(self, path: str, payload: dict) -> Iterator[dict | str]:
+        """Yields each SSE `data:` payload parsed as JSON, and the final "[DONE]" as a string."""
+        connection = self.connection()
+        try:
+            connection.request("POST", path, body=json.dumps({**payload, "stream": True}).encode(),
+                               headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            if response.status != 200:
+                raise AssertionError(f"HTTP {response.status}: {response.read()!r}")
+            assert response.getheader("Content-Type", "").startswith("text/event-stream")
+            yield from _server_sent_events(response)
+        finally:
+            connection.close()
+
+
+def _server_sent_events(response: http.client.HTTPResponse) -> Iterator[dict | str]:
+    for raw in response:
+        line = raw.decode().rstrip("\r\n")
+        if not line:
+            continue
+        if not line.startswith("data: "):
+            raise AssertionError(f"not an SSE data line: {line!r}")
+        data = line[len("data: "):]
+        yield data if data == "[DONE]" else json.loads(data)
+
+
+def poll(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    """Calls `predicate` until it returns a truthy value (returned) or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not true after {timeout_s}s (last value {value!r})")
+        time.sleep(interval_s)
