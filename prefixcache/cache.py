@@ -31,6 +31,7 @@ from .hashing import BlockHash, Hasher, namespace_id, token_array
 from .index import ROOT, Match, MissReason, RadixIndex
 from .leases import Lease, Reservation
 from .placement import Placement
+from .quota import TenantLedger
 from .results import BlockLocation, BlockLocations, CommitResult, LookupResult
 from .stats import Counters, EvictionReason, StatsSnapshot, TierSnapshot, snapshot_dicts
 from .tiers.base import SlotTier, TierKind
@@ -81,8 +82,10 @@ class PrefixCache:
         self._leases: dict[int, Lease] = {}
         self._reservations: dict[int, Reservation] = {}
         self.counters = Counters()
+        self.ledger = TenantLedger(self.index, config.tenant_quotas, layout.block_bytes)  # tenants: quota.py
         self.placement = Placement(self.index, self.tiers, self.counters,
-                                   reclaim=lambda: self._reclaim_expired(self.clock()), on_drop=self._on_drop)
+                                   reclaim=lambda: self._reclaim_expired(self.clock()), on_drop=self._on_drop,
+                                   owner_counters=self.ledger.counters_of_node)
         self._lock = threading.RLock()
         self._started = clock()
         self._dtype = torch_dtype(layout)
@@ -104,6 +107,7 @@ class PrefixCache:
                 entry = _Entry(len(self._by_index), namespace, root, ns_id)
                 self._namespaces[ns_id] = entry
                 self._by_index.append(entry)
+                self.ledger.register(entry.index, namespace.tenant)
         return ns_id
 
     def namespace(self, ns_id: str) -> Namespace:
@@ -167,7 +171,7 @@ class PrefixCache:
                 raise ResourceExhausted(f"lease limit of {self.config.max_leases} reached")
         self.index.touch(path, now)
         if self.config.promote_on_hit:
-            self.placement.promote(path)
+            self._promote(prompt, path)
         if take_lease and hit:
             lease_id = lease_table.new_id(self._leases)
             expires = now + self.config.lease_ttl_s
@@ -177,17 +181,31 @@ class PrefixCache:
         return LookupResult(prompt.entry.id, len(prompt.tokens), hit * self.layout.block_size,
                             self._locations(path), stop, lease_id, expires)
 
+    def _promote(self, prompt: _Prompt, path: np.ndarray) -> None:
+        """Promote a hit path to the device tier, within its tenant's device quota (quota.py)."""
+        limit = None
+        if TierKind.DEVICE in self.tiers and len(path) and self.config.tenant_quotas.limited:
+            wanted = int(np.count_nonzero(self.index.tier[path] == TierKind.HOST))
+            self.index.pin(path)  # room is made from the tenant's other blocks, never from this path
+            try:
+                limit = self.ledger.room(self.placement, self._reservations.values(), prompt.entry.index,
+                                         TierKind.DEVICE, wanted)
+            finally:
+                self.index.unpin(path)
+        self.placement.promote(path, limit)
+
     def _count_lookup(self, prompt: _Prompt, hit: int, stop: MissReason | None) -> None:
-        counters, full = self.counters, len(prompt.hashes)
-        counters.lookups += 1
-        counters.request_hits += hit > 0
-        counters.request_misses += hit == 0
-        counters.block_hits += hit
-        counters.block_misses += full - hit
-        counters.token_hits += hit * self.layout.block_size
-        counters.tokens_looked_up += len(prompt.tokens)
-        if stop is not None:
-            counters.miss_reasons[stop] += 1
+        full = len(prompt.hashes)
+        for counters in (self.counters, self.ledger.counters(prompt.entry.index)):  # service-wide, tenant
+            counters.lookups += 1
+            counters.request_hits += hit > 0
+            counters.request_misses += hit == 0
+            counters.block_hits += hit
+            counters.block_misses += full - hit
+            counters.token_hits += hit * self.layout.block_size
+            counters.tokens_looked_up += len(prompt.tokens)
+            if stop is not None:
+                counters.miss_reasons[stop] += 1
 
     def _locations(self, path: np.ndarray | list[int]) -> BlockLocations:
         rows = np.asarray(path, dtype=np.int64)
@@ -224,6 +242,8 @@ class PrefixCache:
         """
         path = path.tolist()
         free = self.placement.free[TierKind.HOST]
+        payloads = payloads[: self.ledger.room(self.placement, self._reservations.values(), prompt.entry.index,
+                                               TierKind.HOST, len(payloads))]  # the tenant's quota
         if not payloads or not self.placement.make_room(TierKind.HOST, len(payloads)):
             payloads = payloads[: len(free)]
         now = self.clock()
@@ -240,7 +260,7 @@ class PrefixCache:
             slot = free.take()
             if slot is None:
                 break
-            self.tiers[TierKind.HOST].write(slot, self._as_block(payload))
+            self.tiers[TierKind.HOST].write_bytes(slot, payload)
             node = self.index.add(prompt.entry.index, path[-1] if path else ROOT, prompt.hashes[i],
                                   prompt.blocks[i], TierKind.HOST, slot, now)
             self._remote_until[node] = now + self._remote_ttl_s  # GETEX just refreshed its TTL
@@ -253,9 +273,6 @@ class PrefixCache:
         index = self.index
         return (int(index.parent[node]) == parent and int(index.namespace[node]) == prompt.entry.index
                 and bool(np.array_equal(index.tokens[node], prompt.blocks[i])))
-
-    def _as_block(self, payload: memoryview) -> torch.Tensor:
-        return torch.frombuffer(payload, dtype=self._dtype).view(self.layout.block_shape)
 
     # -- reading ----------------------------------------------------------------
     def read(self, locations: BlockLocations | Sequence[BlockLocation]) -> torch.Tensor:
@@ -304,19 +321,26 @@ class PrefixCache:
         return self._by_index[index]
 
     # -- storing ------------------------------------------------------------------
-    def reserve(self, count: int) -> Reservation:
-        """Up to `count` free host slots for a writer; fewer when the tier is pinned full."""
+    def reserve(self, count: int, ns_id: str | None = None) -> Reservation:
+        """Up to `count` free host slots for a writer; fewer when the tier is pinned full.
+
+        With `ns_id`, the slots count against its tenant's host quota (fewer when over it) and
+        only that tenant may commit them.
+        """
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise InvalidArgument("count", f"must be a non-negative integer, got {count!r}")
         host = self.tiers[TierKind.HOST]
         if count > host.num_slots:
             raise ResourceExhausted(f"count: {count} blocks exceed the host tier's {host.num_slots} slots")
+        row = self._entry(ns_id).index if ns_id is not None else -1
         with self._lock:
+            if row >= 0:
+                count = self.ledger.room(self.placement, self._reservations.values(), row, TierKind.HOST, count)
             self.placement.make_room(TierKind.HOST, count)
             free = self.placement.free[TierKind.HOST]
             slots = tuple(s for s in (free.take() for _ in range(min(count, len(free)))) if s is not None)
             reservation = Reservation(lease_table.new_id(self._reservations), TierKind.HOST, slots,
-                                      self.clock() + self.config.lease_ttl_s)
+                                      self.clock() + self.config.lease_ttl_s, row)
             self._reservations[reservation.id] = reservation
             return reservation
 
@@ -350,6 +374,10 @@ class PrefixCache:
     def _commit(self, prompt: _Prompt, reservation_id: int, start_block: int,
                 match: Match | None = None) -> CommitResult:
         reservation = self._reservations.pop(reservation_id, None)
+        if reservation is not None and reservation.namespace >= 0 \
+                and self.ledger.tenant(reservation.namespace) != prompt.entry.namespace.tenant:
+            self._reservations[reservation_id] = reservation  # another tenant's: it stays theirs
+            reservation = None
         if reservation is None:
             raise InvalidArgument("reservation_id", f"reservation {reservation_id} is unknown or has expired")
         end = start_block + len(reservation.slots)
@@ -389,8 +417,9 @@ class PrefixCache:
                 self.placement.free[tier].give(slot)
         self.index.touch(path + nodes, now)
         deduplicated = max(0, min(cached, end) - start)
-        self.counters.blocks_committed += new
-        self.counters.blocks_deduplicated += deduplicated
+        for counters in (self.counters, self.ledger.counters(prompt.entry.index)):  # service-wide, tenant
+            counters.blocks_committed += new
+            counters.blocks_deduplicated += deduplicated
         return CommitResult(new, deduplicated, end - start - new - deduplicated)
 
     def _attachable(self, prompt: _Prompt, match: Match, start: int, end: int) -> int:
@@ -452,13 +481,14 @@ class PrefixCache:
             skip = max(0, len(cached) - start_block)
             self.index.pin(cached)
             try:
-                reservation = self.reserve(len(kv) - skip)
+                reservation = self.reserve(len(kv) - skip, ns_id)
             finally:
                 self.index.unpin(cached)
             self.tiers[TierKind(reservation.tier)].write_many(list(reservation.slots),
                                                               kv[skip:skip + len(reservation.slots)])
             result = self._commit(prompt, reservation.id, start_block + skip, match)
             self.counters.blocks_deduplicated += skip
+            self.ledger.counters(prompt.entry.index).blocks_deduplicated += skip
         unreserved = len(kv) - skip - len(reservation.slots)
         return CommitResult(result.stored, result.deduplicated + skip, result.rejected + unreserved)
 
@@ -536,8 +566,12 @@ class PrefixCache:
             return dropped
 
     # -- stats ----------------------------------------------------------------------
-    def stats(self) -> StatsSnapshot:
+    def stats(self, tenant: str | None = None) -> StatsSnapshot:
+        """Service-wide figures, or with `tenant` only that tenant's own (see `TenantLedger.snapshot`)."""
         with self._lock:
+            if tenant is not None:
+                return self.ledger.snapshot(tenant, self.tiers, self._leases.values(), self.clock() - self._started,
+                                            self.remote.is_up() if self.remote is not None else None)
             c = self.counters
             tiers = []
             for kind, tier in self.tiers.items():

@@ -128,6 +128,69 @@ class KVLayout:
         return self.bytes_per_token * self.block_size
 
 
+QUOTA_TIERS = ("device", "host")  # slot tiers that take a per-tenant byte quota
+_UNLIMITED = ("unlimited", "none")
+
+
+@dataclass(frozen=True)
+class TenantQuota:
+    """One tenant's byte budget in each slot tier; None means no limit in that tier."""
+
+    host: int | None = None
+    device: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in QUOTA_TIERS:
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, parse_size(value, f"tenant_quota.{name}"))
+
+    @property
+    def limited(self) -> bool:
+        return self.host is not None or self.device is not None
+
+    def updated(self, spec: str, field_name: str = "tenant_quota") -> "TenantQuota":
+        """This quota with the tiers named in `spec` replaced: "host=256MiB,device=1GiB";
+        a tier given as "unlimited" (or "none") has no limit."""
+        values = {name: getattr(self, name) for name in QUOTA_TIERS}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            tier, sep, size = item.partition("=")
+            tier = tier.strip().lower()
+            if not sep or tier not in QUOTA_TIERS:
+                raise ConfigError(field_name, f"expected TIER=SIZE with TIER one of {', '.join(QUOTA_TIERS)}, "
+                                              f"got {item!r}")
+            size = size.strip()
+            values[tier] = None if size.lower() in _UNLIMITED else parse_size(size, f"{field_name}.{tier}")
+        return TenantQuota(**values)
+
+    @classmethod
+    def parse(cls, spec: str, field_name: str = "tenant_quota") -> "TenantQuota":
+        return cls().updated(spec, field_name)
+
+
+@dataclass(frozen=True)
+class TenantQuotas:
+    """Quotas of every tenant: `default` unless `overrides` names the tenant."""
+
+    default: TenantQuota = TenantQuota()
+    overrides: tuple[tuple[str, TenantQuota], ...] = ()
+
+    def __post_init__(self) -> None:
+        tenants = [tenant for tenant, _ in self.overrides]
+        if len(set(tenants)) != len(tenants):
+            raise ConfigError("tenant_quotas", "a tenant has two quota overrides")
+
+    def of(self, tenant: str) -> TenantQuota:
+        for name, quota in self.overrides:
+            if name == tenant:
+                return quota
+        return self.default
+
+    @property
+    def limited(self) -> bool:
+        return self.default.limited or any(quota.limited for _, quota in self.overrides)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Budgets and policies of one cache instance (all capacities in bytes)."""
@@ -140,6 +203,7 @@ class CacheConfig:
     promote_on_hit: bool = True
     max_prompt_tokens: int = 1 << 20
     max_leases: int = 4096
+    tenant_quotas: TenantQuotas = TenantQuotas()  # per-tenant byte budgets per slot tier (quota.py)
 
     def __post_init__(self) -> None:
         for name in ("host_capacity", "device_capacity"):
@@ -153,6 +217,8 @@ class CacheConfig:
             raise ConfigError("lease_ttl_s", "must be > 0")
         _positive_int("max_prompt_tokens", self.max_prompt_tokens, 1 << 24)
         _positive_int("max_leases", self.max_leases, 1 << 20)
+        if not isinstance(self.tenant_quotas, TenantQuotas):
+            raise ConfigError("tenant_quotas", f"must be TenantQuotas, got {type(self.tenant_quotas).__name__}")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ class Reservation:
     tier: int
     slots: tuple[int, ...]
     expires_at: float
+    namespace: int = -1  # row of the namespace it was reserved for (its tenant's quota); -1: none given
 
 
 def new_id(taken: dict) -> int:

@@ -30,13 +30,20 @@ log = logging.getLogger(__name__)
 
 class Placement:
     def __init__(self, index: RadixIndex, tiers: dict[TierKind, SlotTier], counters: Counters,
-                 reclaim: Callable[[], None], on_drop: Callable[[int, bool], bool]) -> None:
+                 reclaim: Callable[[], None], on_drop: Callable[[int, bool], bool],
+                 owner_counters: Callable[[int], Counters] | None = None) -> None:
         self.index = index
         self.tiers = tiers
         self.counters = counters
         self.free = {kind: FreeSlots(tier.num_slots) for kind, tier in tiers.items()}
         self._reclaim = reclaim
         self._on_drop = on_drop  # (node, spill) -> whether the block now lives on in Redis
+        self._owner_counters = owner_counters  # node -> its tenant's counters (evictions per tenant)
+
+    def _count_eviction(self, node: int, kind: TierKind, reason: EvictionReason) -> None:
+        self.counters.evictions[(kind, reason)] += 1
+        if self._owner_counters is not None:
+            self._owner_counters(node).evictions[(kind, reason)] += 1
 
     def used(self, kind: TierKind) -> int:
         """Slots of `kind` owned by blocks or reservations."""
@@ -54,21 +61,52 @@ class Placement:
         self._reclaim()  # a crashed worker's pins and slots go first
         if len(free) >= count:
             return True
-        lower = self.lower(kind)
         for node in self.index.lru(kind):
-            if lower is None:
-                if self.index.children[node]:
+            if not self.evict(node, EvictionReason.LRU):
+                if self.lower(kind) is None:
                     continue  # leaf-first: a block leaves the last tier after its descendants
-                self.drop(node, EvictionReason.LRU, spill=True)
-            elif self.make_room(lower, 1):
-                self.move(node, lower)
-                self.counters.spills[kind] += 1
-                self.counters.evictions[(kind, EvictionReason.LRU)] += 1
-            else:
                 break
             if len(free) >= count:
                 return True
         return len(free) >= count
+
+    def evict(self, node: int, reason: EvictionReason) -> bool:
+        """Move an unpinned block one tier down, or drop it from the last slot tier (leaves only).
+
+        False when it cannot go: it has descendants (last tier) or the lower tier has no room.
+        """
+        kind = TierKind(int(self.index.tier[node]))
+        lower = self.lower(kind)
+        if lower is None:
+            if self.index.children[node]:
+                return False
+            self.drop(node, reason, spill=True)
+            return True
+        if not self.make_room(lower, 1):
+            return False
+        self.move(node, lower)
+        self.counters.spills[kind] += 1
+        self._count_eviction(node, kind, reason)
+        return True
+
+    def trim(self, kind: TierKind, members: Callable[[np.ndarray], np.ndarray], excess: int,
+             reason: EvictionReason) -> int:
+        """Evict up to `excess` unpinned blocks of `kind` among `members` (a mask over node rows),
+        least recent first and leaf-first as in `make_room`; returns how many left `kind`."""
+        index, evicted = self.index, 0
+        if excess <= 0:
+            return 0
+        eligible = lambda nodes: (index.tier[nodes] == kind) & (index.pins[nodes] == 0) & members(nodes)  # noqa: E731
+        for node in index.log.scan(eligible):
+            if index.tier[node] != kind or index.pins[node]:
+                continue  # moved or pinned since its chunk was read
+            if self.evict(node, reason):
+                evicted += 1
+            elif self.lower(kind) is not None:
+                break  # the lower tier is pinned full
+            if evicted >= excess:
+                break
+        return evicted
 
     def move(self, node: int, kind: TierKind) -> None:
         """Copy a block into a free slot of `kind` (the caller made room) and free its old slot."""
@@ -84,7 +122,7 @@ class Placement:
         kind = TierKind(int(self.index.tier[node]))
         if self._on_drop(node, spill):
             self.counters.spills[kind] += 1
-        self.counters.evictions[(kind, reason)] += 1
+        self._count_eviction(node, kind, reason)
         slot = int(self.index.slot[node])
         self.index.remove(node)
         self.free[kind].give(slot)
@@ -102,22 +140,25 @@ class Placement:
             dropped += 1
         return dropped
 
-    def promote(self, path: np.ndarray) -> None:
+    def promote(self, path: np.ndarray, limit: int | None = None) -> None:
         """Move host-resident blocks of a hit path up to the device tier, root first.
 
         A block another lease pins never moves. Promotion stops at the first block that
-        cannot move, so the device keeps the root side of a path.
+        cannot move (or after `limit` blocks), so the device keeps the root side of a path.
         """
         index = self.index
         if TierKind.DEVICE not in self.tiers or not len(path) or not (index.tier[path] == TierKind.HOST).any():
             return
+        moved = 0
         index.pin(path)  # this path's blocks are not candidates for making room
         try:
             for node in path.tolist():
                 if index.tier[node] != TierKind.HOST:
                     continue
-                if index.pins[node] > 1 or not self.make_room(TierKind.DEVICE, 1):
+                if (limit is not None and moved >= limit) or index.pins[node] > 1 \
+                        or not self.make_room(TierKind.DEVICE, 1):
                     break
+                moved += 1
                 self.move(node, TierKind.DEVICE)
                 self.counters.promotions[TierKind.DEVICE] += 1
         finally:

@@ -239,7 +239,9 @@ def test_sigkill_mid_stream_degrades_to_the_host_tier_and_recovers(private_redis
         assert hit_blocks(a, ns, prompts[-1]) == 4
         dropped = a.stats().spills_dropped
         assert store(a, ns, tokens_for(50, 2)).stored == 2
-        assert a.stats().spills_dropped == dropped + 2      # refused at once while down, counted
+        # refused at once while down, counted; so are the spills of the (up to) two blocks it
+        # evicts, if their own write-through had found the breaker already down
+        assert dropped + 2 <= a.stats().spills_dropped <= dropped + 4
 
         private_redis.start()                               # empty: persistence is off
         began = time.monotonic()

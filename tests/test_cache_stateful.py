@@ -36,7 +36,7 @@ from tests.core_support import ManualClock, assert_consistent, block_hashes, kv_
 TTL_S = 10.0
 LEASE_TTL_S = 4.0
 
-settings.register_profile("stateful-ci", max_examples=40, stateful_step_count=25, deadline=None,
+settings.register_profile("stateful-ci", max_examples=120, stateful_step_count=40, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("stateful-long", max_examples=1500, stateful_step_count=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -110,8 +110,9 @@ class CacheMachine(RuleBasedStateMachine):
     def extend(self, base: list[int], more: list[int]) -> list[int]:
         return base + more
 
-    @rule(ns=NAMESPACE, tokens=prompts, start=st.integers(0, 2))
-    def store(self, ns: int, tokens: list[int], start: int) -> None:
+    @rule(ns=NAMESPACE, tokens=prompts, start=st.sampled_from([0, 0, 1, 2]),
+          then=st.sampled_from(["nothing", "lookup", "lease"]))
+    def store(self, ns: int, tokens: list[int], start: int, then: str) -> None:
         full = len(tokens) // self.layout.block_size
         start = min(start, full)
         try:
@@ -122,9 +123,20 @@ class CacheMachine(RuleBasedStateMachine):
         assert accepted + result.rejected == full - start
         for blocks in range(start + 1, start + accepted + 1):
             self.stored.add((ns, self.prefix(tokens, blocks)))
+        if then != "nothing":
+            hit = self._lookup(ns, tokens, take_lease=then == "lease")
+            assert accepted == 0 or hit >= start + accepted, "an accepted block was not hittable at once"
 
     @rule(ns=NAMESPACE, tokens=prompts, take_lease=st.booleans())
     def lookup(self, ns: int, tokens: list[int], take_lease: bool) -> None:
+        self._lookup(ns, tokens, take_lease)
+
+    @rule(ns=NAMESPACE, base=prompts, more=TURN, take_lease=st.booleans())
+    def lookup_next_turn(self, ns: int, base: list[int], more: list[int], take_lease: bool) -> None:
+        """The next turn of a conversation: a cached prefix, then something new (a partial hit)."""
+        self._lookup(ns, base + more, take_lease)
+
+    def _lookup(self, ns: int, tokens: list[int], take_lease: bool) -> int:
         expected_blocks = self.reachable(ns, tokens)
         result = self.cache.lookup(self.ns[ns], tokens, take_lease=take_lease)
         size = self.layout.block_size
@@ -137,6 +149,7 @@ class CacheMachine(RuleBasedStateMachine):
         if result.lease_id is not None:
             assert take_lease and hit > 0
             self.leases[result.lease_id] = HeldLease(ns, result.lease_expires_at, expected)
+        return hit
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data())
@@ -148,17 +161,15 @@ class CacheMachine(RuleBasedStateMachine):
         except UnknownLease:
             assert held.expires_at <= self.clock(), "a live lease was unknown"
 
-    @rule(ns=NAMESPACE)
-    def evict_namespace(self, ns: int) -> None:
-        self.cache.evict(self.ns[ns])
-
-    @rule(seconds=st.floats(0, 15))
-    def evict_older(self, seconds: float) -> None:
-        self.cache.evict(older_than_s=seconds)
-
-    @rule(ns=NAMESPACE, tokens=prompts)
-    def evict_prefix(self, ns: int, tokens: list[int]) -> None:
-        self.cache.evict(self.ns[ns], prefix_tokens=tokens)
+    @rule(ns=NAMESPACE, tokens=prompts, how=st.sampled_from(["namespace", "older", "prefix"]),
+          seconds=st.sampled_from([0.0, 2.0, 5.0, 11.0]))
+    def evict(self, ns: int, tokens: list[int], how: str, seconds: float) -> None:
+        if how == "namespace":
+            self.cache.evict(self.ns[ns])
+        elif how == "older":
+            self.cache.evict(older_than_s=seconds)
+        else:
+            self.cache.evict(self.ns[ns], prefix_tokens=tokens)
 
     @rule(seconds=st.sampled_from([0.5, 3.0, 4.0, 6.0, 10.0, 10.5, 12.0]), reclaim=st.booleans())
     def advance_clock(self, seconds: float, reclaim: bool) -> None:

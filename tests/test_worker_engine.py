@@ -23,6 +23,7 @@ from transformers import (
     Qwen3NextConfig,
 )
 
+from services.worker.attention import prefix_exact_attention
 from services.worker.chat import ChatMessage, ChatMLTemplate, Role, completion_prompt
 from services.worker.compat import UnsupportedModelError, check_plain_kv
 from services.worker.engine import Engine, FinishReason
@@ -183,13 +184,30 @@ def test_configure_torch_threads_sets_torch():
 # --- exactness: cached prefix == recomputation -------------------------------------------
 
 
+@pytest.mark.parametrize(("q_len", "kv_len"), [(1, 1), (1, 700), (5, 29), (40, 40), (600, 600), (300, 1100), (9, 530)])
+def test_prefix_exact_attention_is_causal_attention(q_len, kv_len):
+    g = torch.Generator().manual_seed(q_len * 10_000 + kv_len)
+    query = torch.randn(1, 8, q_len, 32, generator=g)
+    key, value = torch.randn(2, 1, 2, kv_len, 32, generator=g)
+    out, _ = prefix_exact_attention(torch.nn.Module(), query, key, value, None, scaling=32**-0.5)
+
+    q, k, v = query.double(), key.double().repeat_interleave(4, 1), value.double().repeat_interleave(4, 1)
+    scores = q @ k.transpose(-1, -2) * 32**-0.5
+    future = torch.arange(kv_len)[None, :] > torch.arange(kv_len - q_len, kv_len)[:, None]
+    expected = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v
+    assert out.shape == (1, q_len, 8, 32)
+    torch.testing.assert_close(out.double(), expected.transpose(1, 2), atol=1e-5, rtol=0)
+
+
 def _greedy(engine: Engine, prompt: list[int], blocks: torch.Tensor | None = None):
     generation = engine.generate(prompt, blocks, max_tokens=16, stop_token_ids=())
     return list(generation), generation
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(("prompt_len", "shared_blocks", "other_len"), [(200, 5, 150), (700, 40, 1100)])
+@pytest.mark.parametrize(
+    ("dtype", "prompt_len", "shared_blocks", "other_len"),
+    [("float32", 200, 5, 150), ("bfloat16", 200, 5, 150), ("bfloat16", 700, 40, 1100)],
+)
 def test_partial_hit_matches_full_prefill(engines, dtype, prompt_len, shared_blocks, other_len):
     engine = engines[dtype]
     prompt = _ids(1, prompt_len)

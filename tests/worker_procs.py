@@ -6,6 +6,9 @@
   unique per service object so stacks sharing one redis-server never see each other's blocks.
 - `WorkerProcess`: `python -m services worker` (the tiny bfloat16 model) pointed at a service
   or `--no-cache`; readiness is polled on `GET /health` with a deadline.
+- `running_stack`: a service, a cached worker and (optionally) a `--no-cache` reference worker.
+- `ExpectedCache`: which prompt tokens the service must hand back, modelled from the prompts
+  the cached worker was sent (it commits each prompt's full blocks; no eviction in tests).
 - `WorkerClient`: a small stdlib HTTP client (one connection per call, so threads may share
   it) for the OpenAI endpoints, including server-sent-event streams.
 
@@ -30,7 +33,8 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.redis_server import free_port
@@ -216,6 +220,60 @@ def start_all(workers: Sequence[WorkerProcess]) -> None:
         for worker in workers:
             worker.stop()
         raise
+
+
+@dataclass(frozen=True)
+class Stack:
+    service: CacheService
+    cached: WorkerProcess
+    reference: WorkerProcess | None  # --no-cache: the A/B baseline
+
+
+@contextmanager
+def running_stack(workdir: Path, redis_url: str | None = None, reference: bool = True,
+                  worker_args: Sequence[str] = ("--cache-deadline-ms", "5000")) -> Iterator[Stack]:
+    """Service first (the worker attaches at start-up), then the workers' model loads in parallel."""
+    service = CacheService(workdir / "service", redis_url=redis_url).start()
+    workers = [WorkerProcess(workdir / "cached", service, worker_args)]
+    if reference:
+        workers.append(WorkerProcess(workdir / "reference", None))
+    try:
+        start_all(workers)
+        yield Stack(service, workers[0], workers[1] if reference else None)
+    finally:
+        for worker in workers:
+            worker.stop()
+        service.stop()
+
+
+@dataclass
+class ExpectedCache:
+    """Full blocks committed so far, as chained keys; hit = longest chain, minus one block when
+    it covers the whole prompt (the worker always computes at least one token)."""
+
+    block_size: int = 16
+    _keys: set = field(default_factory=set)
+
+    def _chain(self, tokens: Sequence[int], salt: str | None) -> Iterator[object]:
+        key: object = ("salt", salt)
+        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
+            key = hash((key, tuple(tokens[start:start + self.block_size])))
+            yield key
+
+    def hit_tokens(self, tokens: Sequence[int], salt: str | None = None) -> int:
+        blocks = 0
+        for key in self._chain(tokens, salt):
+            if key not in self._keys:
+                break
+            blocks += 1
+        return min(blocks, (len(tokens) - 1) // self.block_size) * self.block_size
+
+    def commit(self, tokens: Sequence[int], salt: str | None = None) -> None:
+        self._keys.update(self._chain(tokens, salt))
+
+    @property
+    def blocks(self) -> int:
+        return len(self._keys)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Host tier: a slot pool in a named POSIX shared-memory segment.
 
-A co-located worker maps the same segment (see `map_segment`) and reads or
+A co-located worker maps the same segment (see `MappedSegment`) and reads or
 writes slots directly, so a hit moves no bytes through the service. The
 segment is created owner-only (mode 0600) and is unlinked when the owning
 tier closes. Pinned (page-locked) memory is used only when CUDA is present.
@@ -9,9 +9,12 @@ tier closes. Pinned (page-locked) memory is used only when CUDA is present.
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import secrets
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
+import _posixshmem
 import torch
 
 from ..config import KVLayout
@@ -51,6 +54,8 @@ class HostTier(TensorPool):
     def close(self) -> None:
         if self._shm is None:
             return
+        if torch.cuda.is_available():
+            torch.cuda.cudart().cudaHostUnregister(self.storage.data_ptr())
         super().close()
         self._shm.close()
         self._shm.unlink()
@@ -58,18 +63,27 @@ class HostTier(TensorPool):
 
 
 class MappedSegment:
-    """A worker's mapping of the service's host tier (no copy, no ownership)."""
+    """A worker's mapping of the service's host tier (no copy, no ownership).
+
+    Maps the segment with shm_open + mmap rather than `SharedMemory`: before
+    Python 3.13 an attached `SharedMemory` is registered with the resource
+    tracker, which would unlink the service's segment when this process exits.
+    """
 
     def __init__(self, segment_name: str, layout: KVLayout, num_slots: int) -> None:
-        self._shm = shared_memory.SharedMemory(segment_name, create=False)
-        # Python < 3.13 registers attached segments with the resource tracker,
-        # which would unlink the service's segment when this process exits.
-        resource_tracker.unregister(self._shm._name, "shared_memory")  # type: ignore[attr-defined]
-        if self._shm.size < num_slots * layout.block_bytes:
-            self._shm.close()
-            raise ConfigError("segment", f"shared memory {segment_name!r} is smaller than {num_slots} slots")
-        self.pool = TensorPool(TierKind.HOST, layout, _tensor_over(self._shm.buf, layout, num_slots))
+        fd = _posixshmem.shm_open("/" + segment_name.lstrip("/"), os.O_RDWR, mode=0o600)
+        try:
+            size = os.fstat(fd).st_size
+            if size < num_slots * layout.block_bytes:
+                raise ConfigError("segment", f"shared memory {segment_name!r} is smaller than {num_slots} slots")
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.pool = TensorPool(TierKind.HOST, layout, _tensor_over(memoryview(self._map), layout, num_slots))
 
     def close(self) -> None:
         self.pool.close()
-        self._shm.close()
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a tensor handed out still views the mapping; it is unmapped when that goes

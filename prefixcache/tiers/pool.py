@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..config import KVLayout
@@ -40,6 +41,11 @@ class TensorPool:
             return
         index = torch.tensor(slots, dtype=torch.long, device=self.storage.device)
         self.storage.index_copy_(0, index, blocks.to(self.storage.device))
+
+    def write_bytes(self, slot: int, payload: memoryview | bytes) -> None:
+        """Copy one block's raw bytes (e.g. a verified Redis payload) into a host slot."""
+        target = self.storage[slot].view(torch.uint8).reshape(-1).numpy()
+        target[:] = np.frombuffer(payload, dtype=np.uint8)
 
     def view(self, slot: int) -> torch.Tensor:
         return self.storage[slot]

@@ -45,7 +45,7 @@ def percent(value: float | None) -> str:
 def _pairs(title: str, rows: list[tuple[str, str]]) -> Table:
     table = Table(title=title, title_justify="left", show_header=False, box=None, padding=(0, 2))
     table.add_column(style="bold")
-    table.add_column(justify="right")
+    table.add_column()
     for name, value in rows:
         table.add_row(name, value)
     return table
@@ -99,7 +99,7 @@ def evictions_table(doc: dict) -> Table:
 def misses_table(doc: dict) -> Table:
     rows = [(reason.replace("_", " "), f"{count:,}") for reason, count in doc["miss_reasons"].items()]
     rows.append(("spills dropped", f"{doc['spills']['dropped']:,}"))
-    return _pairs("miss reasons (requests)", rows)
+    return _pairs("why lookups stopped short (requests)", rows)
 
 
 def redis_table(doc: dict) -> RenderableType:

@@ -129,6 +129,46 @@ class ComparisonSummary:
 
 
 @dataclass(frozen=True)
+class CacheOnlySummary:
+    """The service-side figures of a cache-only run (services/replay/cache_only.py); rates are
+    over the run's wall time, bytes per second count whole blocks."""
+
+    address: str
+    model_size: str
+    block_bytes: int
+    shared_memory: bool
+    verify: bool
+    requests: int
+    lookups: int
+    lookup_s: Percentiles
+    read_s: Percentiles
+    store_s: Percentiles
+    lookups_per_s: float
+    blocks_read: int
+    blocks_stored: int
+    blocks_deduplicated: int
+    blocks_rejected: int
+    read_bytes_per_s: float
+    store_bytes_per_s: float
+    verified_blocks: int
+    corrupt_blocks: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What was replayed: the transcript source and the caps applied to it."""
+
+    source: str
+    source_truncated: bool
+    conversations: int
+    requests: int
+    max_turns: int | None
+    max_prompt_tokens: int | None
+    max_tokens: int | None   # None in cache-only mode (nothing is generated)
+    model: str | None
+
+
+@dataclass(frozen=True)
 class Report:
     """The whole replay report; `service_stats` is filled by the caller (e.g. tier evictions)."""
 
@@ -141,6 +181,8 @@ class Report:
     comparison: ComparisonSummary | None
     turns: tuple[TurnRecord, ...]
     service_stats: Mapping[str, Any] | None = None
+    cache_only: CacheOnlySummary | None = None
+    workload: Workload | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -247,6 +289,7 @@ def _comparison(c: Comparison) -> ComparisonSummary:
 
 def build_report(result: ABResult, config: ScheduleConfig, *, block_size: int | None = None,
                  service_stats: Mapping[str, Any] | None = None,
+                 cache_only: CacheOnlySummary | None = None, workload: Workload | None = None,
                  generated_at: dt.datetime | None = None) -> Report:
     """Assemble the Report of an A/B (or single) replay."""
     if block_size is not None and block_size < 1:
@@ -259,6 +302,7 @@ def build_report(result: ABResult, config: ScheduleConfig, *, block_size: int | 
         baseline_run=summarize_run(result.baseline, block_size) if result.baseline else None,
         comparison=_comparison(result.comparison) if result.comparison else None,
         turns=_turn_records(result.cache, result.baseline), service_stats=service_stats,
+        cache_only=cache_only, workload=workload,
     )
 
 

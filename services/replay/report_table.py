@@ -11,7 +11,8 @@ from typing import Callable
 from rich.console import Console
 from rich.table import Table
 
-from services.replay.report import Percentiles, Report, RunSummary
+from services.replay.report import CacheOnlySummary, Percentiles, Report, RunSummary
+from services.replay.service_stats import evictions_by_tier
 
 
 def _pct(x: float | None) -> str:
@@ -45,6 +46,68 @@ _ROWS: tuple[tuple[str, Callable[[RunSummary], str]], ...] = (
 )
 
 
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 2**20:,.1f} MiB/s"
+
+
+_CACHE_ONLY_ROWS: tuple[tuple[str, Callable[[CacheOnlySummary], str]], ...] = (
+    ("model size (block bytes)", lambda c: f"{c.model_size} ({c.block_bytes:,} B)"),
+    ("data plane", lambda c: "shared memory" if c.shared_memory else "gRPC streams"),
+    ("lookups", lambda c: f"{c.lookups:,}"),
+    ("lookups/s", lambda c: f"{c.lookups_per_s:,.1f}"),
+    ("lookup p50 / p90 / p99", lambda c: _pcts(c.lookup_s)),
+    ("read p50 / p90 / p99", lambda c: _pcts(c.read_s)),
+    ("store p50 / p90 / p99", lambda c: _pcts(c.store_s)),
+    ("blocks read / stored", lambda c: f"{c.blocks_read:,} / {c.blocks_stored:,}"),
+    ("blocks deduplicated / rejected", lambda c: f"{c.blocks_deduplicated:,} / {c.blocks_rejected:,}"),
+    ("read / store throughput", lambda c: f"{_rate(c.read_bytes_per_s)} / {_rate(c.store_bytes_per_s)}"),
+    ("blocks verified / corrupt", lambda c: (f"{c.verified_blocks:,} / {c.corrupt_blocks}"
+                                             if c.verify else "not verified")),
+)
+# Rows of the chat table that mean something without a model (no TTFT, no output tokens).
+_CACHE_ONLY_RUN_ROWS = frozenset({"requests ok / sent / scheduled", "errors", "token hit rate",
+                                  "block hit rate", "requests with a hit", "prefill tokens computed",
+                                  "prefill tokens saved", "latency p50 / p90 / p99", "wall time"})
+
+
+def cache_only_table(report: Report) -> Table:
+    """The summary table of a cache-only run (`report.cache_only` must be set)."""
+    summary = report.cache_only
+    if summary is None:
+        raise ValueError("not a cache-only report")
+    table = Table(title=f"prefixcache replay: cache-only against {summary.address}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for label, cell in _ROWS:
+        if label in _CACHE_ONLY_RUN_ROWS:
+            table.add_row(label.replace("latency", "request latency"), cell(report.cache_run))
+    for label, cell in _CACHE_ONLY_ROWS:
+        table.add_row(label, cell(summary))
+    return table
+
+
+def service_lines(stats) -> list[str]:
+    """A few lines on the cache service's own counters (from `Report.service_stats`)."""
+    if "at_end" not in stats:  # filled by some other caller: show it as it is
+        return [f"service stats: {dict(stats)}"]
+    run = stats.get("during_run") or stats.get("at_end")
+    if not run:
+        return [f"service {stats.get('address')}: no cache yet (nothing attached)"]
+    scope = "during the run" if stats.get("during_run") else "since start"
+    evictions = evictions_by_tier(stats)
+    evicted = ", ".join(f"{tier} {n:,}" for tier, n in sorted(evictions.items())) or "none"
+    hit_rate = run.get("token_hit_rate")
+    lines = [f"service {stats.get('address')} {scope}: {run['lookups']:,} lookups, "
+             f"token hit rate {_pct(hit_rate)}, {run['tokens_saved']:,} tokens saved, "
+             f"{run['blocks_committed']:,} blocks committed; evictions: {evicted}"]
+    tiers = (stats.get("at_end") or {}).get("tiers", {})
+    if tiers:
+        lines.append("service tiers now: " + ", ".join(
+            f"{name} {t['blocks']:,} blocks ({t['bytes_used'] / 2**20:,.1f} of "
+            f"{t['capacity_bytes'] / 2**20:,.0f} MiB)" for name, t in sorted(tiers.items())))
+    return lines
+
+
 def report_table(report: Report) -> Table:
     """The summary table of `report` (one column per run)."""
     table = Table(title="prefixcache replay", show_lines=False)
@@ -64,9 +127,39 @@ def report_table(report: Report) -> Table:
     return table
 
 
+def savings_lines(report: Report) -> list[str]:
+    """One-line verdicts: prefill saved, TTFT p50 with vs without the cache, the output check."""
+    run, base = report.cache_run, report.baseline_run
+    lines = []
+    if run.prompt_tokens:
+        lines.append(f"prefill saved: {run.prefill_tokens_saved:,} of {run.prompt_tokens:,} prompt tokens "
+                     f"({_pct(run.prefill_tokens_saved / run.prompt_tokens)}) came from the cache")
+    if base is not None and run.ttft_s.p50 and base.ttft_s.p50:
+        change = run.ttft_s.p50 / base.ttft_s.p50 - 1
+        lines.append(f"TTFT p50: {_ms(run.ttft_s.p50)} with the cache vs {_ms(base.ttft_s.p50)} without "
+                     f"({100 * change:+.0f}%)")
+    if report.comparison is not None:
+        c = report.comparison
+        verdict = "PASS" if c.mismatches == 0 and c.compared else "FAIL"
+        lines.append(f"output check: {c.mismatches} mismatches in {c.compared} compared greedy outputs "
+                     f"[{verdict}]")
+    if report.cache_only is not None and report.cache_only.verify:
+        c = report.cache_only
+        verdict = "PASS" if c.corrupt_blocks == 0 else "FAIL"
+        lines.append(f"KV check: {c.corrupt_blocks} corrupt of {c.verified_blocks:,} hit blocks compared "
+                     f"byte for byte [{verdict}]")
+    return lines
+
+
 def print_report(report: Report, console: Console) -> None:
-    console.print(report_table(report))
+    console.print(cache_only_table(report) if report.cache_only else report_table(report))
     for kind, count in sorted(report.cache_run.error_kinds.items()):
         console.print(f"[red]cache run error[/red] {kind}: {count}")
+    if report.baseline_run is not None:
+        for kind, count in sorted(report.baseline_run.error_kinds.items()):
+            console.print(f"[red]baseline run error[/red] {kind}: {count}")
     if report.service_stats:
-        console.print("service stats:", dict(report.service_stats))
+        for line in service_lines(report.service_stats):
+            console.print(line, highlight=False)
+    for line in savings_lines(report):
+        console.print(line, highlight=False)

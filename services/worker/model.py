@@ -112,7 +112,7 @@ def _state_digest(model: PreTrainedModel, recipe: dict) -> str:
             continue
         seen.add(tensor.data_ptr())
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy())
     return digest.hexdigest()
 
 

@@ -1,0 +1,119 @@
+"""`prefixcache stats | top | inspect | evict | flush`: the operator commands' flags and examples.
+
+`register(subparsers)` adds the five parsers and sets each one's `handler`
+(handlers.py and top.py). Every command shares the connection flags of
+connect.py (`--cache`, `--auth-token`/env PREFIXCACHE_AUTH_TOKEN, `--timeout`,
+`--tls`, `--tls-ca`). Heavy modules (the worker's model) load only when a
+command needs them. The JSON documents are specified in docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+from . import handlers, top
+from .connect import add_connection_arguments
+from .prompt import add_identity_arguments, add_prompt_arguments
+
+STATS_EXAMPLES = """examples:
+  prefixcache stats --cache 127.0.0.1:50051
+  prefixcache stats --cache cache.internal:50051 --json | jq '.tokens.hit_rate'
+  PREFIXCACHE_AUTH_TOKEN=$(cat token) prefixcache stats --cache 10.0.0.5:50051 --tls-ca ca.pem
+"""
+TOP_EXAMPLES = """examples:
+  prefixcache top --cache 127.0.0.1:50051              # q or Ctrl-C quits
+  prefixcache top --cache 127.0.0.1:50051 --interval 5
+  prefixcache top --cache 127.0.0.1:50051 --iterations 3 > frames.txt   # not a terminal: plain frames
+"""
+INSPECT_EXAMPLES = """examples:
+  prefixcache inspect --cache 127.0.0.1:50051 --text "You are a helpful assistant..."
+  prefixcache inspect --text "What is the capital of France?" --chat      # as the worker renders a chat
+  prefixcache inspect --tokens-file prompt.json --namespace 3f2a...        # ids as a JSON list
+  prefixcache inspect --text "..." --model /models/Qwen2.5-0.5B-Instruct --dtype bfloat16 --json
+"""
+EVICT_EXAMPLES = """examples:
+  prefixcache evict --cache 127.0.0.1:50051 --namespace 3f2a...            # all blocks of a namespace
+  prefixcache evict --older-than 10m                                        # not accessed for 10 minutes
+  prefixcache evict --older-than 1h --namespace 3f2a...
+  prefixcache evict --prefix-text "You are a helpful assistant"             # prompts starting so (tiny worker)
+"""
+FLUSH_EXAMPLES = """examples:
+  prefixcache flush --cache 127.0.0.1:50051          # asks for confirmation
+  prefixcache flush --cache 127.0.0.1:50051 --yes    # scripts (required without a terminal)
+"""
+
+
+def _parser(subparsers, name: str, help_text: str, description: str, examples: str) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(name, help=help_text, description=textwrap.fill(description, 79), epilog=examples,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_connection_arguments(parser)
+    return parser
+
+
+def _add_json(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--json", action="store_true", help=f"print {what} as JSON (schema: docs/cli.md)")
+
+
+def _register_stats(subparsers) -> None:
+    parser = _parser(subparsers, "stats", "counters of a running cache service",
+                     "Hit rates by request, block and token; tokens saved; per-tier blocks, bytes and capacity; "
+                     "spills; promotions; evictions by reason; miss reasons; Redis tier state; active leases; "
+                     "uptime.", STATS_EXAMPLES)
+    _add_json(parser, "one document (stable schema, with schema_version)")
+    parser.set_defaults(handler=handlers.stats)
+
+
+def _register_top(subparsers) -> None:
+    parser = _parser(subparsers, "top", "live view of a cache service (rates, hit rate, occupancy)",
+                     "Refreshes every --interval: rates per second, hit rate over the last minute, tier "
+                     "occupancy, recent evictions. q or Ctrl-C quits.", TOP_EXAMPLES)
+    parser.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                        help="seconds between refreshes (default %(default)s)")
+    parser.add_argument("--iterations", type=int, default=None, metavar="N",
+                        help="stop after N refreshes (default: until q; 1 when stdout is not a terminal)")
+    parser.set_defaults(handler=top.run)
+
+
+def _register_inspect(subparsers) -> None:
+    parser = _parser(subparsers, "inspect", "how much of a prompt is cached, block by block",
+                     "Tokenizes a prompt like the worker does and shows, for each cached block, its tier, slot, "
+                     "TTL left and last access, then why the first uncached block missed. Read-only: refreshes "
+                     "no TTL and counts no lookup. Without --namespace the namespace is derived from the "
+                     "worker's settings (this loads the model to compute its weights digest).", INSPECT_EXAMPLES)
+    add_prompt_arguments(parser, "--text", "the prompt")
+    add_identity_arguments(parser)
+    parser.add_argument("--max-rows", type=int, default=40, metavar="N",
+                        help="blocks shown in the table; the middle is elided beyond (default %(default)s)")
+    _add_json(parser, "the report")
+    parser.set_defaults(handler=handlers.inspect)
+
+
+def _register_evict(subparsers) -> None:
+    parser = _parser(subparsers, "evict", "evict blocks by namespace, age or prompt prefix",
+                     "Evicts unpinned blocks from every tier. --namespace alone: the whole namespace; "
+                     "--older-than: blocks not accessed for that long (in --namespace, else everywhere the token "
+                     "may act); a prefix: every cached prompt starting with it (namespace given or derived "
+                     "from the worker's settings).", EVICT_EXAMPLES)
+    parser.add_argument("--older-than", default=None, metavar="DURATION", help="e.g. 90s, 10m, 2h")
+    add_prompt_arguments(parser, "--prefix-text", "the prefix")
+    add_identity_arguments(parser)
+    _add_json(parser, "the result")
+    parser.set_defaults(handler=handlers.evict)
+
+
+def _register_flush(subparsers) -> None:
+    parser = _parser(subparsers, "flush", "evict every unpinned block (asks first)",
+                     "Evicts every unpinned block of every tier (a tenant's token: its own namespaces). Asks for "
+                     "confirmation on a terminal; without one, --yes is required.", FLUSH_EXAMPLES)
+    parser.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    _add_json(parser, "the result")
+    parser.set_defaults(handler=handlers.flush)
+
+
+def register(subparsers) -> None:
+    _register_stats(subparsers)
+    _register_top(subparsers)
+    _register_inspect(subparsers)
+    _register_evict(subparsers)
+    _register_flush(subparsers)

@@ -1,0 +1,112 @@
+"""The handlers of `stats`, `inspect`, `evict` and `flush` (argparse namespace in, exit code out).
+
+Each opens one client through `connect()`, makes its calls, and prints either
+rich output or one JSON document (`--json`) on stdout. Errors leave as
+one-line `PrefixCacheError`s (see connect.py); a refused confirmation exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from rich.console import Console
+
+from prefixcache.config import parse_duration
+
+from .connect import AdminError, connect
+from .document import SCHEMA_VERSION, stats_document
+from .inspect_view import inspect_document, inspect_view
+from .prompt import prompt_tokens, resolve_namespace
+
+
+def _print_json(document: dict) -> None:
+    try:
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader (e.g. `| head`) went away: not an error. Point stdout at devnull so
+        # the interpreter's final flush does not raise again (Python's documented recipe).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def stats(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        document = stats_document(client.stats(), client.address)
+    if args.json:
+        _print_json(document)
+    else:
+        from .stats_view import stats_view
+
+        Console().print(stats_view(document))
+    return 0
+
+
+def inspect(args: argparse.Namespace) -> int:
+    tokens = prompt_tokens(args, args.text, args.tokens_file)
+    if not tokens:
+        raise AdminError("the prompt is empty: nothing to inspect")
+    with connect(args) as client:
+        namespace_id, identity = resolve_namespace(args, client)
+        service = client.stats()
+        block_size = service.layout.block_size if service.layout is not None else args.block_size
+        report = None
+        if namespace_id is not None and service.ready:
+            report = client.inspect(tokens, cache_salt=args.cache_salt, namespace_id=namespace_id)
+        document = inspect_document(client.address, namespace_id, identity, report, len(tokens), block_size)
+    if args.json:
+        _print_json(document)
+    else:
+        Console().print(inspect_view(document, args.max_rows))
+    return 0
+
+
+def evict(args: argparse.Namespace) -> int:
+    older_than = None if args.older_than is None else parse_duration(args.older_than, "older_than")
+    prefix = args.prefix_text is not None or args.prefix_tokens_file is not None
+    if not (args.namespace or older_than is not None or prefix):
+        raise AdminError("give --namespace ID, --older-than DURATION or --prefix-text/--prefix-tokens-file")
+    if prefix and older_than is not None:
+        raise AdminError("--older-than cannot be combined with a prefix (the service evicts by one or the other)")
+    tokens = prompt_tokens(args, args.prefix_text, args.prefix_tokens_file) if prefix else None
+    if prefix and not tokens:
+        raise AdminError("the prefix is empty: it would match every prompt; use --namespace to evict them all")
+    with connect(args) as client:
+        namespace_id = args.namespace
+        if prefix and namespace_id is None:
+            namespace_id, _ = resolve_namespace(args, client)
+        evicted = 0
+        if not (prefix and namespace_id is None):  # a cache no worker attached to holds nothing
+            evicted = client.evict(namespace_id=namespace_id, older_than_s=older_than, prefix_tokens=tokens,
+                                   cache_salt=args.cache_salt)
+        address = client.address
+    if args.json:
+        _print_json({"schema_version": SCHEMA_VERSION, "address": address, "namespace_id": namespace_id,
+                     "evicted": evicted})
+    else:
+        print(f"evicted {evicted:,} block(s) from {address}")
+    return 0
+
+
+def _confirmed(address: str) -> bool:
+    if not sys.stdin.isatty():
+        raise AdminError("refusing to flush without confirmation: stdin is not a terminal; pass --yes")
+    answer = input(f"Flush every unpinned block of every tier of the cache at {address}? [y/N] ")
+    return answer.strip().lower() in ("y", "yes")
+
+
+def flush(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        client.stats()  # fail on a wrong address or token before asking anything
+        if not args.yes and not _confirmed(client.address):
+            print("flush cancelled; nothing was evicted", file=sys.stderr)
+            return 1
+        evicted = client.flush()
+        address = client.address
+    if args.json:
+        _print_json({"schema_version": SCHEMA_VERSION, "address": address, "evicted": evicted})
+    else:
+        print(f"flushed {evicted:,} block(s) from {address}")
+    return 0

@@ -1,0 +1,134 @@
+"""`prefixcache top`: the live view's loop, keyboard and terminal handling.
+
+On a terminal it takes over the screen (rich `Live`, alternate screen), polls
+`GetStats` every `--interval` and redraws; `q` or Ctrl-C quits with exit 0
+and the terminal restored. When stdout is not a terminal it prints
+`--iterations` frames (default 1) as plain text, each after one interval, so
+the rates in every frame are real; scripts should prefer `stats --json`.
+
+Invariants:
+- The terminal's line discipline is restored on every exit path (the key
+  reader is a context manager around the whole loop).
+- A failure of the first `GetStats` (bad address, wrong token) ends the
+  command with a one-line error; later "unreachable" answers only show a red
+  status line, so a service restart does not kill a watching operator's view.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import sys
+import termios
+import time
+import tty
+from typing import Callable
+
+from rich.console import Console
+from rich.live import Live
+
+from prefixcache.client import CacheClient, CacheUnavailable
+
+from .connect import AdminError, connect, describe
+from .document import stats_document
+from .top_model import TopModel
+from .top_view import top_frame
+
+QUIT_KEYS = frozenset("qQ")
+
+
+class KeyReader:
+    """Single key presses from stdin in cbreak mode (Ctrl-C still raises KeyboardInterrupt)."""
+
+    def __init__(self, stream=None) -> None:
+        self._stream = stream if stream is not None else sys.stdin
+        self._fd: int | None = None
+        self._saved = None
+
+    def __enter__(self) -> "KeyReader":
+        if self._stream is not None and self._stream.isatty():
+            self._fd = self._stream.fileno()
+            self._saved = termios.tcgetattr(self._fd)
+            tty.setcbreak(self._fd)
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        if self._fd is not None:
+            termios.tcsetattr(self._fd, termios.TCSADRAIN, self._saved)
+
+    def wait(self, timeout_s: float) -> str | None:
+        """A key pressed within `timeout_s`, else None (without a terminal: just waits)."""
+        readable = [self._fd] if self._fd is not None else []
+        ready, _, _ = select.select(readable, [], [], max(0.0, timeout_s))
+        if not ready:
+            return None
+        data = os.read(self._fd, 32).decode("utf-8", "replace")
+        return data[:1] or None
+
+
+def _sampler(client: CacheClient, address: str) -> Callable[[], dict]:
+    return lambda: stats_document(client.stats(), address)
+
+
+def _fetch(model: TopModel, sample: Callable[[], dict], address: str) -> str | None:
+    """Add one snapshot; a status line when the service did not answer."""
+    try:
+        model.add(sample())
+    except CacheUnavailable as error:
+        return f"{describe(error, address, False)} (showing the last answer)"
+    return None
+
+
+def run_live(sample: Callable[[], dict], address: str, interval_s: float, iterations: int | None,
+             console: Console) -> int:
+    model = TopModel()
+    model.add(sample())  # errors here (bad token, unreachable) end the command
+    status, shown = None, 1
+    try:
+        with KeyReader() as keys, Live(console=console, screen=True, auto_refresh=False) as live:
+            live.update(top_frame(model, address, interval_s, status, True), refresh=True)
+            due = time.monotonic() + interval_s
+            while iterations is None or shown < iterations:
+                key = keys.wait(due - time.monotonic())
+                if key in QUIT_KEYS:
+                    break
+                if key is not None and time.monotonic() < due:
+                    continue  # another key: keep waiting for the refresh
+                due = max(due + interval_s, time.monotonic() + interval_s / 2)
+                status = _fetch(model, sample, address)
+                shown += 1
+                live.update(top_frame(model, address, interval_s, status, True), refresh=True)
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is the other way to quit; Live and KeyReader restored the terminal
+    return 0
+
+
+def run_plain(sample: Callable[[], dict], address: str, interval_s: float, iterations: int,
+              console: Console) -> int:
+    model = TopModel()
+    model.add(sample())
+    for frame in range(iterations):
+        time.sleep(interval_s)  # pacing the polls, not waiting for readiness
+        status = _fetch(model, sample, address)
+        if frame:
+            console.print()
+        console.print(top_frame(model, address, interval_s, status, False))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        raise AdminError(f"--interval: must be > 0, got {args.interval:g}")
+    if args.iterations is not None and args.iterations < 1:
+        raise AdminError(f"--iterations: must be >= 1, got {args.iterations}")
+    interactive = sys.stdout.isatty()
+    if not interactive:
+        print("prefixcache top: stdout is not a terminal; printing "
+              f"{args.iterations or 1} frame(s) (for scripts use `prefixcache stats --json`)", file=sys.stderr)
+    with connect(args) as client:
+        sample = _sampler(client, client.address)
+        if interactive:
+            return run_live(sample, client.address, args.interval, args.iterations, Console())
+        return run_plain(sample, client.address, args.interval, args.iterations or 1,
+                         Console(width=max(100, Console().width), no_color=True))
