@@ -36,6 +36,7 @@ from .results import BlockLocation, BlockLocations, CommitResult, LookupResult
 from .stats import Counters, EvictionReason, StatsSnapshot, TierSnapshot, snapshot_dicts
 from .tiers.base import SlotTier, TierKind
 from .tiers.pool import torch_dtype
+from .transfer import ProbeBudget
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,15 @@ class PrefixCache:
         return _Prompt(entry, array, blocks, self.hasher.block_hashes(entry.root, array, size))
 
     # -- lookup -------------------------------------------------------------
-    def lookup(self, ns_id: str, tokens, take_lease: bool = False) -> LookupResult:
-        """Longest cached prefix of `tokens`; with a lease its blocks stay put until release."""
+    def lookup(self, ns_id: str, tokens, take_lease: bool = False,
+               recompute_s_per_token: float | None = None) -> LookupResult:
+        """Longest cached prefix of `tokens`; with a lease its blocks stay put until release.
+
+        `recompute_s_per_token` is the asking worker's prefill cost: given, Redis is asked only
+        for blocks it is expected to deliver faster than that (`transfer.ProbeBudget`); the
+        blocks left unasked are `LookupResult.remote_blocks_declined`.
+        """
+        budget_s = _recompute_cost(recompute_s_per_token)
         prompt = self._prompt(ns_id, tokens)
         with self._lock:
             match = self.index.match(prompt.entry.index, prompt.hashes, prompt.blocks, self.clock(), self.config.ttl_s)
@@ -139,8 +147,10 @@ class PrefixCache:
             if self.remote is None or stop is not MissReason.NOT_CACHED:
                 return self._finish_lookup(prompt, path, stop, take_lease)
             self.index.pin(path)  # the local prefix stays put while Redis is asked without the lock
+        budget = None if budget_s is None else ProbeBudget(len(prompt.hashes) - len(path),
+                                                           budget_s * self.layout.block_size)
         try:
-            payloads, corrupt = self._fetch_remote(prompt, len(path))
+            payloads, corrupt = self._fetch_remote(prompt, len(path), budget)
         except BaseException:
             with self._lock:
                 self.index.unpin(path)
@@ -154,10 +164,10 @@ class PrefixCache:
                 stop = None
             elif corrupt and len(extended) == len(path) + len(payloads):
                 stop = MissReason.VERIFICATION_FAILED  # the hit ends at the block Redis held corrupt
-            return self._finish_lookup(prompt, extended, stop, take_lease)
+            return self._finish_lookup(prompt, extended, stop, take_lease, budget.declined if budget else 0)
 
     def _finish_lookup(self, prompt: _Prompt, path: np.ndarray, stop: MissReason | None,
-                       take_lease: bool) -> LookupResult:
+                       take_lease: bool, declined: int = 0) -> LookupResult:
         """Touch, promote, count and (optionally) lease an unpinned, verified path."""
         now = self.clock()
         full, hit = len(prompt.hashes), len(path)
@@ -179,7 +189,7 @@ class PrefixCache:
             self._leases[lease_id] = Lease(lease_id, prompt.entry.index, tuple(path.tolist()), expires)
         self._count_lookup(prompt, hit, stop)
         return LookupResult(prompt.entry.id, len(prompt.tokens), hit * self.layout.block_size,
-                            self._locations(path), stop, lease_id, expires)
+                            self._locations(path), stop, lease_id, expires, declined)
 
     def _promote(self, prompt: _Prompt, path: np.ndarray) -> None:
         """Promote a hit path to the device tier, within its tenant's device quota (quota.py)."""
@@ -211,14 +221,16 @@ class PrefixCache:
         rows = np.asarray(path, dtype=np.int64)
         return BlockLocations.adopt(self.index.tier[rows], self.index.slot[rows])
 
-    def _fetch_remote(self, prompt: _Prompt, start: int) -> tuple[list[memoryview], bool]:
+    def _fetch_remote(self, prompt: _Prompt, start: int,
+                      budget: ProbeBudget | None = None) -> tuple[list[memoryview], bool]:
         """Verified payloads of the blocks after `start` that Redis holds, in order, and
         whether they end at a block that failed verification (its key is deleted)."""
         entry, payloads = prompt.entry, []
+        options = {"budget": budget} if budget is not None else {}
         for batch_start in range(start, len(prompt.hashes), REMOTE_PROBE_BATCH):
             batch = prompt.hashes[batch_start: batch_start + REMOTE_PROBE_BATCH]
             for offset, frame in enumerate(self.remote.fetch(entry.id, batch, frame_bytes=self.layout.block_bytes,
-                                                                prefix_only=True)):
+                                                                prefix_only=True, **options)):
                 i = batch_start + offset
                 if frame is None:
                     return payloads, False
@@ -594,3 +606,12 @@ class PrefixCache:
             tier.close()
         if self.remote is not None:
             self.remote.close()
+
+
+def _recompute_cost(seconds_per_token: float | None) -> float | None:
+    if seconds_per_token is None:
+        return None
+    if isinstance(seconds_per_token, bool) or not isinstance(seconds_per_token, (int, float)) \
+            or not 0 <= seconds_per_token < float("inf"):
+        raise InvalidArgument("recompute_seconds_per_token", f"must be a finite number >= 0, got {seconds_per_token!r}")
+    return float(seconds_per_token)

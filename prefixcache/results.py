@@ -97,6 +97,7 @@ class LookupResult:
     miss_reason: MissReason | None  # why the first uncached full block missed
     lease_id: int | None = None
     lease_expires_at: float | None = None
+    remote_blocks_declined: int = 0  # blocks past the hit Redis was not asked for: slower than recomputing
 
 
 @dataclass(frozen=True)

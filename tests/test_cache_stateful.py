@@ -77,6 +77,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.ns = [self.cache.attach(namespace(self.layout, tenant=f"t{i}")) for i in range(2)]
         self.stored: set[tuple[int, tuple[int, ...]]] = set()   # (namespace, full-block prefix) ever accepted
         self.leases: dict[int, HeldLease] = {}
+        self.last_stored: tuple[int, list[int]] | None = None
 
     def teardown(self) -> None:
         if self.cache is not None:
@@ -123,6 +124,8 @@ class CacheMachine(RuleBasedStateMachine):
         assert accepted + result.rejected == full - start
         for blocks in range(start + 1, start + accepted + 1):
             self.stored.add((ns, self.prefix(tokens, blocks)))
+        if accepted:
+            self.last_stored = (ns, tokens)
         if then != "nothing":
             hit = self._lookup(ns, tokens, take_lease=then == "lease")
             assert accepted == 0 or hit >= start + accepted, "an accepted block was not hittable at once"
@@ -171,11 +174,17 @@ class CacheMachine(RuleBasedStateMachine):
         else:
             self.cache.evict(self.ns[ns], prefix_tokens=tokens)
 
-    @rule(seconds=st.sampled_from([0.5, 3.0, 4.0, 6.0, 10.0, 10.5, 12.0]), reclaim=st.booleans())
-    def advance_clock(self, seconds: float, reclaim: bool) -> None:
+    @rule(seconds=st.sampled_from([0.5, 3.0, 4.0, 6.0, 10.0, 10.5, 12.0]), reclaim=st.booleans(),
+          look=st.sampled_from(["nothing", "last stored", "last stored", "drawn"]), ns=NAMESPACE, tokens=prompts)
+    def advance_clock(self, seconds: float, reclaim: bool, look: str, ns: int, tokens: list[int]) -> None:
+        """Time passes; then maybe reclaim, and maybe look a prompt up (expired blocks must miss)."""
         self.clock.advance(seconds)
         if reclaim:
             self.cache.expire()
+        if look == "last stored" and self.last_stored is not None:
+            self._lookup(*self.last_stored, take_lease=False)
+        elif look == "drawn":
+            self._lookup(ns, tokens, take_lease=False)
 
     @rule()
     def flush(self) -> None:

@@ -1,8 +1,8 @@
 """Exactness: a cached worker's greedy output equals a `--no-cache` worker's, token for token.
 
-Real processes (tests/worker_procs.py): one cache service over a real Redis, a worker using
-it, and a `--no-cache` reference worker, all with the tiny bfloat16 model (cached KV is
-bitwise the recomputed KV). Every request goes to both workers; text, finish reason and
+Real processes (the session's `worker_stack`, tests/worker_procs.py): one cache service over
+a real Redis, a worker using it, and a `--no-cache` reference worker, all with the tiny
+bfloat16 model (cached KV is bitwise the recomputed KV). Every request goes to both workers; text, finish reason and
 completion token count must be equal, and `usage.prompt_tokens_details.cached_tokens` must
 equal what `ExpectedCache` says the service holds for that prompt: the cached worker commits
 each prompt's full blocks, so turn k+1 of a conversation reuses at least all full blocks of
@@ -11,7 +11,7 @@ turn k's prompt, and never the whole prompt (one token is always computed).
 Covered: misses, partial hits (a turn extending the last, a prompt diverging mid-block), a
 full hit on a prompt of exactly k blocks, hits from the host tier, and, after the service is
 SIGKILLed and restarted over the same Redis, hits from Redis.
-Each test salts its requests (`cache_salt`), so tests do not share cached blocks.
+Each test salts its requests (`cache_salt`) and models only its own blocks.
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ from services.replay.transcripts import Conversation, Role, load_sharegpt
 from services.worker.chat import ChatMessage, ChatMLTemplate
 from services.worker.chat import Role as ChatRole
 from services.worker.tokenizer import TiktokenTokenizer
-from tests.worker_procs import ExpectedCache, Reply, Stack, poll, running_stack
+
+pytest.register_assert_rewrite("tests.worker_procs")
+from tests.worker_procs import ExpectedCache, Reply, Stack, poll  # noqa: E402
+
+pytest_plugins = ["tests.worker_procs"]
 
 BLOCK = 16
 MAX_PROMPT_TOKENS = 1536
@@ -33,10 +37,9 @@ CONVERSATIONS = 5
 TURNS = 4
 
 
-@pytest.fixture(scope="module")
-def stack(redis_server, tmp_path_factory) -> Stack:
-    with running_stack(tmp_path_factory.mktemp("exactness"), redis_url=redis_server.url) as running:
-        yield running
+@pytest.fixture
+def stack(worker_stack) -> Stack:
+    return worker_stack
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +47,15 @@ def template() -> ChatMLTemplate:
     return ChatMLTemplate(TiktokenTokenizer())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def expected() -> ExpectedCache:
-    """One model of the service's contents for the whole module (its service is shared)."""
+    """The blocks this test committed (its salt keeps them apart from other tests')."""
     return ExpectedCache(BLOCK)
+
+
+@pytest.fixture
+def salt(request) -> str:
+    return f"{request.node.name}-{random.getrandbits(32):08x}"
 
 
 def _turns(conversation: Conversation) -> list[list[dict]]:
@@ -102,8 +110,7 @@ def _check_hit(stack: Stack, expected: ExpectedCache, path: str, payload: dict, 
     return reply
 
 
-def test_sharegpt_conversations_turn_by_turn(stack, template, expected):
-    salt = "sharegpt"
+def test_sharegpt_conversations_turn_by_turn(stack, template, expected, salt):
     replies: list[tuple[int, int]] = []
     for turns in _sharegpt_turns(template):
         previous: list[int] | None = None
@@ -120,8 +127,7 @@ def test_sharegpt_conversations_turn_by_turn(stack, template, expected):
     assert any(0 < cached < prompt - BLOCK for cached, prompt in replies), "no partial hit exercised"
 
 
-def test_token_id_prompts_miss_partial_and_full_block_multiple(stack, expected):
-    salt = "token-ids"
+def test_token_id_prompts_miss_partial_and_full_block_multiple(stack, expected, salt):
     rng = random.Random(5)
     base = [rng.randrange(100, 100_000) for _ in range(5 * BLOCK)]  # exactly 5 blocks
     other = [rng.randrange(100, 100_000) for _ in range(30)]
@@ -137,8 +143,7 @@ def test_token_id_prompts_miss_partial_and_full_block_multiple(stack, expected):
         _check_hit(stack, expected, "/v1/completions", {"prompt": tokens, "cache_salt": salt}, tokens)
 
 
-def test_text_completion_prompt_hits(stack, template, expected):
-    salt = "text"
+def test_text_completion_prompt_hits(stack, expected, salt):
     prompt = "The history of the printing press begins " + "with movable type and ink, " * 30
     tokens = TiktokenTokenizer().encode(prompt)
     first = _check_hit(stack, expected, "/v1/completions", {"prompt": prompt, "cache_salt": salt}, tokens)
@@ -146,24 +151,29 @@ def test_text_completion_prompt_hits(stack, template, expected):
     assert first.cached_tokens == 0 and second.cached_tokens == (len(tokens) - 1) // BLOCK * BLOCK > 0
 
 
-def test_hits_so_far_came_from_the_host_tier(stack, expected):
+def test_host_tier_serves_repeat_hits(stack, expected, salt):
+    tokens = random.Random(7).choices(range(100, 100_000), k=6 * BLOCK + 5)
     with stack.service.client() as client:
-        snapshot = client.stats().snapshot
-    host = next(t for t in snapshot.tiers if t.kind.name == "HOST")
-    assert host.blocks == expected.blocks  # every committed block is resident in shared memory
-    assert snapshot.token_hits > 0 and sum(snapshot.promotions.values()) == 0  # nothing came up from Redis
+        before = client.stats().snapshot
+        for want in (0, 6 * BLOCK):
+            reply = _check_hit(stack, expected, "/v1/completions", {"prompt": tokens, "cache_salt": salt}, tokens)
+            assert reply.cached_tokens == want
+        after = client.stats().snapshot
+    assert after.block_hits - before.block_hits == 6
+    assert after.promotions == before.promotions  # nothing came up from Redis: the host tier served it
+    host = next(t for t in after.tiers if t.kind.name == "HOST")
+    assert host.blocks >= expected.blocks
 
 
-def test_warm_restart_serves_hits_from_redis(stack, template, expected, redis_server):
-    salt = "restart"
+def test_warm_restart_serves_hits_from_redis(stack, template, expected, salt):
     conversation = _sharegpt_turns(template)[0]
     for messages in conversation[:2]:
         _check_hit(stack, expected, "/v1/chat/completions", {"messages": messages, "cache_salt": salt},
                    _tokens(template, messages))
-    with redis_server.client() as redis:
-        pattern = f"{stack.service.redis_key_prefix}:*"
-        poll(lambda: sum(1 for _ in redis.scan_iter(match=pattern, count=1000)) == expected.blocks,
-             30, "every committed block written through to Redis")
+    with stack.service.client() as client:
+        poll(lambda: client.stats().snapshot.remote["queue_bytes"] == 0, 30, "Redis write-through queue drained")
+        remote = client.stats().snapshot.remote
+    assert remote["spills_dropped"] == remote["writes_failed"] == 0
 
     stack.service.restart()  # SIGKILL, then a fresh process on the same port: an empty host tier
     with stack.service.client() as client:

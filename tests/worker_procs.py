@@ -16,8 +16,12 @@ Readiness is always polled with a bounded deadline, never a blind sleep. Every p
 killed when its owner is torn down, and at interpreter exit should a test die first; a
 SIGKILLed service's shared-memory segment is unlinked by `kill`.
 
-Model processes take seconds to start, so test modules share them through module-scoped
-fixtures; `start_all` starts several at once and waits for them together.
+Model processes take seconds to start (and seconds to exit: interpreter teardown of torch),
+so one stack serves the whole test session: the `worker_stack` fixture, which modules get with
+`pytest_plugins = ["tests.worker_procs"]`. Tests sharing it salt their requests
+(`cache_salt`) so their cached blocks never meet, and a test that kills or restarts the service
+leaves the worker attached again (it polls for a hit) before it ends. Workers start and stop
+in parallel (`start_all`, `stop_all`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 from tests.redis_server import free_port
 
@@ -200,13 +206,20 @@ class WorkerProcess:
     def log(self) -> str:
         return _tail(self.log_path, 200_000)
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                _kill(self.process)
+
+    def stop(self) -> int | None:
+        """SIGTERM and wait (SIGKILL after 15 s); the exit code, None if never launched."""
+        if self.process is None:
+            return None
+        self.terminate()
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            _kill(self.process)
+        return self.process.returncode
 
 
 def start_all(workers: Sequence[WorkerProcess]) -> None:
@@ -217,9 +230,15 @@ def start_all(workers: Sequence[WorkerProcess]) -> None:
         for worker in workers:
             worker.wait_ready()
     except BaseException:
-        for worker in workers:
-            worker.stop()
+        stop_all(workers)
         raise
+
+
+def stop_all(workers: Sequence[WorkerProcess]) -> None:
+    for worker in workers:
+        worker.terminate()
+    for worker in workers:
+        worker.stop()
 
 
 @dataclass(frozen=True)
@@ -241,9 +260,15 @@ def running_stack(workdir: Path, redis_url: str | None = None, reference: bool =
         start_all(workers)
         yield Stack(service, workers[0], workers[1] if reference else None)
     finally:
-        for worker in workers:
-            worker.stop()
+        stop_all(workers)
         service.stop()
+
+
+@pytest.fixture(scope="session")
+def worker_stack(redis_server, tmp_path_factory) -> Iterator[Stack]:
+    """The session's stack: service over the session Redis, cached worker, no-cache reference."""
+    with running_stack(tmp_path_factory.mktemp("worker-stack"), redis_url=redis_server.url) as stack:
+        yield stack
 
 
 @dataclass
@@ -320,6 +345,24 @@ class WorkerClient:
         except OSError:
             return False
         return status == 200
+
+    def health(self) -> dict:
+        status, data, _ = self.request("GET", "/health")
+        assert status == 200, data
+        return json.loads(data)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """GET /metrics parsed by prometheus_client: {(sample name, sorted labels): value}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        status, data, content_type = self.request("GET", "/metrics")
+        assert status == 200 and content_type.startswith("text/plain"), (status, content_type)
+        return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                for family in text_string_to_metric_families(data.decode()) for sample in family.samples}
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample's value from /metrics (0 when the labelled series does not exist yet)."""
+        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
 
     def post(self, path: str, payload: dict | bytes) -> Reply:
         raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()

@@ -77,6 +77,7 @@ class Hit:
     miss_reason: MissReason | None
     lease_id: int | None
     lease_deadline: float | None  # time.monotonic() before which the lease is surely live
+    remote_blocks_declined: int = 0  # past the hit, not fetched from Redis: slower than recomputing
 
     @property
     def blocks(self) -> int:
@@ -167,20 +168,27 @@ class CacheClient:
 
     # -- lookups and reads ------------------------------------------------------------
     def lookup(self, tokens, cache_salt: str | None = None, take_lease: bool = True,
-               timeout_s: float | None = None) -> Hit:
-        """Longest cached prefix of `tokens`; with a lease its blocks stay put until `release`."""
+               timeout_s: float | None = None, recompute_s_per_token: float | None = None) -> Hit:
+        """Longest cached prefix of `tokens`; with a lease its blocks stay put until `release`.
+
+        `recompute_s_per_token` (1 / this worker's prefill rate) lets the service skip Redis
+        blocks that would arrive slower than recomputing them (`Hit.remote_blocks_declined`).
+        """
         attachment = self.attachment
         request = pb.LookupRequest(namespace_id=attachment.namespace_id, tokens=_token_list(tokens),
                                    take_lease=take_lease)
         if cache_salt is not None:
             request.cache_salt = cache_salt
+        if recompute_s_per_token is not None:
+            request.recompute_seconds_per_token = recompute_s_per_token
         sent = time.monotonic()
         reply = self._call(self._stub.Lookup, request, timeout_s)
         locations = BlockLocations(wire.tier_kinds(reply.tiers), np.asarray(reply.slots, dtype=np.int64))
         lease = reply.lease_id or None
         return Hit(reply.namespace_id, reply.prompt_tokens, reply.hit_tokens, locations,
                    wire.MISS_REASON_OF.get(reply.miss_reason), lease,
-                   sent + reply.lease_ttl_seconds - LEASE_MARGIN_S if lease else None)
+                   sent + reply.lease_ttl_seconds - LEASE_MARGIN_S if lease else None,
+                   reply.remote_blocks_declined)
 
     def read(self, hit: Hit, out: torch.Tensor | None = None, timeout_s: float | None = None) -> torch.Tensor:
         """The hit's KV, `[hit.blocks, *block_shape]`: from mapped memory, else the Fetch stream."""

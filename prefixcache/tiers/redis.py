@@ -18,6 +18,9 @@ Invariants:
   probes: while the breaker is down `fetch` does no I/O at all.
 - Constructing the tier does no I/O, so a service starts promptly with Redis
   down and picks it up when a probe succeeds.
+- Every successful round trip, read or write, and every read that times out is
+  a sample of the link (`TransferMeter`, seeded with `LINK_PRIOR`); a fetch given
+  a `ProbeBudget` asks only for the blocks that estimate says are worth it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 
 import redis.exceptions
 
+from ..transfer import ProbeBudget, TransferEstimate, TransferMeter
 from .base import TierKind
 from .breaker import Backoff, CircuitBreaker, Retry
 from .redis_options import RedisClient, RedisOptions, connect, is_cluster_url, redact_url
@@ -46,6 +50,9 @@ log = logging.getLogger(__name__)
 REDIS_ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
 _GLOB = re.compile(r"([*?\[\]\\])")
 _UNLINK_CHUNK = 500
+# Until measured: a Redis on the same host or rack (loopback: ~0.2 ms per pipelined round
+# trip, ~1 GB/s of replies, see docs/benchmarks.md); the meter replaces it within a few trips.
+LINK_PRIOR = TransferEstimate(latency_s=0.0005, bytes_per_s=1e9)
 
 
 class MalformedReply(redis.exceptions.RedisError):
@@ -126,6 +133,7 @@ class RedisTier:
         self._closing = False
         self._close_deadline = 0.0
         self._counters = RedisCounters()
+        self._link = TransferMeter(LINK_PRIOR, clock=clock)
         self._owns_clients = client is None
         self._reader: RedisClient | None = client
         self._writer: RedisClient | None = write_client or client
@@ -140,7 +148,8 @@ class RedisTier:
         return f"{self.options.key_prefix}:{namespace_id}:{block_hash.hex()}"
 
     def fetch(self, namespace_id: str, hashes: list[bytes], ttl_s: float | None = None, *,
-              frame_bytes: int | None = None, prefix_only: bool = False) -> list[bytes | None]:
+              frame_bytes: int | None = None, prefix_only: bool = False,
+              budget: ProbeBudget | None = None) -> list[bytes | None]:
         """Frames for `hashes` (None = miss) by pipelined GETEX, which also refreshes each hit's TTL.
 
         One round trip, or, when the expected frame size `frame_bytes` is given, round
@@ -149,7 +158,11 @@ class RedisTier:
         one per round trip, under 1 GB/s 64 deep; see benchmarks/redis_bench.py).
         With `prefix_only` only a contiguous run of hits is wanted: every entry after
         the first miss is None, and no round trip starts after one that held a miss.
+        With a `budget` (which needs `frame_bytes`), each round trip asks only for what the
+        budget grants; the blocks it declines come back as None.
         """
+        if budget is not None and not frame_bytes:
+            raise ValueError("a fetch with a budget needs frame_bytes")
         client = self._reader
         if hashes and (client is None or not self._breaker.is_up()):
             with self._lock:
@@ -159,8 +172,14 @@ class RedisTier:
         ttl_ms = self._ttl_ms(ttl_s)
         frames: list[bytes | None] = []
         start = time.perf_counter()
+        declined = budget.declined if budget is not None else 0
         while len(frames) < len(hashes):
-            got = self._round_trip(client, namespace_id, hashes[len(frames):len(frames) + per_trip], ttl_ms)
+            batch = hashes[len(frames):len(frames) + per_trip]
+            if budget is not None:
+                batch = batch[:self._grant(budget, len(batch), frame_bytes, per_trip)]
+                if not batch:
+                    break
+            got = self._round_trip(client, namespace_id, batch, ttl_ms)
             if got is None:
                 break
             frames.extend(got)
@@ -168,6 +187,9 @@ class RedisTier:
                 break
         found = [frame for frame in frames if frame is not None]
         with self._lock:
+            if budget is not None and budget.declined > declined:
+                self._counters.probes_declined += 1
+                self._counters.probe_blocks_declined += budget.declined - declined
             self._counters.hits += len(found)
             self._counters.misses += len(frames) - len(found)
             self._counters.bytes_read += sum(len(frame) for frame in found)
@@ -208,9 +230,15 @@ class RedisTier:
     def is_up(self) -> bool:
         return self._reader is not None and self._breaker.is_up()
 
+    def link_estimate(self) -> TransferEstimate:
+        """The link's measured latency and bandwidth (the prior until measured)."""
+        with self._lock:
+            return self._link.estimate()
+
     def stats(self) -> RedisStats:
         with self._lock:
-            return RedisStats.of(self._counters, self._breaker.state, self._queue_bytes, self._breaker.trips)
+            return RedisStats.of(self._counters, self._breaker.state, self._queue_bytes, self._breaker.trips,
+                                 self._link.estimate())
 
     def wait_idle(self, timeout_s: float) -> bool:
         """True once nothing is queued or in flight (tests, shutdown)."""
@@ -248,19 +276,32 @@ class RedisTier:
         return (connect(url, self.options, self.options.socket_timeout_s),
                 connect(url, self.options, self.options.write_timeout_s))
 
+    def _grant(self, budget: ProbeBudget, wanted: int, frame_bytes: int, per_trip: int) -> int:
+        with self._lock:
+            estimate = self._link.estimate()
+        return budget.grant(wanted, estimate, frame_bytes, per_trip, time.perf_counter())
+
     def _round_trip(self, client: RedisClient, namespace_id: str, hashes: list[bytes],
                     ttl_ms: int) -> list[bytes | None] | None:
         """One pipelined GETEX per hash; None after a fault (recorded in the breaker)."""
+        start = time.perf_counter()
         try:
             pipe = client.pipeline(transaction=False)
             for block_hash in hashes:
                 pipe.getex(self.key(namespace_id, block_hash), px=ttl_ms)
             frames = _frames_from(pipe.execute(raise_on_error=False), len(hashes))
         except REDIS_ERRORS as exc:
+            if isinstance(exc, redis.exceptions.TimeoutError):
+                self._observe_link(0, time.perf_counter() - start)  # at least this slow
             self._read_failed(exc)
             return None
+        self._observe_link(sum(len(frame) for frame in frames if frame is not None), time.perf_counter() - start)
         self._breaker.record_success()
         return frames
+
+    def _observe_link(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._link.observe(nbytes, seconds)
 
     def _read_failed(self, exc: BaseException) -> None:
         self._breaker.record_failure(f"read: {type(exc).__name__}: {exc}")
@@ -344,9 +385,11 @@ class RedisTier:
             return
         elapsed = time.perf_counter() - start
         self._breaker.record_success()
+        written = sum(len(op.frame) for op in batch if isinstance(op, _Set))
         with self._lock:
-            self._counters.bytes_written += sum(len(op.frame) for op in batch if isinstance(op, _Set))
+            self._counters.bytes_written += written
             self._counters.write_latency.observe(elapsed)
+            self._link.observe(written, elapsed)
 
     def _pipeline(self, batch: list[_Op]) -> None:
         pipe = self._writer.pipeline(transaction=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from ..transfer import TransferEstimate
 from .breaker import BreakerState
 
 LATENCY_BOUNDS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -63,6 +64,8 @@ class RedisCounters:
     spills_dropped: int = 0      # refused at submit (queue full, tier down, closed) or dropped from the queue
     writes_failed: int = 0       # SETs sent in a batch that failed
     integrity_failures: int = 0
+    probes_declined: int = 0        # lookups whose probe a budget cut short or skipped (ProbeBudget)
+    probe_blocks_declined: int = 0  # blocks those probes never asked for
     read_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     write_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
@@ -84,13 +87,19 @@ class RedisStats:
     breaker_trips: int
     read_latency: LatencySnapshot
     write_latency: LatencySnapshot
+    probes_declined: int = 0
+    probe_blocks_declined: int = 0
+    link_latency_s: float = 0.0      # the link's estimated round-trip latency ...
+    link_bytes_per_s: float = 0.0    # ... and bandwidth (transfer.TransferMeter)
+    link_samples: int = 0            # 0: the estimate is still the prior
 
     @property
     def up(self) -> bool:
         return self.state is BreakerState.UP
 
     @classmethod
-    def of(cls, counters: RedisCounters, state: BreakerState, queue_bytes: int, trips: int) -> RedisStats:
+    def of(cls, counters: RedisCounters, state: BreakerState, queue_bytes: int, trips: int,
+           link: TransferEstimate | None = None) -> RedisStats:
         return cls(
             state=state, hits=counters.hits, misses=counters.misses, reads_skipped=counters.reads_skipped,
             read_errors=counters.read_errors, bytes_read=counters.bytes_read, bytes_written=counters.bytes_written,
@@ -98,4 +107,7 @@ class RedisStats:
             writes_failed=counters.writes_failed, integrity_failures=counters.integrity_failures,
             queue_bytes=queue_bytes, breaker_trips=trips,
             read_latency=counters.read_latency.snapshot(), write_latency=counters.write_latency.snapshot(),
+            probes_declined=counters.probes_declined, probe_blocks_declined=counters.probe_blocks_declined,
+            link_latency_s=link.latency_s if link else 0.0, link_bytes_per_s=link.bytes_per_s if link else 0.0,
+            link_samples=link.samples if link else 0,
         )

@@ -21,7 +21,7 @@ from typing import Iterator
 
 from prefixcache.client import CacheClient, CacheUnavailable, PermissionDenied, Unauthenticated
 from prefixcache.config import parse_duration
-from prefixcache.errors import PrefixCacheError
+from prefixcache.errors import InvalidArgument, PrefixCacheError
 
 TOKEN_ENV = "PREFIXCACHE_AUTH_TOKEN"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -89,6 +89,8 @@ def describe(error: PrefixCacheError, address: str, token_given: bool) -> AdminE
         return AdminError(f"the cache service at {address} refused the call ({error}); {hint}")
     if isinstance(error, PermissionDenied):
         return AdminError(f"the cache service at {address} refused the call ({error}); this needs an admin token")
+    if isinstance(error, InvalidArgument):
+        return AdminError(str(error))  # already "field: what is wrong"
     return AdminError(f"{type(error).__name__}: {error}")
 
 
@@ -96,7 +98,7 @@ def describe(error: PrefixCacheError, address: str, token_given: bool) -> AdminE
 def connect(args: argparse.Namespace) -> Iterator[CacheClient]:
     """A client for the flags in `args`; client errors leave as one-line `AdminError`s."""
     address = check_address(args.cache)
-    timeout_s = parse_duration(args.timeout, "timeout")
+    timeout_s = parse_duration(args.timeout, "--timeout")
     if timeout_s <= 0:
         raise AdminError(f"--timeout: must be > 0, got {args.timeout!r}")
     if args.tls_ca and not os.path.isfile(args.tls_ca):

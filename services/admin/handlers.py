@@ -20,6 +20,7 @@ from .connect import AdminError, connect
 from .document import SCHEMA_VERSION, stats_document
 from .inspect_view import inspect_document, inspect_view
 from .prompt import prompt_tokens, resolve_namespace
+from .stats_view import stats_view
 
 
 def _print_json(document: dict) -> None:
@@ -38,8 +39,6 @@ def stats(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(document)
     else:
-        from .stats_view import stats_view
-
         Console().print(stats_view(document))
     return 0
 
@@ -49,8 +48,8 @@ def inspect(args: argparse.Namespace) -> int:
     if not tokens:
         raise AdminError("the prompt is empty: nothing to inspect")
     with connect(args) as client:
-        namespace_id, identity = resolve_namespace(args, client)
         service = client.stats()
+        namespace_id, identity = resolve_namespace(args, client, service)
         block_size = service.layout.block_size if service.layout is not None else args.block_size
         report = None
         if namespace_id is not None and service.ready:
@@ -64,7 +63,7 @@ def inspect(args: argparse.Namespace) -> int:
 
 
 def evict(args: argparse.Namespace) -> int:
-    older_than = None if args.older_than is None else parse_duration(args.older_than, "older_than")
+    older_than = None if args.older_than is None else parse_duration(args.older_than, "--older-than")
     prefix = args.prefix_text is not None or args.prefix_tokens_file is not None
     if not (args.namespace or older_than is not None or prefix):
         raise AdminError("give --namespace ID, --older-than DURATION or --prefix-text/--prefix-tokens-file")
@@ -76,9 +75,10 @@ def evict(args: argparse.Namespace) -> int:
     with connect(args) as client:
         namespace_id = args.namespace
         if prefix and namespace_id is None:
-            namespace_id, _ = resolve_namespace(args, client)
-        evicted = 0
-        if not (prefix and namespace_id is None):  # a cache no worker attached to holds nothing
+            namespace_id, _ = resolve_namespace(args, client, client.stats())
+        if prefix and namespace_id is None:
+            evicted = 0  # no worker attached yet: nothing is cached
+        else:
             evicted = client.evict(namespace_id=namespace_id, older_than_s=older_than, prefix_tokens=tokens,
                                    cache_salt=args.cache_salt)
         address = client.address

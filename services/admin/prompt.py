@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixcache.client import CacheClient
+from prefixcache.client import CacheClient, ServiceStats
 from prefixcache.config import KVLayout
 
 from .connect import AdminError
@@ -68,9 +68,22 @@ def add_identity_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cache-salt", default=None, metavar="SALT", help="the requests' cache_salt, if any")
 
 
-def read_tokens_file(path: str, stdin_text: str | None = None) -> list[int]:
+_DECIMAL = re.compile(r"^[0-9]+$")
+
+
+def _as_token(value: object) -> int | None:
+    """A token id from a JSON int or a decimal string; None for anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if value >= 0 else None
+    if isinstance(value, str) and _DECIMAL.match(value):
+        return int(value)
+    return None
+
+
+def read_tokens_file(path: str) -> list[int]:
+    """Token ids from `path` ('-': stdin): a JSON list of ints, or ints separated by spaces/commas."""
     if path == "-":
-        text = stdin_text if stdin_text is not None else sys.stdin.read()
+        text = sys.stdin.read()
     else:
         try:
             text = Path(path).read_text(encoding="utf-8")
@@ -82,15 +95,14 @@ def read_tokens_file(path: str, stdin_text: str | None = None) -> list[int]:
             values = json.loads(text)
         except json.JSONDecodeError as error:
             raise AdminError(f"tokens file {path!r}: invalid JSON ({error})") from None
+        if not isinstance(values, list) or any(isinstance(v, str) for v in values):
+            raise AdminError(f"tokens file {path!r}: expected a JSON list of ints")
     else:
         values = [part for part in _SEPARATORS.split(text) if part]
     tokens = []
     for position, value in enumerate(values):
-        try:
-            token = int(value) if not isinstance(value, (bool, float)) else None
-        except ValueError:
-            token = None
-        if token is None or token < 0:
+        token = _as_token(value)
+        if token is None:
             raise AdminError(f"tokens file {path!r}: item {position} is {value!r}, not a token id (an int >= 0)")
         tokens.append(token)
     return tokens
@@ -152,18 +164,23 @@ def _describe_layout(layout: KVLayout) -> str:
             f"block {layout.block_size}")
 
 
-def resolve_namespace(args: argparse.Namespace, client: CacheClient) -> tuple[str | None, WorkerIdentity | None]:
+def check_layout(cached: KVLayout | None, identity: WorkerIdentity, args: argparse.Namespace) -> None:
+    """An AdminError unless the worker settings give the layout the cache holds."""
+    if cached is not None and cached != identity.layout:
+        raise AdminError(f"the cache holds KV of layout ({_describe_layout(cached)}) but --model {args.model} "
+                         f"--dtype {args.dtype} --block-size {args.block_size} gives "
+                         f"({_describe_layout(identity.layout)}); pass the worker's settings or --namespace")
+
+
+def resolve_namespace(args: argparse.Namespace, client: CacheClient,
+                      stats: ServiceStats) -> tuple[str | None, WorkerIdentity | None]:
     """(namespace id, the identity it was derived from); (None, identity) when the cache is empty."""
     if args.namespace:
         return args.namespace, None
     identity = worker_identity(args)
-    stats = client.stats()
     if not stats.ready:
         return None, identity
-    if stats.layout is not None and stats.layout != identity.layout:
-        raise AdminError(f"the cache holds KV of layout ({_describe_layout(stats.layout)}) but --model {args.model} "
-                         f"--dtype {args.dtype} --block-size {args.block_size} gives "
-                         f"({_describe_layout(identity.layout)}); pass the worker's settings or --namespace")
+    check_layout(stats.layout, identity, args)
     attachment = client.attach(identity.model_id, identity.layout, revision=identity.revision, same_host=False)
     log.debug("namespace %s for %s@%s", attachment.namespace_id, identity.model_id, identity.revision[:12])
     return attachment.namespace_id, identity

@@ -7,10 +7,16 @@ Three modes, chosen at start-up:
   PREFIXCACHE_AUTH_TOKEN): its holder is the default tenant "", admin;
 - a credentials file (`--credentials FILE`) mapping tokens to tenants, one per line:
 
-      # token (or sha256:<hex of the token>)   tenant    [admin]
-      0b7a1c...e4                              acme
+      # token (or sha256:<hex of the token>)   tenant    [admin] [local] [host=SIZE] [device=SIZE]
+      0b7a1c...e4                              acme      local host=256MiB
       sha256:9f86d08188...                     globex
       5c1f2d...77                              ops       admin
+
+  `admin` may act on every tenant's blocks. `local` may use the same-host data plane: map the
+  host tier's shared memory and the device pool (which hold every tenant's KV) and write slots
+  through Reserve/Commit; other credentials move KV through Fetch/Store only (SECURITY.md).
+  `host=`/`device=` override `--tenant-quota` for that tenant ("unlimited" lifts it); every
+  line of one tenant must give the same quota.
 
 The tenant is always derived here, server-side, from the token; a request can
 never name it. A client's `cache_salt` only subdivides its own tenant.
@@ -35,6 +41,7 @@ from typing import Callable, Iterable
 
 import grpc
 
+from prefixcache.config import QUOTA_TIERS, TenantQuota
 from prefixcache.errors import ConfigError, PrefixCacheError
 
 log = logging.getLogger(__name__)
@@ -43,18 +50,29 @@ METADATA_KEY = "authorization"
 UNAUTHENTICATED_PATHS = ("/grpc.health.v1.Health/",)  # probes carry no token
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _SHA256 = re.compile(r"^sha256:([0-9a-fA-F]{64})$")
+_LINE = "TOKEN TENANT [admin] [local] [host=SIZE] [device=SIZE]"
 
 
 class Unauthenticated(PrefixCacheError):
     """No bearer token, or one that matches no credential."""
 
 
+class NotPermitted(PrefixCacheError):
+    """The credential is valid but not allowed this call (PERMISSION_DENIED)."""
+
+
 @dataclass(frozen=True)
 class Principal:
-    """The authenticated caller: the tenant it acts for and whether it may act for all."""
+    """The authenticated caller: the tenant it acts for and what it may do beyond its own blocks."""
 
     tenant: str
     admin: bool
+    quota: str = ""      # "host=SIZE,device=SIZE" from its credential line (validated), "" for none
+    local: bool = False  # may map the shared pools and write slots (the same-host data plane)
+
+    @property
+    def same_host(self) -> bool:
+        return self.local or self.admin
 
 
 OPEN = Principal(tenant="", admin=True)
@@ -72,19 +90,44 @@ def parse_credentials(text: str, source: str = "credentials") -> dict[bytes, Pri
         if not fields:
             continue
         where = f"{source} line {number}"
-        if len(fields) not in (2, 3) or (len(fields) == 3 and fields[2] != "admin"):
-            raise ConfigError("credentials", f"{where}: expected 'TOKEN TENANT [admin]'")
+        if len(fields) < 2:
+            raise ConfigError("credentials", f"{where}: expected '{_LINE}'")
         token, tenant = fields[0], fields[1]
         if not _TENANT.match(tenant):
             raise ConfigError("credentials", f"{where}: tenant must be 1-128 characters of [A-Za-z0-9_.-]")
+        admin, local, quota = _options(fields[2:], where)
         hashed = _SHA256.match(token)
         digest = bytes.fromhex(hashed.group(1)) if hashed else _digest(token)
         if digest in table:
             raise ConfigError("credentials", f"{where}: the same token appears twice")
-        table[digest] = Principal(tenant, admin=len(fields) == 3)
+        table[digest] = Principal(tenant, admin=admin, quota=quota, local=local)
     if not table:
         raise ConfigError("credentials", f"{source} holds no credentials")
     return table
+
+
+def _options(fields: list[str], where: str) -> tuple[bool, bool, str]:
+    """(admin, local, quota spec) from the fields after TOKEN TENANT; the spec is validated here."""
+    flags = [field for field in fields if field in ("admin", "local")]
+    quota = [field for field in fields if field not in flags]
+    if len(set(flags)) != len(flags) or any(f.partition("=")[0].lower() not in QUOTA_TIERS for f in quota):
+        raise ConfigError("credentials", f"{where}: expected '{_LINE}'")  # never echo a field: it may be a token
+    spec = ",".join(quota)
+    try:
+        TenantQuota.parse(spec)
+    except ConfigError as error:
+        raise ConfigError("credentials", f"{where}: {error}") from None
+    return "admin" in flags, "local" in flags, spec
+
+
+def quota_overrides(principals: Iterable[Principal]) -> dict[str, str]:
+    """Tenant -> quota spec of the credentials that give one; a tenant's lines must agree."""
+    specs: dict[str, str] = {}
+    for principal in principals:
+        known = specs.setdefault(principal.tenant, principal.quota)
+        if known != principal.quota:
+            raise ConfigError("credentials", f"tenant {principal.tenant!r} has credentials with different quotas")
+    return {tenant: spec for tenant, spec in specs.items() if spec}
 
 
 def load_credentials(path: str) -> dict[bytes, Principal]:
@@ -116,6 +159,11 @@ class Authenticator:
     @property
     def enabled(self) -> bool:
         return self._table is not None
+
+    @property
+    def principals(self) -> tuple[Principal, ...]:
+        """Every credential's principal (never the token digests)."""
+        return tuple(self._table.values()) if self._table is not None else (OPEN,)
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Principal:
         if self._table is None:
@@ -183,6 +231,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         try:
             self._auth.authenticate(handler_call_details.invocation_metadata)
         except Unauthenticated as error:
+            log.debug("%s UNAUTHENTICATED: %s", method, error)  # the message never holds the token
             if self._on_denied is not None:
                 self._on_denied(method)
             return _denying_handler(handler, str(error))

@@ -17,6 +17,8 @@ Invariants:
 - A tenant registers at most `max_namespaces_per_tenant` namespaces (the core
   never forgets one and holds 32k in all): one tenant cannot exhaust them.
 - The cache is created at most once; after `close()` every call raises `Draining`.
+- What a non-admin tenant can see or change is its own: its namespaces, leases and
+  reservations, its blocks (inspect, evict, flush) and its own figures (GetStats).
 """
 
 from __future__ import annotations
@@ -179,9 +181,9 @@ class CacheBackend:
 
     # -- lookups and leases ---------------------------------------------------------
     def lookup(self, principal: Principal, ns_id: str, salt: str | None, tokens: np.ndarray,
-               take_lease: bool) -> LookupResult:
+               take_lease: bool, recompute_s_per_token: float | None = None) -> LookupResult:
         resolved = self.resolve(principal, ns_id, salt)
-        return self._require().lookup(resolved, tokens, take_lease)
+        return self._require().lookup(resolved, tokens, take_lease, recompute_s_per_token)
 
     def remaining_s(self, expires_at: float | None) -> float:
         if expires_at is None or self._cache is None:
@@ -227,8 +229,8 @@ class CacheBackend:
 
     # -- writes -------------------------------------------------------------------------
     def reserve(self, principal: Principal, ns_id: str, count: int) -> Reservation:
-        self.resolve(principal, ns_id, None)
-        return self._require().reserve(count)
+        resolved = self.resolve(principal, ns_id, None)
+        return self._require().reserve(count, resolved)  # the tenant's host quota; only it may commit
 
     def commit(self, principal: Principal, ns_id: str, salt: str | None, tokens: np.ndarray,
                reservation_id: int, start_block: int) -> CommitResult:
@@ -242,7 +244,14 @@ class CacheBackend:
 
     # -- operations -------------------------------------------------------------------------
     def stats(self) -> StatsSnapshot | None:
+        """Service-wide figures (the metrics endpoint, admins)."""
         return self._cache.stats() if self._cache is not None else None
+
+    def stats_for(self, principal: Principal) -> StatsSnapshot | None:
+        """GetStats: an admin sees the whole service, any other tenant only its own figures."""
+        if self._cache is None:
+            return None
+        return self._cache.stats() if principal.admin else self._cache.stats(principal.tenant)
 
     def inspect(self, principal: Principal, ns_id: str, salt: str | None,
                 tokens: np.ndarray) -> tuple[str, BlockReport]:

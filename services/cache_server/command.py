@@ -18,10 +18,11 @@ from typing import Callable
 
 import torch
 
-from prefixcache.config import CacheConfig, HashAlgorithm, KVLayout, parse_duration, parse_size
+from prefixcache.config import (CacheConfig, HashAlgorithm, KVLayout, TenantQuota, TenantQuotas, parse_duration,
+                                parse_size)
 from prefixcache.errors import ConfigError
 
-from .auth import Authenticator, load_credentials
+from .auth import Authenticator, load_credentials, quota_overrides
 from .backend import BackendOptions
 from .options import ServerOptions, split_host_port
 from .server import build_server
@@ -32,6 +33,7 @@ TOKEN_ENV = "PREFIXCACHE_AUTH_TOKEN"
 EXAMPLES = """examples:
   prefixcache serve --host-capacity 8GiB --ttl 10m
   prefixcache serve --listen 0.0.0.0:50051 --credentials tenants.txt --tls-cert c.pem --tls-key k.pem
+  prefixcache serve --credentials tenants.txt --tenant-quota host=2GiB --hash sha256
   PREFIXCACHE_AUTH_TOKEN=... prefixcache serve --metrics-port 9400
   prefixcache serve --redis-url redis://127.0.0.1:6379/0 --redis-password-file /run/secrets/redis
 """
@@ -49,7 +51,11 @@ def register(subparsers) -> None:
     add("--block-size", type=int, default=16, help="tokens per block (default %(default)s)")
     add("--ttl", default="300s", help="sliding time-to-live of a block (default %(default)s)")
     add("--lease-ttl", default="30s", help="how long a lease pins blocks at most (default %(default)s)")
-    add("--hash", default="xxh3_128", choices=[h.value for h in HashAlgorithm], help="block hash")
+    add("--hash", default="xxh3_128", choices=[h.value for h in HashAlgorithm],
+        help="block hash (default %(default)s; sha256 where tenants may be adversarial, see SECURITY.md)")
+    add("--tenant-quota", default="", metavar="TIER=SIZE[,...]",
+        help="byte budget of every tenant per tier, e.g. host=256MiB,device=1GiB (default: none); "
+             "a credentials line may override it")
     add("--shm-name", default=None, help="name of the host tier's shared-memory segment (default: random)")
     add("--max-prompt-tokens", type=int, default=1 << 20, help="longest prompt accepted (default %(default)s)")
     add("--max-leases", type=int, default=4096, help="leases held at once (default %(default)s)")
@@ -71,7 +77,11 @@ def register(subparsers) -> None:
     redis.add_argument("--redis-key-prefix", default="pfx", help="key prefix (default %(default)s)")
     redis.add_argument("--redis-timeout-ms", type=int, default=50, help="read timeout (default %(default)s)")
     redis.add_argument("--redis-ttl", default="1h", help="TTL of a block in Redis (default %(default)s)")
-    redis.add_argument("--redis-password-file", default=None, help="file holding the Redis password")
+    redis.add_argument("--redis-password-file", default=None,
+                       help="file holding the Redis password (the ACL user goes in the URL: redis://USER@host...)")
+    redis.add_argument("--redis-tls-ca-file", default=None, help="CA bundle that signed Redis's certificate (rediss://)")
+    redis.add_argument("--redis-tls-cert-file", default=None, help="client certificate, if Redis asks for one")
+    redis.add_argument("--redis-tls-key-file", default=None, help="client certificate's private key")
     parser.set_defaults(handler=run)
 
 
@@ -85,11 +95,26 @@ def authenticator_from(args: argparse.Namespace) -> Authenticator:
     return Authenticator.shared_token(token) if token is not None else Authenticator.open()
 
 
+def quotas_from(args: argparse.Namespace, authenticator: Authenticator) -> TenantQuotas:
+    """`--tenant-quota` for every tenant, with the credentials file's per-tenant overrides."""
+    default = TenantQuota.parse(args.tenant_quota)
+    overrides = quota_overrides(authenticator.principals)
+    return TenantQuotas(default, tuple((tenant, default.updated(spec)) for tenant, spec in sorted(overrides.items())))
+
+
+def _warn_weak_hash(authenticator: Authenticator, cache: CacheConfig) -> None:
+    tenants = {principal.tenant for principal in authenticator.principals}
+    if len(tenants) > 1 and cache.hash_algorithm is HashAlgorithm.XXH3_128:
+        log.warning("%d tenants share this cache with xxh3_128 block hashes; if a tenant may be adversarial, "
+                    "use --hash sha256 (SECURITY.md)", len(tenants))
+
+
 def remote_factory_from(args: argparse.Namespace) -> Callable[[KVLayout], object] | None:
     """Validated Redis options now; the tier itself is built with the cache (it does no I/O)."""
     if args.redis_url is None:
-        if args.redis_password_file:
-            raise ConfigError("redis_password_file", "needs --redis-url")
+        for name in ("redis_password_file", "redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file"):
+            if getattr(args, name):
+                raise ConfigError(name, "needs --redis-url")
         return None
     from prefixcache.tiers.redis import RedisTier  # only a service with a Redis tier imports redis
     from prefixcache.tiers.redis_options import RedisOptions
@@ -102,16 +127,20 @@ def remote_factory_from(args: argparse.Namespace) -> Callable[[KVLayout], object
         raise ConfigError("redis_timeout_ms", "must be >= 1")
     options = RedisOptions(url=args.redis_url, key_prefix=args.redis_key_prefix,
                            ttl_s=parse_duration(args.redis_ttl, "redis_ttl"),
-                           socket_timeout_s=args.redis_timeout_ms / 1000, password=password)
+                           socket_timeout_s=args.redis_timeout_ms / 1000, password=password,
+                           tls_ca_file=args.redis_tls_ca_file, tls_cert_file=args.redis_tls_cert_file,
+                           tls_key_file=args.redis_tls_key_file)
     return lambda _layout: RedisTier(options)
 
 
 def options_from(args: argparse.Namespace) -> ServerOptions:
+    authenticator = authenticator_from(args)
     cache = CacheConfig(host_capacity=parse_size(args.host_capacity, "host_capacity"),
                         device_capacity=parse_size(args.device_capacity, "device_capacity"),
                         ttl_s=parse_duration(args.ttl, "ttl"), lease_ttl_s=parse_duration(args.lease_ttl, "lease_ttl"),
                         hash_algorithm=args.hash, max_prompt_tokens=args.max_prompt_tokens,
-                        max_leases=args.max_leases)
+                        max_leases=args.max_leases, tenant_quotas=quotas_from(args, authenticator))
+    _warn_weak_hash(authenticator, cache)
     if cache.device_capacity and not torch.cuda.is_available():
         raise ConfigError("device_capacity", "needs a CUDA device and none is available")
     if args.block_size < 1 or args.block_size > 65536:
@@ -124,7 +153,7 @@ def options_from(args: argparse.Namespace) -> ServerOptions:
                              remote_factory=remote_factory_from(args))
     split_host_port(args.listen)
     return ServerOptions(
-        backend=backend, listen=args.listen, authenticator=authenticator_from(args),
+        backend=backend, listen=args.listen, authenticator=authenticator,
         tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, metrics_port=args.metrics_port,
         metrics_host=args.metrics_host, max_receive_bytes=message_size, max_send_bytes=message_size,
         max_chunk_bytes=min((4 << 20) - 1024, message_size - (64 << 10)), max_concurrent_rpcs=args.max_concurrent_rpcs,

@@ -108,6 +108,16 @@ def older_than(message: pb.EvictRequest) -> float | None:
     return value
 
 
+def recompute_cost(message: pb.LookupRequest) -> float | None:
+    """The caller's prefill seconds per token (the Redis probe's budget), or None when absent."""
+    if not message.HasField("recompute_seconds_per_token"):
+        return None
+    value = message.recompute_seconds_per_token
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument("recompute_seconds_per_token", "must be a finite number >= 0")
+    return value
+
+
 def store_header(header: pb.StoreHeader, expected: KVLayout) -> None:
     """The declared dtype and block shape must be the namespace's."""
     if DTYPE_OF.get(header.dtype) is not expected.dtype:
@@ -128,7 +138,7 @@ def lookup_response(result: LookupResult, lease_ttl_s: float) -> pb.LookupRespon
     response = pb.LookupResponse(
         namespace_id=result.namespace_id, prompt_tokens=result.prompt_tokens, hit_tokens=result.hit_tokens,
         miss_reason=wire.MISS_REASONS[result.miss_reason], lease_id=result.lease_id or 0,
-        lease_ttl_seconds=lease_ttl_s)
+        lease_ttl_seconds=lease_ttl_s, remote_blocks_declined=result.remote_blocks_declined)
     locations = BlockLocations.of(result.locations)
     if len(locations):
         response.tiers.extend(wire.TIER_TABLE[locations.tiers].tolist())

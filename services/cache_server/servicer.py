@@ -21,7 +21,7 @@ from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.tiers.pool import torch_dtype
 
 from . import convert, status
-from .auth import OPEN, Authenticator, Principal
+from .auth import OPEN, Authenticator, NotPermitted, Principal
 from .backend import CacheBackend
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefixCache"].full_name
@@ -97,7 +97,7 @@ class PrefixCacheServicer:
             namespace_id=ns_id, layout=convert.layout_message(layout),
             lease_ttl_seconds=self._backend.options.cache.lease_ttl_s,
             max_prompt_tokens=self._limits.max_prompt_tokens, max_chunk_bytes=self._limits.max_chunk_bytes)
-        if request.same_host:
+        if request.same_host and principal.same_host:  # the pools hold every tenant's KV (SECURITY.md)
             name, slots, slot_bytes = self._backend.host_segment()
             response.host_segment.CopyFrom(pb.SharedMemorySegment(name=name, num_slots=slots, slot_bytes=slot_bytes))
             self._add_device_pool(response)
@@ -117,7 +117,8 @@ class PrefixCacheServicer:
         principal = self._begin(request, context)
         ns_id = convert.namespace_id(request.namespace_id)
         salt = convert.salt(request)
-        result = self._backend.lookup(principal, ns_id, salt, self._tokens(request.tokens), request.take_lease)
+        result = self._backend.lookup(principal, ns_id, salt, self._tokens(request.tokens), request.take_lease,
+                                      convert.recompute_cost(request))
         return convert.lookup_response(result, self._backend.remaining_s(result.lease_expires_at))
 
     def Fetch(self, request: pb.FetchRequest, context) -> Iterator[bytes]:
@@ -136,8 +137,17 @@ class PrefixCacheServicer:
             self._backend.lease(principal, lease_id)
             yield message
 
+    @staticmethod
+    def _require_same_host(principal: Principal, method: str) -> None:
+        # Reserved slots are written through the mapped pool; a caller that cannot map it must
+        # not commit whatever bytes a freed slot still holds (another tenant's old KV).
+        if not principal.same_host:
+            raise NotPermitted(f"{method} is the same-host data plane, which this credential may not use "
+                               "(mark it 'local' in the credentials file); send KV with Store")
+
     def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         principal = self._begin(request, context)
+        self._require_same_host(principal, "Reserve")
         ns_id = convert.namespace_id(request.namespace_id)
         if request.block_count == 0:
             raise InvalidArgument("block_count", "must be at least 1")
@@ -148,6 +158,7 @@ class PrefixCacheServicer:
 
     def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
         principal = self._begin(request, context)
+        self._require_same_host(principal, "Commit")
         ns_id = convert.namespace_id(request.namespace_id)
         salt = convert.salt(request)
         reservation_id = convert.positive_id(request.reservation_id, "reservation_id")
@@ -187,9 +198,9 @@ class PrefixCacheServicer:
         return pb.ReleaseResponse()
 
     def GetStats(self, request: pb.GetStatsRequest, context) -> pb.Stats:
-        self._begin(request, context)
+        principal = self._begin(request, context)
         cache = self._backend.cache
-        return convert.stats_message(self._backend.stats(), cache.layout if cache is not None else None)
+        return convert.stats_message(self._backend.stats_for(principal), cache.layout if cache is not None else None)
 
     def Inspect(self, request: pb.InspectRequest, context) -> pb.InspectResponse:
         principal = self._begin(request, context)

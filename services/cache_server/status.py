@@ -8,9 +8,14 @@ Mapping (see cache.proto):
 - `ResourceExhausted`                           -> RESOURCE_EXHAUSTED
 - `Draining`, `TierUnavailable`                 -> UNAVAILABLE
 - `Unauthenticated` (normally caught earlier by the auth interceptor) -> UNAUTHENTICATED
+- `NotPermitted` (a credential without the right for this call) -> PERMISSION_DENIED
 - bytes that do not parse as the request type   -> INVALID_ARGUMENT (field `request`)
 - anything else is a bug: logged with its traceback, answered INTERNAL (never
   UNKNOWN), and the server keeps serving.
+
+At DEBUG every call is logged once when it ends: method, status code, duration and, for a
+failure, the message the client gets. Those messages name fields and limits, never token
+ids, prompt text, salts or credentials (tests/test_log_hygiene.py holds them to that).
 
 `CallTracker` counts calls in flight so that a drain can wait for them.
 """
@@ -30,7 +35,7 @@ from prefixcache.client.wire import WireError
 from prefixcache.errors import (InvalidArgument, LayoutMismatch, PrefixCacheError, ResourceExhausted,
                                 TierUnavailable, UnknownLease)
 
-from .auth import Unauthenticated
+from .auth import NotPermitted, Unauthenticated
 from .backend import Draining, ServiceMisconfigured
 
 log = logging.getLogger(__name__)
@@ -47,6 +52,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (Draining, grpc.StatusCode.UNAVAILABLE),
     (TierUnavailable, grpc.StatusCode.UNAVAILABLE),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (NotPermitted, grpc.StatusCode.PERMISSION_DENIED),
 )
 
 
@@ -133,6 +139,12 @@ def _failure_from(error: BaseException, method: str) -> Failure:
     return Failure(grpc.StatusCode.INTERNAL, f"internal error in {method}; see the service log")
 
 
+def _done(observe: Observer, method: str, code: grpc.StatusCode, started: float, details: str = "") -> None:
+    seconds = time.perf_counter() - started
+    observe(method, code, seconds)
+    log.debug("%s %s in %.3f ms%s%s", method, code.name, seconds * 1e3, ": " if details else "", details)
+
+
 def unary(method: str, handler: Callable, tracker: CallTracker, observe: Observer) -> Callable:
     """Wrap a unary-response handler: map typed errors, count it in flight, time it."""
     def wrapped(request, context):
@@ -143,9 +155,9 @@ def unary(method: str, handler: Callable, tracker: CallTracker, observe: Observe
             except Exception as error:  # noqa: BLE001 - the edge: typed errors mapped, bugs logged
                 failure = _failure_from(error, method)
             else:
-                observe(method, grpc.StatusCode.OK, time.perf_counter() - started)
+                _done(observe, method, grpc.StatusCode.OK, started)
                 return response
-        observe(method, failure.code, time.perf_counter() - started)
+        _done(observe, method, failure.code, started, failure.details)
         _fail(context, failure)
     return wrapped
 
@@ -160,8 +172,8 @@ def streaming(method: str, handler: Callable, tracker: CallTracker, observe: Obs
             except Exception as error:  # noqa: BLE001 - the edge, as in `unary`
                 failure = _failure_from(error, method)
             else:
-                observe(method, grpc.StatusCode.OK, time.perf_counter() - started)
+                _done(observe, method, grpc.StatusCode.OK, started)
                 return
-        observe(method, failure.code, time.perf_counter() - started)
+        _done(observe, method, failure.code, started, failure.details)
         _fail(context, failure)
     return wrapped

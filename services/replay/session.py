@@ -30,7 +30,7 @@ from prefixcache.errors import PrefixCacheError
 from services.replay import plots
 from services.replay.cache_only import CacheOnlyOptions, run_cache_only
 from services.replay.prompt_tokens import ChatTokens
-from services.replay.report import Report, Workload as WorkloadRecord, build_report
+from services.replay.report import Report, WorkloadSummary, build_report
 from services.replay.runner import ABResult, RunOptions, Target, run_ab
 from services.replay.schedule import Schedule, ScheduleConfig, build_schedule
 from services.replay.service_stats import fetch_stats, stats_section
@@ -73,9 +73,9 @@ def plan(options: ReplayOptions) -> Plan:
     return Plan(workload, schedule, tokens)
 
 
-def _workload_record(options: ReplayOptions, p: Plan, max_tokens: int | None, model: str) -> WorkloadRecord:
+def _workload_record(options: ReplayOptions, p: Plan, max_tokens: int | None, model: str) -> WorkloadSummary:
     w = options.workload
-    return WorkloadRecord(source=w.source, source_truncated=p.workload.loaded.truncated,
+    return WorkloadSummary(source=w.source, source_truncated=p.workload.loaded.truncated,
                           conversations=len(p.schedule.conversations), requests=p.schedule.request_count,
                           max_turns=w.max_turns, max_prompt_tokens=w.max_prompt_tokens,
                           max_tokens=max_tokens, model=model)

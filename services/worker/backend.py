@@ -76,6 +76,7 @@ class InferenceBackend:
         self.registry = registry
         self.metrics = WorkerMetrics(registry)
         self.model_name = engine.loaded.model_id
+        self._vocab = engine.loaded.model.get_input_embeddings().num_embeddings
 
     @property
     def cache_state(self) -> str:
@@ -94,6 +95,9 @@ class InferenceBackend:
             raise ApiError(str(error), "messages" if request.kind == "chat" else "prompt") from None
         if not tokens:
             raise ApiError("the prompt encodes to no tokens", "prompt")
+        bad = next((t for t in tokens if not 0 <= t < self._vocab), None)
+        if bad is not None:  # before the cache lookup: the service would reject it too
+            raise ApiError(f"token id {bad} is outside the model vocabulary [0, {self._vocab})", "prompt")
         if not self.engine.fits(len(tokens) + 1):
             raise ApiError(f"the prompt has {len(tokens)} tokens; the model allows {loaded.max_positions}",
                            "messages" if request.kind == "chat" else "prompt")
@@ -111,6 +115,8 @@ class InferenceBackend:
                                                   should_stop=cancelled.is_set)
             except ValueError as error:
                 raise ApiError(str(error), "prompt") from None
+            if self.cache is not None:
+                self.cache.policy.observe(generation.prefill, prefix.blocks)  # load-or-recompute estimates
             yield Started(len(tokens), prefix.tokens)
             self.metrics.prompt_tokens.inc(len(tokens))
             self.metrics.cached_tokens.inc(prefix.tokens)

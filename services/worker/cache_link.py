@@ -25,13 +25,15 @@ from prometheus_client import CollectorRegistry, Counter
 from prefixcache.client import CacheClient
 from prefixcache.client.api import Hit
 from prefixcache.config import KVLayout
-from prefixcache.errors import PrefixCacheError
+from prefixcache.errors import InvalidArgument, PrefixCacheError
 
+from .hit_policy import HitPolicy, Offer
 from .model import LoadedModel
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 2.0
+REQUEST_FIELDS = frozenset({"tokens", "cache_salt"})  # a lookup rejected for these is the request's fault
 
 
 @dataclass
@@ -45,7 +47,8 @@ class Prefix:
 
 class CacheLink:
     def __init__(self, address: str, loaded: LoadedModel, block_size: int, deadline_s: float,
-                 registry: CollectorRegistry, auth_token: str | None = None, clock=time.monotonic) -> None:
+                 registry: CollectorRegistry, auth_token: str | None = None, clock=time.monotonic,
+                 policy: HitPolicy | None = None) -> None:
         kv = loaded.kv
         self.layout = KVLayout(kv.layers, kv.kv_heads, kv.head_dim, block_size, kv.dtype)
         self.model_id, self.revision = loaded.model_id, loaded.weights_digest
@@ -59,6 +62,7 @@ class CacheLink:
         self._lock = threading.Lock()
         self.fallbacks = Counter("prefixcache_worker_cache_fallbacks", "Requests served without the cache "
                                  "because it failed or was down", ["stage"], registry=registry)
+        self.policy = policy if policy is not None else HitPolicy(registry)  # load or recompute (hit_policy.py)
 
     def _new_client(self) -> CacheClient:
         return CacheClient(self._address, auth_token=self._auth_token, timeout_s=self.deadline_s)
@@ -83,6 +87,7 @@ class CacheLink:
         if self._attached:
             return True
         if self.clock() < self._retry_at:
+            self.fallbacks.labels("down").inc()  # skipped without trying: the link is in its backoff
             return False
         with self._lock:
             if self._failed:
@@ -113,21 +118,30 @@ class CacheLink:
         if not self._ready():
             return Prefix(0, None, None)
         try:
-            hit = self._client.lookup(tokens, cache_salt=salt, take_lease=True)
+            hit = self._client.lookup(tokens, cache_salt=salt, take_lease=True,
+                                      recompute_s_per_token=self.policy.recompute_s_per_token())
+        except InvalidArgument as error:
+            if error.field not in REQUEST_FIELDS:
+                self._down("lookup", error)  # e.g. an unknown namespace: the service restarted
+            else:  # this request's prompt or salt, not the link: other requests keep the cache
+                self.fallbacks.labels("rejected").inc()
+                log.info("cache lookup rejected this request (%s); prefilling in full", error)
+            return Prefix(0, None, None)
         except PrefixCacheError as error:
             self._down("lookup", error)
             return Prefix(0, None, None)
         size = self.layout.block_size
         usable = min(hit.blocks, (len(tokens) - 1) // size)  # leave at least one token to compute
-        if usable == 0:
+        decision = self.policy.decide(Offer.of(hit, usable, self._client.attachment), hit.remote_blocks_declined)
+        if decision.blocks == 0:
             return Prefix(0, None, hit)
         try:
-            blocks = self._client.read(hit)[:usable]
+            blocks = self.policy.read(self._client, hit, decision)
         except PrefixCacheError as error:
             self._down("read", error)
             self.release(hit)
             return Prefix(0, None, None)
-        return Prefix(usable * size, blocks, hit)
+        return Prefix(decision.blocks * size, blocks, hit)
 
     def store(self, tokens: list[int], cache, start_block: int, engine, salt: str | None) -> None:
         """Commit the prompt's full blocks from `start_block` on (KV taken from `cache`)."""

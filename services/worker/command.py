@@ -58,6 +58,7 @@ def build_backend(args):
     from .backend import InferenceBackend
     from .cache_link import CacheLink
     from .engine import Engine
+    from .hit_policy import HitPolicy
     from .model import configure_torch_threads, load_model
 
     configure_torch_threads(args.threads)
@@ -66,8 +67,10 @@ def build_backend(args):
     registry = CollectorRegistry()
     link = None
     if not args.no_cache:
+        policy = HitPolicy(registry)
+        policy.calibrate(engine)  # measured prefill cost before the first request's load-or-recompute decision
         link = CacheLink(args.cache, loaded, args.block_size, parse_duration(args.cache_deadline_ms / 1000.0),
-                         registry, auth_token=args.auth_token)
+                         registry, auth_token=args.auth_token, policy=policy)
         link.connect()  # best effort: a service that is down now is retried on later requests
     return InferenceBackend(engine, link, registry)
 

@@ -4,9 +4,10 @@ Concurrency model: requests are accepted concurrently but generated one at a
 time, in arrival order, on a single inference thread (a CPU model gains
 nothing from interleaving, and one owner keeps the model and the cache link
 simple). Each request's events flow back to its handler through an asyncio
-queue. A client that disconnects sets its request's cancel flag, which stops
-its generation at the next token and releases its lease; a request that fails
-only fails itself.
+queue. A client that disconnects (streaming or not: aiohttp cancels the
+handler when its connection is lost) sets its request's cancel flag, which
+stops its generation at the next token and releases its lease; a request that
+fails only fails itself.
 """
 
 from __future__ import annotations
@@ -188,8 +189,9 @@ class WorkerApp:
             if not response.prepared:
                 raise
             await send(ApiError("generation failed").body())
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise
+        except ConnectionResetError:  # the client went away mid-stream: nothing left to tell it
+            log.info("client disconnected mid-stream; generation stopped")
+            return response
         except Exception as error:  # noqa: BLE001 - reported to this client only
             if not response.prepared:
                 await response.prepare(http)
@@ -201,7 +203,9 @@ class WorkerApp:
 
 async def run_app(app: WorkerApp, host: str, port: int, ready: threading.Event | None = None) -> None:
     """Serve until cancelled (SIGINT/SIGTERM handled by the caller's loop)."""
-    runner = web.AppRunner(app.app, handle_signals=False)
+    # handler_cancellation: a lost connection cancels its handler, whose `finally` stops the
+    # generation (without it a non-streaming request would run to max_tokens for nobody).
+    runner = web.AppRunner(app.app, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -126,12 +126,12 @@ def parse_request(raw: bytes, kind: str) -> GenerationRequest:
     choices = body.get("n")
     if choices is not None and (isinstance(choices, bool) or choices != 1):
         raise ApiError(f"'n' must be 1 (one choice per request), got {choices!r}", "n")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16))
+    tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return GenerationRequest(
         kind=kind,
         messages=_messages(body) if kind == "chat" else (),
         prompt=_prompt(body) if kind == "completion" else "",
-        max_tokens=_number({"max_tokens": max_tokens}, "max_tokens", 16, 1, MAX_TOKENS_LIMIT, True),
+        max_tokens=_number(body, tokens_field, 16, 1, MAX_TOKENS_LIMIT, True),
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0, False)),
         seed=_number(body, "seed", None, 0, 2**63 - 1, True),
         stop=_stop(body),

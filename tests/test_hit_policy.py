@@ -1,0 +1,273 @@
+"""The load-or-recompute decision and the online estimates behind it (pure logic, no processes).
+
+- `choose` (services/worker/hit_policy.py): taken / partial / recompute / miss from the bytes
+  per read path and the prefill cost, with the break-even prefix length computed by hand;
+- `Offer.of`: which leading blocks a worker can copy from mapped memory;
+- `TransferMeter` (prefixcache/transfer.py): recovers latency and bandwidth from timed
+  transfers, follows a link that slows down, falls back to its prior when samples are alike
+  in size or stale;
+- `blocks_worth_fetching` and `ProbeBudget`: the service's Redis probe plan and time cap;
+- `HitPolicy`: decisions and estimates show up in the worker's Prometheus metrics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from prefixcache.client.api import Attachment, Hit
+from prefixcache.config import DType, KVLayout
+from prefixcache.results import BlockLocations
+from prefixcache.tiers.base import TierKind
+from prefixcache.transfer import ProbeBudget, TransferEstimate, TransferMeter, blocks_worth_fetching
+from services.worker.engine import PrefillResult
+from services.worker.hit_policy import (Decision, Estimates, HitPolicy, Offer, ReadPath, Verdict, choose)
+from tests.core_support import ManualClock
+
+BLOCK_BYTES = 16 << 10
+TOKENS = 16
+FAST_MAPPED = TransferEstimate(latency_s=10e-6, bytes_per_s=4e9)
+FAST_STREAM = TransferEstimate(latency_s=1e-3, bytes_per_s=500e6)
+INSTALL = TransferEstimate(latency_s=0.0, bytes_per_s=4e9)
+PREFILL = TransferEstimate(latency_s=5e-3, bytes_per_s=20e3)   # 50 us per token: 0.8 ms per block
+
+
+def estimates(prefill=PREFILL, mapped=FAST_MAPPED, stream=FAST_STREAM, install=INSTALL) -> Estimates:
+    return Estimates(prefill, mapped, stream, install)
+
+
+def offer(usable: int, mapped: int | None = None, leased: int | None = None) -> Offer:
+    return Offer(usable, usable if leased is None else leased, usable if mapped is None else mapped,
+                 BLOCK_BYTES, TOKENS)
+
+
+# -- choose ------------------------------------------------------------------------------------
+
+def test_nothing_usable_is_a_miss():
+    decision = choose(offer(0), estimates())
+    assert decision == Decision(Verdict.MISS, 0, None, 0.0, 0.0)
+
+
+def test_mapped_hit_is_taken_whole():
+    decision = choose(offer(8), estimates())
+    assert (decision.verdict, decision.blocks, decision.path) == (Verdict.TAKEN, 8, ReadPath.MAPPED)
+    assert decision.recompute_s == pytest.approx(8 * TOKENS / PREFILL.bytes_per_s)
+    assert decision.load_s == pytest.approx(FAST_MAPPED.seconds(8 * BLOCK_BYTES) + INSTALL.seconds(8 * BLOCK_BYTES))
+    assert decision.saved_s > 0
+
+
+def test_recompute_when_prefill_is_faster_than_loading():
+    # 1e9 tokens/s: 16 ns per block to recompute, far less than any copy.
+    decision = choose(offer(8), estimates(prefill=TransferEstimate(0.0, 1e9)))
+    assert (decision.verdict, decision.blocks, decision.path) == (Verdict.RECOMPUTE, 0, ReadPath.MAPPED)
+    assert decision.load_s > decision.recompute_s
+
+
+def test_slow_stream_short_prefix_recomputes_long_prefix_is_taken():
+    """A 20 ms stream latency is worth paying only once enough blocks ride on it."""
+    slow = TransferEstimate(latency_s=0.02, bytes_per_s=1e9)
+    est = estimates(stream=slow)
+    block_s = TOKENS / PREFILL.bytes_per_s
+    per_block_load = BLOCK_BYTES / slow.bytes_per_s + BLOCK_BYTES / INSTALL.bytes_per_s
+    break_even = math.ceil(slow.latency_s / (block_s - per_block_load))  # first n with n*saving > latency
+    short = choose(offer(break_even - 1, mapped=0), est)
+    long = choose(offer(break_even + 1, mapped=0), est)
+    assert (short.verdict, short.blocks, short.path) == (Verdict.RECOMPUTE, 0, ReadPath.STREAM)
+    assert (long.verdict, long.blocks, long.path) == (Verdict.TAKEN, break_even + 1, ReadPath.STREAM)
+
+
+def test_stream_cost_counts_the_whole_lease():
+    """Usable is one block short of the lease (the last token is computed), but the stream moves all."""
+    slow = TransferEstimate(latency_s=0.0, bytes_per_s=BLOCK_BYTES / 1e-3)  # 1 ms per block moved
+    est = estimates(stream=slow, prefill=TransferEstimate(0.0, TOKENS / 1.5e-3))  # 1.5 ms per block recomputed
+    assert choose(offer(2, mapped=0, leased=2), est).verdict is Verdict.TAKEN       # 2 ms < 3 ms
+    assert choose(offer(1, mapped=0, leased=2), est).verdict is Verdict.RECOMPUTE   # 2 ms > 1.5 ms
+
+
+def test_partial_takes_the_mapped_prefix_when_the_stream_is_slow():
+    slow = TransferEstimate(latency_s=0.5, bytes_per_s=1e6)
+    decision = choose(offer(10, mapped=3), estimates(stream=slow))
+    assert (decision.verdict, decision.blocks, decision.path) == (Verdict.PARTIAL, 3, ReadPath.MAPPED)
+
+
+def test_stream_of_everything_beats_a_short_mapped_prefix_when_fast():
+    decision = choose(offer(10, mapped=3), estimates())
+    assert (decision.verdict, decision.blocks, decision.path) == (Verdict.TAKEN, 10, ReadPath.STREAM)
+
+
+@pytest.mark.parametrize("usable,mapped", [(1, 0), (1, 1), (5, 2), (7, 7), (7, 9)])
+def test_never_more_than_usable(usable, mapped):
+    for prefill in (PREFILL, TransferEstimate(0.0, 1e9), TransferEstimate(0.0, 1.0)):
+        decision = choose(offer(usable, mapped=mapped, leased=max(usable, mapped)), estimates(prefill=prefill))
+        assert 0 <= decision.blocks <= usable
+        assert (decision.blocks == 0) == (decision.verdict is Verdict.RECOMPUTE)
+
+
+# -- Offer.of -------------------------------------------------------------------------------------
+
+LAYOUT = KVLayout(layers=4, kv_heads=2, head_dim=32, block_size=16, dtype=DType.BFLOAT16)
+
+
+def _attachment(shm: bool, ipc: bool) -> Attachment:
+    return Attachment("0" * 16, LAYOUT, 30.0, 1 << 20, 4 << 20, shm, ipc)
+
+
+def _hit(tiers: list[TierKind]) -> Hit:
+    locations = BlockLocations([int(t) for t in tiers], list(range(len(tiers))))
+    return Hit("0" * 16, 100, len(tiers) * 16, locations, None, 7, 1e9)
+
+
+@pytest.mark.parametrize("shm,ipc,mapped", [(True, False, 2), (True, True, 4), (False, False, 0), (False, True, 0)])
+def test_offer_counts_leading_mapped_blocks(shm, ipc, mapped):
+    hit = _hit([TierKind.HOST, TierKind.HOST, TierKind.DEVICE, TierKind.HOST])
+    got = Offer.of(hit, 3, _attachment(shm, ipc))
+    assert got == Offer(3, 4, mapped, LAYOUT.block_bytes, 16)
+
+
+# -- TransferMeter ----------------------------------------------------------------------------------
+
+def test_meter_returns_the_prior_until_measured():
+    prior = TransferEstimate(0.001, 1e8)
+    assert TransferMeter(prior).estimate() is prior
+
+
+def test_meter_recovers_latency_and_bandwidth():
+    meter = TransferMeter(TransferEstimate(0.0005, 1e9))
+    for nbytes in [0, 16 << 10, 1 << 20, 64 << 10, 4 << 20, 0, 256 << 10] * 3:
+        meter.observe(nbytes, 0.002 + nbytes / 100e6)
+    got = meter.estimate()
+    assert got.latency_s == pytest.approx(0.002, rel=1e-6)
+    assert got.bytes_per_s == pytest.approx(100e6, rel=1e-6)
+    assert got.samples == 21
+
+
+def test_meter_with_alike_sizes_keeps_the_prior_bandwidth():
+    meter = TransferMeter(TransferEstimate(0.0005, 1e9))
+    for _ in range(5):
+        meter.observe(16 << 10, 0.03)
+    got = meter.estimate()
+    assert got.bytes_per_s == pytest.approx(1e9)
+    assert got.latency_s == pytest.approx(0.03 - (16 << 10) / 1e9)
+
+
+def test_meter_follows_a_link_that_slows_down():
+    meter = TransferMeter(TransferEstimate(0.0005, 1e9), alpha=0.2)
+    sizes = [0, 1 << 20, 64 << 10, 512 << 10]
+    for i in range(20):
+        meter.observe(sizes[i % 4], 0.0002 + sizes[i % 4] / 1e9)
+    assert meter.estimate().latency_s < 0.001
+    for i in range(40):
+        meter.observe(sizes[i % 4], 0.02 + sizes[i % 4] / 4e6)
+    got = meter.estimate()
+    assert got.latency_s == pytest.approx(0.02, rel=0.05)
+    assert got.bytes_per_s == pytest.approx(4e6, rel=0.05)
+
+
+def test_meter_goes_back_to_the_prior_when_stale():
+    clock = ManualClock()
+    prior = TransferEstimate(0.0005, 1e9)
+    meter = TransferMeter(prior, stale_s=30.0, clock=clock)
+    meter.observe(0, 0.5)
+    assert meter.estimate().latency_s == pytest.approx(0.5)
+    clock.advance(31.0)
+    assert meter.estimate() is prior
+    meter.observe(0, 0.1)  # the old samples are gone, not averaged in
+    assert meter.estimate().latency_s == pytest.approx(0.1)
+
+
+def test_meter_ignores_clockless_samples_and_rejects_negative_sizes():
+    meter = TransferMeter(TransferEstimate(0.0005, 1e9))
+    meter.observe(100, 0.0)
+    meter.observe(100, float("nan"))
+    assert meter.estimate().samples == 0
+    with pytest.raises(ValueError, match="nbytes"):
+        meter.observe(-1, 0.1)
+    with pytest.raises(ValueError, match="bytes_per_s"):
+        TransferEstimate(0.0, 0.0)
+
+
+# -- the service's probe plan -------------------------------------------------------------------------
+
+def test_no_blocks_worth_fetching_when_each_costs_more_than_it_saves():
+    slow = TransferEstimate(0.0, 4e6)   # 4 ms per 16 KiB block
+    assert blocks_worth_fetching(slow, 1000, BLOCK_BYTES, 32, saving_per_block_s=0.001) == 0
+
+
+def test_latency_bound_probe_only_pays_for_long_prefixes():
+    link = TransferEstimate(0.02, 1e9)  # 20 ms per round trip, bandwidth no object
+    saving = 0.001                      # 1 ms per block recomputed
+    assert blocks_worth_fetching(link, 8, BLOCK_BYTES, 32, saving) == 0
+    assert blocks_worth_fetching(link, 128, BLOCK_BYTES, 32, saving) == 128
+    # A last trip for a few blocks costs more than it saves: stop after the whole trips.
+    assert blocks_worth_fetching(link, 100, BLOCK_BYTES, 32, saving) == 96
+    assert blocks_worth_fetching(link, 33, BLOCK_BYTES, 32, saving) == 32
+
+
+def test_probe_budget_plans_once_and_stops_at_its_deadline():
+    link = TransferEstimate(0.0005, 1e9)
+    budget = ProbeBudget(blocks=100, saving_per_block_s=0.001)
+    assert budget.grant(32, link, BLOCK_BYTES, 32, now=0.0) == 32
+    assert budget.planned == 100 and budget.deadline == pytest.approx(100 * 0.001 / budget.margin)
+    assert budget.grant(32, link, BLOCK_BYTES, 32, now=0.05) == 32    # on time
+    assert budget.grant(32, link, BLOCK_BYTES, 32, now=0.079) == 0    # past the time the blocks would save
+    assert (budget.closed, budget.asked, budget.declined) == (True, 64, 36)
+    assert budget.grant(4, link, BLOCK_BYTES, 32, now=0.0) == 0        # closed for good
+    assert budget.declined == 36
+
+
+def test_probe_budget_that_plans_nothing_declines_everything():
+    budget = ProbeBudget(blocks=5, saving_per_block_s=0.0)
+    assert budget.grant(5, TransferEstimate(0.0, 1e12), BLOCK_BYTES, 32, now=0.0) == 0
+    assert (budget.planned, budget.declined) == (0, 5)
+    with pytest.raises(ValueError, match="saving_per_block_s"):
+        ProbeBudget(blocks=1, saving_per_block_s=-1.0)
+
+
+# -- HitPolicy ----------------------------------------------------------------------------------------------
+
+def _metric(registry: CollectorRegistry, name: str, **labels) -> float:
+    value = registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def _prefill(tokens: int, seconds: float) -> PrefillResult:
+    return PrefillResult(cache=None, logits=None, prompt_tokens=tokens, prefix_tokens=0, computed_tokens=tokens,
+                         load_seconds=0.0, compute_seconds=seconds)
+
+
+def test_policy_learns_prefill_cost_and_exports_decisions():
+    registry = CollectorRegistry()
+    policy = HitPolicy(registry, clock=ManualClock())
+    for tokens in (64, 512, 128, 1024):
+        policy.observe(_prefill(tokens, 0.004 + tokens * 100e-6))
+    assert policy.recompute_s_per_token() == pytest.approx(100e-6)
+    assert _metric(registry, "prefixcache_worker_prefill_seconds_per_token") == pytest.approx(100e-6)
+
+    hit = _hit([TierKind.HOST] * 4)
+    taken = policy.decide(Offer.of(hit, 3, _attachment(True, False)), remote_declined=5)
+    missed = policy.decide(Offer.of(_hit([]), 0, _attachment(True, False)))
+    assert (taken.verdict, taken.blocks, missed.verdict) == (Verdict.TAKEN, 3, Verdict.MISS)
+    assert _metric(registry, "prefixcache_worker_hit_decisions_total", decision="taken") == 1
+    assert _metric(registry, "prefixcache_worker_hit_decisions_total", decision="miss") == 1
+    assert _metric(registry, "prefixcache_worker_hit_decisions_total", decision="recompute") == 0
+    assert _metric(registry, "prefixcache_worker_hit_blocks_total", outcome="loaded") == 3
+    assert _metric(registry, "prefixcache_worker_remote_blocks_declined_total") == 5
+    assert _metric(registry, "prefixcache_worker_hit_estimated_seconds_total", estimate="recompute") == \
+        pytest.approx(3 * 16 * 100e-6)
+    text = generate_latest(registry).decode()
+    assert 'prefixcache_worker_transfer_bytes_per_second{path="shared_memory"}' in text
+    assert 'prefixcache_worker_transfer_latency_seconds{path="stream"}' in text
+
+
+def test_policy_recomputes_when_prefill_gets_cheap():
+    registry = CollectorRegistry()
+    policy = HitPolicy(registry, clock=ManualClock())
+    for tokens in (64, 4096, 512):
+        policy.observe(_prefill(tokens, 1e-9 * tokens + 1e-4))   # a billion tokens per second
+    decision = policy.decide(Offer.of(_hit([TierKind.HOST] * 4), 3, _attachment(True, False)))
+    assert (decision.verdict, decision.blocks) == (Verdict.RECOMPUTE, 0)
+    assert _metric(registry, "prefixcache_worker_hit_blocks_total", outcome="declined") == 3
+    assert np.isclose(_metric(registry, "prefixcache_worker_hit_decisions_total", decision="recompute"), 1)
