@@ -152,10 +152,14 @@ class BlockMap:
         occupied = rows >= 0
         candidates = np.flatnonzero(occupied & (np.take(self.columns[0], rows) == query[:, :1]))
         owners, candidate_rows = candidates // BUCKET, rows.reshape(-1)[candidates]
+        # One word-0 match per digest, in order (owners == 0..count-1): the usual full hit.
+        everyone = len(owners) == count and not (owners[1:] == owners[:-1]).any()
         for k in range(1, self.word_count):  # the rest of the digest, for word-0 matches only
-            same = np.take(self.columns[k], candidate_rows) == query[owners, k]
+            same = np.take(self.columns[k], candidate_rows) == (query[:, k] if everyone else query[owners, k])
             if not same.all():
-                owners, candidate_rows = owners[same], candidate_rows[same]
+                owners, candidate_rows, everyone = owners[same], candidate_rows[same], False
+        if everyone:
+            return candidate_rows.astype(np.int64)
         found[owners] = candidate_rows
         unresolved = occupied.view(np.uint32).reshape(-1) == _FULL_BUCKET
         unresolved[owners] = False

@@ -11,7 +11,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+
+# torch's OpenMP threads busy-wait by default, which collapses when the service,
+# workers and clients share a few cores; it must be set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from prefixcache.errors import PrefixCacheError
 

@@ -46,7 +46,9 @@ def register(subparsers) -> None:
     add("--max-turns", type=positive_int, default=4, help="turns per conversation (default %(default)s)")
     add("--max-prompt-tokens", type=positive_int, default=1536, help="prompt token cap (default %(default)s)")
     add("--max-tokens", type=positive_int, default=16, help="tokens generated per turn (default %(default)s)")
-    add("--concurrency", type=positive_int, default=2, help="requests in flight (default %(default)s)")
+    add("--concurrency", type=positive_int, default=1,
+        help="requests in flight (default %(default)s: the worker generates one request at a time, so more only "
+             "adds queueing to TTFT)")
     add("--seed", type=int, default=0, help="schedule seed (default %(default)s)")
     add("--worker-threads", type=positive_int, default=None,
         help="torch threads per worker (default: all available cores; the A and B runs never overlap)")

@@ -58,6 +58,25 @@ def test_block_map_matches_a_dict(digest_size: int, seed: int) -> None:
         assert table.digest(row) == key
 
 
+def test_block_map_tells_apart_digests_that_share_their_first_word() -> None:
+    """Equal probe keys (first 8 bytes), different digests: only the exact digest is found,
+    also in a batch whose match count happens to equal its length."""
+    table = BlockMap(8, 16)
+    a, b, c = bytes(8) + b"A" * 8, bytes(8) + b"B" * 8, bytes(8) + b"C" * 8
+    miss = bytes([9] * 16)
+    table.insert(a, 3)
+    table.insert(b, 5)
+    assert table.get_many([a, miss]).tolist() == [3, -1]
+    assert table.get_many([miss, b]).tolist() == [-1, 5]
+    assert table.get_many([c, a, b]).tolist() == [-1, 3, 5]
+    # c matches both residents' first word, d none; d's second word equals b's: nothing is found.
+    d = bytes([7] * 8) + b"B" * 8
+    assert table.get_many([c, d]).tolist() == [-1, -1]
+    assert table.get(c) is None
+    table.delete(3)
+    assert table.get_many([a, b]).tolist() == [-1, 5]
+
+
 def test_block_map_rejects_foreign_sizes_and_unknown_rows() -> None:
     table = BlockMap(4, 16)
     table.insert(digest(1), 0)

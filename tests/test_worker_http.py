@@ -68,7 +68,7 @@ BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize(("path", "body", "param", "words"), BAD_REQUESTS,
-                         ids=[f"{p.rsplit('/', 1)[1]}-{i}" for i, (p, *_) in enumerate(BAD_REQUESTS)])
+                         ids=[f"{'chat' if p == CHAT else 'completions'}-{i}" for i, (p, *_) in enumerate(BAD_REQUESTS)])
 def test_bad_input_is_a_400_naming_the_field_and_the_worker_stays_up(stack, path, body, param, words):
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     status, data, content_type = stack.cached.client.request("POST", path, raw)
@@ -78,6 +78,7 @@ def test_bad_input_is_a_400_naming_the_field_and_the_worker_stays_up(stack, path
     assert words in error["message"], error
     good = {"messages": USER} if path == CHAT else {"prompt": "Say something."}
     assert stack.cached.client.post(path, {**good, "max_tokens": 2, "temperature": 0}).status == 200
+    assert stack.cached.client.health()["cache"] == "up"  # one request's bad input never costs the others the cache
 
 
 @pytest.mark.parametrize(("method", "path", "status"), [("GET", CHAT, 405), ("POST", "/v1/nothing", 404)])

@@ -260,6 +260,8 @@ def running_stack(workdir: Path, redis_url: str | None = None, reference: bool =
         start_all(workers)
         yield Stack(service, workers[0], workers[1] if reference else None)
     finally:
+        if service.alive():
+            service.process.terminate()  # drains while the workers exit (seconds of torch teardown)
         stop_all(workers)
         service.stop()
 

@@ -117,7 +117,8 @@ def _prompt(body: dict) -> str | tuple[int, ...]:
 
 def parse_request(raw: bytes, kind: str) -> GenerationRequest:
     body = _loads(raw)
-    stream_options = body.get("stream_options") or {}
+    stream_options = body.get("stream_options")
+    stream_options = {} if stream_options is None else stream_options
     if not isinstance(stream_options, dict):
         raise ApiError("'stream_options' must be an object", "stream_options")
     salt = body.get("cache_salt")
