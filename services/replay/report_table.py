@@ -6,13 +6,12 @@ seconds as milliseconds).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from rich.console import Console
 from rich.table import Table
 
 from services.replay.report import CacheOnlySummary, Percentiles, Report, RunSummary, percentile
-from services.replay.service_stats import evictions_by_tier
 
 
 def _pct(x: float | None) -> str:
@@ -86,7 +85,13 @@ def cache_only_table(report: Report) -> Table:
     return table
 
 
-def service_lines(stats) -> list[str]:
+def evictions_by_tier(section: Mapping[str, Any]) -> dict[str, int]:
+    """Blocks evicted per tier (all reasons) during the run, or since start when unknown."""
+    counters = section.get("during_run") or section.get("at_end") or {}
+    return {tier: sum(reasons.values()) for tier, reasons in counters.get("evictions", {}).items()}
+
+
+def service_lines(stats: Mapping[str, Any]) -> list[str]:
     """A few lines on the cache service's own counters (from `Report.service_stats`)."""
     if "at_end" not in stats:  # filled by some other caller: show it as it is
         return [f"service stats: {dict(stats)}"]
@@ -95,7 +100,7 @@ def service_lines(stats) -> list[str]:
         return [f"service {stats.get('address')}: no cache yet (nothing attached)"]
     scope = "during the run" if stats.get("during_run") else "since start"
     evictions = evictions_by_tier(stats)
-    evicted = ", ".join(f"{tier} {n:,}" for tier, n in sorted(evictions.items())) or "none"
+    evicted = ", ".join(f"{tier} {n:,}" for tier, n in sorted(evictions.items()) if n) or "none"
     hit_rate = run.get("token_hit_rate")
     lines = [f"service {stats.get('address')} {scope}: {run['lookups']:,} lookups, "
              f"token hit rate {_pct(hit_rate)}, {run['tokens_saved']:,} tokens saved, "

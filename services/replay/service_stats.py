@@ -73,9 +73,3 @@ def stats_section(address: str, before: ServiceStats | None, after: ServiceStats
         "at_end": snapshot_dict(end) if end is not None else None,
         "during_run": delta_dict(start, end) if start is not None and end is not None else None,
     }
-
-
-def evictions_by_tier(section: Mapping[str, Any]) -> dict[str, int]:
-    """Blocks evicted per tier (all reasons) during the run, or since start when unknown."""
-    counters = section.get("during_run") or section.get("at_end") or {}
-    return {tier: sum(reasons.values()) for tier, reasons in counters.get("evictions", {}).items()}

