@@ -247,7 +247,10 @@ def main() -> int:
     report_machine = machine()
     service, address = start_service()
     try:
-        worker_args = build_parser().parse_args(["--log-level", "WARNING", "worker", "--cache", address])
+        # A generous deadline: on a loaded machine a Lookup may exceed the default 500 ms, and the
+        # worker would (rightly) prefill in full; here we measure the hit path itself.
+        worker_args = build_parser().parse_args(["--log-level", "WARNING", "worker", "--cache", address,
+                                                 "--cache-deadline-ms", "5000"])
         backend = build_backend(worker_args)
         link = backend.cache
         if link is None or not link.up:
