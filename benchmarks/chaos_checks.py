@@ -7,12 +7,15 @@ faults as they were injected (`Fault`, seconds from the start of the run) and th
 Definitions:
 - hit rate: cached / prompt tokens over the *eligible* requests in a window — succeeded,
   and a later turn of a conversation (turn >= 1), whose prefix a hit could hold;
-- baseline: the hit rate from warm-up to the first fault;
+- baseline: the hit rate of the whole run after warm-up (faults included: it is the bar a
+  window after a fault must reach a fraction of, and a quiet stretch before the first fault
+  is too short to measure on its own);
 - recovered: the first window of `window_s` (stepping `step_s`) after a fault ends with at
   least `min_requests` eligible requests and a hit rate >= `recovery_fraction` x baseline;
   it must come before the next fault starts (or the load ends);
 - memory flat: the median RSS over the first third of the warm run is within `tolerance`
-  of the median over its last third (per process role: a restarted service is the same role);
+  of the median over its last third, per role (a restarted service is the same role; samples
+  from a process's own first `warm_s` after it started do not count: it is not warm yet);
 - queue bounded: the Redis tier's queue never passed its byte bound, and drained afterwards.
 """
 
@@ -45,9 +48,11 @@ class Fault:
 class Sample:
     t_s: float
     service_rss: int | None    # bytes
-    worker_rss: int | None
+    worker_rss: int | None     # the cached worker
     queue_bytes: float | None  # the service's Redis tier queue
     active_leases: int | None
+    service_age_s: float = 0.0  # since this service process became ready
+    reference_rss: int | None = None
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,7 @@ def hit_rate(requests: Sequence[Request], lo: float, hi: float) -> tuple[float |
 
 
 def recovery_times(requests: Sequence[Request], faults: Sequence[Fault], baseline: float, load_end_s: float, *,
-                   window_s: float = 8.0, step_s: float = 1.0, min_requests: int = 3,
+                   window_s: float = 6.0, step_s: float = 1.0, min_requests: int = 3,
                    recovery_fraction: float = 0.5) -> list[float | None]:
     """Per fault: seconds from its end to the end of the first recovered window, or None."""
     out: list[float | None] = []
@@ -110,10 +115,10 @@ def check_recovery(cached: Sequence[Request], faults: Sequence[Fault], warm_s: f
                    **options) -> tuple[Check, float | None, list[float | None]]:
     if not faults:
         return Check("hit rate recovers after each fault", False, "no fault was injected"), None, []
-    baseline, count = hit_rate(cached, warm_s, faults[0].start_s)
+    baseline, count = hit_rate(cached, warm_s, load_end_s)
     if not baseline:
         return Check("hit rate recovers after each fault", False,
-                     f"no baseline: hit rate {baseline} over {count} requests before the first fault"), baseline, []
+                     f"no baseline: hit rate {baseline} over {count} requests after warm-up"), baseline, []
     times = recovery_times(cached, faults, baseline, load_end_s, **options)
     shown = ", ".join(f"{f.kind}@{f.start_s:.0f}s: " + (f"{t:.0f}s" if t is not None else "NOT recovered")
                       for f, t in zip(faults, times))
@@ -123,7 +128,8 @@ def check_recovery(cached: Sequence[Request], faults: Sequence[Fault], warm_s: f
 
 def check_memory(samples: Sequence[Sample], warm_s: float, end_s: float, tolerance: float = 0.05) -> list[Check]:
     checks = []
-    for role, field in (("service", lambda s: s.service_rss), ("worker", lambda s: s.worker_rss)):
+    for role, field in (("service", lambda s: s.service_rss if s.service_age_s >= warm_s else None),
+                        ("worker", lambda s: s.worker_rss)):
         first, last = thirds(samples, field, warm_s, end_s)
         ok = first is not None and last is not None and abs(last / first - 1) <= tolerance
         detail = (f"median RSS {first / 2**20:.1f} MiB -> {last / 2**20:.1f} MiB ({last / first - 1:+.1%})"

@@ -14,6 +14,9 @@ PAUSE` for `--pause`; the cache service restarted on the same port, warm from Re
 (alternately SIGKILL and SIGTERM). Once a second, the sampler reads the service's and the
 cached worker's RSS (/proc/PID/status) and the service's GetStats.
 
+Faults come one at a time, each `--fault-spacing` seconds after the previous one ended, as
+long as one spacing is left afterwards to see the hit rate recover.
+
 Checks (benchmarks/chaos_checks.py, which defines them): 0 failed requests, 0 output
 mismatches against the no-cache worker, hit rate recovering after each fault, no lease left
 at the end, service and worker RSS flat within 5% between the first and last third of the
@@ -41,13 +44,13 @@ from benchmarks import chaos_checks as checks  # noqa: E402
 from prefixcache.errors import PrefixCacheError  # noqa: E402
 from prefixcache.tiers.redis_options import RedisOptions  # noqa: E402
 from services.replay.runner import RunOptions, RunResult, Target, run_schedule  # noqa: E402
-from services.replay.schedule import ScheduleConfig  # noqa: E402
-from services.replay.session import ReplayOptions, plan  # noqa: E402
-from services.replay.workload import WorkloadSpec  # noqa: E402
+from services.replay.prompt_tokens import ChatTokens  # noqa: E402
+from services.replay.schedule import Schedule, ScheduleConfig, build_schedule  # noqa: E402
+from services.replay.workload import WorkloadSpec, load_workload  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 from tests.worker_procs import CacheService, WorkerProcess, start_all  # noqa: E402
 
-FAULTS = ("redis_kill", "redis_pause", "service_restart")
+FAULTS = ("redis_pause", "redis_kill", "service_restart")
 KEY_PREFIX = "soak"
 SETTLE_S = 30.0  # after the load: leases released, queue drained
 QUEUE_BOUND_BYTES = next(f.default for f in dataclasses.fields(RedisOptions) if f.name == "max_queue_bytes")
@@ -55,29 +58,25 @@ QUEUE_BOUND_BYTES = next(f.default for f in dataclasses.fields(RedisOptions) if 
 
 @dataclass(frozen=True)
 class SoakConfig:
-    duration_s: float = 60.0
-    warm_s: float = 10.0
-    fault_spacing_s: float = 12.0
+    duration_s: float = 75.0
+    warm_s: float = 8.0
+    fault_spacing_s: float = 10.0
     redis_down_s: float = 2.0
     pause_s: float = 3.0
-    rate: float = 0.5              # conversations per second
+    restart_s: float = 15.0        # how long a service restart is expected to take (for the schedule)
+    rate: float = 0.5              # conversations per second (~3 turns each)
     think_s: float = 1.0
     concurrency: int = 4
-    max_turns: int = 6
-    max_prompt_tokens: int = 768
+    max_turns: int = 8
+    max_prompt_tokens: int = 1536
     max_tokens: int = 8
     host_capacity: str = "4MiB"    # 256 blocks of the tiny model: eviction pressure
     drain_s: float = 60.0
     seed: int = 0
     workdir: str = ""              # "": a new temporary directory
 
-    def fault_times(self) -> list[tuple[str, float]]:
-        """(kind, start) every fault_spacing_s after warm-up, leaving one spacing to recover at the end."""
-        times, k = [], 1
-        while (start := self.warm_s + k * self.fault_spacing_s) <= self.duration_s - self.fault_spacing_s + 1e-9:
-            times.append((FAULTS[(k - 1) % len(FAULTS)], start))
-            k += 1
-        return times
+    def expected_s(self, kind: str) -> float:
+        return {"service_restart": self.restart_s, "redis_kill": self.redis_down_s + 1.0}.get(kind, self.pause_s)
 
 
 def rss_bytes(pid: int | None) -> int | None:
@@ -93,10 +92,10 @@ def rss_bytes(pid: int | None) -> int | None:
 
 
 def service_stats(service: CacheService):
-    """The service's StatsSnapshot, or None while it is down or restarting."""
+    """The service's GetStats (`snapshot` None before the first Attach), or None while it is down."""
     try:
         with service.client(timeout_s=1.0) as client:
-            return client.stats().snapshot
+            return client.stats()
     except PrefixCacheError:
         return None
 
@@ -115,12 +114,14 @@ class Soak:
         self.faults: list[checks.Fault] = []
         self.samples: list[checks.Sample] = []
         self.t0 = 0.0
+        self.service_ready = 0.0  # perf_counter when the current service process became ready
 
     def start(self) -> None:
         config, work = self.config, Path(self.config.workdir)
         self.redis.start()
         redis_args = ("--redis-url", self.redis.url, "--redis-key-prefix", KEY_PREFIX, "--redis-timeout-ms", "50")
         self.service = CacheService(work / "service", config.host_capacity, extra_args=redis_args).start()
+        self.service_ready = time.perf_counter()
         threads = ("--threads", "1")  # two workers share the box
         self.cached = WorkerProcess(work / "cached", self.service, threads)
         self.reference = WorkerProcess(work / "reference", None, threads)
@@ -146,25 +147,29 @@ class Soak:
         elif index % 2:
             self.service.stop()   # SIGTERM: drain, then gone
             self.service.start()
-            kind = "service_stop_start"
+            kind, self.service_ready = "service_stop_start", time.perf_counter()
         else:
             self.service.restart()  # SIGKILL, as a crash would
-            kind = "service_kill_start"
+            kind, self.service_ready = "service_kill_start", time.perf_counter()
         self.faults.append(checks.Fault(kind, start, self.now()))
         print(f"[{start:6.1f}s] {kind} ({self.now() - start:.1f}s)", flush=True)
 
     def sample(self) -> None:
         stats = service_stats(self.service)
+        snapshot = stats.snapshot if stats else None
         self.samples.append(checks.Sample(
             self.now(), rss_bytes(self.service.process.pid if self.service.alive() else None),
-            rss_bytes(self.cached.process.pid), stats.remote.get("queue_bytes") if stats else None,
-            stats.active_leases if stats else None))
+            rss_bytes(self.cached.process.pid), snapshot.remote.get("queue_bytes") if snapshot else None,
+            snapshot.active_leases if snapshot else None, time.perf_counter() - self.service_ready,
+            rss_bytes(self.reference.process.pid)))
 
 
 async def _faults(soak: Soak) -> None:
-    for index, (kind, start) in enumerate(soak.config.fault_times()):
-        await asyncio.sleep(max(0.0, start - soak.now()))
+    config, at, index = soak.config, soak.config.warm_s + soak.config.fault_spacing_s, 0
+    while at + config.expected_s(kind := FAULTS[index % len(FAULTS)]) + config.fault_spacing_s <= config.duration_s:
+        await asyncio.sleep(max(0.0, at - soak.now()))
         await asyncio.to_thread(soak.inject, kind, index // len(FAULTS))
+        at, index = soak.now() + config.fault_spacing_s, index + 1
 
 
 async def _sampler(soak: Soak, done: asyncio.Event) -> None:
@@ -196,14 +201,19 @@ def _requests(result: RunResult) -> list[checks.Request]:
             for r in result.records]
 
 
-def _settle(soak: Soak) -> tuple[int | None, float | None]:
-    """Leases and queue bytes once idle (polled until both are 0, at most SETTLE_S)."""
+def _settle(soak: Soak) -> tuple[int | None, float | None, dict]:
+    """Leases and queue bytes once idle (polled until both are 0, at most SETTLE_S), and the
+    Redis tier's figures of the last service process."""
     deadline = time.monotonic() + SETTLE_S
     while True:
         stats = service_stats(soak.service)
-        leases, queued = (stats.active_leases, stats.remote.get("queue_bytes")) if stats else (None, None)
+        leases, queued, remote = None, None, {}
+        if stats is not None:  # a service no worker has attached to yet holds no lease and no queue
+            snapshot = stats.snapshot
+            leases, queued = (snapshot.active_leases, snapshot.remote.get("queue_bytes")) if snapshot else (0, 0.0)
+            remote = dict(snapshot.remote) if snapshot else {}
         if (leases == 0 and queued == 0) or time.monotonic() > deadline:
-            return leases, queued
+            return leases, queued, remote
         time.sleep(0.2)
 
 
@@ -214,7 +224,8 @@ def _warm_up(soak: Soak, max_prompt_tokens: int, max_tokens: int) -> None:
         worker.client.complete(tokens, max_tokens=max_tokens)
 
 
-def verdict(soak: Soak, cached: RunResult, reference: RunResult, leases, queued) -> tuple[list[checks.Check], dict]:
+def verdict(soak: Soak, cached: RunResult, reference: RunResult, leases, queued,
+            remote: dict) -> tuple[list[checks.Check], dict]:
     config = soak.config
     a, b = _requests(cached), _requests(reference)
     recovery, baseline, times = checks.check_recovery(a, soak.faults, config.warm_s, config.duration_s)
@@ -225,28 +236,36 @@ def verdict(soak: Soak, cached: RunResult, reference: RunResult, leases, queued)
     overall, _ = checks.hit_rate(a, config.warm_s, config.duration_s)
     figures = {"requests": len(a), "not_sent": cached.not_sent, "wall_s": cached.wall_s,
                "hit_rate": overall, "baseline_hit_rate": baseline, "recovery_s": times,
-               "faults": [dataclasses.asdict(f) for f in soak.faults],
-               "samples": [dataclasses.asdict(s) for s in soak.samples], "workdir": config.workdir}
+               "faults": [dataclasses.asdict(f) for f in soak.faults], "last_service_redis": remote,
+               "samples": [dataclasses.asdict(s) for s in soak.samples], "workdir": config.workdir,
+               "requests_cached": [[r.conversation, r.turn, round(r.start_s, 2), r.prompt_tokens, r.cached_tokens,
+                                    r.error] for r in a]}
     return found, figures
 
 
+def multi_turn_schedule(config: SoakConfig) -> Schedule:
+    """ShareGPT conversations with at least two turns under the caps (every conversation then
+    brings requests a hit can serve, so the hit rate is measurable all along), Poisson arrivals."""
+    wanted = math.ceil(config.rate * config.duration_s * 1.5) + 5
+    spec = WorkloadSpec(conversations=3 * wanted, max_turns=config.max_turns, max_prompt_tokens=config.max_prompt_tokens)
+    workload = load_workload(spec, ChatTokens().count)
+    chats = tuple(turns for turns in workload.turns if len(turns) >= 2)[:wanted]
+    return build_schedule(chats, ScheduleConfig(rate=config.rate, think_time_s=config.think_s,
+                                                concurrency=config.concurrency, duration_s=config.duration_s,
+                                                seed=config.seed))
+
+
 def soak_once(config: SoakConfig) -> tuple[list[checks.Check], dict]:
-    conversations = math.ceil(config.rate * config.duration_s * 1.5) + 5
-    options = ReplayOptions(
-        WorkloadSpec(conversations=conversations, max_turns=config.max_turns, max_prompt_tokens=config.max_prompt_tokens),
-        ScheduleConfig(rate=config.rate, think_time_s=config.think_s, concurrency=config.concurrency,
-                       duration_s=config.duration_s, seed=config.seed),
-        RunOptions(max_tokens=config.max_tokens, request_timeout_s=120.0, drain_s=config.drain_s))
-    schedule = plan(options).schedule
+    schedule = multi_turn_schedule(config)
+    run_options = RunOptions(max_tokens=config.max_tokens, request_timeout_s=120.0, drain_s=config.drain_s)
     soak = Soak(config)
     try:
         soak.start()
         _warm_up(soak, config.max_prompt_tokens, config.max_tokens)
-        print(f"load: {schedule.request_count} requests planned over {config.duration_s:.0f}s; "
-              f"faults at {[round(t) for _, t in config.fault_times()]}s", flush=True)
-        cached, reference = asyncio.run(_run(soak, schedule, options.run))
-        leases, queued = _settle(soak)
-        return verdict(soak, cached, reference, leases, queued)
+        print(f"load: {schedule.request_count} requests planned over {config.duration_s:.0f}s, a fault every "
+              f"{config.fault_spacing_s:.0f}s after the previous one ({' -> '.join(FAULTS)})", flush=True)
+        cached, reference = asyncio.run(_run(soak, schedule, run_options))
+        return verdict(soak, cached, reference, *_settle(soak))
     finally:
         soak.stop()
 

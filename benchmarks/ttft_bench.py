@@ -41,6 +41,7 @@ import secrets
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -195,41 +196,44 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _paragraph(text: str) -> str:
+    return textwrap.fill(" ".join(text.split()), width=96, break_on_hyphens=False)
+
+
 def write_docs(report: dict, command: str) -> None:
     m = report["machine"]
     medians = ", ".join(f"{r['prompt_tokens']}: {r['saving_ratio_median']:.1%}" for r in report["results"])
-    body = f"""{SECTION}
-
-Time to first token of the worker's own code path (`Engine`, `CacheLink`) on the built-in tiny
-model (4 layers, hidden 256, GQA 8/2 heads, bfloat16, prefix-exact attention), for prompts that
-share all but their last {report['suffix']} tokens with a prompt committed before. "cached": Lookup
-RPC with a lease to a real `prefixcache serve` process, the hit policy, the blocks read through
-the mapped shared memory, then the suffix prefilled from them. "ideal": the same model reusing
-KV kept in its own memory. "saving vs ideal" = (no cache - cached) / (no cache - ideal); target
->= {TARGET:.0%}. Best of {report['repeats']} no-cache and {report['repeats'] * PAIRS} cached and ideal
-interleaved runs (the machine is shared; the JSON
-output also has medians: {medians}); the first-token logits of all three are checked bitwise
-equal. The breakdown columns (ms) time the cached path's parts separately (lookup = the Lookup
-RPC; KV install = copying blocks into the model's KV cache, also paid by the ideal case).
-
-Machine: {m['cpu']}, {m['cpus_available']} CPUs available, torch {m['torch']} with {m['torch_threads']}
-threads, Python {m['python']}, kernel {m['kernel']}; load average at start
-{', '.join(f'{x:.1f}' for x in m['load_average_at_start'])} (other jobs share the machine: absolute
-times move between runs, the ratios much less). Command: `{command}`
-
-{table(report['results'])}
-
-Where the cached path's extra time over the ideal goes: the Lookup RPC (hashing the prompt's
-blocks in the service and walking the index) and the copy out of shared memory; both are a few
-milliseconds at 8k tokens against seconds of prefill saved.
-"""
+    runs = report["repeats"]
+    paragraphs = [
+        f"""Time to first token of the worker's own code path (`Engine`, `CacheLink`) on the built-in
+        tiny model (4 layers, hidden 256, GQA 8/2 heads, bfloat16, prefix-exact attention), for prompts
+        that share all but their last {report['suffix']} tokens with a prompt committed before. "cached":
+        a Lookup RPC with a lease to a real `prefixcache serve` process, the worker's hit policy, the
+        blocks read through the mapped shared memory, then the suffix prefilled from them. "ideal": the
+        same model reusing KV kept in its own memory. "saving vs ideal" = (no cache - cached) / (no
+        cache - ideal); target >= {TARGET:.0%}. Best of {runs} no-cache and {runs * PAIRS} cached and ideal
+        interleaved runs (the machine is shared; the ratios from medians: {medians}); the first-token
+        logits of all three are checked bitwise equal. The breakdown columns (ms, best of {runs}) time
+        the cached path's parts separately: lookup = the Lookup RPC, shm read = the copy out of shared
+        memory, KV install = copying the blocks into the model's KV cache (the ideal case pays it too),
+        suffix prefill = the forward pass over the {report['suffix']} new tokens.""",
+        f"""Machine: {m['cpu']}, {m['cpus_available']} CPUs available, torch {m['torch']} with
+        {m['torch_threads']} threads, Python {m['python']}, kernel {m['kernel']}; load average at start
+        {', '.join(f'{x:.1f}' for x in m['load_average_at_start'])} (other jobs share the machine:
+        absolute times move between runs, the ratios much less). Command: `{command}`""",
+    ]
+    closing = """The cached path's extra time over the ideal is the Lookup RPC (the service hashes the
+        prompt's blocks and walks its index) plus the copy out of shared memory: about 2 ms at 8k
+        tokens, against seconds of prefill saved. The time left in both is the forward pass over the
+        new tokens, which grows with the context they attend to."""
+    body = "\n\n".join([SECTION, *map(_paragraph, paragraphs), table(report["results"]), _paragraph(closing)])
     text = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
     start = text.find(SECTION)
     if start < 0:
-        text = text.rstrip("\n") + "\n\n" + body
+        text = text.rstrip("\n") + "\n\n" + body + "\n"
     else:
         end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + body + (text[end + 1:] if end >= 0 else "")
+        text = text[:start] + body + "\n" + (text[end:] if end >= 0 else "")
     DOC.write_text(text)
 
 
@@ -269,7 +273,8 @@ def main() -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
     if args.write_docs:
-        write_docs(report, "PYTHONPATH=. python benchmarks/ttft_bench.py " + " ".join(sys.argv[1:]))
+        write_docs(report, f"PYTHONPATH=. python benchmarks/ttft_bench.py --sizes {args.sizes} "
+                           f"--suffix {args.suffix} --repeats {args.repeats} --write-docs")
     return 0 if all(r["saving_ratio"] >= TARGET for r in results) else 1
 
 

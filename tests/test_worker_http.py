@@ -68,7 +68,8 @@ BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize(("path", "body", "param", "words"), BAD_REQUESTS,
-                         ids=[f"{'chat' if p == CHAT else 'completions'}-{i}" for i, (p, *_) in enumerate(BAD_REQUESTS)])
+                         ids=[f"{'chat' if p == CHAT else 'completions'}-{i}"
+                              for i, (p, *_) in enumerate(BAD_REQUESTS)])
 def test_bad_input_is_a_400_naming_the_field_and_the_worker_stays_up(stack, path, body, param, words):
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     status, data, content_type = stack.cached.client.request("POST", path, raw)

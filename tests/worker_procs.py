@@ -7,8 +7,6 @@
 - `WorkerProcess`: `python -m services worker` (the tiny bfloat16 model) pointed at a service
   or `--no-cache`; readiness is polled on `GET /health` with a deadline.
 - `running_stack`: a service, a cached worker and (optionally) a `--no-cache` reference worker.
-- `ExpectedCache`: which prompt tokens the service must hand back, modelled from the prompts
-  the cached worker was sent (it commits each prompt's full blocks; no eviction in tests).
 - `WorkerClient`: a small stdlib HTTP client (one connection per call, so threads may share
   it) for the OpenAI endpoints, including server-sent-event streams.
 
@@ -20,7 +18,7 @@ Model processes take seconds to start (and seconds to exit: interpreter teardown
 so one stack serves the whole test session: the `worker_stack` fixture, which modules get with
 `pytest_plugins = ["tests.worker_procs"]`. Tests sharing it salt their requests
 (`cache_salt`) so their cached blocks never meet, and a test that kills or restarts the service
-leaves the worker attached again (it polls for a hit) before it ends. Workers start and stop
+leaves the worker attached to it again before it ends. Workers start and stop
 in parallel (`start_all`, `stop_all`).
 """
 
@@ -38,7 +36,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -271,36 +269,6 @@ def worker_stack(redis_server, tmp_path_factory) -> Iterator[Stack]:
     """The session's stack: service over the session Redis, cached worker, no-cache reference."""
     with running_stack(tmp_path_factory.mktemp("worker-stack"), redis_url=redis_server.url) as stack:
         yield stack
-
-
-@dataclass
-class ExpectedCache:
-    """Full blocks committed so far, as chained keys; hit = longest chain, minus one block when
-    it covers the whole prompt (the worker always computes at least one token)."""
-
-    block_size: int = 16
-    _keys: set = field(default_factory=set)
-
-    def _chain(self, tokens: Sequence[int], salt: str | None) -> Iterator[object]:
-        key: object = ("salt", salt)
-        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
-            key = hash((key, tuple(tokens[start:start + self.block_size])))
-            yield key
-
-    def hit_tokens(self, tokens: Sequence[int], salt: str | None = None) -> int:
-        blocks = 0
-        for key in self._chain(tokens, salt):
-            if key not in self._keys:
-                break
-            blocks += 1
-        return min(blocks, (len(tokens) - 1) // self.block_size) * self.block_size
-
-    def commit(self, tokens: Sequence[int], salt: str | None = None) -> None:
-        self._keys.update(self._chain(tokens, salt))
-
-    @property
-    def blocks(self) -> int:
-        return len(self._keys)
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,13 @@ Wraps `CacheClient` so that the cache can only make a request faster, never
 fail it: every call has a deadline; any cache failure (service down, slower
 than the deadline, invalid reply, expired lease) turns into "prefill in full"
 for that request, is counted as a fallback, and marks the link down. While
-down, requests skip the cache without waiting; the link re-attaches after a
-backoff. State changes are logged once, not per request.
+down, requests skip the cache without waiting (counted too); the link
+re-attaches after a backoff, on a fresh gRPC channel (the old one may be in
+gRPC's own, much longer, reconnect backoff). Two cases do not take the link
+down: a lookup rejected for the request's own tokens or salt (only that
+request prefills in full), and a service that restarted and forgot the
+namespace (the link attaches again at once and retries the lookup). State
+changes are logged once, not per request.
 
 Invariant: a `Prefix` handed to the engine covers strictly fewer tokens than
 the prompt (at least one token is always computed), and its lease is
@@ -89,6 +94,9 @@ class CacheLink:
         if self.clock() < self._retry_at:
             self.fallbacks.labels("down").inc()  # skipped without trying: the link is in its backoff
             return False
+        return self._attach()
+
+    def _attach(self) -> bool:
         with self._lock:
             if self._failed:
                 # A fresh channel: the old one may sit in gRPC's exponential reconnect
@@ -117,18 +125,8 @@ class CacheLink:
         """Leased KV of the longest usable cached prefix, or an empty prefix."""
         if not self._ready():
             return Prefix(0, None, None)
-        try:
-            hit = self._client.lookup(tokens, cache_salt=salt, take_lease=True,
-                                      recompute_s_per_token=self.policy.recompute_s_per_token())
-        except InvalidArgument as error:
-            if error.field not in REQUEST_FIELDS:
-                self._down("lookup", error)  # e.g. an unknown namespace: the service restarted
-            else:  # this request's prompt or salt, not the link: other requests keep the cache
-                self.fallbacks.labels("rejected").inc()
-                log.info("cache lookup rejected this request (%s); prefilling in full", error)
-            return Prefix(0, None, None)
-        except PrefixCacheError as error:
-            self._down("lookup", error)
+        hit = self._leased_hit(tokens, salt)
+        if hit is None:
             return Prefix(0, None, None)
         size = self.layout.block_size
         usable = min(hit.blocks, (len(tokens) - 1) // size)  # leave at least one token to compute
@@ -142,6 +140,31 @@ class CacheLink:
             self.release(hit)
             return Prefix(0, None, None)
         return Prefix(decision.blocks * size, blocks, hit)
+
+    def _leased_hit(self, tokens: list[int], salt: str | None) -> Hit | None:
+        """The Lookup (with a lease), or None after counting the failure."""
+        for retried in (False, True):
+            try:
+                return self._client.lookup(tokens, cache_salt=salt, take_lease=True,
+                                           recompute_s_per_token=self.policy.recompute_s_per_token())
+            except InvalidArgument as error:
+                if error.field == "namespace" and not retried:
+                    # The service restarted and forgot this worker's namespace: attach again at
+                    # once (it answers, so no backoff) and this request still gets its hit.
+                    log.info("cache service lost this namespace (restarted?); attaching again")
+                    self._attached = False
+                    if self._attach():
+                        continue
+                elif error.field in REQUEST_FIELDS:  # this request's fault: the link stays up
+                    self.fallbacks.labels("rejected").inc()
+                    log.info("cache lookup rejected this request (%s); prefilling in full", error)
+                else:
+                    self._down("lookup", error)
+                return None
+            except PrefixCacheError as error:
+                self._down("lookup", error)
+                return None
+        return None
 
     def store(self, tokens: list[int], cache, start_block: int, engine, salt: str | None) -> None:
         """Commit the prompt's full blocks from `start_block` on (KV taken from `cache`)."""

@@ -11,6 +11,7 @@ import signal
 from prometheus_client import CollectorRegistry
 
 from prefixcache.config import parse_duration
+from prefixcache.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +58,23 @@ def register(subparsers) -> None:
 def build_backend(args):
     from .backend import InferenceBackend
     from .cache_link import CacheLink
+    from .compat import UnsupportedModelError
     from .engine import Engine
     from .hit_policy import HitPolicy
     from .model import configure_torch_threads, load_model
 
     configure_torch_threads(args.threads)
-    loaded = load_model(args.model, dtype=args.dtype, seed=args.seed)
+    import torch
+    # oneDNN keeps compiled kernels per matmul shape and every prompt length is a new shape: with
+    # it on, a CPU worker's RSS grew ~2 MiB per distinct prompt length, without bound
+    # (benchmarks/chaos_soak.py); the native kernels are as fast for this model and as exact.
+    torch.backends.mkldnn.enabled = False
+    try:
+        loaded = load_model(args.model, dtype=args.dtype, seed=args.seed)
+    except UnsupportedModelError as error:  # sliding-window, hybrid, latent KV... (compat.py)
+        raise ConfigError("model", f"{args.model} cannot use the prefix cache: {error}") from None
+    except ValueError as error:  # an unknown spec or a broken checkpoint: one line, not a traceback
+        raise ConfigError("model", str(error)) from None
     engine = Engine(loaded)
     registry = CollectorRegistry()
     link = None
