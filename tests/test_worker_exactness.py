@@ -27,10 +27,8 @@ from services.worker.chat import ChatMessage, ChatMLTemplate
 from services.worker.chat import Role as ChatRole
 from services.worker.tokenizer import TiktokenTokenizer
 
-pytest.register_assert_rewrite("tests.worker_procs")
-from tests.worker_procs import Reply, Stack, poll  # noqa: E402
+from tests.worker_procs import Reply, Stack, poll
 
-pytest_plugins = ["tests.worker_procs"]
 
 BLOCK = 16
 MAX_PROMPT_TOKENS = 1536

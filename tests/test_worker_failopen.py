@@ -20,10 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-pytest.register_assert_rewrite("tests.worker_procs")
-from tests.worker_procs import Reply, Stack, WorkerClient, poll  # noqa: E402
+from tests.worker_procs import Reply, Stack, WorkerClient, poll
 
-pytest_plugins = ["tests.worker_procs"]
 
 MAX_TOKENS = 8
 SYSTEM = ("You are a meticulous assistant for a travel agency. Answer with the itinerary, the costs and "

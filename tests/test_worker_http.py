@@ -11,10 +11,8 @@ import json
 
 import pytest
 
-pytest.register_assert_rewrite("tests.worker_procs")
-from tests.worker_procs import Stack  # noqa: E402
+from tests.worker_procs import Stack
 
-pytest_plugins = ["tests.worker_procs"]
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -16,7 +16,7 @@ SIGKILLed service's shared-memory segment is unlinked by `kill`.
 
 Model processes take seconds to start (and seconds to exit: interpreter teardown of torch),
 so one stack serves the whole test session: the `worker_stack` fixture, which modules get with
-`pytest_plugins = ["tests.worker_procs"]`. Tests sharing it salt their requests
+tests/conftest.py (pytest_plugins). Tests sharing it salt their requests
 (`cache_salt`) so their cached blocks never meet, and a test that kills or restarts the service
 leaves the worker attached to it again before it ends. Workers start and stop
 in parallel (`start_all`, `stop_all`).
