@@ -24,14 +24,14 @@ import numpy as np
 import torch
 
 from . import leases as lease_table
-from .codec import decode_block, encode_block
 from .config import CacheConfig, KVLayout, Namespace
-from .errors import CorruptBlock, InvalidArgument, LayoutMismatch, ResourceExhausted, UnknownLease, UnknownNamespace
+from .errors import InvalidArgument, LayoutMismatch, ResourceExhausted, UnknownLease, UnknownNamespace
 from .hashing import BlockHash, Hasher, namespace_id, token_array
 from .index import ROOT, Match, MissReason, RadixIndex
 from .leases import Lease, Reservation
 from .placement import Placement
 from .quota import TenantLedger
+from .remote_link import RemoteLink
 from .results import BlockLocation, BlockLocations, CommitResult, LookupResult
 from .stats import Counters, EvictionReason, StatsSnapshot, TierSnapshot, snapshot_dicts
 from .tiers.base import SlotTier, TierKind
@@ -39,8 +39,6 @@ from .tiers.pool import torch_dtype
 from .transfer import ProbeBudget
 
 log = logging.getLogger(__name__)
-
-REMOTE_PROBE_BATCH = 32  # block hashes asked of Redis per pipelined round trip
 
 
 @dataclass(frozen=True)
@@ -73,11 +71,8 @@ class PrefixCache:
         self.hasher = hasher or Hasher(config.hash_algorithm)
         self.index = RadixIndex(sum(t.num_slots for t in self.tiers.values()), layout.block_size,
                                 self.hasher.digest_size)
-        # Per node: cache-clock time until which Redis is believed to hold the block (its write or
-        # last Redis hit plus the Redis TTL). Local hits do not refresh the Redis copy, so past
-        # that time an evicted block is written again rather than assumed safe in Redis.
-        self._remote_until = np.zeros(self.index.capacity, dtype=np.float64)
-        self._remote_ttl_s = float(remote.options.ttl_s) if remote is not None else 0.0
+        self.remote_link = None if remote is None else RemoteLink(
+            remote, layout, self.index, self.tiers, lambda row: (self._by_index[row].id, self._by_index[row].root))
         self._namespaces: dict[str, _Entry] = {}
         self._by_index: list[_Entry] = []
         self._leases: dict[int, Lease] = {}
@@ -150,7 +145,8 @@ class PrefixCache:
         budget = None if budget_s is None else ProbeBudget(len(prompt.hashes) - len(path),
                                                            budget_s * self.layout.block_size)
         try:
-            payloads, corrupt = self._fetch_remote(prompt, len(path), budget)
+            payloads, corrupt = self.remote_link.fetch(prompt.entry.id, prompt.entry.root, prompt.hashes,
+                                                       prompt.blocks, len(path), budget)
         except BaseException:
             with self._lock:
                 self.index.unpin(path)
@@ -160,6 +156,7 @@ class PrefixCache:
                 extended = self._admit(prompt, path, payloads)
             finally:
                 self.index.unpin(path)
+            self.counters.remote_integrity_failures += corrupt
             if len(extended) == len(prompt.hashes):
                 stop = None
             elif corrupt and len(extended) == len(path) + len(payloads):
@@ -221,31 +218,6 @@ class PrefixCache:
         rows = np.asarray(path, dtype=np.int64)
         return BlockLocations.adopt(self.index.tier[rows], self.index.slot[rows])
 
-    def _fetch_remote(self, prompt: _Prompt, start: int,
-                      budget: ProbeBudget | None = None) -> tuple[list[memoryview], bool]:
-        """Verified payloads of the blocks after `start` that Redis holds, in order, and
-        whether they end at a block that failed verification (its key is deleted)."""
-        entry, payloads = prompt.entry, []
-        options = {"budget": budget} if budget is not None else {}
-        for batch_start in range(start, len(prompt.hashes), REMOTE_PROBE_BATCH):
-            batch = prompt.hashes[batch_start: batch_start + REMOTE_PROBE_BATCH]
-            for offset, frame in enumerate(self.remote.fetch(entry.id, batch, frame_bytes=self.layout.block_bytes,
-                                                                prefix_only=True, **options)):
-                i = batch_start + offset
-                if frame is None:
-                    return payloads, False
-                parent = prompt.hashes[i - 1] if i else entry.root
-                try:
-                    payloads.append(decode_block(frame, self.layout, entry.id, prompt.hashes[i], parent, prompt.blocks[i]))
-                except CorruptBlock as error:
-                    log.debug("remote block failed verification: %s", error)
-                    with self._lock:
-                        self.counters.remote_integrity_failures += 1
-                    self.remote.record_integrity_failure()
-                    self.remote.delete(entry.id, prompt.hashes[i])
-                    return payloads, True
-        return payloads, False
-
     def _admit(self, prompt: _Prompt, path: np.ndarray, payloads: list[memoryview]) -> np.ndarray:
         """Insert blocks fetched from Redis after the (pinned) `path` into the host tier.
 
@@ -275,7 +247,7 @@ class PrefixCache:
             self.tiers[TierKind.HOST].write_bytes(slot, payload)
             node = self.index.add(prompt.entry.index, path[-1] if path else ROOT, prompt.hashes[i],
                                   prompt.blocks[i], TierKind.HOST, slot, now)
-            self._remote_until[node] = now + self._remote_ttl_s  # GETEX just refreshed its TTL
+            self.remote_link.fetched(node, now)
             path.append(node)
             self.counters.promotions[TierKind.HOST] += 1
         return np.asarray(path, dtype=np.int64)
@@ -421,8 +393,8 @@ class PrefixCache:
             nodes = self.index.add_chain(prompt.entry.index, path[-1] if path else ROOT,
                                          prompt.hashes[cached:cached + new], prompt.blocks[cached:cached + new],
                                          tier, reservation.slots[first:first + new], now)
-            for offset, node in enumerate(nodes):
-                self._write_through(prompt, node, cached + offset)
+            for node in nodes:
+                self._write_through(node)
         used = set(reservation.slots[cached - start:cached - start + new]) if new else set()
         for slot in reservation.slots:
             if slot not in used:
@@ -452,22 +424,10 @@ class PrefixCache:
                 seen.add(block_hash)
         return new
 
-    def _write_through(self, prompt: _Prompt, node: int, i: int) -> None:
+    def _write_through(self, node: int) -> None:
         """Queue a new block for Redis so other instances and restarts can hit it."""
-        if self.remote is None:
-            return
-        parent = prompt.hashes[i - 1] if i else prompt.entry.root
-        accepted = self._submit(prompt.entry.id, prompt.hashes[i], parent, node)
-        self._remote_until[node] = self.clock() + self._remote_ttl_s if accepted else 0.0
-
-    def _submit(self, ns_id: str, block_hash: BlockHash, parent: BlockHash, node: int) -> bool:
-        tier = self.tiers[TierKind(int(self.index.tier[node]))]
-        payload = tier.view(int(self.index.slot[node])).cpu().contiguous().view(torch.uint8).reshape(-1).numpy()
-        frame = encode_block(self.layout, ns_id, block_hash, parent, self.index.tokens[node], memoryview(payload))
-        accepted = self.remote.submit(ns_id, block_hash, frame)
-        if not accepted:
+        if self.remote_link is not None and not self.remote_link.write_through(node, self.clock()):
             self.counters.spills_dropped += 1
-        return accepted
 
     def store(self, ns_id: str, tokens, kv: torch.Tensor, start_block: int = 0) -> CommitResult:
         """Reserve, write and commit in one call (the path for bytes sent over the wire).
@@ -511,21 +471,14 @@ class PrefixCache:
     # -- eviction -----------------------------------------------------------------
     def _on_drop(self, node: int, spill: bool) -> bool:
         """A block is leaving the slot tiers; with `spill`, make sure Redis keeps it."""
-        spilled = spill and self.remote is not None and bool(
-            self._remote_until[node] > self.clock() or self._submit_node(node))
-        self._remote_until[node] = 0.0
-        return spilled
-
-    def _submit_node(self, node: int) -> bool:
-        parent = int(self.index.parent[node])
-        entry = self._entry_by_index(int(self.index.namespace[node]))
-        parent_hash = entry.root if parent == ROOT else self.index.hash_of(parent)
-        return self._submit(entry.id, self.index.hash_of(node), parent_hash, node)
-
-    def _forget_remote(self, node: int) -> None:
-        if self.remote is not None:
-            entry = self._entry_by_index(int(self.index.namespace[node]))
-            self.remote.delete(entry.id, self.index.hash_of(node))
+        if self.remote_link is None:
+            return False
+        if not spill:
+            self.remote_link.dropped(node)
+            return False
+        kept = self.remote_link.keep(node, self.clock())
+        self.counters.spills_dropped += not kept
+        return kept
 
     def _reclaim_expired(self, now: float) -> None:
         """Unpin expired leases and return expired reservations' slots."""
@@ -560,21 +513,20 @@ class PrefixCache:
                 mask = live.copy()
                 if ns_id is not None:
                     mask &= index.namespace == self._entry(ns_id).index
-                    if self.remote is not None:
-                        self.remote.delete_namespace(ns_id)
-                        self._remote_until[mask] = 0.0  # pinned survivors are no longer in Redis
+                    if self.remote_link is not None:
+                        self.remote_link.forget_namespace(ns_id, np.flatnonzero(mask))
                 if older_than_s is not None:
                     mask &= index.last_access < self.clock() - older_than_s
                 nodes = index.select(mask)
-            return self.placement.drop_all(nodes, EvictionReason.MANUAL, before=self._forget_remote)
+            forget = self.remote_link.forget if self.remote_link is not None else None
+            return self.placement.drop_all(nodes, EvictionReason.MANUAL, before=forget)
 
     def flush(self) -> int:
         """Drop every unpinned block from every tier, Redis included."""
         with self._lock:
             dropped = self.placement.drop_all(self.index.select(self.index.live()), EvictionReason.MANUAL)
-            if self.remote is not None:
-                self.remote.flush()
-                self._remote_until[:] = 0.0  # pinned survivors are no longer in Redis
+            if self.remote_link is not None:
+                self.remote_link.flush()
             return dropped
 
     # -- stats ----------------------------------------------------------------------

@@ -183,6 +183,7 @@ class Report:
     service_stats: Mapping[str, Any] | None = None
     cache_only: CacheOnlySummary | None = None
     workload: WorkloadSummary | None = None
+    hit_policy: Mapping[str, Any] | None = None  # the worker's load-or-recompute decisions (worker_metrics.py)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -290,7 +291,7 @@ def _comparison(c: Comparison) -> ComparisonSummary:
 def build_report(result: ABResult, config: ScheduleConfig, *, block_size: int | None = None,
                  service_stats: Mapping[str, Any] | None = None,
                  cache_only: CacheOnlySummary | None = None, workload: WorkloadSummary | None = None,
-                 generated_at: dt.datetime | None = None) -> Report:
+                 generated_at: dt.datetime | None = None, hit_policy: Mapping[str, Any] | None = None) -> Report:
     """Assemble the Report of an A/B (or single) replay."""
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -302,7 +303,7 @@ def build_report(result: ABResult, config: ScheduleConfig, *, block_size: int | 
         baseline_run=summarize_run(result.baseline, block_size) if result.baseline else None,
         comparison=_comparison(result.comparison) if result.comparison else None,
         turns=_turn_records(result.cache, result.baseline), service_stats=service_stats,
-        cache_only=cache_only, workload=workload,
+        cache_only=cache_only, workload=workload, hit_policy=hit_policy,
     )
 
 

@@ -34,6 +34,7 @@ from services.replay.runner import ABResult, RunOptions, Target, run_ab
 from services.replay.schedule import Schedule, ScheduleConfig, build_schedule
 from services.replay.service_stats import fetch_stats, stats_section
 from services.replay.workload import Workload, WorkloadSpec, load_workload
+from services.replay import worker_metrics
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +130,13 @@ def run_chat(options: ReplayOptions, target: Target, baseline: Target | None,
     p = prepared or plan(options)
     stats = _Stats(stats_address, auth_token)
     stats.start()
+    decisions = worker_metrics.scrape(target.base_url)  # the reference worker's hit decisions, if it is one
     result: ABResult = asyncio.run(run_ab(p.schedule, target, baseline, options.run, console))
     return build_report(result, options.schedule, block_size=options.block_size,
                         service_stats=stats.section(),
-                        workload=_workload_record(options, p, options.run.max_tokens, target.model))
+                        workload=_workload_record(options, p, options.run.max_tokens, target.model),
+                        hit_policy=worker_metrics.section(target.base_url, decisions,
+                                                          worker_metrics.scrape(target.base_url)))
 
 
 def run_cache(options: ReplayOptions, cache: CacheOnlyOptions, stats_address: str | None = None,

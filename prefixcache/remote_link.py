@@ -1,0 +1,117 @@
+"""The cache's side of the remote tier (Redis): frames out, frames in, and belief.
+
+Owns encoding blocks into frames for the tier, verifying frames that come back
+(checksum and key binding, via `codec`), and what the cache believes Redis
+holds: per index row, the cache-clock time until which Redis should still
+have the block (its write or last Redis hit plus the Redis TTL). Local hits
+do not refresh the Redis copy, so past that time a block leaving the slot
+tiers is written again rather than assumed safe in Redis.
+
+It never takes the cache lock: `fetch` runs without it (I/O), the other
+methods are called by the cache with its lock held.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .codec import decode_block, encode_block
+from .config import KVLayout
+from .errors import CorruptBlock
+from .hashing import BlockHash
+from .index import ROOT, RadixIndex
+from .tiers.base import SlotTier, TierKind
+from .transfer import ProbeBudget
+
+log = logging.getLogger(__name__)
+
+PROBE_BATCH = 32  # block hashes asked of Redis per pipelined round trip
+
+# namespace row -> (namespace id, root hash)
+NamespaceOf = Callable[[int], tuple[str, BlockHash]]
+
+
+class RemoteLink:
+    def __init__(self, remote, layout: KVLayout, index: RadixIndex, tiers: dict[TierKind, SlotTier],
+                 namespace_of: NamespaceOf) -> None:
+        self.remote = remote
+        self.layout = layout
+        self.index = index
+        self.tiers = tiers
+        self.namespace_of = namespace_of
+        self.ttl_s = float(remote.options.ttl_s)
+        self._until = np.zeros(index.capacity, dtype=np.float64)
+
+    # -- reading (no cache lock held) ------------------------------------------------
+    def fetch(self, ns_id: str, root: BlockHash, hashes: list[BlockHash], blocks: np.ndarray, start: int,
+              budget: ProbeBudget | None = None) -> tuple[list[memoryview], bool]:
+        """Verified payloads of the blocks after `start` that Redis holds, in order, and
+        whether they end at a block that failed verification (its key is then deleted)."""
+        payloads: list[memoryview] = []
+        options = {"budget": budget} if budget is not None else {}
+        for batch_start in range(start, len(hashes), PROBE_BATCH):
+            batch = hashes[batch_start: batch_start + PROBE_BATCH]
+            frames = self.remote.fetch(ns_id, batch, frame_bytes=self.layout.block_bytes, prefix_only=True, **options)
+            for i, frame in enumerate(frames, start=batch_start):
+                if frame is None:
+                    return payloads, False
+                parent = hashes[i - 1] if i else root
+                try:
+                    payloads.append(decode_block(frame, self.layout, ns_id, hashes[i], parent, blocks[i]))
+                except CorruptBlock as error:
+                    log.debug("remote block failed verification: %s", error)
+                    self.remote.record_integrity_failure()
+                    self.remote.delete(ns_id, hashes[i])
+                    return payloads, True
+        return payloads, False
+
+    def fetched(self, node: int, now: float) -> None:
+        """`node` was just admitted from Redis, whose GETEX refreshed the key's TTL."""
+        self._until[node] = now + self.ttl_s
+
+    # -- writing (cache lock held) ------------------------------------------------------
+    def write_through(self, node: int, now: float) -> bool:
+        """Queue a block for Redis so other instances and restarts can hit it; False if dropped."""
+        accepted = self._submit(node)
+        self._until[node] = now + self.ttl_s if accepted else 0.0
+        return accepted
+
+    def keep(self, node: int, now: float) -> bool:
+        """A block is leaving the slot tiers: make sure Redis keeps it (False: the write was dropped)."""
+        kept = bool(self._until[node] > now) or self._submit(node)
+        self._until[node] = 0.0
+        return kept
+
+    def dropped(self, node: int) -> None:
+        """A block left the slot tiers without a spill; its row will be reused."""
+        self._until[node] = 0.0
+
+    def _submit(self, node: int) -> bool:
+        index = self.index
+        ns_id, root = self.namespace_of(int(index.namespace[node]))
+        parent = int(index.parent[node])
+        parent_hash = root if parent == ROOT else index.hash_of(parent)
+        tier = self.tiers[TierKind(int(index.tier[node]))]
+        payload = tier.view(int(index.slot[node])).cpu().contiguous().view(torch.uint8).reshape(-1).numpy()
+        block_hash = index.hash_of(node)
+        frame = encode_block(self.layout, ns_id, block_hash, parent_hash, index.tokens[node], memoryview(payload))
+        return self.remote.submit(ns_id, block_hash, frame)
+
+    # -- forgetting -------------------------------------------------------------------
+    def forget(self, node: int) -> None:
+        """Delete a block's key (manual eviction)."""
+        ns_id, _ = self.namespace_of(int(self.index.namespace[node]))
+        self.remote.delete(ns_id, self.index.hash_of(node))
+        self._until[node] = 0.0
+
+    def forget_namespace(self, ns_id: str, rows: np.ndarray) -> None:
+        self.remote.delete_namespace(ns_id)
+        self._until[rows] = 0.0  # pinned survivors are no longer in Redis
+
+    def flush(self) -> None:
+        self.remote.flush()
+        self._until[:] = 0.0
