@@ -7,6 +7,9 @@ next one; a block leaving the host tier stays reachable in Redis, and a
 lookup continues past the local index by probing Redis for the next block
 hashes, admitting what it finds into the host tier (a promotion).
 
+Namespaces live in namespaces.py, the Redis side in remote_link.py, slot placement
+and eviction in placement.py, tenant quotas in quota.py.
+
 Concurrency: one lock guards the index, tiers' free lists, leases and
 counters; it is never held across Redis I/O (a lookup pins its local path,
 drops the lock for the probe, and re-takes it to admit what came back).
@@ -17,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -25,11 +27,12 @@ import torch
 
 from . import leases as lease_table
 from .config import CacheConfig, KVLayout, Namespace
-from .errors import InvalidArgument, LayoutMismatch, ResourceExhausted, UnknownLease, UnknownNamespace
-from .hashing import BlockHash, Hasher, namespace_id, token_array
+from .errors import InvalidArgument, LayoutMismatch, ResourceExhausted, UnknownLease
+from .hashing import BlockHash, Hasher
 from .index import ROOT, Match, MissReason, RadixIndex
 from .leases import Lease, Reservation
 from .placement import Placement
+from .namespaces import NamespaceRegistry, Prompt
 from .quota import TenantLedger
 from .remote_link import RemoteLink
 from .results import BlockLocation, BlockLocations, CommitResult, LookupResult
@@ -39,22 +42,6 @@ from .tiers.pool import torch_dtype
 from .transfer import ProbeBudget
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Entry:
-    index: int
-    namespace: Namespace
-    root: BlockHash
-    id: str
-
-
-@dataclass(frozen=True)
-class _Prompt:
-    entry: _Entry
-    tokens: np.ndarray     # u32
-    blocks: np.ndarray     # [full blocks, block_size] u32
-    hashes: list[BlockHash]
 
 
 class PrefixCache:
@@ -72,9 +59,8 @@ class PrefixCache:
         self.index = RadixIndex(sum(t.num_slots for t in self.tiers.values()), layout.block_size,
                                 self.hasher.digest_size)
         self.remote_link = None if remote is None else RemoteLink(
-            remote, layout, self.index, self.tiers, lambda row: (self._by_index[row].id, self._by_index[row].root))
-        self._namespaces: dict[str, _Entry] = {}
-        self._by_index: list[_Entry] = []
+            remote, layout, self.index, self.tiers, self._namespace_of_row)
+        self.namespaces = NamespaceRegistry(layout, self.hasher, config.max_prompt_tokens)
         self._leases: dict[int, Lease] = {}
         self._reservations: dict[int, Reservation] = {}
         self.counters = Counters()
@@ -89,41 +75,14 @@ class PrefixCache:
     # -- namespaces -------------------------------------------------------
     def attach(self, namespace: Namespace) -> str:
         """Register a namespace (idempotent) and return its id."""
-        if namespace.layout != self.layout:
-            raise LayoutMismatch(f"namespace layout {namespace.layout} differs from this cache's {self.layout}")
-        root = self.hasher.root(namespace)
-        ns_id = namespace_id(root)
         with self._lock:
-            known = self._namespaces.get(ns_id)
-            if known is not None and known.namespace != namespace:
-                raise InvalidArgument("namespace", f"id {ns_id} already names a different namespace (hash collision)")
-            if known is None:
-                if len(self._namespaces) >= np.iinfo(np.int16).max:
-                    raise ResourceExhausted("too many namespaces")
-                entry = _Entry(len(self._by_index), namespace, root, ns_id)
-                self._namespaces[ns_id] = entry
-                self._by_index.append(entry)
+            entry, new = self.namespaces.register(namespace)
+            if new:
                 self.ledger.register(entry.index, namespace.tenant)
-        return ns_id
+        return entry.id
 
     def namespace(self, ns_id: str) -> Namespace:
-        return self._entry(ns_id).namespace
-
-    def _entry(self, ns_id: str) -> _Entry:
-        entry = self._namespaces.get(ns_id)
-        if entry is None:
-            raise UnknownNamespace(ns_id)
-        return entry
-
-    def _prompt(self, ns_id: str, tokens) -> _Prompt:
-        entry = self._entry(ns_id)
-        array = token_array(tokens)
-        if len(array) > self.config.max_prompt_tokens:
-            raise ResourceExhausted(f"tokens: {len(array)} tokens exceed the limit of {self.config.max_prompt_tokens}")
-        size = self.layout.block_size
-        full = len(array) // size
-        blocks = array[: full * size].reshape(full, size)
-        return _Prompt(entry, array, blocks, self.hasher.block_hashes(entry.root, array, size))
+        return self.namespaces.get(ns_id).namespace
 
     # -- lookup -------------------------------------------------------------
     def lookup(self, ns_id: str, tokens, take_lease: bool = False,
@@ -135,7 +94,7 @@ class PrefixCache:
         blocks left unasked are `LookupResult.remote_blocks_declined`.
         """
         budget_s = _recompute_cost(recompute_s_per_token)
-        prompt = self._prompt(ns_id, tokens)
+        prompt = self.namespaces.prompt(ns_id, tokens)
         with self._lock:
             match = self.index.match(prompt.entry.index, prompt.hashes, prompt.blocks, self.clock(), self.config.ttl_s)
             path, stop = match.rows, match.stop
@@ -163,7 +122,7 @@ class PrefixCache:
                 stop = MissReason.VERIFICATION_FAILED  # the hit ends at the block Redis held corrupt
             return self._finish_lookup(prompt, extended, stop, take_lease, budget.declined if budget else 0)
 
-    def _finish_lookup(self, prompt: _Prompt, path: np.ndarray, stop: MissReason | None,
+    def _finish_lookup(self, prompt: Prompt, path: np.ndarray, stop: MissReason | None,
                        take_lease: bool, declined: int = 0) -> LookupResult:
         """Touch, promote, count and (optionally) lease an unpinned, verified path."""
         now = self.clock()
@@ -188,7 +147,7 @@ class PrefixCache:
         return LookupResult(prompt.entry.id, len(prompt.tokens), hit * self.layout.block_size,
                             self._locations(path), stop, lease_id, expires, declined)
 
-    def _promote(self, prompt: _Prompt, path: np.ndarray) -> None:
+    def _promote(self, prompt: Prompt, path: np.ndarray) -> None:
         """Promote a hit path to the device tier, within its tenant's device quota (quota.py)."""
         limit = None
         if TierKind.DEVICE in self.tiers and len(path) and self.config.tenant_quotas.limited:
@@ -201,7 +160,7 @@ class PrefixCache:
                 self.index.unpin(path)
         self.placement.promote(path, limit)
 
-    def _count_lookup(self, prompt: _Prompt, hit: int, stop: MissReason | None) -> None:
+    def _count_lookup(self, prompt: Prompt, hit: int, stop: MissReason | None) -> None:
         full = len(prompt.hashes)
         for counters in (self.counters, self.ledger.counters(prompt.entry.index)):  # service-wide, tenant
             counters.lookups += 1
@@ -218,7 +177,7 @@ class PrefixCache:
         rows = np.asarray(path, dtype=np.int64)
         return BlockLocations.adopt(self.index.tier[rows], self.index.slot[rows])
 
-    def _admit(self, prompt: _Prompt, path: np.ndarray, payloads: list[memoryview]) -> np.ndarray:
+    def _admit(self, prompt: Prompt, path: np.ndarray, payloads: list[memoryview]) -> np.ndarray:
         """Insert blocks fetched from Redis after the (pinned) `path` into the host tier.
 
         Room is made once, up front, so nothing admitted here can be evicted
@@ -252,7 +211,7 @@ class PrefixCache:
             self.counters.promotions[TierKind.HOST] += 1
         return np.asarray(path, dtype=np.int64)
 
-    def _continues(self, node: int, parent: int, prompt: _Prompt, i: int) -> bool:
+    def _continues(self, node: int, parent: int, prompt: Prompt, i: int) -> bool:
         """Whether indexed `node` is block `i` of the prompt right below `parent` (tokens verified)."""
         index = self.index
         return (int(index.parent[node]) == parent and int(index.namespace[node]) == prompt.entry.index
@@ -280,7 +239,7 @@ class PrefixCache:
         """Where the blocks of a live lease are (pinned blocks never move, so: where they were)."""
         with self._lock:
             lease = self._live_lease(lease_id)
-            return LookupResult(self._entry_by_index(lease.namespace).id, 0,
+            return LookupResult(self.namespaces.by_row(lease.namespace).id, 0,
                                 len(lease.nodes) * self.layout.block_size, self._locations(list(lease.nodes)),
                                 None, lease.id, lease.expires_at)
 
@@ -301,8 +260,9 @@ class PrefixCache:
             raise UnknownLease(lease_id)
         return lease
 
-    def _entry_by_index(self, index: int) -> _Entry:
-        return self._by_index[index]
+    def _namespace_of_row(self, row: int) -> tuple[str, BlockHash]:
+        entry = self.namespaces.by_row(row)
+        return entry.id, entry.root
 
     # -- storing ------------------------------------------------------------------
     def reserve(self, count: int, ns_id: str | None = None) -> Reservation:
@@ -316,7 +276,7 @@ class PrefixCache:
         host = self.tiers[TierKind.HOST]
         if count > host.num_slots:
             raise ResourceExhausted(f"count: {count} blocks exceed the host tier's {host.num_slots} slots")
-        row = self._entry(ns_id).index if ns_id is not None else -1
+        row = self.namespaces.get(ns_id).index if ns_id is not None else -1
         with self._lock:
             if row >= 0:
                 count = self.ledger.room(self.placement, self._reservations.values(), row, TierKind.HOST, count)
@@ -349,13 +309,13 @@ class PrefixCache:
 
     def commit(self, ns_id: str, tokens, reservation_id: int, start_block: int) -> CommitResult:
         """Publish reserved slots as blocks `start_block..` of the prompt `tokens`."""
-        prompt = self._prompt(ns_id, tokens)
+        prompt = self.namespaces.prompt(ns_id, tokens)
         if not isinstance(start_block, int) or isinstance(start_block, bool) or start_block < 0:
             raise InvalidArgument("start_block", f"must be a non-negative integer, got {start_block!r}")
         with self._lock:
             return self._commit(prompt, reservation_id, start_block)
 
-    def _commit(self, prompt: _Prompt, reservation_id: int, start_block: int,
+    def _commit(self, prompt: Prompt, reservation_id: int, start_block: int,
                 match: Match | None = None) -> CommitResult:
         reservation = self._reservations.pop(reservation_id, None)
         if reservation is not None and reservation.namespace >= 0 \
@@ -371,13 +331,13 @@ class PrefixCache:
                                   f"{len(prompt.hashes)} full blocks")
         return self._publish(prompt, reservation, start_block, end, match)
 
-    def _match_for_commit(self, prompt: _Prompt, end: int) -> Match:
+    def _match_for_commit(self, prompt: Prompt, end: int) -> Match:
         # No TTL here: an expired block of this very prefix (tokens verified) holds the same KV
         # the writer just computed, so it counts as a duplicate and the commit's touch revives it.
         return self.index.match(prompt.entry.index, prompt.hashes[:end], prompt.blocks[:end], self.clock(),
                                 float("inf"))
 
-    def _publish(self, prompt: _Prompt, reservation: Reservation, start: int, end: int,
+    def _publish(self, prompt: Prompt, reservation: Reservation, start: int, end: int,
                  match: Match | None) -> CommitResult:
         """Index the reserved slots' blocks after the cached prefix; `match` (of hashes[:end]) may
         come from the caller when its matched rows have stayed pinned since."""
@@ -406,7 +366,7 @@ class PrefixCache:
             counters.blocks_deduplicated += deduplicated
         return CommitResult(new, deduplicated, end - start - new - deduplicated)
 
-    def _attachable(self, prompt: _Prompt, match: Match, start: int, end: int) -> int:
+    def _attachable(self, prompt: Prompt, match: Match, start: int, end: int) -> int:
         """How many blocks after the cached prefix may be added: they must follow a cached
         prefix that reaches `start`, and stop before any hash that is already indexed
         elsewhere or repeats (a collision's KV is never replaced)."""
@@ -441,7 +401,7 @@ class PrefixCache:
             shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
             raise LayoutMismatch(f"kv must be [blocks, *{self.layout.block_shape}], got {shape}")
         self._check_block(kv[0] if len(kv) else torch.empty(self.layout.block_shape, dtype=kv.dtype))
-        prompt = self._prompt(ns_id, tokens)  # validate before taking slots
+        prompt = self.namespaces.prompt(ns_id, tokens)  # validate before taking slots
         if not isinstance(start_block, int) or isinstance(start_block, bool) or start_block < 0 \
                 or start_block + len(kv) > len(prompt.hashes):
             raise InvalidArgument("kv", f"{len(kv)} blocks from start_block {start_block!r} exceed the prompt's "
@@ -506,13 +466,13 @@ class PrefixCache:
             if prefix_tokens is not None:
                 if ns_id is None:
                     raise InvalidArgument("namespace", "evicting by prefix needs a namespace")
-                prompt = self._prompt(ns_id, prefix_tokens)
+                prompt = self.namespaces.prompt(ns_id, prefix_tokens)
                 match = index.match(prompt.entry.index, prompt.hashes, prompt.blocks, self.clock(), float("inf"))
                 nodes = index.subtree(int(match.rows[-1])) if len(match.rows) and match.stop is None else []
             else:
                 mask = live.copy()
                 if ns_id is not None:
-                    mask &= index.namespace == self._entry(ns_id).index
+                    mask &= index.namespace == self.namespaces.get(ns_id).index
                     if self.remote_link is not None:
                         self.remote_link.forget_namespace(ns_id, np.flatnonzero(mask))
                 if older_than_s is not None:

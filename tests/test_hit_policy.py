@@ -271,3 +271,22 @@ def test_policy_recomputes_when_prefill_gets_cheap():
     assert (decision.verdict, decision.blocks) == (Verdict.RECOMPUTE, 0)
     assert _metric(registry, "prefixcache_worker_hit_blocks_total", outcome="declined") == 3
     assert np.isclose(_metric(registry, "prefixcache_worker_hit_decisions_total", decision="recompute"), 1)
+
+
+def test_replay_report_section_counts_decisions_during_the_run():
+    from services.replay.worker_metrics import parse, section
+
+    registry = CollectorRegistry()
+    policy = HitPolicy(registry, clock=ManualClock())
+    policy.decide(Offer.of(_hit([TierKind.HOST] * 2), 1, _attachment(True, False)))   # before the run
+    before = parse(generate_latest(registry).decode())
+    policy.decide(Offer.of(_hit([TierKind.HOST] * 4), 3, _attachment(True, False)), remote_declined=7)
+    policy.decide(Offer.of(_hit([]), 0, _attachment(True, False)))
+    got = section("http://127.0.0.1:8000/v1", before, parse(generate_latest(registry).decode()))
+    assert got["url"] == "http://127.0.0.1:8000/metrics"
+    assert got["decisions"] == {"miss": 1, "partial": 0, "recompute": 0, "taken": 1}
+    assert got["hit_blocks"] == {"declined": 0, "loaded": 3} and got["remote_blocks_declined"] == 7
+    assert got["estimates"]["prefill_seconds_per_token"] == pytest.approx(policy.recompute_s_per_token())
+    assert set(got["estimates"]["bytes_per_s"]) == {"shared_memory", "stream", "install"}
+    assert parse("# HELP other_metric x\n# TYPE other_metric counter\nother_metric_total 1.0\n") is None
+    assert section("http://x", None, before) is None

@@ -18,7 +18,7 @@ CORE = [
     "prefixcache.hashing", "prefixcache.index", "prefixcache.blockmap", "prefixcache.touchlog", "prefixcache.codec",
     "prefixcache.tiers.base", "prefixcache.tiers.pool", "prefixcache.tiers.host", "prefixcache.tiers.device",
     "prefixcache.cache", "prefixcache.placement", "prefixcache.results", "prefixcache.config", "prefixcache.stats",
-    "prefixcache.leases", "prefixcache.errors", "prefixcache.remote_link", "prefixcache.quota", "prefixcache.transfer",
+    "prefixcache.leases", "prefixcache.errors", "prefixcache.remote_link", "prefixcache.namespaces", "prefixcache.quota", "prefixcache.transfer",
 ]
 FORBIDDEN = ["grpc", "redis", "transformers", "services", "google.protobuf"]
 

@@ -41,12 +41,16 @@ def scrape(base_url: str, timeout_s: float = 5.0) -> Scrape | None:
     url = metrics_url(base_url)
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - the user's own target
-            text = response.read().decode("utf-8", errors="replace")
-        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                   for family in text_string_to_metric_families(text) for s in family.samples}
+            return parse(response.read().decode("utf-8", errors="replace"))
     except (OSError, urllib.error.URLError, ValueError) as error:
         log.info("no worker metrics at %s (%s); the report has no hit_policy section", url, error)
         return None
+
+
+def parse(text: str) -> Scrape | None:
+    """Samples of a Prometheus text exposition, or None when it has none of the worker's decisions."""
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
     return samples if any(name == _DECISIONS for name, _ in samples) else None
 
 
