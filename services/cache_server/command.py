@@ -24,6 +24,7 @@ from prefixcache.errors import ConfigError
 
 from .auth import Authenticator, load_credentials, quota_overrides
 from .backend import BackendOptions
+from .malloc import tune_for_large_frames
 from .options import ServerOptions, split_host_port
 from .server import build_server
 
@@ -162,6 +163,7 @@ def options_from(args: argparse.Namespace) -> ServerOptions:
 
 def run(args: argparse.Namespace) -> int:
     options = options_from(args)
+    tune_for_large_frames()
     server = build_server(options)
     stop = threading.Event()
 
