@@ -1,21 +1,20 @@
 """Chaos soak: ShareGPT chats through service + cached worker over Redis while things break on a schedule.
 
-    PYTHONPATH=. python benchmarks/chaos_soak.py --duration 60 [--json-out soak.json]
-    PYTHONPATH=. python benchmarks/chaos_soak.py --duration 540 --fault-spacing 30   # the long version
+    PYTHONPATH=. python benchmarks/chaos_soak.py [--duration 75] [--json-out soak.json]          # CI
+    PYTHONPATH=. python benchmarks/chaos_soak.py --duration 540 --fault-spacing 30    # the long version
 
 Everything runs on loopback, bounded in time (`--duration` of load, then at most `--drain`):
 a redis-server, `prefixcache serve` over it with a small `--host-capacity` (the host tier is
 under eviction pressure the whole run, so hits depend on Redis), a cached worker and a
-`--no-cache` reference worker. The ShareGPT replay (services/replay) is sent to both workers
-at once, with Poisson conversation arrivals and fixed think times (a steady request rate),
-while every `--fault-spacing` seconds after warm-up one fault is injected, in turn:
-Redis SIGKILLed (data lost) and restarted after `--redis-down`; Redis paused with `CLIENT
-PAUSE` for `--pause`; the cache service restarted on the same port, warm from Redis
-(alternately SIGKILL and SIGTERM). Once a second, the sampler reads the service's and the
-cached worker's RSS (/proc/PID/status) and the service's GetStats.
-
-Faults come one at a time, each `--fault-spacing` seconds after the previous one ended, as
-long as one spacing is left afterwards to see the hit rate recover.
+`--no-cache` reference worker (both `--no-onednn` unless `--onednn`: see SoakConfig.onednn).
+ShareGPT conversations with at least two turns under the caps are replayed (services/replay)
+to both workers at once, with Poisson conversation arrivals and fixed think times (a steady
+request rate). After `--warm`, faults come one at a time, each `--fault-spacing` seconds after
+the previous one ended, as long as a spacing is left afterwards to see the hit rate recover,
+in turn: Redis paused with `CLIENT PAUSE ALL` for `--pause`; Redis SIGKILLed (its data lost)
+and restarted after `--redis-down`; the cache service restarted on the same port, warm from
+Redis (alternately SIGKILL and SIGTERM). Once a second, the sampler reads the service's and
+the workers' RSS (/proc/PID/status) and the service's GetStats.
 
 Checks (benchmarks/chaos_checks.py, which defines them): 0 failed requests, 0 output
 mismatches against the no-cache worker, hit rate recovering after each fault, no lease left
@@ -73,6 +72,7 @@ class SoakConfig:
     host_capacity: str = "4MiB"    # 256 blocks of the tiny model: eviction pressure
     drain_s: float = 60.0
     seed: int = 0
+    onednn: bool = False           # workers keep oneDNN (torch's CPU default): RSS then grows per new prompt length
     workdir: str = ""              # "": a new temporary directory
 
     def expected_s(self, kind: str) -> float:
@@ -122,9 +122,11 @@ class Soak:
         redis_args = ("--redis-url", self.redis.url, "--redis-key-prefix", KEY_PREFIX, "--redis-timeout-ms", "50")
         self.service = CacheService(work / "service", config.host_capacity, extra_args=redis_args).start()
         self.service_ready = time.perf_counter()
-        threads = ("--threads", "1")  # two workers share the box
-        self.cached = WorkerProcess(work / "cached", self.service, threads)
-        self.reference = WorkerProcess(work / "reference", None, threads)
+        # Two workers share the box; without oneDNN, whose per-shape kernel cache grows with every new
+        # prompt length in both (docs/benchmarks.md), RSS measures the cache's own memory.
+        options = ("--threads", "1") + (() if config.onednn else ("--no-onednn",))
+        self.cached = WorkerProcess(work / "cached", self.service, options)
+        self.reference = WorkerProcess(work / "reference", None, options)
         start_all([self.cached, self.reference])
 
     def stop(self) -> None:
@@ -274,9 +276,11 @@ def parse_args(argv: list[str] | None) -> tuple[SoakConfig, Path | None]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     defaults = SoakConfig()
     for field in dataclasses.fields(SoakConfig):
-        flag = "--" + field.name.removesuffix("_s").replace("_", "-")
-        parser.add_argument(flag, dest=field.name, type=type(getattr(defaults, field.name)),
-                            default=getattr(defaults, field.name), help=f"default {getattr(defaults, field.name)}")
+        flag, default = "--" + field.name.removesuffix("_s").replace("_", "-"), getattr(defaults, field.name)
+        if isinstance(default, bool):
+            parser.add_argument(flag, dest=field.name, action="store_true")
+        else:
+            parser.add_argument(flag, dest=field.name, type=type(default), default=default, help=f"default {default}")
     parser.add_argument("--json-out", type=Path, default=None, help="write checks and figures here")
     args = vars(parser.parse_args(argv))
     json_out = args.pop("json_out")

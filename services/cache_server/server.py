@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent import futures
 from typing import Callable
 
@@ -134,11 +135,13 @@ class CacheServer:
             self.health.enter_graceful_shutdown()
             self.backend.begin_drain()
             log.info("draining: %d call(s) in flight, grace %.1fs", self.tracker.in_flight, grace)
+            deadline = time.monotonic() + grace
             if not self.tracker.wait_idle(grace):
                 log.warning("grace period over with %d call(s) in flight; cancelling them", self.tracker.in_flight)
-            # Every cache call has finished (or run out of time); what is left are health
-            # watches and calls answered UNAVAILABLE, which need no grace.
-            self._server.stop(0).wait()
+            # Every cache handler has returned (or run out of time), but a stream's last
+            # messages may still be on their way: let gRPC finish sending them within what
+            # is left of the grace period (an open health Watch can hold it that long).
+            self._server.stop(max(0.0, deadline - time.monotonic())).wait()
             self._ticker.stop()
             self.backend.close()
             if self.metrics is not None:

@@ -52,6 +52,9 @@ def register(subparsers) -> None:
     parser.add_argument("--auth-token", default=os.environ.get("PREFIXCACHE_AUTH_TOKEN"),
                         help="bearer token for the cache service (or env PREFIXCACHE_AUTH_TOKEN)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: CPUs available)")
+    parser.add_argument("--no-onednn", action="store_true",
+                        help="CPU: run without oneDNN, whose per-shape kernel cache grows with every new prompt "
+                             "length; memory stays flat, bfloat16 prefill is ~2-3x slower")
     parser.set_defaults(handler=run)
 
 
@@ -64,11 +67,11 @@ def build_backend(args):
     from .model import configure_torch_threads, load_model
 
     configure_torch_threads(args.threads)
-    import torch
-    # oneDNN keeps compiled kernels per matmul shape and every prompt length is a new shape: with
-    # it on, a CPU worker's RSS grew ~2 MiB per distinct prompt length, without bound
-    # (benchmarks/chaos_soak.py); the native kernels are as fast for this model and as exact.
-    torch.backends.mkldnn.enabled = False
+    if args.no_onednn:
+        import torch
+        # oneDNN keeps compiled kernels per matmul shape, and every new prompt length is a new
+        # shape: RSS grows ~2 MiB per distinct length seen (docs/benchmarks.md, chaos soak).
+        torch.backends.mkldnn.enabled = False
     try:
         loaded = load_model(args.model, dtype=args.dtype, seed=args.seed)
     except UnsupportedModelError as error:  # sliding-window, hybrid, latent KV... (compat.py)
