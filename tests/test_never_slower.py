@@ -16,15 +16,16 @@ Redis sits behind `tests/slow_proxy.py` (latency per chunk, a bandwidth cap). Tw
 
 from __future__ import annotations
 
+import json
 import secrets
 import statistics
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, DType, KVLayout
@@ -107,7 +108,7 @@ def test_probe_stops_at_the_budget_deadline(populated) -> None:
         assert result.hit_tokens == per_trip * BS
         assert result.remote_blocks_declined == 96 - per_trip
         one_trip = 2 * PROXY_LATENCY_S + per_trip * LAYOUT.block_bytes / PROXY_BYTES_PER_S
-        assert one_trip <= seconds < 2 * one_trip
+        assert one_trip <= seconds < 2.5 * one_trip  # uncapped, it would take three such trips
 
 
 def test_fast_redis_is_still_probed_and_hit(populated) -> None:
@@ -142,8 +143,6 @@ def e2e_prompt(kind: int, index: int, prefix_blocks: int, suffix: int = 0) -> li
 
 def stream_ttft(worker, tokens: list[int]) -> tuple[float, int]:
     """(seconds to the first streamed bytes, cached_tokens) of a one-token completion."""
-    import json
-
     connection = worker.client.connection()
     try:
         body = {"prompt": tokens, "max_tokens": 1, "temperature": 0, "stream": True,
@@ -168,8 +167,6 @@ def stream_ttft(worker, tokens: list[int]) -> tuple[float, int]:
 
 
 def worker_metrics(worker) -> dict[tuple[str, tuple], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
     status, body, _ = worker.client.request("GET", "/metrics")
     assert status == 200
     return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
@@ -186,7 +183,7 @@ def reconnect(worker, timeout_s: float = 60.0) -> None:
     while True:
         worker.client.complete([11, 12, 13], max_tokens=1)
         status, body, _ = worker.client.request("GET", "/health")
-        if status == 200 and b'"cache": "up"' in body.replace(b'":"', b'": "'):
+        if status == 200 and json.loads(body).get("cache") == "up":
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"worker cache link not up after {timeout_s}s: {body!r}")
