@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
 import subprocess
 import sys
@@ -43,9 +42,9 @@ from prefixcache.config import CacheConfig, KVLayout, Namespace  # noqa: E402
 from prefixcache.tiers.base import TierKind  # noqa: E402
 from prefixcache.tiers.device import DeviceTier  # noqa: E402
 from prefixcache.tiers.host import HostTier  # noqa: E402
+from service_process import start_service as start_process  # noqa: E402
 
 LAYOUT = KVLayout(layers=32, kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")  # 2 MiB blocks
-READY = "prefixcache serve: listening on "
 
 
 def random_bits(blocks: int) -> torch.Tensor:
@@ -101,21 +100,8 @@ def check_device_tier(rows: list) -> None:
 
 
 def start_service(device_blocks: int) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "services", "--log-level", "WARNING", "serve", "--listen", "127.0.0.1:0",
-               "--host-capacity", str(256 * LAYOUT.block_bytes),
-               "--device-capacity", str(device_blocks * LAYOUT.block_bytes),
-               "--shm-name", f"pfx-gpucheck-{secrets.token_hex(4)}", "--grace", "5s"]
-    process = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                               stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        if line.startswith(READY):
-            return process, line[len(READY):].strip()
-    process.kill()
-    raise RuntimeError("the service did not start")
+    return start_process("--host-capacity", str(256 * LAYOUT.block_bytes),
+                         "--device-capacity", str(device_blocks * LAYOUT.block_bytes), grace="5s")
 
 
 def check_host_to_gpu(rows: list) -> None:

@@ -25,7 +25,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import secrets
 import subprocess
 import sys
 import time
@@ -39,26 +38,13 @@ sys.path.insert(0, str(ROOT))
 
 from prefixcache.client import CacheClient  # noqa: E402
 from prefixcache.config import KVLayout  # noqa: E402
+from service_process import start_service as start_process  # noqa: E402
 
 LAYOUT = KVLayout(layers=32, kv_heads=8, head_dim=128, block_size=16, dtype="float16")
-READY = "prefixcache serve: listening on "
 
 
 def start_service(host_capacity: str, workers: int) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "services", "--log-level", "WARNING", "serve", "--listen", "127.0.0.1:0",
-               "--host-capacity", host_capacity, "--shm-name", f"pfx-bench-{secrets.token_hex(4)}",
-               "--workers", str(workers), "--grace", "2s"]
-    process = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                               stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        if line.startswith(READY):
-            return process, line[len(READY):].strip()
-    process.kill()
-    raise SystemExit("the service did not start")
+    return start_process("--host-capacity", host_capacity, "--workers", str(workers), timeout_s=60)
 
 
 def cpu_seconds(pid: int) -> float:

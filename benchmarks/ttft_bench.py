@@ -37,7 +37,6 @@ import json
 import os
 import platform
 import random
-import secrets
 import statistics
 import subprocess
 import sys
@@ -53,8 +52,8 @@ sys.path.insert(0, str(ROOT))
 from prefixcache.client import CacheClient  # noqa: E402
 from services.cli import build_parser  # noqa: E402
 from services.worker.command import build_backend  # noqa: E402
+from service_process import start_service as start_process  # noqa: E402
 
-READY = "prefixcache serve: listening on "
 DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Time to first token (benchmarks/ttft_bench.py)"
 TARGET = 0.90
@@ -62,19 +61,7 @@ PAIRS = 3  # cached/ideal runs per no-cache run
 
 
 def start_service() -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "services", "--log-level", "WARNING", "serve", "--listen", "127.0.0.1:0",
-               "--host-capacity", "256MiB", "--shm-name", f"pfx-ttft-{secrets.token_hex(4)}", "--grace", "1s"]
-    process = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                               stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        if line.startswith(READY):
-            return process, line[len(READY):].strip()
-    process.kill()
-    raise RuntimeError("the cache service did not start")
+    return start_process("--host-capacity", "256MiB", grace="1s")
 
 
 def first_token(engine, tokens: list[int], blocks: torch.Tensor | None):
