@@ -14,7 +14,7 @@ changes are logged once, not per request.
 
 Invariant: a `Prefix` handed to the engine covers strictly fewer tokens than
 the prompt (at least one token is always computed), and its lease is
-released exactly once by `finish`.
+released exactly once (`release`, from the backend's `finally`).
 """
 
 from __future__ import annotations
