@@ -66,6 +66,13 @@ def test_recompute_when_prefill_is_faster_than_loading():
     assert decision.load_s > decision.recompute_s
 
 
+def test_always_take_loads_even_when_recomputing_is_estimated_faster():
+    fast_prefill = estimates(prefill=TransferEstimate(0.0, 1e9))
+    decision = choose(offer(8), fast_prefill, always_take=True)
+    assert (decision.verdict, decision.blocks, decision.path) == (Verdict.TAKEN, 8, ReadPath.MAPPED)
+    assert choose(offer(0), fast_prefill, always_take=True).verdict is Verdict.MISS
+
+
 def test_slow_stream_short_prefix_recomputes_long_prefix_is_taken():
     """A 20 ms stream latency is worth paying only once enough blocks ride on it."""
     slow = TransferEstimate(latency_s=0.02, bytes_per_s=1e9)
@@ -290,3 +297,8 @@ def test_replay_report_section_counts_decisions_during_the_run():
     assert set(got["estimates"]["bytes_per_s"]) == {"shared_memory", "stream", "install"}
     assert parse("# HELP other_metric x\n# TYPE other_metric counter\nother_metric_total 1.0\n") is None
     assert section("http://x", None, before) is None
+
+
+def test_always_take_sends_no_budget_so_the_service_fetches_all_it_holds():
+    assert HitPolicy(CollectorRegistry(), always_take=True).recompute_s_per_token() is None
+    assert HitPolicy(CollectorRegistry()).recompute_s_per_token() > 0

@@ -87,7 +87,8 @@ def _wait_service(process: subprocess.Popen, log: Path) -> tuple[str, int]:
 def _start_worker(workdir: Path, address: str, token: str) -> tuple[subprocess.Popen, Path, WorkerClient]:
     log, port = workdir / "worker.log", free_port()
     command = [sys.executable, "-m", "services", "--log-level", "DEBUG", "worker", "--listen", f"127.0.0.1:{port}",
-               "--cache", address, "--auth-token", token, "--cache-deadline-ms", "5000"]
+               "--cache", address, "--auth-token", token, "--cache-deadline-ms", "5000",
+               "--hit-policy", "always"]
     with log.open("w") as sink:
         process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=sink, stderr=subprocess.STDOUT)
     return process, log, WorkerClient("127.0.0.1", port)

@@ -35,8 +35,9 @@ def two_pairs(redis_cluster, tmp_path_factory):
     service_b = CacheService(root / "b", host_capacity="64MiB", redis_url=redis_cluster.url)
     service_b.redis_key_prefix = service_a.redis_key_prefix  # one shared tier, as deployed
     services = [service_a.start(), service_b.start()]
-    workers = [WorkerProcess(root / "wa", service_a, ("--cache-deadline-ms", "5000")),
-               WorkerProcess(root / "wb", service_b, ("--cache-deadline-ms", "5000")),
+    exact = ("--cache-deadline-ms", "5000", "--hit-policy", "always")  # reuse is asserted, not the policy
+    workers = [WorkerProcess(root / "wa", service_a, exact),
+               WorkerProcess(root / "wb", service_b, exact),
                WorkerProcess(root / "ref", None)]
     try:
         start_all(workers)

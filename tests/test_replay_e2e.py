@@ -39,7 +39,7 @@ def stack(tmp_path_factory):
         deadline = local.deadline()
         service = local.start_service("64MiB")
         address = local.service_address(service, deadline)
-        cached, cached_url = local.start_worker("worker-cache", address)
+        cached, cached_url = local.start_worker("worker-cache", address, ("--hit-policy", "always"))
         plain, plain_url = local.start_worker("worker-no-cache", None)
         local.wait_healthy(cached, cached_url, deadline)
         local.wait_healthy(plain, plain_url, deadline)

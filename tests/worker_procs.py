@@ -248,7 +248,8 @@ class Stack:
 
 @contextmanager
 def running_stack(workdir: Path, redis_url: str | None = None, reference: bool = True,
-                  worker_args: Sequence[str] = ("--cache-deadline-ms", "5000")) -> Iterator[Stack]:
+                  worker_args: Sequence[str] = ("--cache-deadline-ms", "5000", "--hit-policy", "always"),
+                  ) -> Iterator[Stack]:
     """Service first (the worker attaches at start-up), then the workers' model loads in parallel."""
     service = CacheService(workdir / "service", redis_url=redis_url).start()
     workers = [WorkerProcess(workdir / "cached", service, worker_args)]

@@ -52,6 +52,9 @@ def register(subparsers) -> None:
     parser.add_argument("--auth-token", default=os.environ.get("PREFIXCACHE_AUTH_TOKEN"),
                         help="bearer token for the cache service (or env PREFIXCACHE_AUTH_TOKEN)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: CPUs available)")
+    parser.add_argument("--hit-policy", choices=["auto", "always"], default="auto",
+                        help="auto: load a cached prefix only when that is estimated faster than recomputing it "
+                             "(default); always: load every usable cached block (deterministic reuse, e.g. tests)")
     parser.add_argument("--no-onednn", action="store_true",
                         help="CPU: run without oneDNN, whose per-shape kernel cache grows with every new prompt "
                              "length; memory stays flat, bfloat16 prefill is ~2-3x slower")
@@ -82,7 +85,7 @@ def build_backend(args):
     registry = CollectorRegistry()
     link = None
     if not args.no_cache:
-        policy = HitPolicy(registry)
+        policy = HitPolicy(registry, always_take=args.hit_policy == "always")
         policy.calibrate(engine)  # measured prefill cost before the first request's load-or-recompute decision
         link = CacheLink(args.cache, loaded, args.block_size, parse_duration(args.cache_deadline_ms / 1000.0),
                          registry, auth_token=args.auth_token, policy=policy)

@@ -107,8 +107,10 @@ class Decision:
         return self.recompute_s - self.load_s
 
 
-def choose(offer: Offer, estimates: Estimates) -> Decision:
-    """The option (mapped prefix, or the whole lease by stream, or nothing) that saves the most time."""
+def choose(offer: Offer, estimates: Estimates, always_take: bool = False) -> Decision:
+    """The option (mapped prefix, or the whole lease by stream, or nothing) that saves the most time.
+
+    `always_take` skips the comparison with recomputing (the worker's `--hit-policy always`)."""
     if offer.usable_blocks <= 0:
         return Decision(Verdict.MISS, 0, None, 0.0, 0.0)
     block_s = offer.block_tokens * estimates.prefill_s_per_token
@@ -124,7 +126,7 @@ def choose(offer: Offer, estimates: Estimates) -> Decision:
         options.append((ReadPath.STREAM, count, load))
     path, count, load = max(options, key=lambda option: option[1] * block_s - option[2])
     recompute = count * block_s
-    if recompute <= load:
+    if recompute <= load and not always_take:
         return Decision(Verdict.RECOMPUTE, 0, path, load, recompute)
     verdict = Verdict.TAKEN if count == offer.usable_blocks else Verdict.PARTIAL
     return Decision(verdict, count, path, load, recompute)
@@ -155,7 +157,9 @@ class _Metrics:
 class HitPolicy:
     """Online estimates + `choose` + metrics; see the module docstring."""
 
-    def __init__(self, registry: CollectorRegistry, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, registry: CollectorRegistry, clock: Callable[[], float] = time.monotonic,
+                 always_take: bool = False) -> None:
+        self.always_take = always_take
         self._prefill = TransferMeter(PREFILL_PRIOR, stale_s=STALE_S, clock=clock)
         self._paths = {ReadPath.MAPPED: TransferMeter(MAPPED_PRIOR, stale_s=STALE_S, clock=clock),
                        ReadPath.STREAM: TransferMeter(STREAM_PRIOR, stale_s=STALE_S, clock=clock)}
@@ -168,9 +172,10 @@ class HitPolicy:
         return Estimates(self._prefill.estimate(), self._paths[ReadPath.MAPPED].estimate(),
                          self._paths[ReadPath.STREAM].estimate(), self._install.estimate())
 
-    def recompute_s_per_token(self) -> float:
-        """The budget sent with each Lookup: this worker's marginal prefill seconds per token."""
-        return self.estimates().prefill_s_per_token
+    def recompute_s_per_token(self) -> float | None:
+        """The budget sent with each Lookup: this worker's marginal prefill seconds per token
+        (None with `always_take`: the service then fetches every block Redis holds)."""
+        return None if self.always_take else self.estimates().prefill_s_per_token
 
     def observe(self, prefill, prefix_blocks: torch.Tensor | None = None) -> None:
         """One real prefill (`engine.PrefillResult`): its forward pass over the computed tokens and,
@@ -192,7 +197,7 @@ class HitPolicy:
 
     # -- per request ----------------------------------------------------------
     def decide(self, offer: Offer, remote_declined: int = 0) -> Decision:
-        decision = choose(offer, self.estimates())
+        decision = choose(offer, self.estimates(), self.always_take)
         metrics = self.metrics
         metrics.decisions.labels(decision.verdict.value).inc()
         metrics.blocks.labels("loaded").inc(decision.blocks)
