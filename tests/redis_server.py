@@ -20,7 +20,7 @@ import ssl
 import subprocess
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +29,16 @@ import redis
 
 READY_TIMEOUT_S = 10.0
 _POLL_S = 0.01
+
+
+def poll(condition: Callable[[], bool], timeout_s: float, interval_s: float = 0.01) -> bool:
+    """Calls `condition` until it is true (True) or `timeout_s` passes (False); never sleeps blindly."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
+    return True
 
 
 def _require(binary: str) -> str:

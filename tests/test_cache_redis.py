@@ -32,7 +32,7 @@ from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.host import HostTier
 from prefixcache.tiers.redis import RedisOptions, RedisTier
 from tests.core_support import ManualClock, block_hashes, kv_for, namespace, same_bytes
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, poll
 
 LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=8, block_size=4, dtype=DType.FLOAT16)  # 512-byte blocks
 BS = LAYOUT.block_size
@@ -83,13 +83,6 @@ def keys_of(cache: PrefixCache, ns: str, tokens: list[int]) -> list[str]:
     return [cache.remote.key(ns, h) for h in block_hashes(cache, ns, tokens)]
 
 
-def poll(condition: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def remote_up(*caches: PrefixCache) -> Callable[[], bool]:

@@ -28,7 +28,7 @@ import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from threading import Thread
-from typing import Callable, Iterator
+from typing import Iterator
 
 import kubernetes_validate
 import pytest
@@ -36,7 +36,7 @@ import redis
 import yaml
 
 from prefixcache.config import parse_size
-from tests.redis_server import free_port
+from tests.redis_server import free_port, poll
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -49,13 +49,6 @@ EXAMPLE_SECRETS = {("prefixcache-redis", "redis-url"): "redis+cluster://prefixca
 DEADLINE_S = 20.0
 
 
-def poll(condition: Callable[[], bool], timeout_s: float = DEADLINE_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 # ---- loading the files ------------------------------------------------------------------------
@@ -461,7 +454,7 @@ def redis_process(argv: list[str], port: int, cwd: Path, env: dict | None = None
         with contextlib.suppress(redis.ConnectionError):
             return client.ping()
     try:
-        assert poll(ready), f"redis on {port} not ready"
+        assert poll(ready, DEADLINE_S, 0.02), f"redis on {port} not ready"
         yield client
     finally:
         client.close()
@@ -476,7 +469,7 @@ def exercise_tier(url: str, password: str) -> None:
                            write_timeout_s=1.0)
     hashes = [i.to_bytes(16, "big") for i in range(1, 40)]
     with RedisTier(options) as tier:
-        assert poll(tier.is_up), "tier never connected"
+        assert poll(tier.is_up, DEADLINE_S, 0.02), "tier never connected"
         assert all(tier.submit("ns1", h, b"frame" + h) for h in hashes[:30])
         assert all(tier.submit("ns2", h, b"other" + h) for h in hashes[30:])
         assert tier.wait_idle(DEADLINE_S)
@@ -534,8 +527,8 @@ def test_k8s_redis_cluster_scripts_form_a_cluster_the_tier_can_use(tmp_path: Pat
         roles = [n.info("replication") for n in nodes]
         assert sorted(r["role"] for r in roles) == ["master"] * 3 + ["slave"] * 3
         replicas = [n for n, r in zip(nodes, roles) if r["role"] == "slave"]
-        assert poll(lambda: all(n.info("replication")["master_link_status"] == "up" for n in replicas)), \
-            "replicas never synced: masteruser/masterauth"
+        synced = lambda: all(n.info("replication")["master_link_status"] == "up" for n in replicas)  # noqa: E731
+        assert poll(synced, DEADLINE_S, 0.02), "replicas never synced: masteruser/masterauth"
         with pytest.raises(redis.exceptions.AuthenticationError):
             redis.Redis(port=ports[0]).ping()   # default user is off
         exercise_tier(f"redis+cluster://prefixcache@127.0.0.1:{ports[0]}", env["REDIS_PREFIXCACHE_PASSWORD"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pickle
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +21,7 @@ from prefixcache.errors import ConfigError, CorruptBlock
 from prefixcache.tiers.breaker import Backoff, BreakerState, CircuitBreaker, Retry
 from prefixcache.tiers.redis import RedisOptions, RedisTier
 from prefixcache.tiers.redis_options import connect
-from tests.redis_server import RedisServer, make_tls_files
+from tests.redis_server import RedisServer, make_tls_files, poll
 
 LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=16, block_size=4, dtype=DType.FLOAT16)
 NS = "00112233aabbccdd"
@@ -46,13 +46,6 @@ def fast_options(url: str, **overrides) -> RedisOptions:
     return RedisOptions(**values)
 
 
-def poll(condition: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 @pytest.fixture
