@@ -43,8 +43,9 @@ from service_process import start_service as start_process  # noqa: E402
 LAYOUT = KVLayout(layers=32, kv_heads=8, head_dim=128, block_size=16, dtype="float16")
 
 
-def start_service(host_capacity: str, workers: int) -> tuple[subprocess.Popen, str]:
-    return start_process("--host-capacity", host_capacity, "--workers", str(workers), timeout_s=60)
+def start_service(host_capacity: str, workers: int | None) -> tuple[subprocess.Popen, str]:
+    flags = ("--workers", str(workers)) if workers is not None else ()  # else serve's default
+    return start_process("--host-capacity", host_capacity, *flags, timeout_s=60)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -152,7 +153,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000, help="sequential lookups per latency sample")
     parser.add_argument("--processes", type=int, default=2, help="load-generating client processes")
     parser.add_argument("--in-flight", type=int, default=8, help="concurrent lookups per client process")
-    parser.add_argument("--workers", type=int, default=8, help="service handler threads")
+    parser.add_argument("--workers", type=int, default=None, help="serve --workers (default: serve's own)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
 
@@ -170,6 +171,8 @@ def main() -> None:
             "layout": {"layers": LAYOUT.layers, "kv_heads": LAYOUT.kv_heads, "head_dim": LAYOUT.head_dim,
                        "block_size": LAYOUT.block_size, "dtype": LAYOUT.dtype.value, "block_bytes": LAYOUT.block_bytes},
             "cpus": os.cpu_count(),
+            "load_average_1m_at_start": os.getloadavg()[0],
+            "service_workers": args.workers if args.workers is not None else "serve default",
             "lookup_latency_2k": lookup_latency(local, tokens[:2048], args.calls),
             "lookup_latency_8k": lookup_latency(local, tokens, args.calls // 2),
             "lookup_throughput_2k": lookup_throughput(address, process.pid, namespace_id, tokens[:2048],

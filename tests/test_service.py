@@ -436,6 +436,8 @@ def test_metrics_endpoint(start):
     assert "prefixcache_lookups_total 2.0" in body
     assert 'prefixcache_rpc_duration_seconds_count{method="Lookup"} 2.0' in body
     assert 'prefixcache_tier_capacity_bytes{tier="host"}' in body
+    assert 'prefixcache_unary_calls{state="queued"} 0.0' in body
+    assert 'prefixcache_unary_calls{state="running"} 0.0' in body
     assert "987654321" not in body
 
 

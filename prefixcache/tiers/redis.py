@@ -25,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import re
@@ -32,6 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 
 import redis.exceptions
@@ -117,8 +119,10 @@ class RedisTier:
 
     def __init__(self, options: RedisOptions, client: RedisClient | None = None,
                  clock: Callable[[], float] = time.monotonic, *, write_client: RedisClient | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None,
+                 io_wait: Callable[[], ContextManager[object]] = contextlib.nullcontext) -> None:
         self.options = options
+        self._io_wait = io_wait  # entered around each read's network wait (a server's pool runs another call)
         self._clock = clock
         self._rng = rng or random.Random()
         backoff = Backoff(options.breaker_backoff_min_s, options.breaker_backoff_max_s)
@@ -289,7 +293,9 @@ class RedisTier:
             pipe = client.pipeline(transaction=False)
             for block_hash in hashes:
                 pipe.getex(self.key(namespace_id, block_hash), px=ttl_ms)
-            frames = _frames_from(pipe.execute(raise_on_error=False), len(hashes))
+            with self._io_wait():
+                replies = pipe.execute(raise_on_error=False)
+            frames = _frames_from(replies, len(hashes))
         except REDIS_ERRORS as exc:
             if isinstance(exc, redis.exceptions.TimeoutError):
                 self._observe_link(0, time.perf_counter() - start)  # at least this slow

@@ -26,6 +26,7 @@ from .auth import Authenticator, load_credentials, quota_overrides
 from .backend import BackendOptions
 from .malloc import tune_for_large_frames
 from .options import ServerOptions, split_host_port
+from .pools import waiting
 from .server import build_server
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,11 @@ def register(subparsers) -> None:
     add("--metrics-host", default=None, help="metrics bind address (default: the --listen host)")
     add("--grace", default="10s", help="drain period on SIGTERM (default %(default)s)")
     add("--max-concurrent-rpcs", type=int, default=128, help="RPCs at once; more get RESOURCE_EXHAUSTED")
-    add("--workers", type=int, default=16, help="handler threads (default %(default)s)")
+    add("--workers", type=int, default=2,
+        help="unary calls (Lookup, Commit, ...) run at once, plus one per call waiting on Redis; more than "
+             "the cores costs throughput under the GIL (default %(default)s)")
+    add("--stream-workers", type=int, default=16,
+        help="threads for Fetch/Store streams, one per open stream (default %(default)s)")
     add("--max-message-size", default="16MiB", help="largest gRPC message either way (default %(default)s)")
     redis = parser.add_argument_group("Redis tier (optional: shared across instances and restarts)")
     redis.add_argument("--redis-url", default=None,
@@ -131,7 +136,7 @@ def remote_factory_from(args: argparse.Namespace) -> Callable[[KVLayout], object
                            socket_timeout_s=args.redis_timeout_ms / 1000, password=password,
                            tls_ca_file=args.redis_tls_ca_file, tls_cert_file=args.redis_tls_cert_file,
                            tls_key_file=args.redis_tls_key_file)
-    return lambda _layout: RedisTier(options)
+    return lambda _layout: RedisTier(options, io_wait=waiting)
 
 
 def options_from(args: argparse.Namespace) -> ServerOptions:
@@ -158,7 +163,7 @@ def options_from(args: argparse.Namespace) -> ServerOptions:
         tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, metrics_port=args.metrics_port,
         metrics_host=args.metrics_host, max_receive_bytes=message_size, max_send_bytes=message_size,
         max_chunk_bytes=min((4 << 20) - 1024, message_size - (64 << 10)), max_concurrent_rpcs=args.max_concurrent_rpcs,
-        workers=args.workers, grace_s=parse_duration(args.grace, "grace"))
+        workers=args.workers, stream_workers=args.stream_workers, grace_s=parse_duration(args.grace, "grace"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -102,6 +102,21 @@ def _tier_gauges(s: StatsSnapshot) -> Iterator[Metric]:
         yield from (up, remote)
 
 
+class HandlerCollector(Collector):
+    """Unary calls by state at each scrape: queued for a handler thread, running, and (of the
+    running) waiting on Redis. A queue that stays long means the service is saturated."""
+
+    def __init__(self, load: Callable[[], dict[str, int]]) -> None:
+        self._load = load
+
+    def collect(self) -> Iterator[Metric]:
+        calls = GaugeMetricFamily(f"{PREFIX}_unary_calls", "Unary calls by state (queued, running, waiting)",
+                                  labels=["state"])
+        for state, n in self._load().items():
+            calls.add_metric([state], n)
+        yield calls
+
+
 class _Server(socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
@@ -128,6 +143,9 @@ class ServiceMetrics:
                                registry=self.registry)
         self.registry.register(StatsCollector(source))
         self._http = None
+
+    def watch_handlers(self, load: Callable[[], dict[str, int]]) -> None:
+        self.registry.register(HandlerCollector(load))
 
     def observe(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         self._rpcs.labels(method, code.name).inc()

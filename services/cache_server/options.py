@@ -36,7 +36,8 @@ class ServerOptions:
     max_chunk_bytes: int = 4 * MIB - 1024  # Fetch/Store data per message: whole messages stay <= 4 MiB,
                                            # which any gRPC client accepts with default settings
     max_concurrent_rpcs: int = 128       # beyond: RESOURCE_EXHAUSTED from gRPC itself
-    workers: int = 16                    # handler threads; a Fetch or Store stream holds one while it runs
+    workers: int = 2                     # unary calls run at once (plus one per call waiting on Redis); pools.py
+    stream_workers: int = 16             # threads for streams (Fetch, Store, reflection); one per open stream
     grace_s: float = 10.0
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
@@ -52,7 +53,7 @@ class ServerOptions:
             raise ConfigError("max_chunk_bytes", "must be >= 4096 and leave 64 KiB of max_send_bytes for framing")
         if self.max_receive_bytes < self.max_chunk_bytes + 64 * 1024:
             raise ConfigError("max_receive_bytes", "must hold one data chunk plus 64 KiB")
-        for name in ("max_concurrent_rpcs", "workers"):
+        for name in ("max_concurrent_rpcs", "workers", "stream_workers"):
             if not 1 <= getattr(self, name) <= 65536:
                 raise ConfigError(name, "must be in [1, 65536]")
         for name in ("grace_s", "keepalive_time_s", "keepalive_timeout_s", "expire_interval_s"):

@@ -30,6 +30,7 @@ from .auth import AuthInterceptor
 from .backend import CacheBackend
 from .metrics import ServiceMetrics
 from .options import ServerOptions
+from .pools import ElasticPool, StreamsOnOwnPool
 from .servicer import SERVICE_NAME, Limits, PrefixCacheServicer, register
 from .status import CallTracker
 
@@ -76,14 +77,21 @@ class CacheServer:
         self._shutdown_lock = threading.Lock()
         self.port = 0
         self.metrics_port: int | None = None
+        # Unary calls on a few threads, streams on their own (pools.py says why).
+        self.unary_pool = ElasticPool(options.workers, options.workers + options.max_concurrent_rpcs, "rpc")
+        self.stream_pool = futures.ThreadPoolExecutor(max_workers=options.stream_workers,
+                                                       thread_name_prefix="rpc-stream")
+        if self.metrics is not None:
+            self.metrics.watch_handlers(self.unary_pool.load)
         self._server = self._build_grpc()
 
     def _build_grpc(self) -> grpc.Server:
         options = self.options
         denied = self.metrics.denied if self.metrics else None
-        interceptors = [AuthInterceptor(options.authenticator, denied)] if options.authenticator.enabled else []
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix="rpc"),
-                             interceptors=interceptors, options=options.grpc_options(),
+        interceptors: list[grpc.ServerInterceptor] = [StreamsOnOwnPool(self.stream_pool)]
+        if options.authenticator.enabled:
+            interceptors.append(AuthInterceptor(options.authenticator, denied))
+        server = grpc.server(self.unary_pool, interceptors=interceptors, options=options.grpc_options(),
                              maximum_concurrent_rpcs=options.max_concurrent_rpcs)
         limits = Limits(options.backend.block_size, options.backend.cache.max_prompt_tokens, options.max_chunk_bytes)
         servicer = PrefixCacheServicer(self.backend, options.authenticator, limits)
@@ -142,12 +150,18 @@ class CacheServer:
             # messages may still be on their way: let gRPC finish sending them within what
             # is left of the grace period (an open health Watch can hold it that long).
             self._server.stop(max(0.0, deadline - time.monotonic())).wait()
+            self._stop_pools()
             self._ticker.stop()
             self.backend.close()
             if self.metrics is not None:
                 self.metrics.close()
             self._stopped.set()
             log.info("stopped")
+
+    def _stop_pools(self) -> None:
+        # gRPC leaves the executors it was given running; their threads are idle by now.
+        self.unary_pool.shutdown(wait=False, cancel_futures=True)
+        self.stream_pool.shutdown(wait=False, cancel_futures=True)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         return self._stopped.wait(timeout_s)
@@ -160,6 +174,7 @@ def build_server(options: ServerOptions) -> CacheServer:
         return server.start()
     except BaseException:
         server._server.stop(0)
+        server._stop_pools()
         server._ticker.stop()
         server.backend.close()
         raise

@@ -1,0 +1,195 @@
+"""Handler threads: a few for unary calls, room made while one waits on Redis, streams apart.
+
+gRPC Python's sync server runs each call on a thread of an executor. On a small machine the
+GIL makes every extra runnable thread a cost: with 16 Lookups in flight, 16 handler threads
+spend about three times the CPU per call of 2 threads (wake-ups and GIL hand-offs, measured
+with benchmarks/service_bench.py; docs/benchmarks.md). So unary calls run on an `ElasticPool`, which runs at most
+`active` of them at once and queues the rest, and a handler about to wait on the network (a
+Lookup reading Redis) says so with `waiting()`: the pool runs one more call meanwhile, so a
+slow Redis cannot hold local hits up behind it.
+
+Streams (Fetch, Store, reflection) hold their thread for as long as the peer reads or
+writes, so `StreamsOnOwnPool` moves every streaming handler onto a plain pool of their own
+(through the handler attribute `experimental_thread_pool`, which gRPC's own health service
+uses; tests/test_handler_pools.py fails if a gRPC release stops honouring it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections import deque
+from concurrent import futures
+from typing import Callable, Iterator
+
+import grpc
+
+_current = threading.local()  # .pool: the ElasticPool whose worker this thread is
+
+
+class ElasticPool(futures.ThreadPoolExecutor):
+    """Runs at most `active` calls at once, plus one for each call inside `waiting()`,
+    on at most `max_threads` threads. Only `submit` and `shutdown` are used by gRPC."""
+
+    def __init__(self, active: int, max_threads: int, name: str) -> None:
+        if not 1 <= active <= max_threads:
+            raise ValueError(f"need 1 <= active ({active}) <= max_threads ({max_threads})")
+        super().__init__(max_workers=max_threads, thread_name_prefix=name)  # never starts its own threads
+        self.active = active
+        self.max_threads = max_threads
+        self._name = name
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[futures.Future, Callable, tuple, dict]] = deque()
+        self._threads: list[threading.Thread] = []
+        self._running = 0   # calls started and not finished
+        self._waiting = 0   # of those, calls inside waiting()
+        self._idle = 0      # threads parked for work
+        self._notified = 0  # parked threads notified and not yet up
+        self._pending = 0   # threads notified or started for a queued call and not yet up
+        self._closed = False
+
+    def submit(self, fn, /, *args, **kwargs) -> futures.Future:
+        future: futures.Future = futures.Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("cannot schedule new calls after shutdown")
+            self._queue.append((future, fn, args, kwargs))
+            self._start_one()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._cond:
+            self._closed = True
+            while cancel_futures and self._queue:
+                self._queue.popleft()[0].cancel()
+            self._cond.notify_all()
+            threads = list(self._threads)
+        if wait:
+            for thread in threads:
+                if thread is not threading.current_thread():
+                    thread.join()
+
+    @property
+    def threads(self) -> int:
+        return len(self._threads)
+
+    @property
+    def waiting_calls(self) -> int:
+        return self._waiting
+
+    def load(self) -> dict[str, int]:
+        """Calls by state, for the metrics exporter: queued for a thread, running, waiting (of running)."""
+        with self._cond:
+            return {"queued": len(self._queue), "running": self._running, "waiting": self._waiting}
+
+    def _may_start(self) -> bool:
+        """A worker may take a queued call now (lock held)."""
+        return bool(self._queue) and self._running - self._waiting < self.active
+
+    def _start_one(self) -> None:
+        """Wake a parked thread, or start one, if a queued call may run and no thread is
+        already on its way to it (lock held)."""
+        if len(self._queue) <= self._pending or self._running + self._pending - self._waiting >= self.active:
+            return
+        self._pending += 1
+        if self._idle > self._notified:
+            self._notified += 1
+            self._cond.notify()
+        elif len(self._threads) < self.max_threads:
+            thread = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        else:
+            self._pending -= 1  # every thread is busy: the first to finish takes the call
+
+    def _work(self) -> None:
+        _current.pool = self
+        with self._cond:
+            self._pending -= 1  # up
+            call = self._next_call()
+        while call is not None:
+            future, fn, args, kwargs = call
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as error:  # noqa: BLE001 - handed to the future, as the stdlib pool does
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+            with self._cond:  # one critical section: no other thread is started for the next call
+                self._running -= 1
+                call = self._next_call()
+
+    def _next_call(self) -> tuple[futures.Future, Callable, tuple, dict] | None:
+        """The next call this thread runs, once it may; None when closed and drained (lock held)."""
+        while not self._closed and not self._may_start():
+            self._idle += 1
+            self._cond.wait()  # no spurious wake-ups: only notify() (one of ours) or close
+            self._idle -= 1
+            if self._notified:
+                self._notified -= 1
+                self._pending -= 1
+        if not self._queue:
+            return None
+        self._running += 1
+        return self._queue.popleft()
+
+    @contextlib.contextmanager
+    def _waiting_section(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            self._start_one()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._waiting -= 1
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Around a blocking wait (network I/O): if this thread runs calls of an `ElasticPool`,
+    the pool may run another call until the wait is over. Elsewhere it does nothing."""
+    pool = getattr(_current, "pool", None)
+    if pool is None:
+        yield
+        return
+    with pool._waiting_section():
+        yield
+
+
+def _on_pool(behavior: Callable, pool: futures.ThreadPoolExecutor) -> Callable:
+    moved = functools.partial(behavior)
+    moved.experimental_thread_pool = pool
+    return moved
+
+
+class StreamsOnOwnPool(grpc.ServerInterceptor):
+    """Every streaming handler runs on `pool`; unary handlers stay on the server's pool.
+
+    A handler already given a pool, or one that does not hold a thread while its stream is
+    open (gRPC's non-blocking health Watch), is left as it is."""
+
+    def __init__(self, pool: futures.ThreadPoolExecutor) -> None:
+        self._pool = pool
+        self._moved: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}  # method -> (as found, as run)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or not (handler.request_streaming or handler.response_streaming):
+            return handler
+        moved = self._moved.get(handler_call_details.method)
+        if moved is None or moved[0] is not handler:
+            moved = (handler, self._move(handler))
+            self._moved[handler_call_details.method] = moved
+        return moved[1]
+
+    def _move(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        field = ("stream_stream" if handler.response_streaming else "stream_unary") if handler.request_streaming \
+            else "unary_stream"
+        behavior = getattr(handler, field)
+        if getattr(behavior, "experimental_thread_pool", None) is not None \
+                or getattr(behavior, "experimental_non_blocking", False):
+            return handler
+        return handler._replace(**{field: _on_pool(behavior, self._pool)})
