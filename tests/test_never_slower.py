@@ -264,6 +264,14 @@ def test_short_prefixes_over_a_slow_redis_are_recomputed_as_fast_as_without_a_ca
     assert ratio <= TTFT_RATIO + TTFT_SLACK_S / median_reference
 
 
+def _why_not_taken(before: dict, after: dict, service) -> str:
+    """The worker's decisions and estimates and the service's Redis counters, for a failure message."""
+    changed = {f"{name}{dict(labels)}": value - before.get((name, labels), 0.0)
+               for (name, labels), value in after.items()
+               if "decision" in name or "declined" in name or name.endswith("seconds_per_token")}
+    return f"worker: {changed}; service Redis: {service.client().stats().snapshot.remote}"
+
+
 def test_longer_prefixes_over_a_fast_redis_are_still_taken(e2e) -> None:
     redis_server, _proxy, service, cached, reference = e2e
     _restart_onto(service, redis_server.url, cached)
@@ -271,7 +279,7 @@ def test_longer_prefixes_over_a_fast_redis_are_still_taken(e2e) -> None:
     for index in range(4):
         tokens = e2e_prompt(1, index, LONG_PREFIX_BLOCKS, suffix=2)
         hit = cached.client.complete(tokens, max_tokens=8)
-        assert hit.cached_tokens == LONG_PREFIX_BLOCKS * BS
+        assert hit.cached_tokens == LONG_PREFIX_BLOCKS * BS, _why_not_taken(before, worker_metrics(cached), service)
         assert hit.text == reference.client.complete(tokens, max_tokens=8).text
     after = worker_metrics(cached)
     assert (metric(after, "prefixcache_worker_hit_decisions_total", decision="taken")
