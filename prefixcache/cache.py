@@ -490,6 +490,17 @@ class PrefixCache:
             return dropped
 
     # -- stats ----------------------------------------------------------------------
+    def resident_blocks(self) -> dict[str, dict[TierKind, int]]:
+        """Per namespace id, the blocks resident in each local tier (namespaces holding none: absent)."""
+        with self._lock:
+            live = self.index.live()
+            pairs, counts = np.unique(np.stack([self.index.namespace[live], self.index.tier[live]]).astype(np.int64),
+                                      axis=1, return_counts=True)
+            resident: dict[str, dict[TierKind, int]] = {}
+            for (row, tier), count in zip(pairs.T.tolist(), counts.tolist()):
+                resident.setdefault(self.namespaces.by_row(row).id, {})[TierKind(tier)] = count
+            return resident
+
     def stats(self, tenant: str | None = None) -> StatsSnapshot:
         """Service-wide figures, or with `tenant` only that tenant's own (see `TenantLedger.snapshot`)."""
         with self._lock:

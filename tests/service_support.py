@@ -228,6 +228,7 @@ FUZZ_METHODS = {
     "Inspect": ("unary", pb.InspectRequest(namespace_id="0" * 16, tokens=prompt(2))),
     "Evict": ("unary", pb.EvictRequest(namespace_id="0" * 16, older_than_seconds=5, prefix=pb.TokenPrefix(tokens=[1]))),
     "Flush": ("unary", pb.FlushRequest()),
+    "ListNamespaces": ("unary", pb.ListNamespacesRequest()),
     "Fetch": ("stream_out", pb.FetchRequest(lease_id=5, max_chunk_bytes=8192)),
     "Store": ("stream_in", store_header("0" * 16)),
 }

@@ -238,6 +238,25 @@ def test_stats_json_reports_exactly_what_was_done(stack, populated, cli):
         assert needle in table.stdout, table.stdout
 
 
+# -- namespaces -------------------------------------------------------------------------------------
+def test_namespaces_lists_ids_models_and_resident_blocks(stack, populated, cli):
+    result = run("namespaces", "--cache", stack.address, "--json")
+    assert result.returncode == 0, result.stderr
+    doc = result.json()
+    assert doc["schema_version"] == 1 and doc["block_bytes"] == LAYOUT.block_bytes
+    listed = {entry["namespace_id"]: entry for entry in doc["namespaces"]}
+    mine = listed[populated.namespace_id]
+    assert mine == {"namespace_id": populated.namespace_id, "model": "cli-test-model", "revision": "r1",
+                    "salted": False, "tenant": None, "blocks": {"host": 14}, "bytes": 14 * LAYOUT.block_bytes}
+    salted = [entry for entry in doc["namespaces"] if entry["salted"]]
+    assert len(salted) == 1 and salted[0]["model"] == "cli-test-model" and salted[0]["blocks"] == {}
+    assert SALT not in result.stdout
+    table = cli("namespaces", "--cache", stack.address)
+    assert table.returncode == 0, table.stderr
+    for needle in (populated.namespace_id, "cli-test-model", "r1", "14", "yes"):
+        assert needle in table.stdout, table.stdout
+
+
 # -- inspect ----------------------------------------------------------------------------------------
 def test_inspect_shows_each_cached_block_and_why_the_next_one_missed(stack, populated, tmp_path, cli):
     as_json = tmp_path / "a.json"
@@ -280,7 +299,7 @@ def test_connection_errors_are_one_line_with_exit_code_2(stack):
     assert "wrong-token" not in wrong_token.stderr  # the token is never echoed
 
 
-@pytest.mark.parametrize("name", ["stats", "top", "inspect", "evict", "flush"])
+@pytest.mark.parametrize("name", ["stats", "top", "inspect", "namespaces", "evict", "flush"])
 def test_every_command_has_help_with_examples(cli, name):
     result = cli(name, "--help")
     assert result.returncode == 0
@@ -460,7 +479,7 @@ BOUNDED_LABELS = {
     "reason": {"lru", "ttl", "capacity", "manual", "shorter_than_block", "not_cached", "expired",
                "verification_failed"},
     "method": {"Attach", "Lookup", "Fetch", "Reserve", "Commit", "Store", "Release", "GetStats", "Inspect", "Evict",
-               "Flush"},
+               "ListNamespaces", "Flush"},
 }
 EXPOSED_SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created"),
                     "gauge": ("",), "summary": ("", "_count", "_sum", "_created")}

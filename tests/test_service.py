@@ -36,7 +36,7 @@ from services.cache_server.auth import Authenticator, parse_credentials
 from services.cache_server.backend import BackendOptions
 from services.cache_server.options import ServerOptions
 from services.cache_server.server import build_server
-from services.cache_server.servicer import SERVICE_NAME
+from services.cache_server.servicer import METHODS, SERVICE_NAME
 from tests.service_support import (BLOCK, BLOCK_BYTES, CODE, DTYPES, FUZZ_METHODS, MATRIX, ROOT, fuzz_inputs,
                                    health_status, layout_of, prompt, random_kv, rpc_code, running_servers, same_bytes,
                                    store_header, stub_for)
@@ -277,6 +277,7 @@ def test_protobuf_fuzzing_never_yields_unknown(attached):
     channel = grpc.insecure_channel(server.address)
     rng = random.Random(20240611)
     seen: dict[grpc.StatusCode, int] = {}
+    assert set(FUZZ_METHODS) == set(METHODS)  # every method of the service is fuzzed
     for method, (kind, valid) in FUZZ_METHODS.items():
         path = f"/{SERVICE_NAME}/{method}"
         for data in fuzz_inputs(rng, valid.SerializeToString()):
@@ -395,6 +396,35 @@ def test_tenants_are_isolated_and_salts_only_subdivide(start):
     acme.release(acme_hit)
     assert ops.flush() == 3                                     # the admin flushes everything
     assert acme.lookup(tokens, cache_salt="team-a", take_lease=False).hit_tokens == 0
+
+
+def test_list_namespaces_is_scoped_to_the_tenant(start):
+    from prefixcache.tiers.base import TierKind
+
+    credentials = parse_credentials("tok-acme-0123456789 acme\ntok-globex-0123456789 globex\n"
+                                    "tok-ops-0123456789 ops admin\n")
+    server = start(authenticator=Authenticator(credentials))
+    acme, globex, ops = (start.client(server, auth_token=f"tok-{n}-0123456789") for n in ("acme", "globex", "ops"))
+    assert acme.namespaces() == []                              # before any Attach
+    layout = layout_of()
+    acme_id = acme.attach("model-a", layout, revision="r1", same_host=False).namespace_id
+    globex_id = globex.attach("model-g", layout, same_host=False).namespace_id
+    acme.store(prompt(3), random_kv(3, layout, seed=21))
+    acme.store(prompt(2, start=9000), random_kv(2, layout, seed=22), cache_salt="team-a")
+    salted_id = acme.lookup(prompt(2, start=9000), cache_salt="team-a", take_lease=False).namespace_id
+
+    mine = {n.namespace_id: n for n in acme.namespaces()}
+    assert set(mine) == {acme_id, salted_id}                    # globex's namespace is not listed
+    assert (mine[acme_id].model, mine[acme_id].revision, mine[acme_id].salted) == ("model-a", "r1", False)
+    assert mine[acme_id].blocks == {TierKind.HOST: 3} and mine[salted_id].blocks == {TierKind.HOST: 2}
+    assert mine[salted_id].salted and "team-a" not in repr(mine[salted_id])
+    assert all(n.tenant == "" for n in mine.values())          # only an admin is told tenants
+    assert [(n.namespace_id, n.blocks) for n in globex.namespaces()] == [(globex_id, {})]
+
+    everyone = ops.namespaces()
+    assert {(n.namespace_id, n.tenant) for n in everyone} == {(acme_id, "acme"), (salted_id, "acme"),
+                                                              (globex_id, "globex")}
+    assert [n.tenant for n in everyone] == sorted(n.tenant for n in everyone)
 
 
 def test_credentials_file_errors_name_the_line():

@@ -313,6 +313,10 @@ class CacheClient:
     def stats(self, timeout_s: float | None = None) -> wire.ServiceStats:
         return wire.stats_of(self._call(self._stub.GetStats, pb.GetStatsRequest(), timeout_s))
 
+    def namespaces(self, timeout_s: float | None = None) -> list[wire.NamespaceInfo]:
+        """This credential's namespaces (an admin's: every tenant's) with their resident blocks."""
+        return wire.namespaces_of(self._call(self._stub.ListNamespaces, pb.ListNamespacesRequest(), timeout_s))
+
     def inspect(self, tokens, cache_salt: str | None = None, namespace_id: str | None = None,
                 timeout_s: float | None = None) -> InspectReport:
         request = pb.InspectRequest(namespace_id=namespace_id or self.attachment.namespace_id,

@@ -105,6 +105,37 @@ def stats_message(snapshot: StatsSnapshot | None, layout: KVLayout | None) -> pb
     return message
 
 
+@dataclass(frozen=True)
+class NamespaceInfo:
+    """One entry of ListNamespaces; `tenant` is "" unless an admin asked."""
+
+    namespace_id: str
+    model: str
+    revision: str
+    salted: bool
+    tenant: str
+    blocks: dict[TierKind, int]  # resident blocks per local tier (absent: none)
+
+    def resident_bytes(self, block_bytes: int) -> int:
+        return sum(self.blocks.values()) * block_bytes
+
+
+def namespaces_message(entries: list[NamespaceInfo], block_bytes: int) -> pb.ListNamespacesResponse:
+    ordered = sorted(entries, key=lambda e: (e.tenant, e.model, e.revision, e.namespace_id))
+    return pb.ListNamespacesResponse(namespaces=[
+        pb.NamespaceInfo(namespace_id=e.namespace_id, model=e.model, revision=e.revision, salted=e.salted,
+                         tenant=e.tenant,
+                         tiers=[pb.TierBlocks(tier=TIERS[kind], blocks=n, bytes=n * block_bytes)
+                                for kind, n in sorted(e.blocks.items())])
+        for e in ordered])
+
+
+def namespaces_of(message: pb.ListNamespacesResponse) -> list[NamespaceInfo]:
+    return [NamespaceInfo(n.namespace_id, n.model, n.revision, n.salted, n.tenant,
+                          {TIER_OF[t.tier]: t.blocks for t in n.tiers if t.tier in TIER_OF})
+            for n in message.namespaces]
+
+
 # -- bulk messages without extra copies ------------------------------------------------
 # FetchChunk and StoreRequest carry megabytes of KV. Going through protobuf objects
 # costs two extra copies per side (into the message, then out of it as `bytes`), which

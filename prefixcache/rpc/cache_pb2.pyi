@@ -261,6 +261,42 @@ class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ListNamespacesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierBlocks(_message.Message):
+    __slots__ = ("tier", "blocks", "bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    blocks: int
+    bytes: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class NamespaceInfo(_message.Message):
+    __slots__ = ("namespace_id", "model", "revision", "salted", "tenant", "tiers")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    SALTED_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    model: str
+    revision: str
+    salted: bool
+    tenant: str
+    tiers: _containers.RepeatedCompositeFieldContainer[TierBlocks]
+    def __init__(self, namespace_id: _Optional[str] = ..., model: _Optional[str] = ..., revision: _Optional[str] = ..., salted: _Optional[bool] = ..., tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ...) -> None: ...
+
+class ListNamespacesResponse(_message.Message):
+    __slots__ = ("namespaces",)
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ...) -> None: ...
+
 class TierStats(_message.Message):
     __slots__ = ("tier", "blocks", "bytes_used", "capacity_bytes")
     TIER_FIELD_NUMBER: _ClassVar[int]

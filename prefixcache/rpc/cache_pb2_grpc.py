@@ -80,6 +80,11 @@ class PrefixCacheStub:
                 request_serializer=prefixcache_dot_v1_dot_cache__pb2.InspectRequest.SerializeToString,
                 response_deserializer=prefixcache_dot_v1_dot_cache__pb2.InspectResponse.FromString,
                 _registered_method=True)
+        self.ListNamespaces = channel.unary_unary(
+                '/prefixcache.v1.PrefixCache/ListNamespaces',
+                request_serializer=prefixcache_dot_v1_dot_cache__pb2.ListNamespacesRequest.SerializeToString,
+                response_deserializer=prefixcache_dot_v1_dot_cache__pb2.ListNamespacesResponse.FromString,
+                _registered_method=True)
         self.Evict = channel.unary_unary(
                 '/prefixcache.v1.PrefixCache/Evict',
                 request_serializer=prefixcache_dot_v1_dot_cache__pb2.EvictRequest.SerializeToString,
@@ -157,6 +162,14 @@ class PrefixCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListNamespaces(self, request, context):
+        """The caller's namespaces (an admin's answer: every tenant's), with the blocks each holds
+        in the local tiers. Ids, for Inspect and Evict.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Evict(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -217,6 +230,11 @@ def add_PrefixCacheServicer_to_server(servicer, server):
                     servicer.Inspect,
                     request_deserializer=prefixcache_dot_v1_dot_cache__pb2.InspectRequest.FromString,
                     response_serializer=prefixcache_dot_v1_dot_cache__pb2.InspectResponse.SerializeToString,
+            ),
+            'ListNamespaces': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNamespaces,
+                    request_deserializer=prefixcache_dot_v1_dot_cache__pb2.ListNamespacesRequest.FromString,
+                    response_serializer=prefixcache_dot_v1_dot_cache__pb2.ListNamespacesResponse.SerializeToString,
             ),
             'Evict': grpc.unary_unary_rpc_method_handler(
                     servicer.Evict,
@@ -472,6 +490,33 @@ class PrefixCache:
             '/prefixcache.v1.PrefixCache/Inspect',
             prefixcache_dot_v1_dot_cache__pb2.InspectRequest.SerializeToString,
             prefixcache_dot_v1_dot_cache__pb2.InspectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNamespaces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prefixcache.v1.PrefixCache/ListNamespaces',
+            prefixcache_dot_v1_dot_cache__pb2.ListNamespacesRequest.SerializeToString,
+            prefixcache_dot_v1_dot_cache__pb2.ListNamespacesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,6 @@
-"""`prefixcache stats | top | inspect | evict | flush`: the operator commands' flags and examples.
+"""`prefixcache stats | top | inspect | namespaces | evict | flush`: the operator commands' flags and examples.
 
-`register(subparsers)` adds the five parsers and sets each one's `handler`
+`register(subparsers)` adds the six parsers and sets each one's `handler`
 (handlers.py and top.py). Every command shares the connection flags of
 connect.py (`--cache`, `--auth-token`/env PREFIXCACHE_AUTH_TOKEN, `--timeout`,
 `--tls`, `--tls-ca`). Heavy modules (the worker's model) load only when a
@@ -31,6 +31,10 @@ INSPECT_EXAMPLES = """examples:
   prefixcache inspect --text "What is the capital of France?" --chat      # as the worker renders a chat
   prefixcache inspect --tokens-file prompt.json --namespace 3f2a...        # ids as a JSON list
   prefixcache inspect --text "..." --model /models/Qwen2.5-0.5B-Instruct --dtype bfloat16 --json
+"""
+NAMESPACES_EXAMPLES = """examples:
+  prefixcache namespaces --cache 127.0.0.1:50051
+  prefixcache namespaces --json | jq -r '.namespaces[] | select(.model == "tiny") | .namespace_id'
 """
 EVICT_EXAMPLES = """examples:
   prefixcache evict --cache 127.0.0.1:50051 --namespace 3f2a...            # all blocks of a namespace
@@ -102,6 +106,16 @@ def _register_evict(subparsers) -> None:
     parser.set_defaults(handler=handlers.evict)
 
 
+def _register_namespaces(subparsers) -> None:
+    parser = _parser(subparsers, "namespaces", "the namespaces a credential can see, with resident blocks",
+                     "Every namespace of this credential's tenant (an admin's token: every tenant's, with the "
+                     "tenant named): id, model, revision, whether a cache salt made it, and the blocks and bytes "
+                     "it holds in the local tiers. The ids are what inspect --namespace and evict --namespace take.",
+                     NAMESPACES_EXAMPLES)
+    _add_json(parser, "one document")
+    parser.set_defaults(handler=handlers.namespaces)
+
+
 def _register_flush(subparsers) -> None:
     parser = _parser(subparsers, "flush", "evict every unpinned block (asks first)",
                      "Evicts every unpinned block of every tier (a tenant's token: its own namespaces). Asks for "
@@ -115,5 +129,6 @@ def register(subparsers) -> None:
     _register_stats(subparsers)
     _register_top(subparsers)
     _register_inspect(subparsers)
+    _register_namespaces(subparsers)
     _register_evict(subparsers)
     _register_flush(subparsers)

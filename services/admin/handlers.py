@@ -1,4 +1,4 @@
-"""The handlers of `stats`, `inspect`, `evict` and `flush` (argparse namespace in, exit code out).
+"""The handlers of `stats`, `inspect`, `namespaces`, `evict` and `flush` (argparse namespace in, exit code out).
 
 Each opens one client through `connect()`, makes its calls, and prints either
 rich output or one JSON document (`--json`) on stdout. Errors leave as
@@ -19,6 +19,7 @@ from prefixcache.config import parse_duration
 from .connect import AdminError, connect
 from .document import SCHEMA_VERSION, stats_document
 from .inspect_view import inspect_document, inspect_view
+from .namespaces_view import namespaces_document, namespaces_view
 from .prompt import prompt_tokens, resolve_namespace
 from .stats_view import stats_view
 
@@ -87,6 +88,18 @@ def evict(args: argparse.Namespace) -> int:
                      "evicted": evicted})
     else:
         print(f"evicted {evicted:,} block(s) from {address}")
+    return 0
+
+
+def namespaces(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        entries = client.namespaces()
+        layout = client.stats().layout
+        document = namespaces_document(client.address, entries, layout.block_bytes if layout is not None else 0)
+    if args.json:
+        _print_json(document)
+    else:
+        Console().print(namespaces_view(document))
     return 0
 
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from prefixcache.cache import PrefixCache
+from prefixcache.client.wire import NamespaceInfo
 from prefixcache.config import CacheConfig, KVLayout, Namespace
 from prefixcache.hashing import namespace_id
 from prefixcache.errors import (ConfigError, InvalidArgument, PrefixCacheError, ResourceExhausted, UnknownLease,
@@ -252,6 +253,22 @@ class CacheBackend:
         if self._cache is None:
             return None
         return self._cache.stats() if principal.admin else self._cache.stats(principal.tenant)
+
+    def namespaces(self, principal: Principal) -> list[NamespaceInfo]:
+        """ListNamespaces: the caller's tenant's namespaces (an admin: every tenant's, named)."""
+        cache = self._cache
+        if cache is None:
+            return []
+        with self._registry_lock:
+            owned = [(ns, tenant) for ns, tenant in self._owners.items()
+                     if principal.admin or tenant == principal.tenant]
+        resident = cache.resident_blocks()
+        entries = []
+        for ns, tenant in owned:
+            namespace = cache.namespace(ns)
+            entries.append(NamespaceInfo(ns, namespace.model, namespace.revision, bool(namespace.cache_salt),
+                                         tenant if principal.admin else "", resident.get(ns, {})))
+        return entries
 
     def inspect(self, principal: Principal, ns_id: str, salt: str | None,
                 tokens: np.ndarray) -> tuple[str, BlockReport]:

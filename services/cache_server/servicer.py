@@ -37,6 +37,7 @@ UNARY_METHODS = {
     "Release": (pb.ReleaseRequest, pb.ReleaseResponse),
     "GetStats": (pb.GetStatsRequest, pb.Stats),
     "Inspect": (pb.InspectRequest, pb.InspectResponse),
+    "ListNamespaces": (pb.ListNamespacesRequest, pb.ListNamespacesResponse),
     "Evict": (pb.EvictRequest, pb.EvictResponse),
     "Flush": (pb.FlushRequest, pb.FlushResponse),
 }
@@ -208,6 +209,12 @@ class PrefixCacheServicer:
         salt = convert.salt(request)
         resolved, report = self._backend.inspect(principal, ns_id, salt, self._tokens(request.tokens))
         return convert.inspect_response(resolved, report)
+
+    def ListNamespaces(self, request: pb.ListNamespacesRequest, context) -> pb.ListNamespacesResponse:
+        principal = self._begin(request, context)
+        cache = self._backend.cache
+        return wire.namespaces_message(self._backend.namespaces(principal),
+                                       cache.layout.block_bytes if cache is not None else 0)
 
     def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
         principal = self._begin(request, context)
