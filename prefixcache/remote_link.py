@@ -1,7 +1,9 @@
 """The cache's side of the remote tier (Redis): frames out, frames in, and belief.
 
 Owns encoding blocks into frames for the tier, verifying frames that come back
-(checksum and key binding, via `codec`), and what the cache believes Redis
+(checksum and key binding, via `codec`; with the tier's `hmac_key` also a MAC
+bound to the Redis key, so a frame forged or moved by someone who can write
+Redis but lacks the key fails like a corrupt one), and what the cache believes Redis
 holds: per index row, the cache-clock time until which Redis should still
 have the block (its write or last Redis hit plus the Redis TTL). Local hits
 do not refresh the Redis copy, so past that time a block leaving the slot
@@ -44,6 +46,7 @@ class RemoteLink:
         self.tiers = tiers
         self.namespace_of = namespace_of
         self.ttl_s = float(remote.options.ttl_s)
+        self._mac_key: bytes | None = remote.options.hmac_key
         self._until = np.zeros(index.capacity, dtype=np.float64)
 
     # -- reading (no cache lock held) ------------------------------------------------
@@ -61,7 +64,8 @@ class RemoteLink:
                     return payloads, False
                 parent = hashes[i - 1] if i else root
                 try:
-                    payloads.append(decode_block(frame, self.layout, ns_id, hashes[i], parent, blocks[i]))
+                    payloads.append(decode_block(frame, self.layout, ns_id, hashes[i], parent, blocks[i],
+                                                 **self._mac(ns_id, hashes[i])))
                 except CorruptBlock as error:
                     log.debug("remote block failed verification: %s", error)
                     self.remote.record_integrity_failure()
@@ -98,8 +102,15 @@ class RemoteLink:
         tier = self.tiers[TierKind(int(index.tier[node]))]
         payload = tier.view(int(index.slot[node])).cpu().contiguous().view(torch.uint8).reshape(-1).numpy()
         block_hash = index.hash_of(node)
-        frame = encode_block(self.layout, ns_id, block_hash, parent_hash, index.tokens[node], memoryview(payload))
+        frame = encode_block(self.layout, ns_id, block_hash, parent_hash, index.tokens[node], memoryview(payload),
+                             **self._mac(ns_id, block_hash))
         return self.remote.submit(ns_id, block_hash, frame)
+
+    def _mac(self, ns_id: str, block_hash: BlockHash) -> dict[str, object]:
+        """Codec arguments that key a frame to the Redis key it is stored under (none when unkeyed)."""
+        if self._mac_key is None:
+            return {}
+        return {"mac_key": self._mac_key, "storage_key": self.remote.key(ns_id, block_hash)}
 
     # -- forgetting -------------------------------------------------------------------
     def forget(self, node: int) -> None:

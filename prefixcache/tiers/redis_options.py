@@ -22,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry as LibraryRetry
 
+from ..codec import MIN_MAC_KEY_BYTES
 from ..config import parse_duration, parse_size
 from ..errors import ConfigError
 
@@ -76,9 +77,18 @@ class RedisOptions:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_check_hostname: bool = True
+    # Shared by every instance on this Redis: frames are then MAC'd, so Redis write access
+    # alone cannot plant KV (codec.py). Never in repr: options get logged.
+    hmac_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         scheme = url_scheme(self.url)
+        if self.hmac_key is not None:
+            if not isinstance(self.hmac_key, (bytes, bytearray)):
+                raise ConfigError("hmac_key", f"must be bytes, got {type(self.hmac_key).__name__}")
+            if len(self.hmac_key) < MIN_MAC_KEY_BYTES:
+                raise ConfigError("hmac_key", f"must be at least {MIN_MAC_KEY_BYTES} bytes, got {len(self.hmac_key)}")
+            object.__setattr__(self, "hmac_key", bytes(self.hmac_key))
         if not _KEY_PREFIX.match(self.key_prefix):
             # No glob characters (the prefix goes into SCAN MATCH) and no braces (a
             # cluster hash tag would put every block in one slot).

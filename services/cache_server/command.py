@@ -88,6 +88,9 @@ def register(subparsers) -> None:
     redis.add_argument("--redis-tls-ca-file", default=None, help="CA bundle that signed Redis's certificate (rediss://)")
     redis.add_argument("--redis-tls-cert-file", default=None, help="client certificate, if Redis asks for one")
     redis.add_argument("--redis-tls-key-file", default=None, help="client certificate's private key")
+    redis.add_argument("--redis-hmac-key-file", default=None,
+                       help="file holding a secret of >= 32 bytes (e.g. `openssl rand -hex 32`) that MACs every "
+                            "Redis frame, so Redis write access alone cannot plant KV; the same on every instance")
     parser.set_defaults(handler=run)
 
 
@@ -118,24 +121,34 @@ def _warn_weak_hash(authenticator: Authenticator, cache: CacheConfig) -> None:
 def remote_factory_from(args: argparse.Namespace) -> Callable[[KVLayout], object] | None:
     """Validated Redis options now; the tier itself is built with the cache (it does no I/O)."""
     if args.redis_url is None:
-        for name in ("redis_password_file", "redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file"):
+        for name in ("redis_password_file", "redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file",
+                     "redis_hmac_key_file"):
             if getattr(args, name):
                 raise ConfigError(name, "needs --redis-url")
         return None
     from prefixcache.tiers.redis import RedisTier  # only a service with a Redis tier imports redis
+    from prefixcache.codec import MIN_MAC_KEY_BYTES
     from prefixcache.tiers.redis_options import RedisOptions
 
     password = None
     if args.redis_password_file:
         with open(args.redis_password_file, encoding="utf-8") as handle:
             password = handle.read().strip()
+    hmac_key = None
+    if args.redis_hmac_key_file:
+        with open(args.redis_hmac_key_file, "rb") as handle:
+            hmac_key = handle.read().strip()  # the file's bytes are the key (hex text is fine, not decoded)
+        if len(hmac_key) < MIN_MAC_KEY_BYTES:
+            raise ConfigError("redis_hmac_key_file", f"must hold at least {MIN_MAC_KEY_BYTES} bytes besides "
+                              f"whitespace, got {len(hmac_key)} (generate one: openssl rand -hex 32)")
+        log.info("redis frames are authenticated (HMAC-SHA256, key from --redis-hmac-key-file)")
     if args.redis_timeout_ms < 1:
         raise ConfigError("redis_timeout_ms", "must be >= 1")
     options = RedisOptions(url=args.redis_url, key_prefix=args.redis_key_prefix,
                            ttl_s=parse_duration(args.redis_ttl, "redis_ttl"),
                            socket_timeout_s=args.redis_timeout_ms / 1000, password=password,
                            tls_ca_file=args.redis_tls_ca_file, tls_cert_file=args.redis_tls_cert_file,
-                           tls_key_file=args.redis_tls_key_file)
+                           tls_key_file=args.redis_tls_key_file, hmac_key=hmac_key)
     return lambda _layout: RedisTier(options, io_wait=waiting)
 
 
