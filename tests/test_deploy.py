@@ -264,7 +264,8 @@ def joined(argv: list[str]) -> list[str]:
 @contextlib.contextmanager
 def running_serve(argv: list[str], tmp_path: Path) -> Iterator[int]:
     """`prefixcache serve` with the given flags, on free loopback ports; yields the gRPC port."""
-    rewritten, files = [], {"--auth-token-file": "token", "--redis-password-file": "redis-password"}
+    rewritten, files = [], {"--auth-token-file": "token", "--redis-password-file": "redis-password",
+                            "--redis-hmac-key-file": "redis-hmac-key"}
     for arg in joined(argv):
         flag, _, value = arg.partition("=")
         if flag in files:
