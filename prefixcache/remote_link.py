@@ -9,6 +9,9 @@ have the block (its write or last Redis hit plus the Redis TTL). Local hits
 do not refresh the Redis copy, so past that time a block leaving the slot
 tiers is written again rather than assumed safe in Redis.
 
+It also learns what verifying fetched frames costs (`verify_estimate`), which a
+probe's budget counts after the Redis round trip itself (transfer.ProbeBudget).
+
 It never takes the cache lock: `fetch` runs without it (I/O), the other
 methods are called by the cache with its lock held.
 """
@@ -16,6 +19,8 @@ methods are called by the cache with its lock held.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Callable
 
 import numpy as np
@@ -27,11 +32,15 @@ from .errors import CorruptBlock
 from .hashing import BlockHash
 from .index import ROOT, RadixIndex
 from .tiers.base import SlotTier, TierKind
-from .transfer import ProbeBudget
+from .transfer import ProbeBudget, TransferEstimate, TransferMeter
 
 log = logging.getLogger(__name__)
 
 PROBE_BATCH = 32  # block hashes asked of Redis per pipelined round trip
+# Checking a fetched frame until measured: header compare + xxh3 (~10 GB/s), plus HMAC-SHA256
+# when frames are keyed (~2 GB/s with SHA-NI; tests/test_redis_hmac.py, docs/deploy.md).
+VERIFY_PRIOR = TransferEstimate(latency_s=5e-6, bytes_per_s=10e9)
+VERIFY_PRIOR_KEYED = TransferEstimate(latency_s=5e-6, bytes_per_s=2e9)
 
 # namespace row -> (namespace id, root hash)
 NamespaceOf = Callable[[int], tuple[str, BlockHash]]
@@ -48,6 +57,9 @@ class RemoteLink:
         self.ttl_s = float(remote.options.ttl_s)
         self._mac_key: bytes | None = remote.options.hmac_key
         self._until = np.zeros(index.capacity, dtype=np.float64)
+        # What checking fetched frames costs (a MAC dominates), so that a probe's budget counts it.
+        self._verify = TransferMeter(VERIFY_PRIOR_KEYED if self._mac_key is not None else VERIFY_PRIOR)
+        self._verify_lock = threading.Lock()  # lookups fetch concurrently, without the cache lock
 
     # -- reading (no cache lock held) ------------------------------------------------
     def fetch(self, ns_id: str, root: BlockHash, hashes: list[BlockHash], blocks: np.ndarray, start: int,
@@ -55,23 +67,37 @@ class RemoteLink:
         """Verified payloads of the blocks after `start` that Redis holds, in order, and
         whether they end at a block that failed verification (its key is then deleted)."""
         payloads: list[memoryview] = []
-        options = {"budget": budget} if budget is not None else {}
+        options = {"budget": budget, "verify": self.verify_estimate()} if budget is not None else {}
         for batch_start in range(start, len(hashes), PROBE_BATCH):
             batch = hashes[batch_start: batch_start + PROBE_BATCH]
             frames = self.remote.fetch(ns_id, batch, frame_bytes=self.layout.block_bytes, prefix_only=True, **options)
-            for i, frame in enumerate(frames, start=batch_start):
-                if frame is None:
-                    return payloads, False
-                parent = hashes[i - 1] if i else root
-                try:
-                    payloads.append(decode_block(frame, self.layout, ns_id, hashes[i], parent, blocks[i],
-                                                 **self._mac(ns_id, hashes[i])))
-                except CorruptBlock as error:
-                    log.debug("remote block failed verification: %s", error)
-                    self.remote.record_integrity_failure()
-                    self.remote.delete(ns_id, hashes[i])
-                    return payloads, True
+            checked, started = len(payloads), time.perf_counter()
+            try:
+                for i, frame in enumerate(frames, start=batch_start):
+                    if frame is None:
+                        return payloads, False
+                    parent = hashes[i - 1] if i else root
+                    try:
+                        payloads.append(decode_block(frame, self.layout, ns_id, hashes[i], parent, blocks[i],
+                                                     **self._mac(ns_id, hashes[i])))
+                    except CorruptBlock as error:
+                        log.debug("remote block failed verification: %s", error)
+                        self.remote.record_integrity_failure()
+                        self.remote.delete(ns_id, hashes[i])
+                        return payloads, True
+            finally:
+                self._observe_verify((len(payloads) - checked) * self.layout.block_bytes,
+                                     time.perf_counter() - started)
         return payloads, False
+
+    def verify_estimate(self) -> TransferEstimate:
+        with self._verify_lock:
+            return self._verify.estimate()
+
+    def _observe_verify(self, nbytes: int, seconds: float) -> None:
+        if nbytes:
+            with self._verify_lock:
+                self._verify.observe(nbytes, seconds)
 
     def fetched(self, node: int, now: float) -> None:
         """`node` was just admitted from Redis, whose GETEX refreshed the key's TTL."""

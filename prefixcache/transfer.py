@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-PROBE_MARGIN = 1.25  # a fetch must be estimated this much faster than recomputing: decoding,
+PROBE_MARGIN = 1.25  # a fetch (and its check) must be estimated this much faster than recomputing:
                      # admitting and the worker's own copy of the blocks cost time too
 _MIN_BYTES_PER_S = 1e3
 _MAX_BYTES_PER_S = 1e12
@@ -51,6 +51,12 @@ class TransferEstimate:
 
     def seconds(self, nbytes: float, trips: int = 1) -> float:
         return trips * self.latency_s + nbytes / self.bytes_per_s
+
+    def then(self, after: "TransferEstimate") -> "TransferEstimate":
+        """The same bytes through this path and then `after` (e.g. a fetch, then checking it):
+        latencies add, and so do the seconds per byte."""
+        return TransferEstimate(self.latency_s + after.latency_s,
+                                1.0 / (1.0 / self.bytes_per_s + 1.0 / after.bytes_per_s), self.samples)
 
 
 class TransferMeter:

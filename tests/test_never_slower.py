@@ -31,6 +31,7 @@ from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, DType, KVLayout
 from prefixcache.tiers.host import HostTier
 from prefixcache.tiers.redis import RedisOptions, RedisTier
+from prefixcache.transfer import ProbeBudget, TransferEstimate
 from tests.core_support import ManualClock, kv_for, namespace, same_bytes
 from tests.redis_server import RedisServer
 from tests.slow_proxy import SlowProxy
@@ -118,6 +119,33 @@ def test_fast_redis_is_still_probed_and_hit(populated) -> None:
         assert result.hit_tokens == 16 * BS and result.remote_blocks_declined == 0
         assert same_bytes(cache.read(result.locations), kv_for(prompts["medium"], LAYOUT))
         assert cache.stats().remote["probes_declined"] == 0
+
+
+def test_checking_fetched_frames_counts_against_the_budget(populated) -> None:
+    """Over a fast Redis, a probe is still declined when checking what comes back (a frame MAC,
+    say) would cost more than recomputing; and the cache measures that check as it fetches."""
+    server, prefix, prompts = populated
+    with tier_cache(server.url, prefix) as (cache, ns):
+        prompt = cache.namespaces.prompt(ns, prompts["medium"])
+        saving = WORKER_S_PER_TOKEN * BS
+        slow_check = TransferEstimate(latency_s=0.0, bytes_per_s=LAYOUT.block_bytes / (10 * saving))
+        declined = ProbeBudget(16, saving)
+        frames = cache.remote.fetch(ns, prompt.hashes, frame_bytes=LAYOUT.block_bytes, prefix_only=True,
+                                    budget=declined, verify=slow_check)
+        assert frames == [None] * 16 and declined.declined == 16
+        taken = ProbeBudget(16, saving)
+        frames = cache.remote.fetch(ns, prompt.hashes, frame_bytes=LAYOUT.block_bytes, prefix_only=True,
+                                    budget=taken, verify=TransferEstimate(0.0, 10e9))
+        assert all(frames) and taken.declined == 0
+        assert cache.remote_link.verify_estimate().samples == 0        # the prior, until it has checked
+        assert cache.lookup(ns, prompts["medium"], recompute_s_per_token=WORKER_S_PER_TOKEN).hit_tokens == 16 * BS
+        assert cache.remote_link.verify_estimate().samples == 1
+
+
+def test_estimates_of_consecutive_steps_add() -> None:
+    fetch, check = TransferEstimate(1e-3, 1e9), TransferEstimate(1e-5, 1e9)
+    both = fetch.then(check)
+    assert both.seconds(2e9) == pytest.approx(fetch.seconds(2e9) + check.seconds(2e9))
 
 
 # ---- end to end: service + workers as processes ----------------------------------------------------

@@ -153,7 +153,7 @@ class RedisTier:
 
     def fetch(self, namespace_id: str, hashes: list[bytes], ttl_s: float | None = None, *,
               frame_bytes: int | None = None, prefix_only: bool = False,
-              budget: ProbeBudget | None = None) -> list[bytes | None]:
+              budget: ProbeBudget | None = None, verify: TransferEstimate | None = None) -> list[bytes | None]:
         """Frames for `hashes` (None = miss) by pipelined GETEX, which also refreshes each hit's TTL.
 
         One round trip, or, when the expected frame size `frame_bytes` is given, round
@@ -163,7 +163,8 @@ class RedisTier:
         With `prefix_only` only a contiguous run of hits is wanted: every entry after
         the first miss is None, and no round trip starts after one that held a miss.
         With a `budget` (which needs `frame_bytes`), each round trip asks only for what the
-        budget grants; the blocks it declines come back as None.
+        budget grants; the blocks it declines come back as None. `verify` is the caller's
+        cost of checking what comes back (e.g. a frame MAC), counted after the link's.
         """
         if budget is not None and not frame_bytes:
             raise ValueError("a fetch with a budget needs frame_bytes")
@@ -180,7 +181,7 @@ class RedisTier:
         while len(frames) < len(hashes):
             batch = hashes[len(frames):len(frames) + per_trip]
             if budget is not None:
-                batch = batch[:self._grant(budget, len(batch), frame_bytes, per_trip)]
+                batch = batch[:self._grant(budget, len(batch), frame_bytes, per_trip, verify)]
                 if not batch:
                     break
             got = self._round_trip(client, namespace_id, batch, ttl_ms)
@@ -280,9 +281,12 @@ class RedisTier:
         return (connect(url, self.options, self.options.socket_timeout_s),
                 connect(url, self.options, self.options.write_timeout_s))
 
-    def _grant(self, budget: ProbeBudget, wanted: int, frame_bytes: int, per_trip: int) -> int:
+    def _grant(self, budget: ProbeBudget, wanted: int, frame_bytes: int, per_trip: int,
+               verify: TransferEstimate | None) -> int:
         with self._lock:
             estimate = self._link.estimate()
+        if verify is not None:
+            estimate = estimate.then(verify)
         return budget.grant(wanted, estimate, frame_bytes, per_trip, time.perf_counter())
 
     def _round_trip(self, client: RedisClient, namespace_id: str, hashes: list[bytes],
