@@ -6,6 +6,7 @@ written to a temporary directory with `save_pretrained` for the local-path loade
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import shutil
 
@@ -26,7 +27,7 @@ from transformers import (
 from services.worker.attention import prefix_exact_attention
 from services.worker.chat import ChatMessage, ChatMLTemplate, Role, completion_prompt
 from services.worker.compat import UnsupportedModelError, check_plain_kv
-from services.worker.engine import Engine, FinishReason
+from services.worker.engine import Engine, FinishReason, bucket_length
 from services.worker.model import checkpoint_digest, configure_torch_threads, load_model
 from services.worker.prefill_rate import PrefillRateMeter
 from services.worker.tokenizer import (
@@ -247,6 +248,101 @@ def test_full_hit_on_block_multiple_keeps_last_block(engines, dtype):
         assert torch.equal(hit.prefill.logits, full.prefill.logits)
     with pytest.raises(ValueError, match="at least one prompt token must be computed"):
         engine.prefill(prompt, blocks)
+
+
+# --- prefill buckets: padded prefill == unpadded, bit for bit ------------------------------
+
+
+def _real_kv(cache, n: int) -> torch.Tensor:
+    return torch.stack([torch.stack([layer.keys[0, :, :n], layer.values[0, :, :n]]) for layer in cache.layers])
+
+
+@pytest.fixture(scope="module")
+def plain_bf16(engines) -> Engine:
+    return Engine(engines["bfloat16"].loaded, prefill_buckets=False)
+
+
+def test_bucket_lengths_are_few_aligned_and_tight():
+    buckets = sorted({bucket_length(n) for n in range(1, 16_385)})
+    assert buckets[:16] == list(range(16, 257, 16)) and len(buckets) == 52
+    assert sum(b <= 2048 for b in buckets) == 33
+    for n in range(1, 20_000):
+        b = bucket_length(n)
+        assert b >= n and b % 16 == 0  # whole attention q chunks (attention.Q_CHUNK)
+        assert b - n < 16 or b - n <= 0.125 * n + 16
+        assert bucket_length(b) == b
+    with pytest.raises(ValueError):
+        bucket_length(0)
+
+
+def test_buckets_default_on_only_for_onednn_bfloat16(engines):
+    assert engines["bfloat16"].prefill_buckets and not engines["float32"].prefill_buckets
+    enabled = torch.backends.mkldnn.enabled
+    try:
+        torch.backends.mkldnn.enabled = False  # --no-onednn: memory is flat without padding
+        assert not Engine(engines["bfloat16"].loaded).prefill_buckets
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+
+
+@pytest.mark.parametrize("n", [1, 15, 17, 100, 257, 300, 513, 833, 1500])
+def test_bucketed_prefill_is_bitwise_the_unpadded_one(engines, plain_bf16, n):
+    bucketed = engines["bfloat16"]
+    prompt = _ids(100 + n, n)
+    padded, plain = bucketed.prefill(prompt), plain_bf16.prefill(prompt)
+
+    assert padded.padding_tokens == bucket_length(n) - n and plain.padding_tokens == 0
+    assert padded.computed_tokens == n and padded.cache.get_seq_length() == n  # pads cropped
+    assert torch.equal(padded.logits, plain.logits)  # the last real token's, not a pad's
+    assert torch.equal(_real_kv(padded.cache, n), _real_kv(plain.cache, n))
+
+    if n > 2 * BLOCK:  # a prefix hit: only the suffix is padded
+        shared = (n - 1) // BLOCK // 2
+        blocks = plain_bf16.extract_blocks(plain.cache, 0, shared, BLOCK)
+        hit = bucketed.prefill(prompt, blocks)
+        suffix = n - shared * BLOCK
+        assert hit.padding_tokens == bucket_length(suffix) - suffix and hit.cache.get_seq_length() == n
+        assert torch.equal(hit.logits, plain.logits)
+        assert torch.equal(_real_kv(hit.cache, n), _real_kv(plain.cache, n))
+
+
+def test_decode_after_a_bucketed_prefill_is_unchanged(engines, plain_bf16):
+    prompt = _ids(8, 300)  # bucket 336: 36 pads cropped before decoding at position 300
+    blocks = plain_bf16.extract_blocks(plain_bf16.prefill(prompt).cache, 0, 10, BLOCK)
+    reference, plain = _greedy(plain_bf16, prompt)
+    for prefix in (None, blocks):
+        tokens, generation = _greedy(engines["bfloat16"], prompt, prefix)
+        assert generation.prefill.padding_tokens > 0
+        assert tokens == reference and len(set(reference)) > 4
+        assert generation.cache.get_seq_length() == 300 + 15  # 16 tokens, the last not yet fed back
+        assert torch.equal(_real_kv(generation.cache, 315), _real_kv(plain.cache, 315))
+
+
+def test_buckets_bound_the_lengths_the_model_sees(engines):
+    engine = engines["bfloat16"]
+    seen = []
+    hook = engine.loaded.model.get_input_embeddings().register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].shape[1])
+    )
+    try:
+        lengths = range(40, 440, 10)
+        for n in lengths:
+            engine.prefill(_ids(n, n))
+    finally:
+        hook.remove()
+    assert sorted(set(seen)) == sorted({bucket_length(n) for n in lengths})
+    assert len(set(seen)) == 19 < len(lengths)  # 40 distinct prompt lengths, 19 matmul shapes
+
+
+def test_buckets_stop_at_the_position_limit(engines, plain_bf16):
+    # The same real model declaring 1000 positions: bucket(990) = 1056 is cut to 1000, as a
+    # learned position table could not index past its end.
+    limited = Engine(dataclasses.replace(engines["bfloat16"].loaded, max_positions=1000))
+    prompt = _ids(9, 990)
+    padded, plain = limited.prefill(prompt), plain_bf16.prefill(prompt)
+    assert padded.padding_tokens == 10 and padded.cache.get_seq_length() == 990
+    assert torch.equal(padded.logits, plain.logits)
+    assert torch.equal(_real_kv(padded.cache, 990), _real_kv(plain.cache, 990))
 
 
 def test_prefix_blocks_must_match_the_layout(engines):

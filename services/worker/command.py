@@ -56,8 +56,11 @@ def register(subparsers) -> None:
                         help="auto: load a cached prefix only when that is estimated faster than recomputing it "
                              "(default); always: load every usable cached block (deterministic reuse, e.g. tests)")
     parser.add_argument("--no-onednn", action="store_true",
-                        help="CPU: run without oneDNN, whose per-shape kernel cache grows with every new prompt "
-                             "length; memory stays flat, bfloat16 prefill is ~2-3x slower")
+                        help="CPU: run without oneDNN (per-shape kernel cache); bfloat16 prefill is ~2-3x slower. "
+                             "Rarely needed: prefill buckets already bound that cache")
+    parser.add_argument("--no-prefill-buckets", action="store_true",
+                        help="bfloat16 on CPU: do not pad prefills to a bounded set of lengths (~6%% more prefill "
+                             "compute, same outputs); oneDNN then keeps ~2.6 MiB of kernels per distinct length")
     parser.set_defaults(handler=run)
 
 
@@ -72,8 +75,8 @@ def build_backend(args):
     configure_torch_threads(args.threads)
     if args.no_onednn:
         import torch
-        # oneDNN keeps compiled kernels per matmul shape, and every new prompt length is a new
-        # shape: RSS grows ~2 MiB per distinct length seen (docs/benchmarks.md, chaos soak).
+        # oneDNN keeps compiled kernels per matmul shape (~2.6 MiB each); prefill buckets bound
+        # the shapes, this drops oneDNN altogether (docs/deploy.md, "Worker memory on CPU").
         torch.backends.mkldnn.enabled = False
     try:
         loaded = load_model(args.model, dtype=args.dtype, seed=args.seed)
@@ -81,7 +84,9 @@ def build_backend(args):
         raise ConfigError("model", f"{args.model} cannot use the prefix cache: {error}") from None
     except ValueError as error:  # an unknown spec or a broken checkpoint: one line, not a traceback
         raise ConfigError("model", str(error)) from None
-    engine = Engine(loaded)
+    # None: pad where it bounds memory (bfloat16 on CPU with oneDNN, engine.buckets_bound_memory).
+    engine = Engine(loaded, prefill_buckets=False if args.no_prefill_buckets else None)
+    log.info("prefill buckets: %s", "on" if engine.prefill_buckets else "off")
     registry = CollectorRegistry()
     link = None
     if not args.no_cache:

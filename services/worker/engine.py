@@ -7,8 +7,19 @@ KV back out as blocks (layout in `kv_blocks`).
 Invariants:
 - At least one prompt token is always computed: prefix blocks must cover fewer tokens than
   the prompt (else `ValueError`), so there are always last-position logits to sample from.
-- The suffix runs at its absolute positions (`position_ids` = prefix_len ... len - 1) and
-  only the last position's logits are produced (`logits_to_keep=1`).
+- The suffix runs at its absolute positions (`position_ids` = prefix_len ... len - 1, then any
+  pads) and only the last real position's logits are produced (`logits_to_keep`).
+- Prefill buckets (on by default for bfloat16 on CPU with oneDNN, `buckets_bound_memory`):
+  the computed tokens are padded at the end with `PAD_TOKEN_ID` up to `bucket_length(k)`, so
+  the model only ever sees a bounded set of sequence lengths. oneDNN keeps compiled kernels
+  per matmul shape, ~2.6 MiB each, so without buckets RSS grows with every new prompt length
+  (docs/benchmarks.md, chaos soak). Pads come after every real token, so causal attention
+  keeps them out of every real row, and they are cropped off the KV cache after the forward
+  pass. In bfloat16 with `attention.PREFIX_EXACT` the logits and the KV of real positions are
+  bitwise those of an unpadded prefill: a row's result does not depend on how many rows share
+  the pass, the same property that makes cached == recomputed (tested in
+  tests/test_worker_engine.py). float32/float16 would differ by rounding (~1e-5), one more
+  reason they run unpadded by default.
 - Greedy decoding is a pure function of the prompt's KV: with `attention.PREFIX_EXACT` in
   bfloat16, prefilling from cached blocks gives bitwise the same logits and tokens as a full
   prefill (float32 agrees to ~1e-6, see `attention`).
@@ -36,6 +47,45 @@ from services.worker.prefill_rate import PrefillRateMeter
 
 logger = logging.getLogger(__name__)
 
+PAD_TOKEN_ID = 0  # any valid id: pads sit after the real tokens and are cropped off
+BUCKET_STEP = 16  # = attention.Q_CHUNK: padded suffixes are whole q chunks, no odd-sized ones
+BUCKET_LINEAR_UP_TO = 256  # every multiple of 16 up to here: at most 15 pads
+BUCKET_RATIO = 1.125  # then ceil16(256 * 1.125**k): at most 12.5% + 16 pads, ~6% on average
+
+
+def _round_up(n: int) -> int:
+    return -(-n // BUCKET_STEP) * BUCKET_STEP
+
+
+def bucket_length(n: int) -> int:
+    """The padded length of a prefill of `n` new tokens: the smallest bucket >= n.
+
+    Buckets: 16, 32, ..., 256, then 288, 336, 368, ..., ceil16(256 * 1.125**k): 33 lengths
+    up to 2k tokens, 52 up to 16k. oneDNN spends ~2.6 MiB once per length; the ratio trades
+    that against padded compute (measured in docs/benchmarks.md, chaos soak).
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if _round_up(n) <= BUCKET_LINEAR_UP_TO:
+        return _round_up(n)
+    k = 1  # powers of the ratio, not compounded roundings: no drift
+    while (bucket := _round_up(math.ceil(BUCKET_LINEAR_UP_TO * BUCKET_RATIO**k))) < n:
+        k += 1
+    return bucket
+
+
+def buckets_bound_memory(loaded: LoadedModel) -> bool:
+    """True where unbucketed prefills grow RSS per new length: bfloat16 on CPU with oneDNN
+    enabled. float32 and float16 CPU matmuls (not oneDNN's per-shape kernels) and
+    `--no-onednn` stay flat without buckets (measured), so they skip the padded compute."""
+    model = loaded.model
+    return (
+        model.device.type == "cpu"
+        and model.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.enabled
+    )
+
 
 class FinishReason(enum.Enum):
     STOP = "stop"  # a stop token was sampled (it is not yielded)
@@ -51,7 +101,8 @@ class PrefillResult:
     prefix_tokens: int  # loaded from prefix blocks
     computed_tokens: int  # prompt_tokens - prefix_tokens, always >= 1
     load_seconds: float  # building the cache from blocks
-    compute_seconds: float  # the forward pass over the suffix
+    compute_seconds: float  # the forward pass over the suffix (pads included)
+    padding_tokens: int = 0  # pads computed after the suffix (prefill buckets), then cropped
 
 
 def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
@@ -131,8 +182,17 @@ class Generation:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, rate_meter: PrefillRateMeter | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        rate_meter: PrefillRateMeter | None = None,
+        *,
+        prefill_buckets: bool | None = None,
+    ) -> None:
+        """`prefill_buckets`: pad prefills to `bucket_length`; None (default) pads exactly
+        where it bounds memory, see `buckets_bound_memory`."""
         self.loaded = loaded
+        self.prefill_buckets = buckets_bound_memory(loaded) if prefill_buckets is None else prefill_buckets
         self._model = loaded.model
         self._vocab = self._model.get_input_embeddings().num_embeddings
         self._rate = rate_meter if rate_meter is not None else PrefillRateMeter()
@@ -176,6 +236,16 @@ class Engine:
         with torch.inference_mode():
             return blocks_to_cache(prefix_blocks, self._model.config), prefix
 
+    def _padded_length(self, prefix: int, n: int) -> int:
+        """How many tokens to run for the suffix [prefix, n): its bucket, never past the
+        model's position limit (learned position tables cannot index beyond it)."""
+        computed = n - prefix
+        if not self.prefill_buckets:
+            return computed
+        limit = self.loaded.max_positions
+        bucket = bucket_length(computed)
+        return bucket if limit is None else max(computed, min(bucket, limit - prefix))
+
     def prefill(
         self, token_ids: Sequence[int], prefix_blocks: torch.Tensor | None = None
     ) -> PrefillResult:
@@ -185,23 +255,34 @@ class Engine:
         started = time.perf_counter()
         cache, prefix = self._initial_cache(n, prefix_blocks)
         loaded = time.perf_counter()
-        positions = torch.arange(prefix, n, device=ids.device).unsqueeze(0)
+        run = self._padded_length(prefix, n)
+        pad = run - (n - prefix)
+        new = ids[:, prefix:]
+        if pad:
+            new = torch.cat([new, new.new_full((1, pad), PAD_TOKEN_ID)], dim=1)
+        positions = torch.arange(prefix, prefix + run, device=ids.device).unsqueeze(0)
         with torch.inference_mode():
             out = self._model(
-                input_ids=ids[:, prefix:],
+                input_ids=new,
                 position_ids=positions,
                 cache=cache,
                 use_cache=True,
-                # An index tensor, not the int 1: it yields a contiguous [1, 1, hidden] row,
-                # whereas the int's strided slice sends bf16 CPU matmul down a path that
-                # copies the whole lm_head weight (~90 ms per call at 100k vocab).
+                # The last real token's row. An index tensor, not an int: it yields a contiguous
+                # [1, 1, hidden] row, whereas the int's strided slice sends bf16 CPU matmul down
+                # a path that copies the whole lm_head weight (~90 ms per call at 100k vocab).
                 logits_to_keep=torch.tensor([n - prefix - 1], device=ids.device),
             )
             logits = out.logits[0, -1].float()
+            if pad:
+                out.cache.crop(-pad)  # the pads' KV: decoding continues at position n
+        if out.cache.get_seq_length() != n:
+            raise RuntimeError(f"prefill left {out.cache.get_seq_length()} KV positions, expected {n}")
         done = time.perf_counter()
         self._rate.observe(n - prefix, done - loaded)
-        logger.debug("prefill %d tokens (%d from prefix) in %.3fs", n, prefix, done - started)
-        return PrefillResult(out.cache, logits, n, prefix, n - prefix, loaded - started, done - loaded)
+        logger.debug("prefill %d tokens (%d from prefix, %d pads) in %.3fs", n, prefix, pad, done - started)
+        return PrefillResult(
+            out.cache, logits, n, prefix, n - prefix, loaded - started, done - loaded, padding_tokens=pad
+        )
 
     def decode_step(self, token: int, position: int, cache: DynamicCache) -> torch.Tensor:
         """Append `token` at `position` to `cache`; return the next-token logits [vocab] (fp32)."""
