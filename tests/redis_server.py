@@ -219,10 +219,11 @@ class RedisClusterProcesses:
         addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
         subprocess.run([_require("redis-cli"), "--cluster", "create", *addresses, "--cluster-replicas", "0",
                         "--cluster-yes"], check=True, timeout=timeout_s, capture_output=True)
-        self._wait_state_ok(timeout_s)
+        self.wait_ok(timeout_s)
         return self
 
-    def _wait_state_ok(self, timeout_s: float) -> None:
+    def wait_ok(self, timeout_s: float) -> None:
+        """Until every node reports `cluster_state:ok` (after start, or a node's restart)."""
         deadline = time.monotonic() + timeout_s
         for node in self.nodes:
             with node.client() as client:

@@ -4,7 +4,7 @@ What only the cache can show: blocks that leave a tiny host tier come back from 
 stored by one instance, or before a restart, is a hit on another; every Redis fault degrades to
 the host tier and recovers without recreating the cache; a bad value under a block's key is a
 counted miss that is deleted and never executed; a Redis hit slides the key's TTL; the same over
-Redis Cluster. Every hit is compared byte for byte with what was stored (`hit_blocks`).
+Redis Cluster, including a master killed and restarted. Every hit is compared byte for byte with what was stored (`hit_blocks`).
 
 Servers come from tests/redis_server.py (`private_redis` where a test kills or pauses Redis).
 Asynchronous writes are awaited with `RedisTier.wait_idle`; breaker state is polled with a
@@ -32,7 +32,7 @@ from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.host import HostTier
 from prefixcache.tiers.redis import RedisOptions, RedisTier
 from tests.core_support import ManualClock, block_hashes, kv_for, namespace, same_bytes
-from tests.redis_server import RedisServer, poll
+from tests.redis_server import RedisClusterProcesses, RedisServer, poll
 
 LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=8, block_size=4, dtype=DType.FLOAT16)  # 512-byte blocks
 BS = LAYOUT.block_size
@@ -385,3 +385,44 @@ def test_two_caches_share_prefixes_across_every_cluster_node(redis_cluster, pref
             with node.client() as raw:
                 per_node.append(sum(1 for _ in raw.scan_iter(match=f"{prefix}:*")))
         assert sum(per_node) == 48 and all(count > 0 for count in per_node), per_node
+
+
+def test_a_killed_cluster_node_degrades_to_the_host_tier_and_the_cluster_recovers(tmp_path: Path,
+                                                                                  prefix: str) -> None:
+    """A private 3-master cluster (no replicas); one master is SIGKILLed. Every lookup still
+    answers, in bounded time, with only verified bytes; local hits never stop; once the node
+    is back (its slots, not its data: persistence is off) the tier recovers by itself."""
+    cluster = RedisClusterProcesses(tmp_path / "cluster").start()
+    try:
+        url = cluster.url
+        with redis_cache(url, prefix, host_slots=64, socket_timeout_s=0.5) as (a, ns), \
+                redis_cache(url, prefix, host_slots=64, socket_timeout_s=0.5) as (b, _):
+            assert poll(remote_up(a, b), 10)
+            prompts = [tokens_for(seed, 4) for seed in range(1, 13)]
+            for tokens in prompts:
+                assert store(a, ns, tokens).stored == 4
+            assert a.remote.wait_idle(10)
+            victim = cluster.nodes[1]
+            with victim.client() as raw:
+                on_victim = sum(1 for _ in raw.scan_iter(match=f"{prefix}:*"))
+            assert on_victim > 0
+            victim.kill()
+            for tokens in prompts:                          # b holds nothing locally: every block is Redis's
+                began = time.monotonic()
+                hit = hit_blocks(b, ns, tokens)             # byte-checked when it hits
+                assert 0 <= hit <= 4 and time.monotonic() - began < 3.0
+                assert hit_blocks(a, ns, tokens) == 4       # a's own blocks never wait on Redis
+            assert poll(lambda: hit_blocks(b, ns, tokens_for(99, 1)) == 0 and remote_down(b)(), 10)
+
+            victim.restart()                                # same port and nodes.conf: it rejoins, empty
+            cluster.wait_ok(30)
+            assert poll(remote_up(a, b), 10), "the tier must recover without recreating the cache"
+            fresh = [tokens_for(seed, 4) for seed in range(20, 32)]
+            for tokens in fresh:
+                assert store(a, ns, tokens).stored == 4
+            assert a.remote.wait_idle(10)
+            assert [hit_blocks(b, ns, tokens) for tokens in fresh] == [4] * 12  # every node serves again
+            with victim.client() as raw:
+                assert sum(1 for _ in raw.scan_iter(match=f"{prefix}:*")) > 0
+    finally:
+        cluster.stop()
