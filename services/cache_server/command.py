@@ -72,8 +72,8 @@ def register(subparsers) -> None:
     add("--grace", default="10s", help="drain period on SIGTERM (default %(default)s)")
     add("--max-concurrent-rpcs", type=int, default=128, help="RPCs at once; more get RESOURCE_EXHAUSTED")
     add("--workers", type=int, default=2,
-        help="unary calls (Lookup, Commit, ...) run at once, plus one per call waiting on Redis; more than "
-             "the cores costs throughput under the GIL (default %(default)s)")
+        help="unary calls (Lookup, Commit, ...) run at once, plus one per call waiting on Redis; more "
+             "rarely helps: each extra runnable thread costs GIL hand-offs (default %(default)s)")
     add("--stream-workers", type=int, default=16,
         help="threads for Fetch/Store streams, one per open stream (default %(default)s)")
     add("--max-message-size", default="16MiB", help="largest gRPC message either way (default %(default)s)")
