@@ -140,23 +140,7 @@ class RadixIndex:
     def add(self, namespace: int, parent: int, block_hash: BlockHash, tokens: np.ndarray,
             tier: int, slot: int, now: float) -> int:
         """Insert one block under `parent`; the caller touches the path afterwards."""
-        if not self._free_rows:
-            raise RuntimeError("index is full (more blocks than tier slots)")
-        node = self._free_rows[-1]
-        self.map.insert(block_hash, node)  # raises KeyError if already indexed
-        self._free_rows.pop()
-        self.parent[node] = parent
-        self.namespace[node] = namespace
-        self.tier[node] = tier
-        self.slot[node] = slot
-        self.last_access[node] = now
-        self.tick[node] = 0  # below every logged tick, and not in the LRU scan until touched
-        self.pins[node] = 0
-        self.children[node] = 0
-        self.tokens[node] = tokens
-        if parent != ROOT:
-            self.children[parent] += 1
-        return node
+        return self.add_chain(namespace, parent, [block_hash], np.asarray(tokens)[None], tier, [slot], now)[0]
 
     def add_chain(self, namespace: int, parent: int, hashes: list[BlockHash], tokens: np.ndarray,
                   tier: int, slots: Sequence[int], now: float) -> list[int]:

@@ -10,6 +10,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from prefixcache.rpc import cache_pb2 as pb
 from services.cache_server.pools import ElasticPool, waiting
 from tests.isolation_support import serve
 from tests.redis_server import poll
@@ -159,7 +160,8 @@ def test_open_streams_do_not_take_the_unary_threads():
         for stream in streams:
             replies.append(next(stream))  # the handler is now waiting for a second request
         leases = [client.lookup(tokens) for _ in range(2)]
-        fetches = [client._stub.Fetch(_fetch_request(hit.lease_id), timeout=30) for hit in leases]
+        fetches = [client._stub.Fetch(pb.FetchRequest(lease_id=hit.lease_id, max_chunk_bytes=1 << 20), timeout=30)
+                   for hit in leases]
         for fetch in fetches:
             next(fetch)  # started; the rest is never read
         assert poll(lambda: _stream_threads() - before >= 4, 10)
@@ -173,11 +175,6 @@ def test_open_streams_do_not_take_the_unary_threads():
         for lease in leases:
             client.release(lease)
         channel.close()
-
-
-def _fetch_request(lease_id: int):
-    from prefixcache.rpc import cache_pb2 as pb
-    return pb.FetchRequest(lease_id=lease_id, max_chunk_bytes=1 << 20)
 
 
 def test_a_lookup_waiting_on_redis_does_not_hold_up_local_hits(private_redis):
@@ -197,7 +194,7 @@ def test_a_lookup_waiting_on_redis_does_not_hold_up_local_hits(private_redis):
             private_redis.pause(2500)
             slow = threading.Thread(target=lambda: other.lookup(prompt(4, start=90_000), take_lease=False))
             slow.start()
-            assert poll(lambda: server.unary_pool.waiting_calls == 1, 5), "the Redis read never started"
+            assert poll(lambda: server.unary_pool.load()["waiting"] == 1, 5), "the Redis read never started"
             started = time.monotonic()
             assert client.lookup(local, take_lease=False).hit_tokens == 4 * 16
             assert time.monotonic() - started < 1.0 and slow.is_alive()

@@ -74,10 +74,6 @@ class ElasticPool(futures.ThreadPoolExecutor):
     def threads(self) -> int:
         return len(self._threads)
 
-    @property
-    def waiting_calls(self) -> int:
-        return self._waiting
-
     def load(self) -> dict[str, int]:
         """Calls by state, for the metrics exporter: queued for a thread, running, waiting (of running)."""
         with self._cond:
