@@ -32,6 +32,7 @@ the numpy views.
 from __future__ import annotations
 
 import array
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -59,19 +60,19 @@ class BlockMap:
     def __len__(self) -> int:
         return self._count
 
-    def _split(self, digest: bytes) -> array.array:
+    def _split(self, digest: bytes) -> array.array[int]:
         words = array.array("Q")
         words.frombytes(digest.ljust(self.word_count * 8, b"\0"))
         return words
 
-    def _words_of(self, row: int) -> array.array:
+    def _words_of(self, row: int) -> array.array[int]:
         return array.array("Q", (self._words[k * self.capacity + row] for k in range(self.word_count)))
 
     def digest(self, row: int) -> bytes:
         return self._words_of(row).tobytes()[: self.digest_size]
 
     # -- scalar operations ------------------------------------------------------
-    def _find(self, words: array.array) -> int:
+    def _find(self, words: array.array[int]) -> int:
         """Flat cell holding the row of `words`, or -1 - (the cell where it would be inserted)."""
         cells, table, capacity = self._cells, self._words, self.capacity
         bucket = words[0] & self.bucket_mask
@@ -135,7 +136,7 @@ class BlockMap:
         self._count -= 1
 
     # -- batch lookup -------------------------------------------------------------
-    def get_many(self, digests: list[bytes]) -> np.ndarray:
+    def get_many(self, digests: Sequence[bytes]) -> np.ndarray:
         """Rows of `digests` (int64, -1 where unmapped).
 
         One vectorised pass over the home buckets resolves nearly every digest; the few whose

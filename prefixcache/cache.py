@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -31,8 +31,8 @@ from .errors import InvalidArgument, LayoutMismatch, ResourceExhausted, UnknownL
 from .hashing import BlockHash, Hasher
 from .index import ROOT, Match, MissReason, RadixIndex
 from .leases import Lease, Reservation
-from .placement import Placement
 from .namespaces import NamespaceRegistry, Prompt
+from .placement import Placement
 from .quota import TenantLedger
 from .remote_link import RemoteLink
 from .results import BlockLocation, BlockLocations, CommitResult, LookupResult

@@ -65,7 +65,7 @@ class DType(enum.Enum):
         return 4 if self is DType.FLOAT32 else 2
 
     @classmethod
-    def parse(cls, value: "str | DType", field_name: str = "dtype") -> "DType":
+    def parse(cls, value: str | DType, field_name: str = "dtype") -> DType:
         if isinstance(value, DType):
             return value
         try:
@@ -80,7 +80,7 @@ class HashAlgorithm(enum.Enum):
     SHA256 = "sha256"
 
     @classmethod
-    def parse(cls, value: "str | HashAlgorithm") -> "HashAlgorithm":
+    def parse(cls, value: str | HashAlgorithm) -> HashAlgorithm:
         if isinstance(value, HashAlgorithm):
             return value
         try:
@@ -149,7 +149,7 @@ class TenantQuota:
     def limited(self) -> bool:
         return self.host is not None or self.device is not None
 
-    def updated(self, spec: str, field_name: str = "tenant_quota") -> "TenantQuota":
+    def updated(self, spec: str, field_name: str = "tenant_quota") -> TenantQuota:
         """This quota with the tiers named in `spec` replaced: "host=256MiB,device=1GiB";
         a tier given as "unlimited" (or "none") has no limit."""
         values = {name: getattr(self, name) for name in QUOTA_TIERS}
@@ -164,7 +164,7 @@ class TenantQuota:
         return TenantQuota(**values)
 
     @classmethod
-    def parse(cls, spec: str, field_name: str = "tenant_quota") -> "TenantQuota":
+    def parse(cls, spec: str, field_name: str = "tenant_quota") -> TenantQuota:
         return cls().updated(spec, field_name)
 
 

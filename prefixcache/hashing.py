@@ -15,7 +15,8 @@ from __future__ import annotations
 import array
 import hashlib
 import struct
-from typing import NewType, Sequence
+from collections.abc import Sequence
+from typing import Callable, NewType, cast
 
 import numpy as np
 import xxhash
@@ -24,6 +25,7 @@ from .config import HashAlgorithm, Namespace
 from .errors import InvalidArgument
 
 BlockHash = NewType("BlockHash", bytes)
+Tokens = Sequence[int] | np.ndarray  # token ids as callers pass them (see `token_array`)
 """Digest naming a prefix (16 bytes for xxh3_128, 32 for sha256)."""
 
 _NAMESPACE_MAGIC = b"prefixcache-ns\x01"
@@ -44,7 +46,7 @@ def encode_namespace(namespace: Namespace) -> bytes:
     return b"".join(parts)
 
 
-def token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+def token_array(tokens: Tokens) -> np.ndarray:
     """Tokens as a little-endian u32 array; raises InvalidArgument("tokens") for anything else.
 
     Accepted: a sequence of Python ints (converted through `array.array`,
@@ -77,15 +79,20 @@ def token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return array_in.astype(_U32)
 
 
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
 class Hasher:
     """Computes root and chained block hashes with one algorithm."""
 
     def __init__(self, algorithm: HashAlgorithm = HashAlgorithm.XXH3_128) -> None:
         self.algorithm = algorithm
+        self._digest: Callable[[bytes], bytes]
         if algorithm is HashAlgorithm.XXH3_128:
             self._digest = xxhash.xxh3_128_digest  # bound directly: a wrapper costs ~40 ns a block
         else:
-            self._digest = lambda data: hashlib.sha256(data).digest()
+            self._digest = _sha256
 
     def digest(self, data: bytes) -> BlockHash:
         return BlockHash(self._digest(data))
@@ -102,14 +109,14 @@ class Hasher:
         """Chained hashes of every full block of `tokens` (a u32 array from `token_array`)."""
         raw = tokens.tobytes()
         stride = block_size * 4
-        hashes: list[BlockHash] = []
-        parent = root
+        hashes: list[bytes] = []
+        parent: bytes = root
         # The raw function skips a Python frame per block; a subclass's own `digest` still wins.
-        digest = self._digest if type(self).digest is Hasher.digest else self.digest
+        digest: Callable[[bytes], bytes] = self._digest if type(self).digest is Hasher.digest else self.digest
         for start in range(0, (len(tokens) // block_size) * stride, stride):
             parent = digest(parent + raw[start:start + stride])
             hashes.append(parent)
-        return hashes
+        return cast(list[BlockHash], hashes)  # one cast, not a NewType call per block
 
 
 def namespace_id(root: BlockHash) -> str:

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import array
 import enum
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -62,7 +62,7 @@ class Match:
 
     @property
     def nodes(self) -> list[int]:
-        return self.rows.tolist()
+        return list(self.rows.tolist())
 
 
 class RadixIndex:

@@ -14,7 +14,7 @@ import numpy as np
 
 from .config import KVLayout, Namespace
 from .errors import InvalidArgument, LayoutMismatch, ResourceExhausted, UnknownNamespace
-from .hashing import BlockHash, Hasher, namespace_id, token_array
+from .hashing import BlockHash, Hasher, Tokens, namespace_id, token_array
 
 MAX_NAMESPACES = int(np.iinfo(np.int16).max)  # the index stores the row as int16
 
@@ -72,7 +72,7 @@ class NamespaceRegistry:
     def by_row(self, row: int) -> NamespaceEntry:
         return self._by_row[row]
 
-    def prompt(self, ns_id: str, tokens) -> Prompt:
+    def prompt(self, ns_id: str, tokens: Tokens) -> Prompt:
         entry = self.get(ns_id)
         array = token_array(tokens)
         if len(array) > self.max_prompt_tokens:

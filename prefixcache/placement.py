@@ -17,7 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 

@@ -9,8 +9,9 @@ indexed, and callers that want bulk numbers read `.tiers` / `.slots`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence, overload
+from typing import overload
 
 import numpy as np
 
@@ -40,7 +41,7 @@ class BlockLocations(Sequence[BlockLocation]):
         self.slots = slot_array
 
     @classmethod
-    def adopt(cls, tiers: np.ndarray, slots: np.ndarray) -> "BlockLocations":
+    def adopt(cls, tiers: np.ndarray, slots: np.ndarray) -> BlockLocations:
         """Wrap fresh arrays (int8 tiers, int32 slots) that nobody else holds, without copying."""
         locations = cls.__new__(cls)
         tiers.flags.writeable = False
@@ -49,7 +50,7 @@ class BlockLocations(Sequence[BlockLocation]):
         return locations
 
     @classmethod
-    def of(cls, locations: Iterable[BlockLocation]) -> "BlockLocations":
+    def of(cls, locations: Iterable[BlockLocation]) -> BlockLocations:
         if isinstance(locations, BlockLocations):
             return locations
         pairs = [(int(loc.tier), int(loc.slot)) for loc in locations]
@@ -61,9 +62,9 @@ class BlockLocations(Sequence[BlockLocation]):
     @overload
     def __getitem__(self, item: int) -> BlockLocation: ...
     @overload
-    def __getitem__(self, item: slice) -> "BlockLocations": ...
+    def __getitem__(self, item: slice) -> BlockLocations: ...
 
-    def __getitem__(self, item):
+    def __getitem__(self, item: int | slice) -> BlockLocation | BlockLocations:
         if isinstance(item, slice):
             return BlockLocations(self.tiers[item], self.slots[item])
         return BlockLocation(TierKind(int(self.tiers[item])), int(self.slots[item]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from .index import MissReason
 from .tiers.base import TierKind
@@ -35,11 +36,11 @@ class Counters:
     tokens_looked_up: int = 0
     blocks_committed: int = 0
     blocks_deduplicated: int = 0
-    spills: Counter = field(default_factory=Counter)       # TierKind -> blocks moved down
+    spills: Counter[TierKind] = field(default_factory=Counter)       # TierKind -> blocks moved down
     spills_dropped: int = 0
-    promotions: Counter = field(default_factory=Counter)   # TierKind (destination) -> blocks
-    evictions: Counter = field(default_factory=Counter)    # (TierKind, EvictionReason) -> blocks
-    miss_reasons: Counter = field(default_factory=Counter)  # MissReason -> requests
+    promotions: Counter[TierKind] = field(default_factory=Counter)   # TierKind (destination) -> blocks
+    evictions: Counter[tuple[TierKind, EvictionReason]] = field(default_factory=Counter)    # (TierKind, EvictionReason) -> blocks
+    miss_reasons: Counter[MissReason] = field(default_factory=Counter)  # MissReason -> requests
     remote_integrity_failures: int = 0
 
 
@@ -90,7 +91,7 @@ class StatsSnapshot:
         return self.block_hits / total if total else 0.0
 
 
-def snapshot_dicts(counters: Counters) -> dict[str, dict]:
+def snapshot_dicts(counters: Counters) -> dict[str, dict[str, Any]]:
     """The counter maps keyed by their public label strings."""
     evictions: dict[str, dict[str, int]] = {}
     for (tier, reason), count in counters.evictions.items():

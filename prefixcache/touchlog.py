@@ -17,7 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -72,6 +72,5 @@ class TouchLog:
                 leading = int(kept[0]) if kept.size else stop - position
                 self.head = position + leading
                 advancing = leading == stop - position
-            for node in nodes[current & eligible(nodes)].tolist():
-                yield node
+            yield from nodes[current & eligible(nodes)].tolist()
             position = stop

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 PROBE_MARGIN = 1.25  # a fetch (and its check) must be estimated this much faster than recomputing:
                      # admitting and the worker's own copy of the blocks cost time too
@@ -52,7 +52,7 @@ class TransferEstimate:
     def seconds(self, nbytes: float, trips: int = 1) -> float:
         return trips * self.latency_s + nbytes / self.bytes_per_s
 
-    def then(self, after: "TransferEstimate") -> "TransferEstimate":
+    def then(self, after: TransferEstimate) -> TransferEstimate:
         """The same bytes through this path and then `after` (e.g. a fetch, then checking it):
         latencies add, and so do the seconds per byte."""
         return TransferEstimate(self.latency_s + after.latency_s,

@@ -75,7 +75,7 @@ def test_eviction_is_leaf_first_lru_and_deeper_first_on_ties() -> None:
             clock.advance(1)
             filler = prompt(100 + k)
             names.add(f"f{k}-", filler)
-            order += names.evicted_by(lambda: store(cache, ns, filler))
+            order += names.evicted_by(lambda f=filler: store(cache, ns, f))
         assert order == ["a2", "b2", "a1", "c1", "c0", "a0"]
         assert cache.stats().evictions == {"host": {"lru": 6}}
         assert_consistent(cache)
@@ -99,7 +99,7 @@ def test_a_hit_touches_its_whole_path() -> None:
             clock.advance(1)
             filler = prompt(200 + k)
             names.add(f"f{k}-", filler)
-            order += names.evicted_by(lambda: store(cache, ns, filler))
+            order += names.evicted_by(lambda f=filler: store(cache, ns, f))
         assert order == ["c1", "c0", "a2", "a1", "a0"]
         assert_consistent(cache)
 

@@ -520,7 +520,7 @@ def test_k8s_redis_cluster_scripts_form_a_cluster_the_tier_can_use(tmp_path: Pat
                 ["sh", str(tmp_path / "conf" / "start.sh")], port, tmp_path / str(port), node_env,
                 username="admin", password=env["REDIS_ADMIN_PASSWORD"])))
         create = {**os.environ, **env, "REDIS_CLUSTER_NODES": " ".join(f"127.0.0.1:{p}" for p in ports)}
-        for attempt in ("create", "again"):   # the second run must find the cluster formed
+        for _attempt in ("create", "again"):   # the second run must find the cluster formed
             done = subprocess.run(["sh", str(tmp_path / "conf" / "create-cluster.sh")], env=create,
                                   capture_output=True, text=True, timeout=60)
             assert done.returncode == 0, done.stdout + done.stderr

@@ -66,7 +66,7 @@ def test_a_conversation_moves_between_machines_with_hits_and_identical_outputs(t
             # other machine and reaches this one only through the cluster.
             assert reply.cached_tokens >= previous_prompt // BLOCK * BLOCK > 0, f"turn {turn}"
             assert reply.cached_tokens % BLOCK == 0 and reply.cached_tokens < reply.prompt_tokens
-        poll(lambda: _drained(service), 20, f"service of turn {turn} wrote its blocks to Redis")
+        poll(lambda s=service: _drained(s), 20, f"service of turn {turn} wrote its blocks to Redis")
         previous_prompt = reply.prompt_tokens
         messages += [{"role": "assistant", "content": reply.text},
                      {"role": "user", "content": f"And the connection after that, option {turn + 2}?"}]

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import grpc
@@ -46,6 +48,8 @@ from ..tiers.pool import torch_dtype
 from . import wire
 from .dataplane import LocalPools, map_device_pool, map_host_segment
 from .errors import error_from_rpc
+
+TokenInput = Sequence[int] | np.ndarray | torch.Tensor  # token ids, as callers hold them
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +107,9 @@ class InspectReport:
     miss_reason: MissReason | None
 
 
-def _token_list(tokens) -> list[int]:
+def _token_list(tokens: TokenInput) -> list[int]:
     if isinstance(tokens, (np.ndarray, torch.Tensor)):
-        return tokens.reshape(-1).tolist()
+        return list(tokens.reshape(-1).tolist())
     return list(tokens)
 
 
@@ -133,7 +137,8 @@ class CacheClient:
         self._pools = LocalPools(None, None)
 
     # -- plumbing ---------------------------------------------------------------
-    def _call(self, method, request, timeout_s: float | None = None, lease_id: int | None = None):
+    def _call(self, method: Callable[..., Any], request: object, timeout_s: float | None = None,
+              lease_id: int | None = None) -> Any:
         try:
             return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as error:
@@ -167,7 +172,7 @@ class CacheClient:
         return self._attachment
 
     # -- lookups and reads ------------------------------------------------------------
-    def lookup(self, tokens, cache_salt: str | None = None, take_lease: bool = True,
+    def lookup(self, tokens: TokenInput, cache_salt: str | None = None, take_lease: bool = True,
                timeout_s: float | None = None, recompute_s_per_token: float | None = None) -> Hit:
         """Longest cached prefix of `tokens`; with a lease its blocks stay put until `release`.
 
@@ -204,7 +209,7 @@ class CacheClient:
             raise InvalidArgument("hit", "reading blocks needs a lease: lookup(..., take_lease=True)")
         if self._pools.covers(hit.locations):
             self._pools.gather(hit.locations, out)
-            if time.monotonic() >= hit.lease_deadline:
+            if hit.lease_deadline is None or time.monotonic() >= hit.lease_deadline:
                 raise UnknownLease(hit.lease_id)  # the slots may have been reused while we copied
             return out
         return self._fetch(hit, out, timeout_s)
@@ -248,7 +253,7 @@ class CacheClient:
         return True
 
     # -- writes ---------------------------------------------------------------------------
-    def store(self, tokens, kv: torch.Tensor, start_block: int = 0, cache_salt: str | None = None,
+    def store(self, tokens: TokenInput, kv: torch.Tensor, start_block: int = 0, cache_salt: str | None = None,
               timeout_s: float | None = None) -> CommitResult:
         """Publish `kv[i]` as block `start_block + i` of `tokens` (shared memory if mapped, else the stream).
 
@@ -298,10 +303,10 @@ class CacheClient:
                                 block_count=len(kv), dtype=wire.DTYPES[layout.dtype], block_shape=layout.block_shape)
         if salt is not None:
             header.cache_salt = salt
-        payload = memoryview(kv.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
+        payload = kv.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy().data
         chunk = min(STORE_CHUNK_BYTES, attachment.max_chunk_bytes)
 
-        def messages():
+        def messages() -> Iterator[bytes]:
             yield pb.StoreRequest(header=header).SerializeToString()
             for offset in range(0, len(payload), chunk):
                 yield wire.encode_store_data([payload[offset:offset + chunk]])
@@ -317,7 +322,7 @@ class CacheClient:
         """This credential's namespaces (an admin's: every tenant's) with their resident blocks."""
         return wire.namespaces_of(self._call(self._stub.ListNamespaces, pb.ListNamespacesRequest(), timeout_s))
 
-    def inspect(self, tokens, cache_salt: str | None = None, namespace_id: str | None = None,
+    def inspect(self, tokens: TokenInput, cache_salt: str | None = None, namespace_id: str | None = None,
                 timeout_s: float | None = None) -> InspectReport:
         request = pb.InspectRequest(namespace_id=namespace_id or self.attachment.namespace_id,
                                     tokens=_token_list(tokens))
@@ -329,7 +334,7 @@ class CacheClient:
         return InspectReport(reply.namespace_id, reply.prompt_tokens, reply.hit_tokens, blocks,
                              wire.MISS_REASON_OF.get(reply.miss_reason))
 
-    def evict(self, namespace_id: str | None = None, older_than_s: float | None = None, prefix_tokens=None,
+    def evict(self, namespace_id: str | None = None, older_than_s: float | None = None, prefix_tokens: TokenInput | None = None,
               cache_salt: str | None = None, timeout_s: float | None = None) -> int:
         """Blocks evicted by namespace, age or prefix (a prefix defaults to the attached namespace)."""
         if prefix_tokens is not None and namespace_id is None:
@@ -342,22 +347,22 @@ class CacheClient:
         if prefix_tokens is not None:
             request.prefix.SetInParent()
             request.prefix.tokens.extend(_token_list(prefix_tokens))
-        return self._call(self._stub.Evict, request, timeout_s).evicted
+        return int(self._call(self._stub.Evict, request, timeout_s).evicted)
 
     def flush(self, timeout_s: float | None = None) -> int:
-        return self._call(self._stub.Flush, pb.FlushRequest(), timeout_s).evicted
+        return int(self._call(self._stub.Flush, pb.FlushRequest(), timeout_s).evicted)
 
     def health(self, service: str = SERVICE_NAME, timeout_s: float | None = None) -> bool:
         """True when the service reports SERVING."""
         reply = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout_s)
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     def close(self) -> None:
         self._pools.close()
         self._channel.close()
 
-    def __enter__(self) -> "CacheClient":
+    def __enter__(self) -> CacheClient:
         return self
 
-    def __exit__(self, *_exc) -> None:
+    def __exit__(self, *_exc: object) -> None:
         self.close()

@@ -17,7 +17,7 @@ caller holds a lease (reads) or a reservation (writes) for every slot it names.
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -74,7 +74,12 @@ def map_device_pool(pool: pb.CudaIpcPool, layout: KVLayout) -> torch.Tensor | No
         return None
     shape = (pool.num_slots, *layout.block_shape)
     tensor = torch.empty(0, dtype=torch_dtype(layout), device=f"cuda:{pool.device_index}")
-    return tensor.set_(storage, 0, shape)
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):  # contiguous, as the service allocated it
+        strides.insert(0, step)
+        step *= size
+    return tensor.set_(storage, 0, shape, strides)
 
 
 def _register_pinned(storage: torch.Tensor) -> bool:

@@ -7,6 +7,7 @@ library enums are what the core uses.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,8 @@ from ..index import MissReason
 from ..rpc import cache_pb2 as pb
 from ..stats import StatsSnapshot, TierSnapshot
 from ..tiers.base import TierKind
+
+Chunk = bytes | memoryview  # a piece of a length-delimited field (1-d bytes: len() is its size)
 
 DTYPES = {DType.FLOAT32: pb.DTYPE_FLOAT32, DType.FLOAT16: pb.DTYPE_FLOAT16, DType.BFLOAT16: pb.DTYPE_BFLOAT16}
 DTYPE_OF = {value: key for key, value in DTYPES.items()}
@@ -44,7 +47,7 @@ def layout_of(message: pb.KVLayout) -> KVLayout:
     return KVLayout(message.layers, message.kv_heads, message.head_dim, message.block_size, DTYPE_OF[message.dtype])
 
 
-def tier_kinds(values) -> np.ndarray:
+def tier_kinds(values: Iterable[int]) -> np.ndarray:
     """TierKind values (int8) of proto Tier enums; an unknown enum is an error."""
     table = np.full(max(TIER_OF) + 1, -1, dtype=np.int8)
     for enum_value, kind in TIER_OF.items():
@@ -163,7 +166,7 @@ def varint(value: int) -> bytes:
         out.append(byte | 0x80)
 
 
-def bytes_field(number: int, parts: list) -> list:
+def bytes_field(number: int, parts: Sequence[Chunk]) -> list[Chunk]:
     """Wire pieces of one length-delimited field holding the concatenation of `parts`."""
     return [varint(number << 3 | WIRE_LEN), varint(sum(len(p) for p in parts)), *parts]
 
@@ -181,7 +184,7 @@ def _read_varint(raw: memoryview, position: int) -> tuple[int, int]:
     raise WireError("varint longer than 10 bytes")
 
 
-def scan(raw: memoryview):
+def scan(raw: memoryview) -> Iterator[tuple[int, int, int | memoryview | None]]:
     """(field number, wire type, value) of each field: an int, or a memoryview for bytes fields."""
     position = 0
     while position < len(raw):
@@ -189,6 +192,7 @@ def scan(raw: memoryview):
         number, wire_type = key >> 3, key & 7
         if number == 0:
             raise WireError("field number 0")
+        value: int | memoryview | None
         if wire_type == WIRE_VARINT:
             value, position = _read_varint(raw, position)
         elif wire_type == WIRE_LEN:
@@ -214,7 +218,7 @@ class FetchPiece:
     block_count: int
 
 
-def encode_fetch_chunk(offset: int, parts: list, total_bytes: int, block_count: int) -> bytes:
+def encode_fetch_chunk(offset: int, parts: Sequence[Chunk], total_bytes: int, block_count: int) -> bytes:
     """A serialized FetchChunk whose data is `parts` joined (the only copy of the bytes)."""
     head = pb.FetchChunk(offset=offset, total_bytes=total_bytes, block_count=block_count).SerializeToString()
     return b"".join([head, *bytes_field(FETCH_DATA_FIELD, parts)])
@@ -226,14 +230,14 @@ def decode_fetch_chunk(raw: bytes) -> FetchPiece:
     numbers = {pb.FetchChunk.DESCRIPTOR.fields_by_name[name].number: name for name in fields}
     data = memoryview(b"")
     for number, wire_type, value in scan(memoryview(raw)):
-        if number == FETCH_DATA_FIELD and wire_type == WIRE_LEN:
+        if number == FETCH_DATA_FIELD and isinstance(value, memoryview):
             data = value
-        elif number in numbers and wire_type == WIRE_VARINT:
+        elif number in numbers and isinstance(value, int):
             fields[numbers[number]] = value
     return FetchPiece(fields["offset"], data, fields["total_bytes"], fields["block_count"])
 
 
-def encode_store_data(parts: list) -> bytes:
+def encode_store_data(parts: Sequence[Chunk]) -> bytes:
     """A serialized StoreRequest carrying `data` (the only copy of the bytes)."""
     return b"".join(bytes_field(STORE_DATA_FIELD, parts))
 
@@ -249,7 +253,7 @@ class StorePart:
 def decode_store_request(raw: bytes) -> StorePart:
     part = StorePart(None, None)
     for number, wire_type, value in scan(memoryview(raw)):
-        if wire_type != WIRE_LEN:
+        if wire_type != WIRE_LEN or not isinstance(value, memoryview):
             continue
         if number == STORE_HEADER_FIELD:
             part = StorePart(pb.StoreHeader.FromString(bytes(value)), None)

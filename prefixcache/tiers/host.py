@@ -8,13 +8,13 @@ tier closes. Pinned (page-locked) memory is used only when CUDA is present.
 
 from __future__ import annotations
 
+import _posixshmem
 import logging
 import mmap
 import os
 import secrets
 from multiprocessing import shared_memory
 
-import _posixshmem
 import torch
 
 from ..config import KVLayout
@@ -44,8 +44,10 @@ class HostTier(TensorPool):
     def __init__(self, layout: KVLayout, capacity_bytes: int, segment_name: str | None = None) -> None:
         num_slots = slots_for(capacity_bytes, layout, "host_capacity")
         self.segment_name = segment_name or f"prefixcache-{secrets.token_hex(6)}"
-        self._shm = shared_memory.SharedMemory(self.segment_name, create=True, size=num_slots * layout.block_bytes)
-        storage = _tensor_over(self._shm.buf, layout, num_slots)
+        shm = shared_memory.SharedMemory(self.segment_name, create=True, size=num_slots * layout.block_bytes)
+        self._shm: shared_memory.SharedMemory | None = shm
+        assert shm.buf is not None  # None only after close()
+        storage = _tensor_over(shm.buf, layout, num_slots)
         if torch.cuda.is_available():
             torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes, 0)
         super().__init__(TierKind.HOST, layout, storage)

@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
+from typing import cast
 
 import redis.exceptions
 
@@ -180,10 +181,11 @@ class RedisTier:
         declined = budget.declined if budget is not None else 0
         while len(frames) < len(hashes):
             batch = hashes[len(frames):len(frames) + per_trip]
-            if budget is not None:
+            if budget is not None and frame_bytes:  # (a budget without frame_bytes was refused above)
                 batch = batch[:self._grant(budget, len(batch), frame_bytes, per_trip, verify)]
                 if not batch:
                     break
+            assert client is not None  # None returned early above whenever there are hashes
             got = self._round_trip(client, namespace_id, batch, ttl_ms)
             if got is None:
                 break
@@ -337,6 +339,7 @@ class RedisTier:
             if work is _PROBE:
                 self._probe()
                 continue
+            work = cast(list[_Op], work)  # _next_work: a batch unless a sentinel
             try:
                 self._apply(work)
             finally:
@@ -402,16 +405,19 @@ class RedisTier:
             self._link.observe(written, elapsed)
 
     def _pipeline(self, batch: list[_Op]) -> None:
+        assert self._writer is not None  # _apply checked
         pipe = self._writer.pipeline(transaction=False)
         for op in batch:
             if isinstance(op, _Set):
                 pipe.set(op.key, op.frame, px=op.ttl_ms)
             else:
+                assert isinstance(op, _Unlink), "an _UnlinkMatching runs alone (_apply)"
                 pipe.unlink(op.key)
         pipe.execute(raise_on_error=True)
 
     def _unlink_matching(self, pattern: str) -> None:
         removed = 0
+        assert self._writer is not None  # _apply checked
         try:
             keys: list[bytes] = []
             for key in self._writer.scan_iter(match=pattern, count=1000):
@@ -431,6 +437,7 @@ class RedisTier:
         """One UNLINK per key in a pipeline: never a multi-key command across cluster slots."""
         if not keys:
             return 0
+        assert self._writer is not None  # _apply checked
         pipe = self._writer.pipeline(transaction=False)
         for key in keys:
             pipe.unlink(key)
