@@ -15,8 +15,8 @@ from __future__ import annotations
 import array
 import hashlib
 import struct
-from collections.abc import Sequence
-from typing import Callable, NewType, cast
+from collections.abc import Callable, Sequence
+from typing import NewType, cast
 
 import numpy as np
 import xxhash

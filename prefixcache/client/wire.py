@@ -229,7 +229,7 @@ def decode_fetch_chunk(raw: bytes) -> FetchPiece:
     fields = {"offset": 0, "total_bytes": 0, "block_count": 0}
     numbers = {pb.FetchChunk.DESCRIPTOR.fields_by_name[name].number: name for name in fields}
     data = memoryview(b"")
-    for number, wire_type, value in scan(memoryview(raw)):
+    for number, _wire_type, value in scan(memoryview(raw)):
         if number == FETCH_DATA_FIELD and isinstance(value, memoryview):
             data = value
         elif number in numbers and isinstance(value, int):
