@@ -7,8 +7,9 @@ next one; a block leaving the host tier stays reachable in Redis, and a
 lookup continues past the local index by probing Redis for the next block
 hashes, admitting what it finds into the host tier (a promotion).
 
-Namespaces live in namespaces.py, the Redis side in remote_link.py, slot placement
-and eviction in placement.py, tenant quotas in quota.py.
+Namespaces live in namespaces.py, the Redis side in remote_link.py (the only
+holder of the remote tier), slot placement and eviction in placement.py, tenant
+quotas in quota.py, leases and reservations in leases.py (`LeaseTable`).
 
 Concurrency: one lock guards the index, tiers' free lists, leases and
 counters; it is never held across Redis I/O (a lookup pins its local path,
@@ -20,24 +21,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from . import leases as lease_table
 from .config import CacheConfig, KVLayout, Namespace
 from .errors import InvalidArgument, LayoutMismatch, ResourceExhausted, UnknownLease
-from .hashing import BlockHash, Hasher
+from .hashing import BlockHash, Hasher, Tokens
 from .index import ROOT, Match, MissReason, RadixIndex
-from .leases import Lease, Reservation
+from .leases import Lease, LeaseTable, Reservation
 from .namespaces import NamespaceRegistry, Prompt
 from .placement import Placement
 from .quota import TenantLedger
 from .remote_link import RemoteLink
-from .results import BlockLocation, BlockLocations, CommitResult, LookupResult
+from .results import BlockLocations, CommitResult, LookupResult
 from .stats import Counters, EvictionReason, StatsSnapshot, TierSnapshot, snapshot_dicts
-from .tiers.base import SlotTier, TierKind
+from .tiers.base import RemoteTier, SlotTier, TierKind
 from .tiers.pool import torch_dtype
 from .transfer import ProbeBudget
 
@@ -48,12 +48,11 @@ class PrefixCache:
     """One layout, many namespaces; see the module docstring for the tiers."""
 
     def __init__(self, config: CacheConfig, layout: KVLayout, host: SlotTier,
-                 device: SlotTier | None = None, remote=None,
+                 device: SlotTier | None = None, remote: RemoteTier | None = None,
                  clock: Callable[[], float] = time.monotonic, hasher: Hasher | None = None) -> None:
         self.config = config
         self.layout = layout
         self.tiers: dict[TierKind, SlotTier] = {t.kind: t for t in (device, host) if t is not None}
-        self.remote = remote
         self.clock = clock
         self.hasher = hasher or Hasher(config.hash_algorithm)
         self.index = RadixIndex(sum(t.num_slots for t in self.tiers.values()), layout.block_size,
@@ -61,10 +60,9 @@ class PrefixCache:
         self.remote_link = None if remote is None else RemoteLink(
             remote, layout, self.index, self.tiers, self._namespace_of_row)
         self.namespaces = NamespaceRegistry(layout, self.hasher, config.max_prompt_tokens)
-        self._leases: dict[int, Lease] = {}
-        self._reservations: dict[int, Reservation] = {}
+        self.leases = LeaseTable(config.max_leases)
         self.counters = Counters()
-        self.ledger = TenantLedger(self.index, config.tenant_quotas, layout.block_bytes)  # tenants: quota.py
+        self.ledger = TenantLedger(self.index, config.tenant_quotas, layout.block_bytes, self.leases)  # quota.py
         self.placement = Placement(self.index, self.tiers, self.counters,
                                    reclaim=lambda: self._reclaim_expired(self.clock()), on_drop=self._on_drop,
                                    owner_counters=self.ledger.counters_of_node)
@@ -85,7 +83,7 @@ class PrefixCache:
         return self.namespaces.get(ns_id).namespace
 
     # -- lookup -------------------------------------------------------------
-    def lookup(self, ns_id: str, tokens, take_lease: bool = False,
+    def lookup(self, ns_id: str, tokens: Tokens, take_lease: bool = False,
                recompute_s_per_token: float | None = None) -> LookupResult:
         """Longest cached prefix of `tokens`; with a lease its blocks stay put until release.
 
@@ -98,13 +96,14 @@ class PrefixCache:
         with self._lock:
             match = self.index.match(prompt.entry.index, prompt.hashes, prompt.blocks, self.clock(), self.config.ttl_s)
             path, stop = match.rows, match.stop
-            if self.remote is None or stop is not MissReason.NOT_CACHED:
+            link = self.remote_link
+            if link is None or stop is not MissReason.NOT_CACHED:
                 return self._finish_lookup(prompt, path, stop, take_lease)
             self.index.pin(path)  # the local prefix stays put while Redis is asked without the lock
         budget = None if budget_s is None else ProbeBudget(len(prompt.hashes) - len(path),
                                                            budget_s * self.layout.block_size)
         try:
-            payloads, corrupt = self.remote_link.fetch(prompt.entry.id, prompt.entry.root, prompt.hashes,
+            payloads, corrupt = link.fetch(prompt.entry.id, prompt.entry.root, prompt.hashes,
                                                        prompt.blocks, len(path), budget)
         except BaseException:
             with self._lock:
@@ -112,7 +111,7 @@ class PrefixCache:
             raise
         with self._lock:
             try:
-                extended = self._admit(prompt, path, payloads)
+                extended = self._admit(link, prompt, path, payloads)
             finally:
                 self.index.unpin(path)
             self.counters.remote_integrity_failures += corrupt
@@ -131,18 +130,17 @@ class PrefixCache:
             stop = MissReason.TOO_SHORT
         lease_id = expires = None
         if take_lease and hit:
-            if len(self._leases) >= self.config.max_leases:
+            if self.leases.full():
                 self._reclaim_expired(now)
-            if len(self._leases) >= self.config.max_leases:
+            if self.leases.full():
                 raise ResourceExhausted(f"lease limit of {self.config.max_leases} reached")
         self.index.touch(path, now)
         if self.config.promote_on_hit:
             self._promote(prompt, path)
         if take_lease and hit:
-            lease_id = lease_table.new_id(self._leases)
             expires = now + self.config.lease_ttl_s
             self.index.pin(path)
-            self._leases[lease_id] = Lease(lease_id, prompt.entry.index, tuple(path.tolist()), expires)
+            lease_id = self.leases.add_lease(prompt.entry.index, tuple(path.tolist()), expires).id
         self._count_lookup(prompt, hit, stop)
         return LookupResult(prompt.entry.id, len(prompt.tokens), hit * self.layout.block_size,
                             self._locations(path), stop, lease_id, expires, declined)
@@ -154,8 +152,7 @@ class PrefixCache:
             wanted = int(np.count_nonzero(self.index.tier[path] == TierKind.HOST))
             self.index.pin(path)  # room is made from the tenant's other blocks, never from this path
             try:
-                limit = self.ledger.room(self.placement, self._reservations.values(), prompt.entry.index,
-                                         TierKind.DEVICE, wanted)
+                limit = self.ledger.room(self.placement, prompt.entry.index, TierKind.DEVICE, wanted)
             finally:
                 self.index.unpin(path)
         self.placement.promote(path, limit)
@@ -177,16 +174,16 @@ class PrefixCache:
         rows = np.asarray(path, dtype=np.int64)
         return BlockLocations.adopt(self.index.tier[rows], self.index.slot[rows])
 
-    def _admit(self, prompt: Prompt, path: np.ndarray, payloads: list[memoryview]) -> np.ndarray:
+    def _admit(self, link: RemoteLink, prompt: Prompt, pinned: np.ndarray, payloads: list[memoryview]) -> np.ndarray:
         """Insert blocks fetched from Redis after the (pinned) `path` into the host tier.
 
         Room is made once, up front, so nothing admitted here can be evicted
         before the lookup finishes.
         """
-        path = path.tolist()
+        path: list[int] = pinned.tolist()
         free = self.placement.free[TierKind.HOST]
-        payloads = payloads[: self.ledger.room(self.placement, self._reservations.values(), prompt.entry.index,
-                                               TierKind.HOST, len(payloads))]  # the tenant's quota
+        payloads = payloads[: self.ledger.room(self.placement, prompt.entry.index, TierKind.HOST,
+                                               len(payloads))]  # the tenant's quota
         if not payloads or not self.placement.make_room(TierKind.HOST, len(payloads)):
             payloads = payloads[: len(free)]
         now = self.clock()
@@ -206,7 +203,7 @@ class PrefixCache:
             self.tiers[TierKind.HOST].write_bytes(slot, payload)
             node = self.index.add(prompt.entry.index, path[-1] if path else ROOT, prompt.hashes[i],
                                   prompt.blocks[i], TierKind.HOST, slot, now)
-            self.remote_link.fetched(node, now)
+            link.fetched(node, now)
             path.append(node)
             self.counters.promotions[TierKind.HOST] += 1
         return np.asarray(path, dtype=np.int64)
@@ -217,24 +214,7 @@ class PrefixCache:
         return (int(index.parent[node]) == parent and int(index.namespace[node]) == prompt.entry.index
                 and bool(np.array_equal(index.tokens[node], prompt.blocks[i])))
 
-    # -- reading ----------------------------------------------------------------
-    def read(self, locations: BlockLocations | Sequence[BlockLocation]) -> torch.Tensor:
-        """Copy of the blocks at `locations`, `[n, *block_shape]` on the CPU."""
-        where = BlockLocations.of(locations)
-        out = torch.empty((len(where), *self.layout.block_shape), dtype=self._dtype)
-        unknown = ~np.isin(where.tiers, [int(kind) for kind in self.tiers])
-        if unknown.any():
-            raise InvalidArgument("locations", f"tier {int(where.tiers[unknown][0])} is not configured")
-        for kind, tier in self.tiers.items():
-            rows = np.flatnonzero(where.tiers == kind)
-            if not rows.size:
-                continue
-            slots = where.slots[rows]
-            if slots.min() < 0 or slots.max() >= tier.num_slots:
-                raise InvalidArgument("locations", f"slot outside the {kind.label} tier's {tier.num_slots} slots")
-            out[torch.from_numpy(rows)] = tier.read(slots.tolist()).to("cpu")
-        return out
-
+    # -- leases ----------------------------------------------------------------
     def lease(self, lease_id: int) -> LookupResult:
         """Where the blocks of a live lease are (pinned blocks never move, so: where they were)."""
         with self._lock:
@@ -243,20 +223,16 @@ class PrefixCache:
                                 len(lease.nodes) * self.layout.block_size, self._locations(list(lease.nodes)),
                                 None, lease.id, lease.expires_at)
 
-    def read_lease(self, lease_id: int) -> torch.Tensor:
-        with self._lock:
-            return self.read(self.lease(lease_id).locations)
-
     def release(self, lease_id: int) -> None:
         with self._lock:
-            lease = self._leases.pop(lease_id, None)
+            lease = self.leases.pop_lease(lease_id)
             if lease is None:
                 raise UnknownLease(lease_id)
             self.index.unpin(list(lease.nodes))
 
     def _live_lease(self, lease_id: int) -> Lease:
-        lease = self._leases.get(lease_id)
-        if lease is None or lease.expires_at <= self.clock():
+        lease = self.leases.live_lease(lease_id, self.clock())
+        if lease is None:
             raise UnknownLease(lease_id)
         return lease
 
@@ -279,24 +255,11 @@ class PrefixCache:
         row = self.namespaces.get(ns_id).index if ns_id is not None else -1
         with self._lock:
             if row >= 0:
-                count = self.ledger.room(self.placement, self._reservations.values(), row, TierKind.HOST, count)
+                count = self.ledger.room(self.placement, row, TierKind.HOST, count)
             self.placement.make_room(TierKind.HOST, count)
             free = self.placement.free[TierKind.HOST]
             slots = tuple(s for s in (free.take() for _ in range(min(count, len(free)))) if s is not None)
-            reservation = Reservation(lease_table.new_id(self._reservations), TierKind.HOST, slots,
-                                      self.clock() + self.config.lease_ttl_s, row)
-            self._reservations[reservation.id] = reservation
-            return reservation
-
-    def write_reserved(self, reservation_id: int, position: int, block: torch.Tensor) -> None:
-        """Write one block into the `position`-th slot of a reservation (validated)."""
-        with self._lock:
-            reservation = self._reservations.get(reservation_id)
-            if reservation is None:
-                raise InvalidArgument("reservation_id", f"reservation {reservation_id} is unknown or has expired")
-            if not 0 <= position < len(reservation.slots):
-                raise InvalidArgument("position", f"{position} is outside the {len(reservation.slots)} reserved slots")
-            self.tiers[TierKind(reservation.tier)].write(reservation.slots[position], self._check_block(block))
+            return self.leases.add_reservation(TierKind.HOST, slots, self.clock() + self.config.lease_ttl_s, row)
 
     def _check_block(self, block: torch.Tensor) -> torch.Tensor:
         if not isinstance(block, torch.Tensor):
@@ -307,7 +270,7 @@ class PrefixCache:
             raise LayoutMismatch(f"kv block shape {tuple(block.shape)} differs from {self.layout.block_shape}")
         return block
 
-    def commit(self, ns_id: str, tokens, reservation_id: int, start_block: int) -> CommitResult:
+    def commit(self, ns_id: str, tokens: Tokens, reservation_id: int, start_block: int) -> CommitResult:
         """Publish reserved slots as blocks `start_block..` of the prompt `tokens`."""
         prompt = self.namespaces.prompt(ns_id, tokens)
         if not isinstance(start_block, int) or isinstance(start_block, bool) or start_block < 0:
@@ -317,13 +280,11 @@ class PrefixCache:
 
     def _commit(self, prompt: Prompt, reservation_id: int, start_block: int,
                 match: Match | None = None) -> CommitResult:
-        reservation = self._reservations.pop(reservation_id, None)
-        if reservation is not None and reservation.namespace >= 0 \
-                and self.ledger.tenant(reservation.namespace) != prompt.entry.namespace.tenant:
-            self._reservations[reservation_id] = reservation  # another tenant's: it stays theirs
-            reservation = None
-        if reservation is None:
+        reservation = self.leases.reservation(reservation_id)
+        if reservation is None or (reservation.namespace >= 0  # another tenant's stays theirs, untouched
+                                   and self.ledger.tenant(reservation.namespace) != prompt.entry.namespace.tenant):
             raise InvalidArgument("reservation_id", f"reservation {reservation_id} is unknown or has expired")
+        self.leases.take_reservation(reservation_id)
         end = start_block + len(reservation.slots)
         if end > len(prompt.hashes):
             self._free_slots(reservation)
@@ -345,7 +306,7 @@ class PrefixCache:
         if match is None or len(match.found) < end:
             match = self._match_for_commit(prompt, end)
         path, cached = match.rows.tolist(), len(match.rows)
-        tier = TierKind(reservation.tier)
+        tier = reservation.tier
         new = self._attachable(prompt, match, start, end)
         nodes: list[int] = []
         if new:
@@ -389,7 +350,7 @@ class PrefixCache:
         if self.remote_link is not None and not self.remote_link.write_through(node, self.clock()):
             self.counters.spills_dropped += 1
 
-    def store(self, ns_id: str, tokens, kv: torch.Tensor, start_block: int = 0) -> CommitResult:
+    def store(self, ns_id: str, tokens: Tokens, kv: torch.Tensor, start_block: int = 0) -> CommitResult:
         """Reserve, write and commit in one call (the path for bytes sent over the wire).
 
         `kv[j]` is block `start_block + j` of `tokens`; every block must be a full one.
@@ -416,7 +377,7 @@ class PrefixCache:
                 reservation = self.reserve(len(kv) - skip, ns_id)
             finally:
                 self.index.unpin(cached)
-            self.tiers[TierKind(reservation.tier)].write_many(list(reservation.slots),
+            self.tiers[reservation.tier].write_many(list(reservation.slots),
                                                               kv[skip:skip + len(reservation.slots)])
             result = self._commit(prompt, reservation.id, start_block + skip, match)
             self.counters.blocks_deduplicated += skip
@@ -426,7 +387,7 @@ class PrefixCache:
 
     def _free_slots(self, reservation: Reservation) -> None:
         for slot in reservation.slots:
-            self.placement.free[TierKind(reservation.tier)].give(slot)
+            self.placement.free[reservation.tier].give(slot)
 
     # -- eviction -----------------------------------------------------------------
     def _on_drop(self, node: int, spill: bool) -> bool:
@@ -442,9 +403,10 @@ class PrefixCache:
 
     def _reclaim_expired(self, now: float) -> None:
         """Unpin expired leases and return expired reservations' slots."""
-        for lease in lease_table.expired(self._leases, now):
+        leases, reservations = self.leases.expired(now)
+        for lease in leases:
             self.index.unpin(list(lease.nodes))
-        for reservation in lease_table.expired(self._reservations, now):
+        for reservation in reservations:
             self._free_slots(reservation)
 
     def expire(self) -> int:
@@ -456,7 +418,8 @@ class PrefixCache:
             stale = index.select(index.last_access + self.config.ttl_s < now)
             return self.placement.drop_all(stale, EvictionReason.TTL)
 
-    def evict(self, ns_id: str | None = None, older_than_s: float | None = None, prefix_tokens=None) -> int:
+    def evict(self, ns_id: str | None = None, older_than_s: float | None = None,
+              prefix_tokens: Tokens | None = None) -> int:
         """Manual eviction by namespace, by age, or of every prompt that starts with `prefix_tokens`."""
         if older_than_s is not None and (isinstance(older_than_s, bool) or not isinstance(older_than_s, (int, float))
                                          or not older_than_s >= 0):
@@ -505,30 +468,30 @@ class PrefixCache:
         """Service-wide figures, or with `tenant` only that tenant's own (see `TenantLedger.snapshot`)."""
         with self._lock:
             if tenant is not None:
-                return self.ledger.snapshot(tenant, self.tiers, self._leases.values(), self.clock() - self._started,
-                                            self.remote.is_up() if self.remote is not None else None)
+                return self.ledger.snapshot(tenant, self.tiers, self.clock() - self._started,
+                                            self.remote_link.is_up() if self.remote_link is not None else None)
             c = self.counters
             tiers = []
             for kind, tier in self.tiers.items():
                 blocks = self.placement.used(kind)
                 tiers.append(TierSnapshot(kind, blocks, blocks * self.layout.block_bytes, tier.capacity_bytes))
-            remote_up, remote = None, {}
-            if self.remote is not None:
-                remote_up = self.remote.is_up()
-                remote = {k: v for k, v in vars(self.remote.stats()).items() if isinstance(v, (int, float))}
+            remote_up: bool | None = None
+            remote: dict[str, float] = {}
+            if self.remote_link is not None:
+                remote_up, remote = self.remote_link.is_up(), self.remote_link.figures()
             return StatsSnapshot(
                 uptime_s=self.clock() - self._started, lookups=c.lookups, request_hits=c.request_hits,
                 request_misses=c.request_misses, block_hits=c.block_hits, block_misses=c.block_misses,
                 token_hits=c.token_hits, tokens_looked_up=c.tokens_looked_up, tokens_saved=c.token_hits,
                 blocks_committed=c.blocks_committed, blocks_deduplicated=c.blocks_deduplicated,
-                active_leases=len(self._leases), tiers=tuple(tiers), spills_dropped=c.spills_dropped,
+                active_leases=self.leases.lease_count(), tiers=tuple(tiers), spills_dropped=c.spills_dropped,
                 remote_up=remote_up, remote=remote, **snapshot_dicts(c))
 
     def close(self) -> None:
         for tier in self.tiers.values():
             tier.close()
-        if self.remote is not None:
-            self.remote.close()
+        if self.remote_link is not None:
+            self.remote_link.close()
 
 
 def _recompute_cost(seconds_per_token: float | None) -> float | None:

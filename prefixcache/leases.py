@@ -1,16 +1,24 @@
-"""Leases (timed pins on a matched path) and reservations (slots being written).
+"""Leases (timed pins on a matched path) and reservations (slots being written): `LeaseTable`.
 
-Ids are random 63-bit numbers, so a client cannot guess another's lease.
+Ids are random 63-bit numbers, so a client cannot guess another's lease; lease and
+reservation ids are drawn from one space, so neither can be mistaken for the other.
 Both expire, so a crashed worker cannot hold memory forever.
 
-Invariant: every node of a live lease's path carries one pin for that lease;
-every reserved slot is out of its tier's free list and owned by nobody else.
+The table only records; the cache (under its lock) pins and unpins index rows and takes
+and gives slots, so the invariants below hold between the cache's calls:
+- every node of a live lease's path carries one pin for that lease;
+- every reserved slot is out of its tier's free list and owned by nobody else;
+- an entry leaves the table exactly once (`pop_lease`, `take_reservation`, `expired`), and
+  whoever removed it undoes its pins or slots.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from .tiers.base import TierKind
 
 
 @dataclass(frozen=True)
@@ -24,20 +32,76 @@ class Lease:
 @dataclass(frozen=True)
 class Reservation:
     id: int
-    tier: int
+    tier: TierKind
     slots: tuple[int, ...]
     expires_at: float
     namespace: int = -1  # row of the namespace it was reserved for (its tenant's quota); -1: none given
 
 
-def new_id(taken: dict) -> int:
-    while True:
-        candidate = secrets.randbits(63) or 1
-        if candidate not in taken:
-            return candidate
+class LeaseTable:
+    """The live leases and reservations of one cache, by id."""
 
+    def __init__(self, max_leases: int) -> None:
+        self.max_leases = max_leases
+        self._leases: dict[int, Lease] = {}
+        self._reservations: dict[int, Reservation] = {}
 
-def expired(table: dict, now: float) -> list:
-    """Pop and return the entries of `table` whose `expires_at` has passed."""
-    gone = [key for key, entry in table.items() if entry.expires_at <= now]
-    return [table.pop(key) for key in gone]
+    # -- leases ------------------------------------------------------------------
+    def lease_count(self) -> int:
+        return len(self._leases)
+
+    def leases(self) -> Iterable[Lease]:
+        return self._leases.values()
+
+    def full(self) -> bool:
+        return len(self._leases) >= self.max_leases
+
+    def add_lease(self, namespace: int, nodes: tuple[int, ...], expires_at: float) -> Lease:
+        lease = Lease(self._new_id(), namespace, nodes, expires_at)
+        self._leases[lease.id] = lease
+        return lease
+
+    def live_lease(self, lease_id: int, now: float) -> Lease | None:
+        """The lease if it exists and has not expired (an expired one stays until reclaimed)."""
+        lease = self._leases.get(lease_id)
+        return lease if lease is not None and lease.expires_at > now else None
+
+    def pop_lease(self, lease_id: int) -> Lease | None:
+        return self._leases.pop(lease_id, None)
+
+    # -- reservations ----------------------------------------------------------------
+    def reservations(self) -> Iterable[Reservation]:
+        return self._reservations.values()
+
+    def add_reservation(self, tier: TierKind, slots: tuple[int, ...], expires_at: float,
+                        namespace: int) -> Reservation:
+        reservation = Reservation(self._new_id(), tier, slots, expires_at, namespace)
+        self._reservations[reservation.id] = reservation
+        return reservation
+
+    def reservation(self, reservation_id: int) -> Reservation | None:
+        return self._reservations.get(reservation_id)
+
+    def take_reservation(self, reservation_id: int) -> Reservation | None:
+        """Remove and return a reservation (its slots are now the caller's to publish or free)."""
+        return self._reservations.pop(reservation_id, None)
+
+    def __contains__(self, entry_id: int) -> bool:
+        return entry_id in self._leases or entry_id in self._reservations
+
+    # -- expiry ------------------------------------------------------------------------
+    def expired(self, now: float) -> tuple[list[Lease], list[Reservation]]:
+        """Remove and return the leases and reservations whose `expires_at` has passed."""
+        leases = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        for lease in leases:
+            del self._leases[lease.id]
+        reservations = [r for r in self._reservations.values() if r.expires_at <= now]
+        for reservation in reservations:
+            del self._reservations[reservation.id]
+        return leases, reservations
+
+    def _new_id(self) -> int:
+        while True:
+            candidate = secrets.randbits(63) or 1
+            if candidate not in self:
+                return candidate

@@ -17,17 +17,22 @@ Invariants:
 - Trimming touches only the tenant's own unpinned blocks, least recent first, leaf-first in the
   last slot tier (as `Placement.make_room`), so cached prefixes stay contiguous.
 - Without any quota configured, `room` does no counting at all (no cost on the hot path).
+
+Wiring: the ledger is built once with the index and the cache's `LeaseTable` (reservations
+count as usage, leases as a tenant's own figures). `room` is still handed the `Placement`:
+placement counts each eviction against its block's tenant through this ledger, so owning
+the placement here would make the two a construction cycle.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from .config import TenantQuota, TenantQuotas
 from .index import RadixIndex
-from .leases import Lease, Reservation
+from .leases import LeaseTable
 from .placement import Placement
 from .stats import Counters, EvictionReason, StatsSnapshot, TierSnapshot, snapshot_dicts
 from .tiers.base import SlotTier, TierKind
@@ -38,9 +43,10 @@ Members = Callable[[np.ndarray], np.ndarray]
 class TenantLedger:
     """Tenant of every namespace row, counters per tenant, quota room per tier."""
 
-    def __init__(self, index: RadixIndex, quotas: TenantQuotas, block_bytes: int,
+    def __init__(self, index: RadixIndex, quotas: TenantQuotas, block_bytes: int, leases: LeaseTable,
                  max_namespaces: int = int(np.iinfo(np.int16).max) + 1) -> None:
         self._index = index
+        self._leases = leases
         self._quotas = quotas
         self._block_bytes = block_bytes
         self._tenant_of_ns = np.zeros(max_namespaces, dtype=np.int32)  # namespace row -> tenant number
@@ -95,13 +101,12 @@ class TenantLedger:
         limit = getattr(quota, kind.label, None)
         return None if limit is None else limit // self._block_bytes
 
-    def usage(self, tenant: str, kind: TierKind, reservations: Iterable[Reservation]) -> int:
-        reserved = sum(len(r.slots) for r in reservations
+    def usage(self, tenant: str, kind: TierKind) -> int:
+        reserved = sum(len(r.slots) for r in self._leases.reservations()
                        if r.tier == kind and r.namespace >= 0 and self.tenant(r.namespace) == tenant)
         return self.resident(tenant, kind) + reserved
 
-    def room(self, placement: Placement, reservations: Iterable[Reservation], ns_row: int, kind: TierKind,
-             count: int) -> int:
+    def room(self, placement: Placement, ns_row: int, kind: TierKind, count: int) -> int:
         """How many of `count` new blocks of namespace row `ns_row` may go into `kind`.
 
         Over its quota, the tenant's own least recently used blocks there are evicted first
@@ -111,13 +116,13 @@ class TenantLedger:
         limit = self.limit_slots(tenant, kind)
         if limit is None or count <= 0:
             return count
-        used = self.usage(tenant, kind, reservations)
+        used = self.usage(tenant, kind)
         excess = used + count - limit
         if excess > 0:
             used -= placement.trim(kind, self.members(tenant), excess, EvictionReason.CAPACITY)
         return max(0, min(count, limit - used))
 
-    def snapshot(self, tenant: str, tiers: Mapping[TierKind, SlotTier], leases: Iterable[Lease], uptime_s: float,
+    def snapshot(self, tenant: str, tiers: Mapping[TierKind, SlotTier], uptime_s: float,
                  remote_up: bool | None) -> StatsSnapshot:
         """The figures `tenant` may see: its own lookups, commits, evictions, residency and leases.
 
@@ -131,7 +136,7 @@ class TenantLedger:
             limit = self.limit_slots(tenant, kind)
             capacity = tier.capacity_bytes if limit is None else min(tier.capacity_bytes, limit * self._block_bytes)
             snapshots.append(TierSnapshot(kind, blocks, blocks * self._block_bytes, capacity))
-        own = sum(1 for lease in leases if self.tenant(lease.namespace) == tenant)
+        own = sum(1 for lease in self._leases.leases() if self.tenant(lease.namespace) == tenant)
         figures = snapshot_dicts(c)
         figures.update(spills={}, promotions={})
         return StatsSnapshot(

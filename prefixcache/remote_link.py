@@ -1,5 +1,7 @@
 """The cache's side of the remote tier (Redis): frames out, frames in, and belief.
 
+The one holder of the `RemoteTier` (tiers/base.py): the cache calls the link, never the tier.
+
 Owns encoding blocks into frames for the tier, verifying frames that come back
 (checksum and key binding, via `codec`; with the tier's `hmac_key` also a MAC
 bound to the Redis key, so a frame forged or moved by someone who can write
@@ -24,14 +26,13 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 from .codec import decode_block, encode_block
 from .config import KVLayout
 from .errors import CorruptBlock
 from .hashing import BlockHash
 from .index import ROOT, RadixIndex
-from .tiers.base import SlotTier, TierKind
+from .tiers.base import RemoteTier, SlotTier, TierKind
 from .transfer import ProbeBudget, TransferEstimate, TransferMeter
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,9 @@ NamespaceOf = Callable[[int], tuple[str, BlockHash]]
 
 
 class RemoteLink:
-    def __init__(self, remote, layout: KVLayout, index: RadixIndex, tiers: dict[TierKind, SlotTier],
+    def __init__(self, remote: RemoteTier, layout: KVLayout, index: RadixIndex, tiers: dict[TierKind, SlotTier],
                  namespace_of: NamespaceOf) -> None:
-        self.remote = remote
+        self.tier = remote
         self.layout = layout
         self.index = index
         self.tiers = tiers
@@ -67,23 +68,25 @@ class RemoteLink:
         """Verified payloads of the blocks after `start` that Redis holds, in order, and
         whether they end at a block that failed verification (its key is then deleted)."""
         payloads: list[memoryview] = []
-        options = {"budget": budget, "verify": self.verify_estimate()} if budget is not None else {}
+        verify = self.verify_estimate() if budget is not None else None
         for batch_start in range(start, len(hashes), PROBE_BATCH):
             batch = hashes[batch_start: batch_start + PROBE_BATCH]
-            frames = self.remote.fetch(ns_id, batch, frame_bytes=self.layout.block_bytes, prefix_only=True, **options)
+            frames = self.tier.fetch(ns_id, batch, frame_bytes=self.layout.block_bytes, prefix_only=True,
+                                     budget=budget, verify=verify)
             checked, started = len(payloads), time.perf_counter()
             try:
                 for i, frame in enumerate(frames, start=batch_start):
                     if frame is None:
                         return payloads, False
                     parent = hashes[i - 1] if i else root
+                    mac_key, storage_key = self._mac(ns_id, hashes[i])
                     try:
                         payloads.append(decode_block(frame, self.layout, ns_id, hashes[i], parent, blocks[i],
-                                                     **self._mac(ns_id, hashes[i])))
+                                                     mac_key=mac_key, storage_key=storage_key))
                     except CorruptBlock as error:
                         log.debug("remote block failed verification: %s", error)
-                        self.remote.record_integrity_failure()
-                        self.remote.delete(ns_id, hashes[i])
+                        self.tier.record_integrity_failure()
+                        self.tier.delete(ns_id, hashes[i])
                         return payloads, True
             finally:
                 self._observe_verify((len(payloads) - checked) * self.layout.block_bytes,
@@ -126,29 +129,42 @@ class RemoteLink:
         parent = int(index.parent[node])
         parent_hash = root if parent == ROOT else index.hash_of(parent)
         tier = self.tiers[TierKind(int(index.tier[node]))]
-        payload = tier.view(int(index.slot[node])).cpu().contiguous().view(torch.uint8).reshape(-1).numpy()
+        payload = tier.block_bytes(int(index.slot[node]))
         block_hash = index.hash_of(node)
-        frame = encode_block(self.layout, ns_id, block_hash, parent_hash, index.tokens[node], memoryview(payload),
-                             **self._mac(ns_id, block_hash))
-        return self.remote.submit(ns_id, block_hash, frame)
+        mac_key, storage_key = self._mac(ns_id, block_hash)
+        frame = encode_block(self.layout, ns_id, block_hash, parent_hash, index.tokens[node], payload,
+                             mac_key=mac_key, storage_key=storage_key)
+        return self.tier.submit(ns_id, block_hash, frame)
 
-    def _mac(self, ns_id: str, block_hash: BlockHash) -> dict[str, object]:
-        """Codec arguments that key a frame to the Redis key it is stored under (none when unkeyed)."""
+    def _mac(self, ns_id: str, block_hash: BlockHash) -> tuple[bytes | None, str | None]:
+        """(mac_key, storage_key): codec arguments that key a frame to the Redis key it is stored
+        under (both None when unkeyed)."""
         if self._mac_key is None:
-            return {}
-        return {"mac_key": self._mac_key, "storage_key": self.remote.key(ns_id, block_hash)}
+            return None, None
+        return self._mac_key, self.tier.key(ns_id, block_hash)
 
     # -- forgetting -------------------------------------------------------------------
     def forget(self, node: int) -> None:
         """Delete a block's key (manual eviction)."""
         ns_id, _ = self.namespace_of(int(self.index.namespace[node]))
-        self.remote.delete(ns_id, self.index.hash_of(node))
+        self.tier.delete(ns_id, self.index.hash_of(node))
         self._until[node] = 0.0
 
     def forget_namespace(self, ns_id: str, rows: np.ndarray) -> None:
-        self.remote.delete_namespace(ns_id)
+        self.tier.delete_namespace(ns_id)
         self._until[rows] = 0.0  # pinned survivors are no longer in Redis
 
     def flush(self) -> None:
-        self.remote.flush()
+        self.tier.flush()
         self._until[:] = 0.0
+
+    # -- health and figures ---------------------------------------------------------------
+    def is_up(self) -> bool:
+        return self.tier.is_up()
+
+    def figures(self) -> dict[str, float]:
+        """The tier's numeric counters by name (GetStats' `remote` map)."""
+        return {k: v for k, v in vars(self.tier.stats()).items() if isinstance(v, (int, float))}
+
+    def close(self) -> None:
+        self.tier.close()

@@ -18,12 +18,30 @@ import torch
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, KVLayout, Namespace
 from prefixcache.index import ROOT
+from prefixcache.results import BlockLocations
 from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier
 from prefixcache.tiers.pool import torch_dtype
 
 TINY = KVLayout(layers=1, kv_heads=1, head_dim=2, block_size=4, dtype="float32")
+
+
+def read_blocks(cache: PrefixCache, locations: BlockLocations) -> torch.Tensor:
+    """Copy of the blocks at `locations`, `[n, *block_shape]` on the CPU (what a lease holder reads)."""
+    out = torch.empty((len(locations), *cache.layout.block_shape), dtype=torch_dtype(cache.layout))
+    for kind, tier in cache.tiers.items():
+        rows = np.flatnonzero(locations.tiers == kind)
+        if rows.size:
+            out[torch.from_numpy(rows)] = tier.read(locations.slots[rows].tolist()).to("cpu")
+    return out
+
+
+def write_reserved(cache: PrefixCache, reservation_id: int, position: int, block: torch.Tensor) -> None:
+    """Write one block into a reservation's slot, as a same-host worker does through the mapped pool."""
+    reservation = cache.leases.reservation(reservation_id)
+    assert reservation is not None, "reservation unknown or expired"
+    cache.tiers[reservation.tier].write(reservation.slots[position], block)
 
 
 class ManualClock:
@@ -122,14 +140,14 @@ def assert_consistent(cache: PrefixCache) -> None:
     for node in live:
         assert index.children[node] == child_count[node], f"children count of {node}"
     pins: Counter = Counter()
-    for lease in cache._leases.values():
+    for lease in cache.leases.leases():
         pins.update(lease.nodes)
     for node in live:
         assert index.pins[node] == pins[node], f"pins of {node}: {index.pins[node]} vs {pins[node]} leases"
     assert not (set(pins) - live_set), "a lease holds a node that is gone"
     for kind, tier in cache.tiers.items():
         owned = [int(index.slot[n]) for n in live if index.tier[n] == kind]
-        reserved = [s for r in cache._reservations.values() if r.tier == kind for s in r.slots]
+        reserved = [s for r in cache.leases.reservations() if r.tier == kind for s in r.slots]
         free = list(cache.placement.free[kind]._free)
         everything = owned + reserved + free
         assert len(everything) == len(set(everything)) == tier.num_slots, f"{kind.label} slots leak or are shared"

@@ -16,10 +16,9 @@ import torch
 from prefixcache.errors import InvalidArgument, LayoutMismatch, ResourceExhausted, UnknownLease, UnknownNamespace
 from prefixcache.hashing import BlockHash, Hasher
 from prefixcache.index import MissReason
-from prefixcache.results import BlockLocation, BlockLocations
 from prefixcache.tiers.base import TierKind
-from tests.core_support import (TINY, ManualClock, assert_consistent, block_hashes, kv_for, live_hashes,
-                                make_cache, namespace, same_bytes)
+from tests.core_support import (TINY, ManualClock, assert_consistent, block_hashes, kv_for, live_hashes, make_cache,
+                                namespace, read_blocks, same_bytes, write_reserved)
 
 BS = TINY.block_size
 
@@ -35,7 +34,7 @@ def store(cache, ns: str, tokens: list[int], start_block: int = 0):
 
 def hit_kv(cache, ns: str, tokens: list[int]) -> torch.Tensor:
     result = cache.lookup(ns, tokens)
-    return cache.read(result.locations)
+    return read_blocks(cache, result.locations)
 
 
 class Names:
@@ -132,7 +131,7 @@ def test_sliding_ttl_refreshes_on_hit_and_never_serves_expired_blocks() -> None:
         clock.advance(9)                                      # a0 is 9 s old, a1 18 s
         result = cache.lookup(ns, a)
         assert result.hit_tokens == BS and result.miss_reason is MissReason.EXPIRED
-        assert same_bytes(cache.read(result.locations), kv_for(a)[:1])
+        assert same_bytes(read_blocks(cache, result.locations), kv_for(a)[:1])
         assert len(cache.index) == 2                          # expired, not yet reclaimed
         assert cache.expire() == 1                            # a1 goes, a0 (just hit) stays
         assert cache.stats().evictions == {"host": {"ttl": 1}}
@@ -199,7 +198,7 @@ def test_a_collision_deep_in_a_chain_serves_only_the_verified_prefix() -> None:
         b = colliding(cache, ns, a, prompt(1))
         result = cache.lookup(ns, b)
         assert result.hit_tokens == BS and result.miss_reason is MissReason.VERIFICATION_FAILED
-        assert same_bytes(cache.read(result.locations), kv_for(a)[:1])
+        assert same_bytes(read_blocks(cache, result.locations), kv_for(a)[:1])
         assert store(cache, ns, b).rejected == 1
         assert same_bytes(hit_kv(cache, ns, a), kv_for(a))
         assert_consistent(cache)
@@ -230,7 +229,7 @@ def test_a_lease_pins_its_blocks_under_pressure_until_release() -> None:
         assert leased.lease_id is not None and cache.stats().active_leases == 1
         squeezed = store(cache, ns, q)
         assert (squeezed.stored, squeezed.rejected) == (2, 2)
-        assert same_bytes(cache.read_lease(leased.lease_id), kv_for(p))
+        assert same_bytes(read_blocks(cache, cache.lease(leased.lease_id).locations), kv_for(p))
         assert cache.lease(leased.lease_id).locations == leased.locations
         assert_consistent(cache)
         cache.release(leased.lease_id)
@@ -251,8 +250,6 @@ def test_leases_expire_and_stop_pinning() -> None:
         clock.advance(5)
         with pytest.raises(UnknownLease):
             cache.lease(lease_id)
-        with pytest.raises(UnknownLease):
-            cache.read_lease(lease_id)
         assert store(cache, ns, q).stored == 4   # the expired lease is reclaimed to make room
         with pytest.raises(UnknownLease) as caught:
             cache.release(lease_id)
@@ -284,15 +281,13 @@ def test_reservations_expire_and_return_their_slots() -> None:
         clock.advance(6)
         cache.expire()
         assert cache.stats().tiers[0].blocks == 0
-        with pytest.raises(InvalidArgument) as caught:
-            cache.write_reserved(reservation.id, 0, kv_for(prompt(1))[0])
-        assert caught.value.field == "reservation_id"
+        assert reservation.id not in cache.leases   # expired: its slots went back
         with pytest.raises(InvalidArgument):
             cache.commit(ns, prompt(1, 2, 3), reservation.id, 0)
         stale = cache.reserve(3)
         clock.advance(6)
         assert len(cache.reserve(4).slots) == 4   # reclaimed under pressure, no expire() needed
-        assert stale.id not in cache._reservations
+        assert stale.id not in cache.leases
         assert_consistent(cache)
 
 
@@ -301,9 +296,9 @@ def test_a_half_written_reservation_is_invisible_until_commit() -> None:
         ns = cache.attach(namespace())
         p = prompt(1, 2)
         reservation = cache.reserve(2)
-        cache.write_reserved(reservation.id, 0, kv_for(p)[0])
+        write_reserved(cache, reservation.id, 0, kv_for(p)[0])
         assert cache.lookup(ns, p).hit_tokens == 0
-        cache.write_reserved(reservation.id, 1, kv_for(p)[1])
+        write_reserved(cache, reservation.id, 1, kv_for(p)[1])
         assert cache.lookup(ns, p).hit_tokens == 0
         assert cache.commit(ns, p, reservation.id, 0).stored == 2
         assert same_bytes(hit_kv(cache, ns, p), kv_for(p))
@@ -321,7 +316,7 @@ def test_commit_deduplicates_and_keeps_the_first_kv() -> None:
         assert (again.stored, again.deduplicated, again.rejected) == (0, 3, 0)
         reservation = cache.reserve(2)
         for position in range(2):
-            cache.write_reserved(reservation.id, position, other[position])
+            write_reserved(cache, reservation.id, position, other[position])
         result = cache.commit(ns, p, reservation.id, 1)
         assert (result.stored, result.deduplicated, result.rejected) == (0, 2, 0)
         assert same_bytes(hit_kv(cache, ns, p), kv_for(p))
@@ -370,7 +365,7 @@ def test_commit_validates_its_block_range_without_leaking_slots() -> None:
         with pytest.raises(InvalidArgument) as caught:
             cache.commit(ns, prompt(1, 2), reservation.id, 1)
         assert caught.value.field == "start_block"
-        assert reservation.id not in cache._reservations
+        assert reservation.id not in cache.leases
         assert cache.stats().tiers[0].blocks == 0
         assert_consistent(cache)
 
@@ -413,7 +408,7 @@ def test_flush_drops_everything_but_leased_paths() -> None:
         store(cache, ns, prompt(4))
         lease_id = cache.lookup(ns, prompt(1, 2), take_lease=True).lease_id
         assert cache.flush() == 2
-        assert same_bytes(cache.read_lease(lease_id), kv_for(prompt(1, 2)))
+        assert same_bytes(read_blocks(cache, cache.lease(lease_id).locations), kv_for(prompt(1, 2)))
         cache.release(lease_id)
         assert cache.flush() == 2 and len(cache.index) == 0
         assert cache.stats().tiers[0].blocks == 0
@@ -477,12 +472,6 @@ def test_kv_of_the_wrong_shape_or_dtype_is_a_layout_mismatch() -> None:
         for kv in bad:
             with pytest.raises(LayoutMismatch):
                 cache.store(ns, p, kv)
-        reservation = cache.reserve(1)
-        with pytest.raises(LayoutMismatch):
-            cache.write_reserved(reservation.id, 0, good[0].to(torch.bfloat16))
-        with pytest.raises(InvalidArgument) as caught:
-            cache.write_reserved(reservation.id, 1, good[0])
-        assert caught.value.field == "position"
         with pytest.raises(InvalidArgument) as caught:
             cache.store(ns, p[:BS], good)   # two blocks of KV for a one-block prompt
         assert caught.value.field == "kv"
@@ -506,7 +495,7 @@ def test_unknown_namespace_and_foreign_layout_are_refused() -> None:
         assert_consistent(cache)
 
 
-def test_reserve_and_read_validate_their_arguments() -> None:
+def test_reserve_validates_its_arguments() -> None:
     with make_cache(host_slots=4) as cache:
         for count in (-1, "2", 1.0, True):
             with pytest.raises(InvalidArgument) as caught:
@@ -514,10 +503,4 @@ def test_reserve_and_read_validate_their_arguments() -> None:
             assert caught.value.field == "count"
         with pytest.raises(ResourceExhausted):
             cache.reserve(5)
-        for where in ([BlockLocation(TierKind.HOST, 4)], [BlockLocation(TierKind.DEVICE, 0)],
-                      BlockLocations([1], [-1])):
-            with pytest.raises(InvalidArgument) as caught:
-                cache.read(where)
-            assert caught.value.field == "locations"
-        assert cache.read([]).shape == (0, *TINY.block_shape)
         assert_consistent(cache)

@@ -31,7 +31,7 @@ from prefixcache.index import MissReason
 from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.host import HostTier
 from prefixcache.tiers.redis import RedisOptions, RedisTier
-from tests.core_support import ManualClock, block_hashes, kv_for, namespace, same_bytes
+from tests.core_support import read_blocks, ManualClock, block_hashes, kv_for, namespace, same_bytes
 from tests.redis_server import RedisClusterProcesses, RedisServer, poll
 
 LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=8, block_size=4, dtype=DType.FLOAT16)  # 512-byte blocks
@@ -75,12 +75,12 @@ def hit_blocks(cache: PrefixCache, ns: str, tokens: list[int]) -> int:
     result = cache.lookup(ns, tokens)
     hit = result.hit_tokens // BS
     if hit:
-        assert same_bytes(cache.read(result.locations), kv_for(tokens, LAYOUT)[:hit])
+        assert same_bytes(read_blocks(cache, result.locations), kv_for(tokens, LAYOUT)[:hit])
     return hit
 
 
 def keys_of(cache: PrefixCache, ns: str, tokens: list[int]) -> list[str]:
-    return [cache.remote.key(ns, h) for h in block_hashes(cache, ns, tokens)]
+    return [cache.remote_link.tier.key(ns, h) for h in block_hashes(cache, ns, tokens)]
 
 
 
@@ -100,12 +100,12 @@ def test_blocks_pushed_out_of_a_tiny_host_tier_come_back_from_redis(redis_server
         a, b = tokens_for(1, 4), tokens_for(2, 3)
         assert store(cache, ns, a).stored == 4
         assert store(cache, ns, b).stored == 3            # evicts a3, a2, a1 (leaf first); a0 stays
-        assert cache.remote.wait_idle(5)
+        assert cache.remote_link.tier.wait_idle(5)
         assert cache.stats().spills == {"host": 3}
         result = cache.lookup(ns, a)                       # a0 from the host tier, a1..a3 from Redis
         assert result.hit_tokens == 4 * BS and result.miss_reason is None
         assert set(result.locations.tiers.tolist()) == {TierKind.HOST}
-        assert same_bytes(cache.read(result.locations), kv_for(a, LAYOUT))
+        assert same_bytes(read_blocks(cache, result.locations), kv_for(a, LAYOUT))
         stats = cache.stats()
         assert stats.promotions == {"host": 3} and stats.remote["hits"] == 3
         assert stats.spills == {"host": 6}                 # admitting a1..a3 pushed b out in turn
@@ -124,7 +124,7 @@ def test_a_block_whose_write_through_was_dropped_is_spilled_on_eviction(private_
         private_redis.start()
         assert poll(remote_up(cache), 5)
         assert store(cache, ns, tokens_for(2, 3)).stored == 3   # evicts a1..a3: now they are written
-        assert cache.remote.wait_idle(5)
+        assert cache.remote_link.tier.wait_idle(5)
         with private_redis.client() as raw:
             assert [raw.exists(key) for key in keys_of(cache, ns, a)] == [0, 1, 1, 1]
         assert hit_blocks(cache, ns, a) == 4
@@ -138,13 +138,13 @@ def test_an_evicted_block_whose_redis_copy_has_expired_is_spilled_again(redis_se
     with redis_cache(redis_server.url, prefix, host_slots=4, clock=clock, cache_ttl_s=10 * REDIS_TTL_S) as (a, ns), \
             redis_cache(redis_server.url, prefix) as (b, _):
         tokens = tokens_for(1, 4)
-        assert store(a, ns, tokens).stored == 4 and a.remote.wait_idle(5)
+        assert store(a, ns, tokens).stored == 4 and a.remote_link.tier.wait_idle(5)
         with redis_server.client() as raw:
             clock.advance(REDIS_TTL_S + 1)                 # past the Redis TTL, and Redis forgot them...
             raw.unlink(*keys_of(a, ns, tokens))
             assert hit_blocks(a, ns, tokens) == 4          # ...while local hits kept them warm here
             assert store(a, ns, tokens_for(2, 4)).stored == 4   # evicts all four
-            assert a.remote.wait_idle(5)
+            assert a.remote_link.tier.wait_idle(5)
             assert raw.exists(*keys_of(a, ns, tokens)) == 4
         assert hit_blocks(b, ns, tokens) == 4
 
@@ -157,7 +157,7 @@ def test_a_prefix_stored_through_one_instance_is_a_hit_on_another(redis_server: 
         prompts = [tokens_for(seed, 5) for seed in (1, 2)]
         for tokens in prompts:
             assert store(a, ns, tokens).stored == 5
-        assert a.remote.wait_idle(5)
+        assert a.remote_link.tier.wait_idle(5)
         assert [hit_blocks(b, ns, tokens) for tokens in prompts] == [5, 5]
         stats = b.stats()
         assert (stats.blocks_committed, stats.promotions, stats.remote["hits"]) == (0, {"host": 10}, 10)
@@ -172,12 +172,12 @@ def test_a_long_prefix_comes_back_in_several_round_trips_in_order(redis_server: 
     tokens = tokens_for(8, 40)
     with redis_cache(redis_server.url, prefix, host_slots=48) as (a, ns), \
             redis_cache(redis_server.url, prefix, host_slots=48, max_fetch_bytes=3 * LAYOUT.block_bytes) as (b, _):
-        assert store(a, ns, tokens).stored == 40 and a.remote.wait_idle(5)
+        assert store(a, ns, tokens).stored == 40 and a.remote_link.tier.wait_idle(5)
         result = b.lookup(ns, tokens, take_lease=True)
         assert result.hit_tokens == 40 * BS and result.lease_id is not None
-        assert same_bytes(b.read_lease(result.lease_id), kv_for(tokens, LAYOUT))
+        assert same_bytes(read_blocks(b, b.lease(result.lease_id).locations), kv_for(tokens, LAYOUT))
         b.release(result.lease_id)
-        remote = b.remote.stats()
+        remote = b.remote_link.tier.stats()
         assert (remote.hits, remote.misses, remote.read_latency.count) == (40, 0, 2)  # one fetch per probe batch
 
 
@@ -185,7 +185,7 @@ def test_concurrent_lookups_of_a_prefix_in_redis_all_hit_it(redis_server: RedisS
     """Lookups racing to admit the same blocks: the losers continue through the winner's blocks."""
     tokens = tokens_for(6, 8)
     with redis_cache(redis_server.url, prefix) as (a, ns), redis_cache(redis_server.url, prefix) as (b, _):
-        assert store(a, ns, tokens).stored == 8 and a.remote.wait_idle(5)
+        assert store(a, ns, tokens).stored == 8 and a.remote_link.tier.wait_idle(5)
         start = threading.Barrier(6)
 
         def look() -> int:
@@ -223,7 +223,7 @@ def test_sigkill_mid_stream_degrades_to_the_host_tier_and_recovers(private_redis
             assert store(a, ns, tokens).stored == 4
             assert hit_blocks(a, ns, tokens) == 4           # the host tier keeps serving its own blocks
             if i < kill_at:
-                assert a.remote.wait_idle(5) and hit_blocks(b, ns, tokens) == 4
+                assert a.remote_link.tier.wait_idle(5) and hit_blocks(b, ns, tokens) == 4
             else:
                 assert hit_blocks(b, ns, tokens) == 0       # never written: Redis was gone
         unknown = tokens_for(99, 1)                         # a miss that asks Redis: drives both breakers
@@ -241,7 +241,7 @@ def test_sigkill_mid_stream_degrades_to_the_host_tier_and_recovers(private_redis
         assert poll(remote_up(a, b), 5), "the tier must recover without recreating the cache"
         recovered_s = time.monotonic() - began
         fresh = tokens_for(60, 4)
-        assert store(a, ns, fresh).stored == 4 and a.remote.wait_idle(5)
+        assert store(a, ns, fresh).stored == 4 and a.remote_link.tier.wait_idle(5)
         assert hit_blocks(b, ns, fresh) == 4
         assert recovered_s < 5
 
@@ -252,7 +252,7 @@ def test_a_paused_redis_costs_a_lookup_at_most_the_read_timeout(private_redis: R
     with redis_cache(url, prefix, socket_timeout_s=timeout_s) as (a, ns), \
             redis_cache(url, prefix, socket_timeout_s=timeout_s) as (b, _):
         tokens = tokens_for(1, 4)
-        assert store(a, ns, tokens).stored == 4 and a.remote.wait_idle(5)
+        assert store(a, ns, tokens).stored == 4 and a.remote_link.tier.wait_idle(5)
         private_redis.pause(1000)
         for _ in range(5):
             began = time.perf_counter()
@@ -277,7 +277,7 @@ def test_a_cache_created_while_redis_is_down_starts_promptly_and_picks_it_up(tmp
             server.start()
             assert poll(remote_up(a), 5)
             late = tokens_for(2, 3)
-            assert store(a, ns, late).stored == 3 and a.remote.wait_idle(5)
+            assert store(a, ns, late).stored == 3 and a.remote_link.tier.wait_idle(5)
             with redis_cache(server.url, prefix) as (b, _):
                 assert hit_blocks(b, ns, late) == 3
                 assert hit_blocks(b, ns, early) == 0        # its write-through was dropped while down
@@ -317,7 +317,7 @@ def test_a_bad_value_under_a_block_key_is_a_counted_miss_and_is_deleted(
         redis_server: RedisServer, prefix: str, tmp_path: Path, corruption: str) -> None:
     tokens = tokens_for(5, 4)
     with redis_cache(redis_server.url, prefix) as (writer, ns), redis_cache(redis_server.url, prefix) as (reader, _):
-        assert store(writer, ns, tokens).stored == 4 and writer.remote.wait_idle(5)
+        assert store(writer, ns, tokens).stored == 4 and writer.remote_link.tier.wait_idle(5)
         keys = keys_of(reader, ns, tokens)
         with redis_server.client() as raw:
             frames = [raw.get(key) for key in keys]
@@ -325,11 +325,11 @@ def test_a_bad_value_under_a_block_key_is_a_counted_miss_and_is_deleted(
             result = reader.lookup(ns, tokens)
             assert result.hit_tokens == 2 * BS                 # stops before the bad block
             assert result.miss_reason is MissReason.VERIFICATION_FAILED
-            assert same_bytes(reader.read(result.locations), kv_for(tokens, LAYOUT)[:2])
+            assert same_bytes(read_blocks(reader, result.locations), kv_for(tokens, LAYOUT)[:2])
             stats = reader.stats()
             assert (stats.remote["integrity_failures"], reader.counters.remote_integrity_failures) == (1, 1)
             assert (stats.block_hits, stats.block_misses, stats.miss_reasons) == (2, 2, {"verification_failed": 1})
-            assert reader.remote.wait_idle(5)
+            assert reader.remote_link.tier.wait_idle(5)
             assert [raw.exists(key) for key in keys] == [1, 1, 0, 1]   # only the bad key is gone
             assert hit_blocks(reader, ns, tokens) == 2          # now a plain miss, not counted again
             assert reader.stats().remote["integrity_failures"] == 1
@@ -343,7 +343,7 @@ def test_a_redis_hit_lengthens_the_key_ttl_and_a_local_hit_does_not(redis_server
     full_ms = REDIS_TTL_S * 1000
     with redis_cache(redis_server.url, prefix) as (a, ns), redis_cache(redis_server.url, prefix) as (b, _):
         tokens = tokens_for(3, 3)
-        assert store(a, ns, tokens).stored == 3 and a.remote.wait_idle(5)
+        assert store(a, ns, tokens).stored == 3 and a.remote_link.tier.wait_idle(5)
         keys = keys_of(a, ns, tokens)
         with redis_server.client() as raw:
             assert all(full_ms - 10_000 < raw.pttl(key) <= full_ms for key in keys)  # RedisOptions.ttl_s
@@ -358,7 +358,7 @@ def test_a_redis_hit_lengthens_the_key_ttl_and_a_local_hit_does_not(redis_server
 def test_an_expired_redis_key_is_never_served(redis_server: RedisServer, prefix: str) -> None:
     with redis_cache(redis_server.url, prefix) as (a, ns), redis_cache(redis_server.url, prefix) as (b, _):
         tokens = tokens_for(4, 3)
-        assert store(a, ns, tokens).stored == 3 and a.remote.wait_idle(5)
+        assert store(a, ns, tokens).stored == 3 and a.remote_link.tier.wait_idle(5)
         keys = keys_of(a, ns, tokens)
         with redis_server.client() as raw:
             raw.pexpire(keys[1], 1)
@@ -377,7 +377,7 @@ def test_two_caches_share_prefixes_across_every_cluster_node(redis_cluster, pref
         prompts = [tokens_for(seed, 4) for seed in range(1, 13)]
         for tokens in prompts:
             assert store(a, ns, tokens).stored == 4
-        assert a.remote.wait_idle(10)
+        assert a.remote_link.tier.wait_idle(10)
         assert [hit_blocks(b, ns, tokens) for tokens in prompts] == [4] * 12
         assert b.stats().remote["hits"] == 48 and a.stats().remote["writes_failed"] == 0
         per_node = []
@@ -401,7 +401,7 @@ def test_a_killed_cluster_node_degrades_to_the_host_tier_and_the_cluster_recover
             prompts = [tokens_for(seed, 4) for seed in range(1, 13)]
             for tokens in prompts:
                 assert store(a, ns, tokens).stored == 4
-            assert a.remote.wait_idle(10)
+            assert a.remote_link.tier.wait_idle(10)
             victim = cluster.nodes[1]
             with victim.client() as raw:
                 on_victim = sum(1 for _ in raw.scan_iter(match=f"{prefix}:*"))
@@ -420,7 +420,7 @@ def test_a_killed_cluster_node_degrades_to_the_host_tier_and_the_cluster_recover
             fresh = [tokens_for(seed, 4) for seed in range(20, 32)]
             for tokens in fresh:
                 assert store(a, ns, tokens).stored == 4
-            assert a.remote.wait_idle(10)
+            assert a.remote_link.tier.wait_idle(10)
             assert [hit_blocks(b, ns, tokens) for tokens in fresh] == [4] * 12  # every node serves again
             with victim.client() as raw:
                 assert sum(1 for _ in raw.scan_iter(match=f"{prefix}:*")) > 0

@@ -31,7 +31,7 @@ from prefixcache.errors import ResourceExhausted, UnknownLease
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier
 from prefixcache.touchlog import TouchLog
-from tests.core_support import ManualClock, assert_consistent, block_hashes, kv_for, namespace, same_bytes
+from tests.core_support import read_blocks, ManualClock, assert_consistent, block_hashes, kv_for, namespace, same_bytes
 
 TTL_S = 10.0
 LEASE_TTL_S = 4.0
@@ -148,7 +148,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert hit == expected_blocks
         assert all((ns, self.prefix(tokens, i)) in self.stored for i in range(1, hit + 1))
         expected = self.kv(ns, tokens)[:hit]
-        assert same_bytes(self.cache.read(result.locations), expected)
+        assert same_bytes(read_blocks(self.cache, result.locations), expected)
         if result.lease_id is not None:
             assert take_lease and hit > 0
             self.leases[result.lease_id] = HeldLease(ns, result.lease_expires_at, expected)
@@ -200,7 +200,7 @@ class CacheMachine(RuleBasedStateMachine):
     def leased_paths_stay_readable(self) -> None:
         for lease_id, held in self.leases.items():
             if held.expires_at > self.clock():
-                assert same_bytes(self.cache.read_lease(lease_id), held.kv)
+                assert same_bytes(read_blocks(self.cache, self.cache.lease(lease_id).locations), held.kv)
 
 
 CacheMachine.TestCase.settings = settings.get_profile(os.environ.get("PREFIXCACHE_STATEFUL_PROFILE", "stateful-ci"))

@@ -190,7 +190,7 @@ def test_a_lookup_waiting_on_redis_does_not_hold_up_local_hits(private_redis):
             other.attach("m", layout)
             local = prompt(4, start=10)
             client.store(local, random_kv(4, layout, seed=5))
-            assert server.backend.cache.remote.wait_idle(10)
+            assert server.backend.cache.remote_link.tier.wait_idle(10)
             private_redis.pause(2500)
             slow = threading.Thread(target=lambda: other.lookup(prompt(4, start=90_000), take_lease=False))
             slow.start()

@@ -126,7 +126,7 @@ def test_paired_isolation_in_redis(tls_acl_redis, tmp_path: Path) -> None:
         def force_to_redis(prompt_tokens: list[int], owners: list) -> None:
             for _ in range(2):  # 20 newer blocks through a 16-block host tier
                 ops.store(prompt(10, filler), random_kv(10, filler.randrange(1 << 30)))
-            assert server.backend.cache.remote.wait_idle(10)
+            assert server.backend.cache.remote_link.tier.wait_idle(10)
             for owner in owners:
                 report = owner.inspect(prompt_tokens, cache_salt=SALT)
                 assert report.hit_tokens == 0, "still in the host tier"

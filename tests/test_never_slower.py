@@ -32,7 +32,7 @@ from prefixcache.config import CacheConfig, DType, KVLayout
 from prefixcache.tiers.host import HostTier
 from prefixcache.tiers.redis import RedisOptions, RedisTier
 from prefixcache.transfer import ProbeBudget, TransferEstimate
-from tests.core_support import ManualClock, kv_for, namespace, same_bytes
+from tests.core_support import read_blocks, ManualClock, kv_for, namespace, same_bytes
 from tests.redis_server import RedisServer
 from tests.slow_proxy import SlowProxy
 
@@ -68,7 +68,7 @@ def populated(private_redis: RedisServer) -> Iterator[tuple[RedisServer, str, di
     with tier_cache(private_redis.url, prefix) as (writer, ns):
         for tokens in prompts.values():
             writer.store(ns, tokens, kv_for(tokens, LAYOUT))
-        assert writer.remote.wait_idle(10)
+        assert writer.remote_link.tier.wait_idle(10)
     yield private_redis, prefix, prompts
 
 
@@ -84,7 +84,7 @@ def test_short_prefix_in_a_slow_redis_is_declined_without_waiting(populated) -> 
             tier_cache(proxy.url, prefix) as (cache, ns):
         _, taught = _timed_lookup(cache, ns, prompts["teach"], WORKER_S_PER_TOKEN)  # the prior says fast: it probes
         assert taught >= 2 * PROXY_LATENCY_S
-        link = cache.remote.link_estimate()
+        link = cache.remote_link.tier.link_estimate()
         assert link.samples >= 1 and link.latency_s >= PROXY_LATENCY_S
 
         result, seconds = _timed_lookup(cache, ns, prompts["short"], WORKER_S_PER_TOKEN)
@@ -96,7 +96,7 @@ def test_short_prefix_in_a_slow_redis_is_declined_without_waiting(populated) -> 
         # Without a budget the same lookup waits for the slow link, and the blocks were there.
         result, seconds = _timed_lookup(cache, ns, prompts["short"], None)
         assert result.hit_tokens == 4 * BS and seconds >= 2 * PROXY_LATENCY_S
-        assert same_bytes(cache.read(result.locations), kv_for(prompts["short"], LAYOUT))
+        assert same_bytes(read_blocks(cache, result.locations), kv_for(prompts["short"], LAYOUT))
 
 
 def test_probe_stops_at_the_budget_deadline(populated) -> None:
@@ -104,7 +104,7 @@ def test_probe_stops_at_the_budget_deadline(populated) -> None:
     server, prefix, prompts = populated
     with SlowProxy(server.port, PROXY_LATENCY_S, PROXY_BYTES_PER_S) as proxy, \
             tier_cache(proxy.url, prefix) as (cache, ns):
-        per_trip = cache.remote.options.max_fetch_bytes // LAYOUT.block_bytes
+        per_trip = cache.remote_link.tier.options.max_fetch_bytes // LAYOUT.block_bytes
         result, seconds = _timed_lookup(cache, ns, prompts["long"], WORKER_S_PER_TOKEN)
         assert result.hit_tokens == per_trip * BS
         assert result.remote_blocks_declined == 96 - per_trip
@@ -117,7 +117,7 @@ def test_fast_redis_is_still_probed_and_hit(populated) -> None:
     with tier_cache(server.url, prefix) as (cache, ns):
         result, _ = _timed_lookup(cache, ns, prompts["medium"], WORKER_S_PER_TOKEN)
         assert result.hit_tokens == 16 * BS and result.remote_blocks_declined == 0
-        assert same_bytes(cache.read(result.locations), kv_for(prompts["medium"], LAYOUT))
+        assert same_bytes(read_blocks(cache, result.locations), kv_for(prompts["medium"], LAYOUT))
         assert cache.stats().remote["probes_declined"] == 0
 
 
@@ -130,11 +130,11 @@ def test_checking_fetched_frames_counts_against_the_budget(populated) -> None:
         saving = WORKER_S_PER_TOKEN * BS
         slow_check = TransferEstimate(latency_s=0.0, bytes_per_s=LAYOUT.block_bytes / (10 * saving))
         declined = ProbeBudget(16, saving)
-        frames = cache.remote.fetch(ns, prompt.hashes, frame_bytes=LAYOUT.block_bytes, prefix_only=True,
+        frames = cache.remote_link.tier.fetch(ns, prompt.hashes, frame_bytes=LAYOUT.block_bytes, prefix_only=True,
                                     budget=declined, verify=slow_check)
         assert frames == [None] * 16 and declined.declined == 16
         taken = ProbeBudget(16, saving)
-        frames = cache.remote.fetch(ns, prompt.hashes, frame_bytes=LAYOUT.block_bytes, prefix_only=True,
+        frames = cache.remote_link.tier.fetch(ns, prompt.hashes, frame_bytes=LAYOUT.block_bytes, prefix_only=True,
                                     budget=taken, verify=TransferEstimate(0.0, 10e9))
         assert all(frames) and taken.declined == 0
         assert cache.remote_link.verify_estimate().samples == 0        # the prior, until it has checked

@@ -12,7 +12,7 @@ import pytest
 from prefixcache.config import TenantQuota, TenantQuotas
 from prefixcache.errors import ConfigError, InvalidArgument
 from prefixcache.tiers.base import TierKind
-from tests.core_support import TINY, assert_consistent, kv_for, make_cache, namespace
+from tests.core_support import write_reserved, TINY, assert_consistent, kv_for, make_cache, namespace
 
 BS = TINY.block_size
 BLOCK = TINY.block_bytes
@@ -116,7 +116,7 @@ def test_a_reservation_is_committed_only_by_its_tenant() -> None:
         tokens = prompt(1, 2)
         reservation = cache.reserve(2, a)
         for position, block in enumerate(kv_for(tokens, TINY)):
-            cache.write_reserved(reservation.id, position, block)
+            write_reserved(cache, reservation.id, position, block)
         with pytest.raises(InvalidArgument, match="reservation_id"):
             cache.commit(b, tokens, reservation.id, 0)
         assert cache.commit(a, tokens, reservation.id, 0).stored == 2  # still a's to commit

@@ -144,7 +144,7 @@ def _spilled(client: CacheClient, server, prompts: list[tuple[list[int], torch.T
     for tokens, kv in prompts:
         assert client.store(tokens, kv).stored == kv.shape[0]
     client.store(list(range(90_000, 90_000 + 8 * BLOCK + 1)), random_kv(8, seed=50))
-    remote = server.backend.cache.remote
+    remote = server.backend.cache.remote_link.tier
     deadline = time.monotonic() + 10
     while remote.stats().spills_queued < 16 and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -181,9 +181,9 @@ def test_a_forged_frame_in_redis_is_not_served_and_a_keyed_one_is(
             evil = random_kv(1, seed=666)[0]
             with private_redis.client() as raw:
                 # An attacker who can write Redis: right layout and binding, but no key / a guessed key.
-                raw.set(cache.remote.key(ns, hashes_a[2]), frame(a, hashes_a, 2, evil), px=60_000)
-                raw.set(cache.remote.key(ns, hashes_b[1]), frame(b, hashes_b, 1, evil, mac_key=secrets.token_bytes(32),
-                                                                 storage_key=cache.remote.key(ns, hashes_b[1])),
+                raw.set(cache.remote_link.tier.key(ns, hashes_a[2]), frame(a, hashes_a, 2, evil), px=60_000)
+                raw.set(cache.remote_link.tier.key(ns, hashes_b[1]), frame(b, hashes_b, 1, evil, mac_key=secrets.token_bytes(32),
+                                                                 storage_key=cache.remote_link.tier.key(ns, hashes_b[1])),
                         px=60_000)
                 for tokens, kv, good in ((a, kv_a, 2), (b, kv_b, 1)):
                     failures = client.stats().snapshot.remote["integrity_failures"]
@@ -192,10 +192,10 @@ def test_a_forged_frame_in_redis_is_not_served_and_a_keyed_one_is(
                     assert same_bytes(client.read(hit), kv[:good])   # untampered blocks: promoted, byte-exact
                     client.release(hit)
                     assert client.stats().snapshot.remote["integrity_failures"] == failures + 1
-                assert cache.remote.wait_idle(10)                    # the forged keys' UNLINKs have run
-                assert raw.exists(cache.remote.key(ns, hashes_a[2])) == 0
+                assert cache.remote_link.tier.wait_idle(10)                    # the forged keys' UNLINKs have run
+                assert raw.exists(cache.remote_link.tier.key(ns, hashes_a[2])) == 0
                 # Positive control: a frame MAC'd with the file's (stripped) key is served.
-                stored_at = cache.remote.key(ns, hashes_a[2])
+                stored_at = cache.remote_link.tier.key(ns, hashes_a[2])
                 raw.set(stored_at, frame(a, hashes_a, 2, kv_a[2], mac_key=key, storage_key=stored_at), px=60_000)
                 hit = client.lookup(a)
                 assert hit.hit_tokens == 4 * BLOCK and same_bytes(client.read(hit), kv_a)

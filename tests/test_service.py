@@ -177,7 +177,7 @@ def test_serve_flags_wire_the_redis_tier(start, private_redis):
         deadline = time.monotonic() + 10
         while client.stats().snapshot.remote.get("spills_queued", 0) < 12 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert server.backend.cache.remote.wait_idle(10)
+        assert server.backend.cache.remote_link.tier.wait_idle(10)
         assert client.stats().snapshot.remote_up is True
         assert client.inspect(first).hit_tokens == 0              # gone from the host tier...
         hit = client.lookup(first)                                # ...and promoted back from Redis

@@ -20,7 +20,7 @@ from prefixcache.results import BlockLocations
 from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier, MappedSegment
-from tests.core_support import TINY, ManualClock, assert_consistent, block_hashes, kv_for, make_cache, namespace, \
+from tests.core_support import read_blocks, TINY, ManualClock, assert_consistent, block_hashes, kv_for, make_cache, namespace, \
     same_bytes
 
 BS = TINY.block_size
@@ -50,17 +50,17 @@ def test_spill_and_promote_round_trips_are_byte_exact(dtype: DType) -> None:
         clock.advance(1)
         hit = cache.lookup(ns, p)
         assert hit.locations.tiers.tolist() == [DEVICE, DEVICE]      # promoted on hit
-        assert same_bytes(cache.read(hit.locations), kv_for(p, layout))
+        assert same_bytes(read_blocks(cache, hit.locations), kv_for(p, layout))
         cache.store(ns, q, kv_for(q, layout))
         clock.advance(1)
         assert cache.lookup(ns, q).locations.tiers.tolist() == [DEVICE, DEVICE]
         assert where(cache, ns, p).tiers.tolist() == [HOST, HOST]   # p spilled, not dropped
-        assert same_bytes(cache.read(where(cache, ns, p)), kv_for(p, layout))
+        assert same_bytes(read_blocks(cache, where(cache, ns, p)), kv_for(p, layout))
         clock.advance(1)
         again = cache.lookup(ns, p)                                  # host -> device once more
         assert again.locations.tiers.tolist() == [DEVICE, DEVICE]
-        assert same_bytes(cache.read(again.locations), kv_for(p, layout))
-        assert same_bytes(cache.read(where(cache, ns, q)), kv_for(q, layout))
+        assert same_bytes(read_blocks(cache, again.locations), kv_for(p, layout))
+        assert same_bytes(read_blocks(cache, where(cache, ns, q)), kv_for(q, layout))
         stats = cache.stats()
         assert stats.promotions == {"device": 6}
         assert stats.spills == {"device": 4}
@@ -77,7 +77,7 @@ def test_device_spills_its_lru_block_first_and_promotion_stops_when_the_device_i
         result = cache.lookup(ns, p, take_lease=True)
         # Root side first; the third block finds the device full of this path's own pinned blocks.
         assert result.locations.tiers.tolist() == [DEVICE, DEVICE, HOST]
-        assert same_bytes(cache.read_lease(result.lease_id), kv_for(p))
+        assert same_bytes(read_blocks(cache, cache.lease(result.lease_id).locations), kv_for(p))
         cache.release(result.lease_id)
         q = prompt(5)
         cache.store(ns, q, kv_for(q))
@@ -105,7 +105,7 @@ def test_a_leased_block_is_never_moved_by_another_lookup() -> None:
         assert cache.lease(leased.lease_id).locations == leased.locations
         for k in range(10):                                        # churn the host's free slots
             cache.store(ns, prompt(100 + k), kv_for(prompt(100 + k)))
-        assert same_bytes(cache.read(leased.locations), kv_for(p))
+        assert same_bytes(read_blocks(cache, leased.locations), kv_for(p))
         cache.release(leased.lease_id)
         assert_consistent(cache)
 

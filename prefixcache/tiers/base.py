@@ -3,17 +3,29 @@
 A *slot tier* (device, host) is a preallocated pool of equal-sized slots, each
 holding one block in the namespace layout `[layers, 2, kv_heads, block_size,
 head_dim]`. The cache owns which slots are used (free list here, metadata in
-the index); a tier only stores bytes. The Redis tier is keyed by block hash
-instead of slot and lives in `tiers/redis.py`.
+the index); a tier only stores bytes. Callers go through `SlotTier` only: raw
+bytes in and out (`write_bytes`, `block_bytes`) and the handle another process
+maps the pool by (`share_handle`).
+
+The *remote tier* (`RemoteTier`, implemented by `tiers/redis.py`) is keyed by
+namespace and block hash instead of slot; it holds framed blocks (codec.py) and
+its writes are asynchronous. Only `remote_link.RemoteLink` talks to it.
 """
 
 from __future__ import annotations
 
 import array
 import enum
-from typing import Protocol
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:  # the protocol names Redis-side types; importing them would load redis-py
+    from ..transfer import ProbeBudget, TransferEstimate
+    from .redis_options import RedisOptions
+    from .redis_stats import RedisStats
 
 
 class TierKind(enum.IntEnum):
@@ -47,8 +59,70 @@ class SlotTier(Protocol):
     def view(self, slot: int) -> torch.Tensor:
         """The slot's storage itself (no copy), shape `block_shape`."""
 
+    def write_bytes(self, slot: int, payload: memoryview | bytes) -> None:
+        """Copy one block's raw bytes (e.g. a verified Redis payload) into `slot`."""
+
+    def block_bytes(self, slot: int) -> memoryview:
+        """One block's raw bytes: a view of the slot in host memory, a copy from a device."""
+
+    def share_handle(self) -> ShareHandle | None:
+        """How another process maps this pool, or None where it cannot (a CPU stand-in device)."""
+
     def close(self) -> None:
         """Release the pool's memory."""
+
+
+@dataclass(frozen=True)
+class ShareHandle:
+    """What a co-located process needs to map a slot tier without copying.
+
+    Host: the POSIX shared-memory `segment` name. Device: `cuda_ipc`, the pool storage's
+    `_share_cuda_()` tuple (CUDA IPC). Exactly one of the two is set.
+    """
+
+    kind: TierKind
+    num_slots: int
+    slot_bytes: int
+    segment: str | None = None
+    cuda_ipc: tuple[Any, ...] | None = None
+
+
+class RemoteTier(Protocol):
+    """A shared store of framed blocks keyed by (namespace id, block hash), e.g. Redis.
+
+    Reads are synchronous round trips, writes are queued (`submit` returns False when
+    the write was dropped); a tier that is down answers misses rather than raising.
+    """
+
+    options: RedisOptions
+
+    def key(self, namespace_id: str, block_hash: bytes) -> str:
+        """The storage key of a block (frames are MAC-bound to it)."""
+
+    def fetch(self, namespace_id: str, hashes: Sequence[bytes], ttl_s: float | None = None, *,
+              frame_bytes: int | None = None, prefix_only: bool = False,
+              budget: ProbeBudget | None = None, verify: TransferEstimate | None = None) -> list[bytes | None]:
+        """Frames for `hashes` (None: a miss, or not asked within the budget)."""
+
+    def submit(self, namespace_id: str, block_hash: bytes, frame: bytes, ttl_s: float | None = None) -> bool:
+        """Queue a write; False when it was dropped (full, down or closing)."""
+
+    def delete(self, namespace_id: str, block_hash: bytes) -> None: ...
+
+    def delete_namespace(self, namespace_id: str) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def record_integrity_failure(self) -> None: ...
+
+    def is_up(self) -> bool: ...
+
+    def stats(self) -> RedisStats: ...
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """True once nothing is queued or in flight (tests, shutdown)."""
+
+    def close(self, timeout_s: float = 2.0) -> None: ...
 
 
 class FreeSlots:

@@ -19,7 +19,7 @@ import torch
 
 from ..config import KVLayout
 from ..errors import ConfigError
-from .base import TierKind
+from .base import ShareHandle, TierKind
 from .pool import TensorPool, torch_dtype
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,9 @@ class HostTier(TensorPool):
             torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes, 0)
         super().__init__(TierKind.HOST, layout, storage)
         log.info("host tier: %d slots of %d bytes in shm %s", num_slots, layout.block_bytes, self.segment_name)
+
+    def share_handle(self) -> ShareHandle:
+        return ShareHandle(TierKind.HOST, self.num_slots, self.layout.block_bytes, segment=self.segment_name)
 
     def close(self) -> None:
         if self._shm is None:

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from ..config import KVLayout
-from .base import TierKind
+from .base import ShareHandle, TierKind
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -46,6 +46,19 @@ class TensorPool:
         """Copy one block's raw bytes (e.g. a verified Redis payload) into a host slot."""
         target = self.storage[slot].view(torch.uint8).reshape(-1).numpy()
         target[:] = np.frombuffer(payload, dtype=np.uint8)
+
+    def block_bytes(self, slot: int) -> memoryview:
+        block = self.storage[slot]
+        if block.device.type != "cpu":
+            block = block.cpu()
+        return block.view(torch.uint8).reshape(-1).numpy().data
+
+    def share_handle(self) -> ShareHandle | None:
+        """A CUDA pool is shared by CUDA IPC; a CPU pool (tests' device stand-in) cannot be."""
+        if self.storage.device.type != "cuda":
+            return None
+        return ShareHandle(self.kind, self.num_slots, self.layout.block_bytes,
+                           cuda_ipc=self.storage.untyped_storage()._share_cuda_())
 
     def view(self, slot: int) -> torch.Tensor:
         return self.storage[slot]

@@ -32,7 +32,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from typing import cast
@@ -152,7 +152,7 @@ class RedisTier:
     def key(self, namespace_id: str, block_hash: bytes) -> str:
         return f"{self.options.key_prefix}:{namespace_id}:{block_hash.hex()}"
 
-    def fetch(self, namespace_id: str, hashes: list[bytes], ttl_s: float | None = None, *,
+    def fetch(self, namespace_id: str, hashes: Sequence[bytes], ttl_s: float | None = None, *,
               frame_bytes: int | None = None, prefix_only: bool = False,
               budget: ProbeBudget | None = None, verify: TransferEstimate | None = None) -> list[bytes | None]:
         """Frames for `hashes` (None = miss) by pipelined GETEX, which also refreshes each hit's TTL.
@@ -291,7 +291,7 @@ class RedisTier:
             estimate = estimate.then(verify)
         return budget.grant(wanted, estimate, frame_bytes, per_trip, time.perf_counter())
 
-    def _round_trip(self, client: RedisClient, namespace_id: str, hashes: list[bytes],
+    def _round_trip(self, client: RedisClient, namespace_id: str, hashes: Sequence[bytes],
                     ttl_ms: int) -> list[bytes | None] | None:
         """One pipelined GETEX per hash; None after a fault (recorded in the breaker)."""
         start = time.perf_counter()

@@ -41,7 +41,7 @@ from prefixcache.errors import (ConfigError, InvalidArgument, PrefixCacheError, 
 from prefixcache.leases import Reservation
 from prefixcache.results import BlockLocation, CommitResult, LookupResult
 from prefixcache.stats import StatsSnapshot
-from prefixcache.tiers.base import TierKind
+from prefixcache.tiers.base import RemoteTier, ShareHandle, TierKind
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier
 
@@ -65,7 +65,7 @@ class BackendOptions:
     block_size: int = 16
     shm_name: str | None = None
     device: str | None = None  # "cuda" when cache.device_capacity > 0
-    remote_factory: Callable[[KVLayout], object] | None = None
+    remote_factory: Callable[[KVLayout], RemoteTier] | None = None
     max_namespaces_per_tenant: int = 1024  # models, revisions and salts together
 
 
@@ -208,25 +208,14 @@ class CacheBackend:
         self.lease(principal, lease_id)
         self._require_lease(lease_id).release(lease_id)
 
-    def host_segment(self) -> tuple[str, int, int]:
-        """(shared-memory name, slots, bytes per slot) of the host tier."""
-        host = self._require().tiers[TierKind.HOST]
-        return host.segment_name, host.num_slots, self._require().layout.block_bytes
-
-    def device_pool_handle(self) -> tuple[tuple, int] | None:
-        """(`_share_cuda_()` of the device pool's storage, slots), or None without a CUDA device tier."""
-        device = self._require().tiers.get(TierKind.DEVICE)
-        if device is None or device.storage.device.type != "cuda":
-            return None
-        return device.storage.untyped_storage()._share_cuda_(), device.num_slots
+    def share_handle(self, kind: TierKind) -> ShareHandle | None:
+        """How a same-host worker maps the `kind` tier (None: not configured or not shareable)."""
+        tier = self._require().tiers.get(kind)
+        return tier.share_handle() if tier is not None else None
 
     def block_bytes(self, location: BlockLocation) -> memoryview:
         """One block's bytes (a view into the tier for the host tier; the caller holds a lease)."""
-        tier = self._require().tiers[TierKind(location.tier)]
-        block = tier.view(location.slot)
-        if block.device.type != "cpu":
-            block = block.cpu()
-        return memoryview(block.view(torch.uint8).reshape(-1).numpy())
+        return self._require().tiers[location.tier].block_bytes(location.slot)
 
     # -- writes -------------------------------------------------------------------------
     def reserve(self, principal: Principal, ns_id: str, count: int) -> Reservation:

@@ -18,6 +18,7 @@ import torch
 from prefixcache.client import wire
 from prefixcache.errors import InvalidArgument, ResourceExhausted
 from prefixcache.rpc import cache_pb2 as pb
+from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.pool import torch_dtype
 
 from . import convert, status
@@ -99,16 +100,18 @@ class PrefixCacheServicer:
             lease_ttl_seconds=self._backend.options.cache.lease_ttl_s,
             max_prompt_tokens=self._limits.max_prompt_tokens, max_chunk_bytes=self._limits.max_chunk_bytes)
         if request.same_host and principal.same_host:  # the pools hold every tenant's KV (SECURITY.md)
-            name, slots, slot_bytes = self._backend.host_segment()
-            response.host_segment.CopyFrom(pb.SharedMemorySegment(name=name, num_slots=slots, slot_bytes=slot_bytes))
+            host = self._backend.share_handle(TierKind.HOST)
+            assert host is not None  # the host tier is always a shared-memory segment
+            response.host_segment.CopyFrom(pb.SharedMemorySegment(name=host.segment, num_slots=host.num_slots,
+                                                                  slot_bytes=host.slot_bytes))
             self._add_device_pool(response)
         return response
 
     def _add_device_pool(self, response: pb.AttachResponse) -> None:
-        shared = self._backend.device_pool_handle()
-        if shared is None:
+        shared = self._backend.share_handle(TierKind.DEVICE)
+        if shared is None or shared.cuda_ipc is None:
             return
-        (device, handle, size, offset, ref_handle, ref_offset, event, sync), num_slots = shared
+        (device, handle, size, offset, ref_handle, ref_offset, event, sync), num_slots = shared.cuda_ipc, shared.num_slots
         response.device_pool.CopyFrom(pb.CudaIpcPool(
             device_index=device, handle=handle, storage_size_bytes=size, storage_offset_bytes=offset,
             ref_counter_handle=ref_handle, ref_counter_offset=ref_offset, event_handle=event or b"",
