@@ -20,6 +20,8 @@ from prefixcache.tiers.base import TierKind
 from tests.core_support import (TINY, ManualClock, assert_consistent, block_hashes, kv_for, live_hashes, make_cache,
                                 namespace, read_blocks, same_bytes, write_reserved)
 
+pytestmark = pytest.mark.unit
+
 BS = TINY.block_size
 
 

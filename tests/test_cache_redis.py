@@ -34,6 +34,8 @@ from prefixcache.tiers.redis import RedisOptions, RedisTier
 from tests.core_support import read_blocks, ManualClock, block_hashes, kv_for, namespace, same_bytes
 from tests.redis_server import RedisClusterProcesses, RedisServer, poll
 
+pytestmark = pytest.mark.redis
+
 LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=8, block_size=4, dtype=DType.FLOAT16)  # 512-byte blocks
 BS = LAYOUT.block_size
 CACHE_TTL_S = 300.0

@@ -17,6 +17,7 @@ stateful-long for a deeper search.
 
 from __future__ import annotations
 
+import pytest
 import os
 from dataclasses import dataclass
 
@@ -32,6 +33,8 @@ from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier
 from prefixcache.touchlog import TouchLog
 from tests.core_support import read_blocks, ManualClock, assert_consistent, block_hashes, kv_for, namespace, same_bytes
+
+pytestmark = pytest.mark.slow
 
 TTL_S = 10.0
 LEASE_TTL_S = 4.0

@@ -10,6 +10,7 @@ soak that passes is known to be judged by checks that can fail.
 
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import subprocess
@@ -18,6 +19,8 @@ from pathlib import Path
 
 from benchmarks.chaos_checks import (Fault, Request, Sample, check_memory, check_outputs, check_queue,
                                      check_recovery, hit_rate)
+
+pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 ROOT = Path(__file__).resolve().parent.parent
 SOAK_TIMEOUT_S = 600  # 75 s of load, 60 s of drain at most, process start-up on a busy box

@@ -40,6 +40,8 @@ from prefixcache.config import KVLayout
 from services.admin.document import stats_document
 from tests.redis_server import free_port
 
+pytestmark = [pytest.mark.redis, pytest.mark.process]
+
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "cli-test-token-0123456789abcdef"
 SALT = "salt-SECRET-4242"

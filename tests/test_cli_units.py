@@ -19,6 +19,8 @@ from services.admin.document import stats_document
 from services.admin.prompt import WorkerIdentity, check_layout, read_tokens_file
 from services.admin.top_model import TopModel
 
+pytestmark = pytest.mark.unit
+
 LAYOUT = KVLayout(4, 2, 32, 16, "bfloat16")
 
 

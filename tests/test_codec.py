@@ -16,6 +16,8 @@ from prefixcache.codec import MAGIC, VERSION, decode_block, encode_block
 from prefixcache.config import DType, KVLayout
 from prefixcache.errors import CorruptBlock, InvalidArgument, LayoutMismatch
 
+pytestmark = pytest.mark.unit
+
 NS = "0123456789abcdef"
 HASH = bytes(range(16))
 PARENT = bytes(range(16, 32))

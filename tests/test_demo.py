@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import re
@@ -12,6 +13,8 @@ from pathlib import Path
 import jsonschema
 
 from services.replay.report import load_schema
+
+pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -38,6 +38,8 @@ import yaml
 from prefixcache.config import parse_size
 from tests.redis_server import free_port, poll
 
+pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.process]
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"

@@ -16,6 +16,8 @@ from tests.isolation_support import serve
 from tests.redis_server import poll
 from tests.service_support import layout_of, prompt, random_kv, running_servers
 
+pytestmark = [pytest.mark.redis, pytest.mark.process]
+
 pytest_plugins = ["tests.redis_server"]
 
 

@@ -21,6 +21,8 @@ from prefixcache.config import HashAlgorithm, KVLayout, Namespace
 from prefixcache.errors import InvalidArgument
 from prefixcache.hashing import MAX_TOKEN_ID, Hasher, encode_namespace, namespace_id, token_array
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 LAYOUT = KVLayout(layers=32, kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
 NAMESPACE = Namespace("meta-llama/Llama-3.1-8B", "0e9e39f", LAYOUT, tenant="acme", cache_salt="s1")

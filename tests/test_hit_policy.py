@@ -27,6 +27,8 @@ from services.worker.engine import PrefillResult
 from services.worker.hit_policy import (Decision, Estimates, HitPolicy, Offer, ReadPath, Verdict, choose)
 from tests.core_support import ManualClock
 
+pytestmark = pytest.mark.unit
+
 BLOCK_BYTES = 16 << 10
 TOKENS = 16
 FAST_MAPPED = TransferEstimate(latency_s=10e-6, bytes_per_s=4e9)

@@ -14,6 +14,8 @@ from prefixcache.blockmap import BUCKET, BlockMap
 from prefixcache.index import ROOT, MissReason, RadixIndex
 from prefixcache.touchlog import TouchLog
 
+pytestmark = pytest.mark.unit
+
 BS = 2
 
 

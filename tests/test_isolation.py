@@ -38,6 +38,8 @@ from services.cache_server.command import options_from
 from services.cli import build_parser
 from tests.redis_server import RedisServer, make_tls_files
 
+pytestmark = [pytest.mark.redis, pytest.mark.process]
+
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKS = 4
 HOST_SLOTS = 16  # the tiny host tier of the Redis phase

@@ -6,11 +6,14 @@ importing every core module and looking at `sys.modules`.
 
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -40,6 +40,8 @@ from tests.isolation_support import write_credentials
 from tests.redis_server import free_port
 from tests.worker_procs import WorkerClient
 
+pytestmark = [pytest.mark.redis, pytest.mark.process]
+
 ROOT = Path(__file__).resolve().parent.parent
 READY = "prefixcache serve: listening on "
 METRICS = "prefixcache serve: metrics on port "

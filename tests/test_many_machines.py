@@ -15,6 +15,8 @@ import pytest
 
 from tests.worker_procs import CacheService, WorkerProcess, poll, start_all, stop_all
 
+pytestmark = [pytest.mark.slow, pytest.mark.process]
+
 BLOCK = 16
 SYSTEM = ("You are the dispatcher of a regional rail network. Answer with the platform, the departure "
           "time and the connection, in that order. ") * 3

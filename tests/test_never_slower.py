@@ -36,6 +36,8 @@ from tests.core_support import read_blocks, ManualClock, kv_for, namespace, same
 from tests.redis_server import RedisServer
 from tests.slow_proxy import SlowProxy
 
+pytestmark = [pytest.mark.redis, pytest.mark.process]
+
 LAYOUT = KVLayout(layers=4, kv_heads=2, head_dim=32, block_size=16, dtype=DType.BFLOAT16)  # the tiny model's
 BS = LAYOUT.block_size
 WORKER_S_PER_TOKEN = 20e-6   # 0.32 ms to recompute a block

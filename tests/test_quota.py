@@ -14,6 +14,8 @@ from prefixcache.errors import ConfigError, InvalidArgument
 from prefixcache.tiers.base import TierKind
 from tests.core_support import write_reserved, TINY, assert_consistent, kv_for, make_cache, namespace
 
+pytestmark = pytest.mark.unit
+
 BS = TINY.block_size
 BLOCK = TINY.block_bytes
 

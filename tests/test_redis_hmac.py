@@ -33,6 +33,8 @@ from tests.core_support import block_hashes
 from tests.isolation_support import BLOCK, LAYOUT as SERVICE_LAYOUT, random_kv, same_bytes, serve
 from tests.redis_server import RedisServer
 
+pytestmark = [pytest.mark.redis, pytest.mark.process]
+
 NS = "0123456789abcdef"
 HASH, PARENT = bytes(range(16)), bytes(range(16, 32))
 LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=8, block_size=4, dtype=DType.FLOAT16)

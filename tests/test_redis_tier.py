@@ -23,6 +23,8 @@ from prefixcache.tiers.redis import RedisOptions, RedisTier
 from prefixcache.tiers.redis_options import connect
 from tests.redis_server import RedisServer, make_tls_files, poll
 
+pytestmark = pytest.mark.redis
+
 LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=16, block_size=4, dtype=DType.FLOAT16)
 NS = "00112233aabbccdd"
 PARENT = bytes(16)

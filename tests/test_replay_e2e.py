@@ -28,6 +28,8 @@ from services.replay.report import load_schema
 from services.replay.synthetic_kv import SyntheticKV, preset
 from services.replay.transcripts import Conversation, Role
 
+pytestmark = [pytest.mark.slow, pytest.mark.process]
+
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 16
 

@@ -37,6 +37,8 @@ from services.replay.transcripts import (Conversation, Role, TranscriptError, lo
                                          load_sharegpt)
 from services.replay.turns import conversation_turns
 
+pytestmark = pytest.mark.unit
+
 U, A, S = Role.USER, Role.ASSISTANT, Role.SYSTEM
 
 

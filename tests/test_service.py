@@ -41,6 +41,8 @@ from tests.service_support import (BLOCK, BLOCK_BYTES, CODE, DTYPES, FUZZ_METHOD
                                    health_status, layout_of, prompt, random_kv, rpc_code, running_servers, same_bytes,
                                    store_header, stub_for)
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture
 def start():

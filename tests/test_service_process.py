@@ -26,6 +26,8 @@ from prefixcache.config import KVLayout
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parent.parent
 READY = "prefixcache serve: listening on "
 

@@ -23,6 +23,8 @@ from prefixcache.tiers.host import HostTier, MappedSegment
 from tests.core_support import read_blocks, TINY, ManualClock, assert_consistent, block_hashes, kv_for, make_cache, namespace, \
     same_bytes
 
+pytestmark = pytest.mark.unit
+
 BS = TINY.block_size
 HOST, DEVICE = TierKind.HOST, TierKind.DEVICE
 

@@ -13,6 +13,8 @@ from transformers import MistralConfig, Qwen3NextConfig
 
 from services.cli import main
 
+pytestmark = pytest.mark.unit
+
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=1000)
 

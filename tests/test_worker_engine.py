@@ -38,6 +38,8 @@ from services.worker.tokenizer import (
     verify_bpe_file,
 )
 
+pytestmark = pytest.mark.slow
+
 BLOCK = 16
 VOCAB_LIMIT = 100_000  # ordinary cl100k ids, below the control tokens
 

@@ -29,6 +29,8 @@ from services.worker.tokenizer import TiktokenTokenizer
 
 from tests.worker_procs import Reply, Stack, poll
 
+pytestmark = [pytest.mark.slow, pytest.mark.process]
+
 
 BLOCK = 16
 MAX_PROMPT_TOKENS = 1536

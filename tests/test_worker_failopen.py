@@ -22,6 +22,8 @@ import pytest
 
 from tests.worker_procs import Reply, Stack, WorkerClient, poll
 
+pytestmark = pytest.mark.process
+
 
 MAX_TOKENS = 8
 SYSTEM = ("You are a meticulous assistant for a travel agency. Answer with the itinerary, the costs and "

@@ -13,6 +13,8 @@ import pytest
 
 from tests.worker_procs import Stack
 
+pytestmark = pytest.mark.process
+
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
