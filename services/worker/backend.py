@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from .cache_link import CacheLink, Prefix
 from .chat import ChatMessage, Role
-from .engine import Engine, FinishReason
-from .http import Finished, Started
+from .engine import Engine
+from .events import Finished, FinishReason, LinkState, RequestKind, Started
 from .openai_api import ApiError, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -79,20 +79,20 @@ class InferenceBackend:
         self._vocab = engine.loaded.model.get_input_embeddings().num_embeddings
 
     @property
-    def cache_state(self) -> str:
-        return "off" if self.cache is None else self.cache.state
+    def cache_state(self) -> LinkState:
+        return LinkState.OFF if self.cache is None else self.cache.state
 
     def prompt_tokens(self, request: GenerationRequest) -> list[int]:
         loaded = self.engine.loaded
         try:
-            if request.kind == "chat":
+            if request.kind is RequestKind.CHAT:
                 tokens = loaded.render_chat([ChatMessage(Role(r), c) for r, c in request.messages])
             elif isinstance(request.prompt, tuple):
                 tokens = list(request.prompt)
             else:
                 tokens = loaded.tokenizer.encode(request.prompt)
         except ValueError as error:
-            raise ApiError(str(error), "messages" if request.kind == "chat" else "prompt") from None
+            raise ApiError(str(error), "messages" if request.kind is RequestKind.CHAT else "prompt") from None
         if not tokens:
             raise ApiError("the prompt encodes to no tokens", "prompt")
         bad = next((t for t in tokens if not 0 <= t < self._vocab), None)
@@ -100,7 +100,7 @@ class InferenceBackend:
             raise ApiError(f"token id {bad} is outside the model vocabulary [0, {self._vocab})", "prompt")
         if not self.engine.fits(len(tokens) + 1):
             raise ApiError(f"the prompt has {len(tokens)} tokens; the model allows {loaded.max_positions}",
-                           "messages" if request.kind == "chat" else "prompt")
+                           "messages" if request.kind is RequestKind.CHAT else "prompt")
         return tokens
 
     def generate(self, request: GenerationRequest, cancelled: threading.Event) -> Iterator[Started | str | Finished]:
@@ -116,7 +116,7 @@ class InferenceBackend:
             except ValueError as error:
                 raise ApiError(str(error), "prompt") from None
             if self.cache is not None:
-                self.cache.policy.observe(generation.prefill, prefix.blocks)  # load-or-recompute estimates
+                self.cache.observe(generation.prefill, prefix.blocks)  # load-or-recompute estimates
             yield Started(len(tokens), prefix.tokens)
             self.metrics.prompt_tokens.inc(len(tokens))
             self.metrics.cached_tokens.inc(prefix.tokens)
@@ -126,7 +126,10 @@ class InferenceBackend:
             if self.cache is not None:
                 if generation is not None and not cancelled.is_set():
                     start_block = prefix.hit.blocks if prefix.hit else 0
-                    self.cache.store(tokens, generation.cache, start_block, self.engine, request.cache_salt)
+                    count = self.cache.blocks_to_store(tokens, start_block)
+                    if count:
+                        kv = self.engine.extract_blocks(generation.cache, start_block, count, self.cache.layout.block_size)
+                        self.cache.store(tokens, kv, start_block, request.cache_salt)
                 self.cache.release(prefix.hit)
 
     def _stream(self, generation, request: GenerationRequest, started_at: float) -> Iterator[str | Finished]:
@@ -145,5 +148,6 @@ class InferenceBackend:
         tail = text.flush()
         if tail:
             yield tail
-        reason = "stop" if text.stopped or generation.finish_reason is FinishReason.STOP else "length"
+        reason = FinishReason.STOP if text.stopped or generation.finish_reason is FinishReason.STOP \
+            else FinishReason.LENGTH
         yield Finished(reason, count)

@@ -1,4 +1,8 @@
-"""The worker's fail-open link to the cache service.
+"""The worker's fail-open link to the cache service: lookup, read, store and release.
+
+It owns every call to the service on the request path. The hit policy (hit_policy.py)
+only decides how much of a hit to load; the link does the read and reports its timing
+back to the policy, and feeds it each prefill (`observe`).
 
 Wraps `CacheClient` so that the cache can only make a request faster, never
 fail it: every call has a deadline; any cache failure (service down, slower
@@ -9,8 +13,10 @@ re-attaches after a backoff, on a fresh gRPC channel (the old one may be in
 gRPC's own, much longer, reconnect backoff). Two cases do not take the link
 down: a lookup rejected for the request's own tokens or salt (only that
 request prefills in full), and a service that restarted and forgot the
-namespace (the link attaches again at once and retries the lookup). State
-changes are logged once, not per request.
+namespace (the link attaches again at once and retries the lookup). When to
+re-attach is the shared `CircuitBreaker` (prefixcache/tiers/breaker.py): one
+failure takes the link down, re-attach attempts back off from `RETRY_MIN_S`
+to `RETRY_MAX_S` with jitter. State changes are logged once, not per request.
 
 Invariant: a `Prefix` handed to the engine covers strictly fewer tokens than
 the prompt (at least one token is always computed), and its lease is
@@ -22,7 +28,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from prometheus_client import CollectorRegistry, Counter
@@ -31,13 +38,16 @@ from prefixcache.client import CacheClient
 from prefixcache.client.api import Hit
 from prefixcache.config import KVLayout
 from prefixcache.errors import InvalidArgument, PrefixCacheError
+from prefixcache.tiers.breaker import Backoff, CircuitBreaker
 
-from .hit_policy import HitPolicy, Offer
+from .events import LinkState
+from .hit_policy import Decision, HitPolicy, Offer, ReadPath
+from .engine import PrefillResult
 from .model import LoadedModel
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 2.0
+RETRY_MIN_S, RETRY_MAX_S = 2.0, 16.0  # re-attach backoff while the service is down
 REQUEST_FIELDS = frozenset({"tokens", "cache_salt"})  # a lookup rejected for these is the request's fault
 
 
@@ -52,8 +62,8 @@ class Prefix:
 
 class CacheLink:
     def __init__(self, address: str, loaded: LoadedModel, block_size: int, deadline_s: float,
-                 registry: CollectorRegistry, auth_token: str | None = None, clock=time.monotonic,
-                 policy: HitPolicy | None = None) -> None:
+                 registry: CollectorRegistry, auth_token: str | None = None,
+                 clock: Callable[[], float] = time.monotonic, policy: HitPolicy | None = None) -> None:
         kv = loaded.kv
         self.layout = KVLayout(kv.layers, kv.kv_heads, kv.head_dim, block_size, kv.dtype)
         self.model_id, self.revision = loaded.model_id, loaded.weights_digest
@@ -63,7 +73,7 @@ class CacheLink:
         self._client = self._new_client()
         self._attached = False
         self._failed = False  # the link went down since the client's channel was opened
-        self._retry_at = 0.0
+        self._breaker = CircuitBreaker("cache link", 1, Backoff(RETRY_MIN_S, RETRY_MAX_S), clock=clock)
         self._lock = threading.Lock()
         self.fallbacks = Counter("prefixcache_worker_cache_fallbacks", "Requests served without the cache "
                                  "because it failed or was down", ["stage"], registry=registry)
@@ -77,11 +87,11 @@ class CacheLink:
         return self._attached
 
     @property
-    def state(self) -> str:
-        """"up", "down" (failed, retrying after a backoff) or "pending" (not attached yet)."""
+    def state(self) -> LinkState:
+        """UP, DOWN (failed, re-attaching after a backoff) or PENDING (not attached yet)."""
         if self._attached:
-            return "up"
-        return "down" if self._failed else "pending"
+            return LinkState.UP
+        return LinkState.DOWN if self._failed else LinkState.PENDING
 
     def connect(self) -> bool:
         """Attach now if possible (at start-up, so the first request does not pay for it)."""
@@ -91,7 +101,7 @@ class CacheLink:
         """Attached, or re-attached now if the backoff has passed."""
         if self._attached:
             return True
-        if self.clock() < self._retry_at:
+        if not self._breaker.is_up() and not self._breaker.probe_due():
             self.fallbacks.labels("down").inc()  # skipped without trying: the link is in its backoff
             return False
         return self._attach()
@@ -110,15 +120,16 @@ class CacheLink:
                 self._down("attach", error)
                 return False
             self._attached, self._failed = True, False
+            self._breaker.record_success()
             log.info("cache link up (%s, namespace %s, shared memory %s)", self._client.address,
                      self._client.attachment.namespace_id, self._client.attachment.shared_memory)
             return True
 
     def _down(self, stage: str, error: Exception) -> None:
         self.fallbacks.labels(stage).inc()
-        self._retry_at = self.clock() + RETRY_AFTER_S
         if self._attached or not self._failed:
             log.warning("cache link down (%s failed: %s); prefilling in full until it recovers", stage, error)
+        self._breaker.record_failure(f"{stage}: {error}")  # (re)schedules the next attach attempt
         self._attached, self._failed = False, True
 
     def lookup(self, tokens: list[int], salt: str | None) -> Prefix:
@@ -134,12 +145,28 @@ class CacheLink:
         if decision.blocks == 0:
             return Prefix(0, None, hit)
         try:
-            blocks = self.policy.read(self._client, hit, decision)
+            blocks = self._read(hit, decision)
         except PrefixCacheError as error:
             self._down("read", error)
             self.release(hit)
             return Prefix(0, None, None)
         return Prefix(decision.blocks * size, blocks, hit)
+
+    def _read(self, hit: Hit, decision: Decision) -> torch.Tensor:
+        """The decided blocks, `[decision.blocks, *block_shape]`, read by the decided path (and timed
+        for the policy's estimate of that path)."""
+        target = hit
+        if decision.path is ReadPath.MAPPED and decision.blocks < hit.blocks:
+            target = replace(hit, locations=hit.locations[:decision.blocks])
+        started = time.perf_counter()
+        blocks = self._client.read(target)
+        assert decision.path is not None  # a decision that loads blocks has a path
+        self.policy.observe_read(decision.path, blocks.numel() * blocks.element_size(), time.perf_counter() - started)
+        return blocks[:decision.blocks]
+
+    def observe(self, prefill: PrefillResult, prefix_blocks: torch.Tensor | None) -> None:
+        """One real prefill, for the policy's load-or-recompute estimates."""
+        self.policy.observe(prefill, prefix_blocks)
 
     def _leased_hit(self, tokens: list[int], salt: str | None) -> Hit | None:
         """The Lookup (with a lease), or None after counting the failure."""
@@ -166,14 +193,16 @@ class CacheLink:
                 return None
         return None
 
-    def store(self, tokens: list[int], cache, start_block: int, engine, salt: str | None) -> None:
-        """Commit the prompt's full blocks from `start_block` on (KV taken from `cache`)."""
-        size = self.layout.block_size
-        end = len(tokens) // size
-        if not self._attached or end <= start_block:
+    def blocks_to_store(self, tokens: list[int], start_block: int) -> int:
+        """How many full blocks from `start_block` on `store` would send now (0: none, or the link is down)."""
+        end = len(tokens) // self.layout.block_size
+        return max(0, end - start_block) if self._attached else 0
+
+    def store(self, tokens: list[int], kv: torch.Tensor, start_block: int, salt: str | None) -> None:
+        """Commit `kv[i]` as block `start_block + i` of the prompt."""
+        if not self._attached or not len(kv):
             return
         try:
-            kv = engine.extract_blocks(cache, start_block, end - start_block, size)
             self._client.store(tokens, kv, start_block=start_block, cache_salt=salt)
         except PrefixCacheError as error:
             self._down("store", error)

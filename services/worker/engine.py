@@ -30,7 +30,6 @@ Invariants:
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import os
@@ -41,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from services.worker.events import FinishReason
 from services.worker.kv_blocks import KVLayout, blocks_to_cache, extract_blocks, validate_blocks
 from services.worker.model import LoadedModel
 from services.worker.prefill_rate import PrefillRateMeter
@@ -85,12 +85,6 @@ def buckets_bound_memory(loaded: LoadedModel) -> bool:
         and torch.backends.mkldnn.is_available()
         and torch.backends.mkldnn.enabled
     )
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"  # a stop token was sampled (it is not yielded)
-    LENGTH = "length"  # max_tokens reached, or the model's position limit
-    CANCELLED = "cancelled"  # should_stop() returned True
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ with each Lookup (`recompute_seconds_per_token`), so the service applies the sam
 blocks it would have to fetch from Redis first.
 
 `choose` is the pure decision; `HitPolicy` owns the meters, asks `choose`, and exports each
-decision and the estimates behind it as Prometheus metrics (docs/replay.md lists them).
+decision and the estimates behind it as Prometheus metrics (docs/replay.md lists them). It does
+no I/O: the cache link (cache_link.py) reads and reports each read's timing (`observe_read`).
 
 Invariants:
 - A decision loads a prefix of the hit (blocks 0..n-1; KV is only valid from the first
@@ -27,14 +28,14 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from prefixcache.client.api import Attachment, CacheClient, Hit
+from prefixcache.client.api import Attachment, Hit
 from prefixcache.tiers.base import TierKind
 from prefixcache.transfer import TransferEstimate, TransferMeter
 
@@ -211,16 +212,10 @@ class HitPolicy:
                   decision.path.value if decision.path else "-", decision.load_s * 1e3, decision.recompute_s * 1e3)
         return decision
 
-    def read(self, client: CacheClient, hit: Hit, decision: Decision) -> torch.Tensor:
-        """The decided blocks, `[decision.blocks, *block_shape]`, read (and timed) by the decided path."""
-        target = hit
-        if decision.path is ReadPath.MAPPED and decision.blocks < hit.blocks:
-            target = replace(hit, locations=hit.locations[:decision.blocks])
-        started = time.perf_counter()
-        blocks = client.read(target)
-        self._paths[decision.path].observe(blocks.numel() * blocks.element_size(), time.perf_counter() - started)
+    def observe_read(self, path: ReadPath, nbytes: int, seconds: float) -> None:
+        """One read the cache link did by `path` (the policy itself does no I/O)."""
+        self._paths[path].observe(nbytes, seconds)
         self._publish()
-        return blocks[:decision.blocks]
 
     def _publish(self) -> None:
         estimates = self.estimates()

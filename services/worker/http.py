@@ -17,27 +17,15 @@ import json
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Iterator, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from .events import Finished, RequestKind, Started
 from .openai_api import ApiError, GenerationRequest, ResponseShaper, parse_request, usage
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Started:
-    prompt_tokens: int
-    cached_tokens: int
-
-
-@dataclass(frozen=True)
-class Finished:
-    finish_reason: str  # "stop" or "length"
-    completion_tokens: int
 
 
 class Backend(Protocol):
@@ -102,12 +90,12 @@ class WorkerApp:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, "chat")
+        return await self._serve(request, RequestKind.CHAT)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, "completion")
+        return await self._serve(request, RequestKind.COMPLETION)
 
-    async def _serve(self, http: web.Request, kind: str) -> web.StreamResponse:
+    async def _serve(self, http: web.Request, kind: RequestKind) -> web.StreamResponse:
         parsed = parse_request(await http.read(), kind)
         cancelled = threading.Event()
         events: asyncio.Queue = asyncio.Queue()

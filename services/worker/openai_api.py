@@ -13,6 +13,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from .events import RequestKind
+
 MAX_STOP_SEQUENCES = 4
 MAX_TOKENS_LIMIT = 8192
 
@@ -30,7 +32,7 @@ class ApiError(Exception):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    kind: str                      # "chat" or "completion"
+    kind: RequestKind
     messages: tuple[tuple[str, str], ...]  # chat only
     prompt: str | tuple[int, ...]  # completion only
     max_tokens: int
@@ -115,7 +117,7 @@ def _prompt(body: dict) -> str | tuple[int, ...]:
     raise ApiError("'prompt' must be a non-empty string or list of token ids", "prompt")
 
 
-def parse_request(raw: bytes, kind: str) -> GenerationRequest:
+def parse_request(raw: bytes, kind: RequestKind) -> GenerationRequest:
     body = _loads(raw)
     stream_options = body.get("stream_options")
     stream_options = {} if stream_options is None else stream_options
@@ -130,8 +132,8 @@ def parse_request(raw: bytes, kind: str) -> GenerationRequest:
     tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return GenerationRequest(
         kind=kind,
-        messages=_messages(body) if kind == "chat" else (),
-        prompt=_prompt(body) if kind == "completion" else "",
+        messages=_messages(body) if kind is RequestKind.CHAT else (),
+        prompt=_prompt(body) if kind is RequestKind.COMPLETION else "",
         max_tokens=_number(body, tokens_field, 16, 1, MAX_TOKENS_LIMIT, True),
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0, False)),
         seed=_number(body, "seed", None, 0, 2**63 - 1, True),
