@@ -26,9 +26,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import redis
+
+# Run from anywhere without PYTHONPATH: this checkout's packages (and tests/redis_server.py) first.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prefixcache.codec import decode_block, encode_block
 from prefixcache.config import DType, KVLayout

@@ -2,9 +2,11 @@
 
 Each error maps to one outcome at the service edge: `InvalidArgument` (and its
 subclasses) becomes INVALID_ARGUMENT with a message naming the field,
-`LayoutMismatch` FAILED_PRECONDITION, `ResourceExhausted` RESOURCE_EXHAUSTED.
-`TierUnavailable` and `CorruptBlock` never reach a caller of the cache: the
-cache turns them into misses and counts them.
+`LayoutMismatch` FAILED_PRECONDITION, `ResourceExhausted` RESOURCE_EXHAUSTED,
+`TierUnavailable` UNAVAILABLE. `CorruptBlock` never reaches a caller of the
+cache: the cache turns it into a miss and counts it. A Redis outage does not
+raise at all: the Redis tier's circuit breaker answers misses (`fetch`) and
+drops writes (`submit` returns False), counted in its stats.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class ResourceExhausted(PrefixCacheError):
 
 
 class TierUnavailable(PrefixCacheError):
-    """A tier cannot serve right now (e.g. Redis down); callers see a miss."""
+    """A tier cannot serve at all; the service answers UNAVAILABLE. (Redis being down is not
+    this error: the Redis tier turns an outage into misses, see the module docstring.)"""
 
 
 class CorruptBlock(PrefixCacheError):
