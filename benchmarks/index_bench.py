@@ -92,8 +92,8 @@ def serve(cache: PrefixCache, ns: str, requests: list[np.ndarray], use_commit: b
             start = time.perf_counter()
             if use_commit:
                 reservation = cache.reserve(full - hit)
-                for position in range(len(reservation.slots)):
-                    cache.write_reserved(reservation.id, position, kv[position])
+                # what a same-host worker does: write the reserved slots (here, through the tier)
+                cache.tiers[reservation.tier].write_many(list(reservation.slots), kv[: len(reservation.slots)])
                 cache.commit(ns, tokens, reservation.id, hit)
             else:
                 cache.store(ns, tokens, kv[: full - hit], hit)

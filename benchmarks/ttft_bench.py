@@ -80,7 +80,8 @@ class Case:
         self.prefix = self._tokens(size - suffix)
         warm = self.prefix + self._tokens(suffix)
         result = self.engine.prefill(warm)
-        self.link.store(warm, result.cache, 0, self.engine, None)  # what the worker commits
+        count = self.link.blocks_to_store(warm, 0)  # what the worker commits
+        self.link.store(warm, self.engine.extract_blocks(result.cache, 0, count, self.block_size), 0, None)
         self.ideal_blocks = self.engine.extract_blocks(result.cache, 0, len(self.prefix) // self.block_size,
                                                        self.block_size)
 
@@ -105,7 +106,7 @@ class Case:
         prefix = self.link.lookup(tokens, None)
         token, result = first_token(self.engine, tokens, prefix.blocks)
         elapsed = time.perf_counter() - start
-        self.link.policy.observe(result, prefix.blocks)  # as the worker does, after the first token
+        self.link.observe(result, prefix.blocks)  # as the worker does, after the first token
         self.link.release(prefix.hit)
         expected = len(self.prefix) // self.block_size * self.block_size
         if prefix.tokens != expected:
