@@ -43,11 +43,8 @@ def layout_of(dtype: str = "float16") -> KVLayout:
 def random_kv(blocks: int, layout: KVLayout, seed: int) -> torch.Tensor:
     """Random bit patterns (NaNs and all) so that only a byte-exact copy compares equal."""
     generator = torch.Generator().manual_seed(seed)
-    itemsize = layout.dtype.itemsize
-    bits = torch.randint(-(2 ** 15), 2 ** 15, (blocks, *layout.block_shape, itemsize // 2), dtype=torch.int16,
-                         generator=generator)
-    torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[layout.dtype.value]
-    return bits.view(torch_dtype).reshape(blocks, *layout.block_shape)
+    bits = torch.randint(0, 256, (blocks, layout.block_bytes), dtype=torch.uint8, generator=generator)
+    return bits.view(layout.dtype.torch).reshape(blocks, *layout.block_shape)
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,4 +1,11 @@
-"""A slot pool over one tensor: the storage shared by the device and host tiers."""
+"""A slot pool over one tensor: the storage shared by the device and host tiers.
+
+Slots are bytes: every copy into or out of a slot moves the block's raw bytes
+(through uint8 views), never converts elements, so a float8 block keeps its
+exact bit patterns (NaN payloads included) and formats whose element ops torch
+lacks on a device (index_copy_ of float8 on CPU) still move. The storage tensor
+is a typed view `[num_slots, *layout.block_shape]` in `layout.dtype.torch`.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +13,14 @@ import numpy as np
 import torch
 
 from ..config import KVLayout
+from ..errors import LayoutMismatch
 from .base import TierKind
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-
-def torch_dtype(layout: KVLayout) -> torch.dtype:
-    return TORCH_DTYPES[layout.dtype.value]
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The same memory as uint8 (last dimension scaled by the element size); copies only
+    when `tensor` is not contiguous."""
+    return tensor.contiguous().view(torch.uint8)
 
 
 class TensorPool:
@@ -30,17 +38,28 @@ class TensorPool:
 
     def read(self, slots: list[int]) -> torch.Tensor:
         index = torch.tensor(slots, dtype=torch.long, device=self.storage.device)
-        return self.storage.index_select(0, index)
+        return self._bytes.index_select(0, index).view(self.storage.dtype)
 
     def write(self, slot: int, block: torch.Tensor) -> None:
-        self.storage[slot].copy_(block, non_blocking=False)
+        self._check_dtype(block)
+        self._bytes[slot].copy_(as_bytes(block), non_blocking=False)
 
     def write_many(self, slots: list[int], blocks: torch.Tensor) -> None:
         """`blocks[i]` into `slots[i]` in one copy (a torch call per block costs more than the copy)."""
         if not slots:
             return
+        self._check_dtype(blocks)
         index = torch.tensor(slots, dtype=torch.long, device=self.storage.device)
-        self.storage.index_copy_(0, index, blocks.to(self.storage.device))
+        self._bytes.index_copy_(0, index, as_bytes(blocks).to(self.storage.device))
+
+    @property
+    def _bytes(self) -> torch.Tensor:
+        return self.storage.view(torch.uint8)
+
+    def _check_dtype(self, blocks: torch.Tensor) -> None:
+        # A byte copy would reinterpret another format's bits instead of failing: refuse it.
+        if blocks.dtype != self.storage.dtype:
+            raise LayoutMismatch(f"kv dtype {blocks.dtype} differs from the tier's {self.storage.dtype}")
 
     def write_bytes(self, slot: int, payload: memoryview | bytes) -> None:
         """Copy one block's raw bytes (e.g. a verified Redis payload) into a host slot."""
