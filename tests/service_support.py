@@ -19,7 +19,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prefixcache.client import CacheClient
-from prefixcache.config import CacheConfig, KVLayout
+from prefixcache.config import CacheConfig, DType, KVLayout
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
 from services.cache_server.auth import Authenticator
@@ -29,7 +29,7 @@ from services.cache_server.server import build_server
 from services.cache_server.servicer import SERVICE_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
-DTYPES = ("float16", "bfloat16", "float32")
+DTYPES = tuple(dtype.value for dtype in DType)  # every format the cache stores, fp8 included
 BLOCK = 16
 CACHE_FIELDS = {"ttl_s", "lease_ttl_s", "max_prompt_tokens", "max_leases"}
 CODE = grpc.StatusCode
