@@ -247,7 +247,8 @@ def test_namespaces_lists_ids_models_and_resident_blocks(stack, populated, cli):
     listed = {entry["namespace_id"]: entry for entry in doc["namespaces"]}
     mine = listed[populated.namespace_id]
     assert mine == {"namespace_id": populated.namespace_id, "model": "cli-test-model", "revision": "r1",
-                    "salted": False, "tenant": None, "kv_scale": "", "blocks": {"host": 14}, "bytes": 14 * LAYOUT.block_bytes}
+                    "salted": False, "tenant": None, "kv_scale": "", "blocks": {"host": 14},
+                    "bytes": 14 * LAYOUT.block_bytes}
     salted = [entry for entry in doc["namespaces"] if entry["salted"]]
     assert len(salted) == 1 and salted[0]["model"] == "cli-test-model" and salted[0]["blocks"] == {}
     assert SALT not in result.stdout

@@ -21,6 +21,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rich.console import Console
 
 from prefixcache.cache import PrefixCache
 from prefixcache.codec import decode_block, encode_block
@@ -33,7 +34,8 @@ from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier, MappedSegment
 from prefixcache.tiers.redis import RedisOptions, RedisTier
 from services.admin.document import stats_document
-from services.admin.namespaces_view import namespaces_document
+from services.admin.namespaces_view import namespaces_document, namespaces_view
+from services.admin.stats_view import overview_table
 from tests.redis_server import RedisServer
 from tests.service_support import BLOCK, CODE, prompt, rpc_code, running_servers, same_bytes, stub_for
 
@@ -274,5 +276,10 @@ def test_a_service_never_shares_blocks_across_kv_dtype_or_scale():
         assert (doc["layout"]["dtype"], doc["layout"]["bytes_per_token"]) == ("float8_e4m3fn", 2 * 3 * 20)
         names = namespaces_document(server.address, writer.namespaces(), layout.block_bytes)
         assert {entry["kv_scale"] for entry in names["namespaces"]} == {"k_scale=0.5", "k_scale=0.25"}
+        console = Console(width=240, record=True)
+        console.print(overview_table(doc), namespaces_view(names))
+        shown = console.export_text()
+        assert "(float8_e4m3fn)" in shown and "120 B/token" in shown
+        assert "kv scale" in shown and "k_scale=0.25" in shown
         long_scale = pb.AttachRequest(model="m", layout=request.layout, kv_scale="k" * 513)
         assert rpc_code(stub_for(server).Attach, long_scale) == (CODE.INVALID_ARGUMENT, "kv_scale")

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 
-from prefixcache.client import CacheClient, wire
+from prefixcache.client import CacheClient
 from prefixcache.errors import PrefixCacheError
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc

@@ -34,8 +34,8 @@ def slots_for(capacity_bytes: int, layout: KVLayout, field_name: str) -> int:
 
 
 def _tensor_over(buffer: memoryview, layout: KVLayout, num_slots: int) -> torch.Tensor:
-    flat = torch.frombuffer(buffer, dtype=layout.dtype.torch, count=num_slots * layout.block_bytes // layout.dtype.itemsize)
-    return flat.view(num_slots, *layout.block_shape)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=num_slots * layout.block_bytes)  # slots are bytes
+    return flat.view(layout.dtype.torch).view(num_slots, *layout.block_shape)
 
 
 class HostTier(TensorPool):

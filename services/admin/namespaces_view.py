@@ -39,7 +39,8 @@ def namespaces_view(doc: dict) -> RenderableType:
     scaled = any(entry["kv_scale"] for entry in namespaces)  # the column only where an engine quantizes
     table = Table(title=f"namespaces at {doc['address']}", title_justify="left")
     columns = ["namespace", *(["tenant"] if admin else []), "model", "revision", "salted",
-               *(["kv scale"] if scaled else []), *(kind.label for kind in TierKind if kind is not TierKind.REDIS), "bytes"]
+               *(["kv scale"] if scaled else []),
+               *(kind.label for kind in TierKind if kind is not TierKind.REDIS), "bytes"]
     for name in columns:
         table.add_column(name, justify="right" if name in ("device", "host", "bytes") else "left")
     for entry in namespaces:
