@@ -62,10 +62,12 @@ class DType(enum.Enum):
     proto `DType` enum number, which are the same numbers), a `torch` dtype for
     typed views, and `nbytes(elements)`, the bytes of that many elements.
 
-    Room for packed sub-byte formats (NVFP4, MXFP4...): such a format defines
-    `nbytes` itself (packed elements plus its per-group scales), has `torch` None,
-    and tiers hold it as raw uint8 rows of `KVLayout.block_bytes`; slot copies,
-    frames and streams already move bytes only, never elements.
+    Room for packed sub-byte formats (NVFP4, MXFP4...), not yet added: such a
+    format's `nbytes` counts its packed elements plus its per-group scales (so
+    `KVLayout.block_bytes` stays right while `block_shape` describes elements, not
+    bytes), it has no torch dtype, and tiers would hold its slots as uint8 rows of
+    `block_bytes`. Slot copies, frames and streams already move bytes only (rows of
+    words, never elements), so nothing below the layout changes for one.
     """
 
     FLOAT32 = "float32"
