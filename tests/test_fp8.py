@@ -36,8 +36,11 @@ from prefixcache.tiers.redis import RedisOptions, RedisTier
 from services.admin.document import stats_document
 from services.admin.namespaces_view import namespaces_document, namespaces_view
 from services.admin.stats_view import overview_table
+from tests.core_support import read_blocks
 from tests.redis_server import RedisServer
 from tests.service_support import BLOCK, CODE, prompt, rpc_code, running_servers, same_bytes, stub_for
+
+pytestmark = [pytest.mark.redis, pytest.mark.process]
 
 FP8 = (DType.FLOAT8_E4M3FN, DType.FLOAT8_E5M2)
 SMALL = dict(layers=2, kv_heads=2, head_dim=8, block_size=4)
@@ -184,14 +187,14 @@ def test_blocks_spilled_to_redis_come_back_bit_for_bit(redis_server: RedisServer
         kv_a, kv_b = every_byte(4, layout), every_byte(4, layout, shift=101)
         assert cache.store(ns, a, kv_a).stored == 4
         assert cache.store(ns, b, kv_b).stored == 4         # a's blocks leave the 4-slot host tier
-        assert cache.remote.wait_idle(5) and cache.stats().spills.get("host", 0) >= 3
-        frames = cache.remote.fetch(ns, cache.hasher.block_hashes(cache.hasher.root(Namespace("m", "r", layout)),
+        assert cache.remote_link.tier.wait_idle(5) and cache.stats().spills.get("host", 0) >= 3
+        frames = cache.remote_link.tier.fetch(ns, cache.hasher.block_hashes(cache.hasher.root(Namespace("m", "r", layout)),
                                                                   np.asarray(a, dtype="<u4"), 4))
         assert all(frame is not None and frame.endswith(raw(kv)) for frame, kv in zip(frames, kv_a))
         result = cache.lookup(ns, a)                          # promoted back from Redis
         assert result.hit_tokens == 16 and result.miss_reason is None
         assert cache.stats().remote["hits"] >= 3
-        assert same_bytes(cache.read(result.locations), kv_a)
+        assert same_bytes(read_blocks(cache, result.locations), kv_a)
 
 
 @pytest.mark.parametrize("reader_fields", [{"dtype": DType.FLOAT8_E5M2}, {"kv_scale": "k_scale=0.25"}],
@@ -210,12 +213,12 @@ def test_a_frame_read_under_another_format_or_scale_is_a_counted_verification_fa
             redis_cache(redis_server.url, prefix, reader_layout) as reader:
         w, r = writer.attach(writer_ns), reader.attach(reader_ns)
         assert w != r
-        assert writer.store(w, tokens, every_byte(3, writer_layout)).stored == 3 and writer.remote.wait_idle(5)
+        assert writer.store(w, tokens, every_byte(3, writer_layout)).stored == 3 and writer.remote_link.tier.wait_idle(5)
         assert reader.lookup(r, tokens).hit_tokens == 0                 # different keys: nothing shared
         hasher = Hasher()
         array = np.asarray(tokens, dtype="<u4")
-        writer_keys = [writer.remote.key(w, h) for h in hasher.block_hashes(hasher.root(writer_ns), array, 4)]
-        reader_keys = [reader.remote.key(r, h) for h in hasher.block_hashes(hasher.root(reader_ns), array, 4)]
+        writer_keys = [writer.remote_link.tier.key(w, h) for h in hasher.block_hashes(hasher.root(writer_ns), array, 4)]
+        reader_keys = [reader.remote_link.tier.key(r, h) for h in hasher.block_hashes(hasher.root(reader_ns), array, 4)]
         with redis_server.client() as client:
             for source, target in zip(writer_keys, reader_keys):
                 client.set(target, client.get(source), px=60_000)
@@ -224,7 +227,7 @@ def test_a_frame_read_under_another_format_or_scale_is_a_counted_verification_fa
             stats = reader.stats()
             assert stats.remote["integrity_failures"] == 1
             assert stats.miss_reasons == {"not_cached": 1, "verification_failed": 1}  # the first look, then this
-            assert reader.remote.wait_idle(5)
+            assert reader.remote_link.tier.wait_idle(5)
             assert client.exists(reader_keys[0]) == 0 and client.exists(writer_keys[0]) == 1
 
 
@@ -235,12 +238,12 @@ def test_caches_differing_only_in_kv_dtype_or_scale_share_nothing_through_one_re
             redis_cache(redis_server.url, prefix, fp8) as reader:
         scaled = Namespace("m", "r", fp8, kv_scale="k_scale=0.5,v_scale=0.5")
         ns = writer.attach(scaled)
-        assert writer.store(ns, tokens, every_byte(3, fp8)).stored == 3 and writer.remote.wait_idle(5)
+        assert writer.store(ns, tokens, every_byte(3, fp8)).stored == 3 and writer.remote_link.tier.wait_idle(5)
         assert other.lookup(other.attach(Namespace("m", "r", bf16)), tokens).hit_tokens == 0
         for kv_scale in ("", "k_scale=0.5,v_scale=0.25"):
             assert reader.lookup(reader.attach(Namespace("m", "r", fp8, kv_scale=kv_scale)), tokens).hit_tokens == 0
         same = reader.lookup(reader.attach(scaled), tokens)             # the same settings do share
-        assert same.hit_tokens == 12 and same_bytes(reader.read(same.locations), every_byte(3, fp8))
+        assert same.hit_tokens == 12 and same_bytes(read_blocks(reader, same.locations), every_byte(3, fp8))
         assert (other.stats().remote["integrity_failures"], reader.stats().remote["integrity_failures"]) == (0, 0)
 
 
