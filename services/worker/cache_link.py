@@ -15,8 +15,8 @@ down: a lookup rejected for the request's own tokens or salt (only that
 request prefills in full), and a service that restarted and forgot the
 namespace (the link attaches again at once and retries the lookup). When to
 re-attach is the shared `CircuitBreaker` (prefixcache/tiers/breaker.py): one
-failure takes the link down, re-attach attempts back off from `RETRY_MIN_S`
-to `RETRY_MAX_S` with jitter. State changes are logged once, not per request.
+failure takes the link down, re-attach attempts follow after 1-2 s (jittered,
+`RETRY_MAX_S`). State changes are logged once, not per request.
 
 Invariant: a `Prefix` handed to the engine covers strictly fewer tokens than
 the prompt (at least one token is always computed), and its lease is
@@ -47,7 +47,9 @@ from .model import LoadedModel
 
 log = logging.getLogger(__name__)
 
-RETRY_MIN_S, RETRY_MAX_S = 2.0, 16.0  # re-attach backoff while the service is down
+# Re-attach backoff while the service is down: at most 2 s (1-2 s with jitter), as before the
+# breaker: a longer cap kept workers off a recovered service past the chaos soak's recovery window.
+RETRY_MIN_S = RETRY_MAX_S = 2.0
 REQUEST_FIELDS = frozenset({"tokens", "cache_salt"})  # a lookup rejected for these is the request's fault
 
 
