@@ -153,3 +153,38 @@ def test_light_commands_run_without_transformers_tiktoken_or_aiohttp(argv):
         assert "CODE 0" in done.stderr, done.stderr[-3000:]
     if argv == ["--help"]:
         assert "serve" in done.stdout and "replay" in done.stdout and "prefixcache[replay]" in done.stdout
+
+
+SERVE_AND_USE = textwrap.dedent("""
+    import sys, torch
+    from prefixcache.config import KVLayout
+    from prefixcache.client import CacheClient
+    from services.cli import build_parser, main
+    from services.cache_server.command import options_from
+    from services.cache_server.server import build_server
+
+    argv = ["serve", "--listen", "127.0.0.1:0", "--host-capacity", "8Mi", "--metrics-port", "0", "--block-size", "4"]
+    server = build_server(options_from(build_parser(argv).parse_args(argv)))
+    try:
+        layout = KVLayout(2, 2, 8, 4, "float32")
+        with CacheClient(server.address) as client:
+            client.attach("light", layout)
+            tokens = list(range(100, 112))
+            client.store(tokens, torch.ones(3, *layout.block_shape))
+            hit = client.lookup(tokens)
+            assert hit.blocks == 3 and float(client.read(hit).sum()) == 3 * 2 * 2 * 2 * 4 * 8
+            client.release(hit)
+        code = main(["stats", "--cache", server.address, "--json"])
+    finally:
+        server.shutdown(0.5)
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+    print("LOADED", loaded, "CODE", code, file=sys.stderr)
+""")
+
+
+def test_a_running_service_its_client_and_stats_need_none_of_them():
+    script = BLOCKER.split("import prefixcache.client")[0] + SERVE_AND_USE
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert "LOADED [] CODE 0" in done.stderr, done.stderr[-3000:]
+    assert json.loads(done.stdout)["blocks"]["committed"] == 3
