@@ -50,7 +50,7 @@ def test_a_bad_global_option_after_the_command_names_it(capsys):
 def test_environment_defaults_with_flag_over_env_over_default():
     env = {"PREFIXCACHE_HOST_CAPACITY": "2Gi", "PREFIXCACHE_BLOCK_SIZE": "32", "PREFIXCACHE_HASH": "sha256",
            "PREFIXCACHE_LOG_LEVEL": "DEBUG", "PREFIXCACHE_LOG_FORMAT": "json"}
-    parse = lambda argv: build_parser(argv, environ=env).parse_args(argv)  # noqa: E731
+    parse = lambda argv: build_parser(argv, environ=env).parse_args(argv)
     args = parse(["serve"])
     assert (args.host_capacity, args.block_size, args.hash) == ("2Gi", 32, "sha256")
     assert (args.log_level, args.log_format) == ("DEBUG", "json")

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def example() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "client.md").read_text(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "client.md").read_text(), re.DOTALL)
     assert len(blocks) == 1, "docs/client.md should hold exactly one runnable example"
     return blocks[0]
 

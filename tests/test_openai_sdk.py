@@ -51,7 +51,7 @@ def test_models_list_names_the_served_model(cached):
 
 def test_sync_chat_equals_the_uncached_reference_and_reuses_the_cache(cached, reference):
     salt = {"cache_salt": "sdk-sync"}
-    args = dict(model=MODEL, messages=_messages("rivers"), max_tokens=12, temperature=0)
+    args = {"model": MODEL, "messages": _messages("rivers"), "max_tokens": 12, "temperature": 0}
     first = cached.chat.completions.create(**args, extra_body=salt)
     second = cached.chat.completions.create(**args, extra_body=salt)
     expected = reference.chat.completions.create(**args)
@@ -84,8 +84,8 @@ def test_async_chat_runs_concurrent_requests(stack, reference):
 
 
 def test_streaming_with_include_usage_ends_with_the_usage_chunk(cached):
-    args = dict(model=MODEL, messages=_messages("glaciers"), max_tokens=10, temperature=0,
-                extra_body={"cache_salt": "sdk-stream"})
+    args = {"model": MODEL, "messages": _messages("glaciers"), "max_tokens": 10, "temperature": 0,
+                "extra_body": {"cache_salt": "sdk-stream"}}
     whole = cached.chat.completions.create(**args)
     chunks = list(cached.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -145,7 +145,7 @@ def test_completion_logprobs(cached):
 
 
 def test_sampling_fields_act_on_the_logits(cached):
-    base = dict(model=MODEL, messages=_messages("maps"), max_tokens=8)
+    base = {"model": MODEL, "messages": _messages("maps"), "max_tokens": 8}
     greedy = cached.chat.completions.create(**base, temperature=0).choices[0].message.content
     # top_k 1 (and a tiny top_p) leave only the best token: sampling at temperature 1 is greedy.
     for extra in ({"top_k": 1}, {"top_p": 1e-9, "seed": 3}, {"min_p": 1.0, "seed": 4}):
