@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from .auth import AuthInterceptor
 from .backend import CacheBackend
-from .metrics import ServiceMetrics
+from .metrics import ServiceMetrics, remote_stats_of
 from .options import ServerOptions
 from .pools import ElasticPool, StreamsOnOwnPool
 from .servicer import SERVICE_NAME, Limits, PrefixCacheServicer, register
@@ -70,7 +70,8 @@ class CacheServer:
         self.options = options
         self.backend = CacheBackend(options.backend)
         self.tracker = CallTracker()
-        self.metrics = ServiceMetrics(self.backend.stats) if options.metrics_port is not None else None
+        self.metrics = (ServiceMetrics(self.backend.stats, remote=lambda: remote_stats_of(self.backend.cache))
+                        if options.metrics_port is not None else None)
         self.health = health.HealthServicer()
         self._ticker = Ticker("prefixcache-expire", options.expire_interval_s, self.backend.expire)
         self._stopped = threading.Event()

@@ -166,6 +166,17 @@ class CacheLink:
                 return None
         return None
 
+    def cached_blocks(self, tokens: list[int], salt: str | None) -> int | None:
+        """Leading full blocks of `tokens` cached right now (Inspect: no lease, no LRU touch);
+        None when the link is down or the service cannot say."""
+        if not self._ready():
+            return None
+        try:
+            return self._client.inspect(tokens, cache_salt=salt).hit_tokens // self.layout.block_size
+        except PrefixCacheError as error:
+            log.info("cache inspect failed (%s)", error)
+            return None
+
     def store(self, tokens: list[int], cache, start_block: int, engine, salt: str | None) -> None:
         """Commit the prompt's full blocks from `start_block` on (KV taken from `cache`)."""
         size = self.layout.block_size
