@@ -155,13 +155,7 @@ class RadixIndex:
         if count > len(self._free_rows):
             raise RuntimeError("index is full (more blocks than tier slots)")
         nodes = self._free_rows[len(self._free_rows) - count:][::-1].tolist()
-        for done, (node, block_hash) in enumerate(zip(nodes, hashes)):
-            try:
-                self.map.insert(block_hash, node)
-            except KeyError:
-                for inserted in nodes[:done]:
-                    self.map.delete(inserted)
-                raise
+        self.map.insert_many(hashes, nodes)  # all or nothing
         del self._free_rows[len(self._free_rows) - count:]
         rows = np.asarray(nodes, dtype=np.int64)
         self.parent[rows[0]] = parent
@@ -191,6 +185,29 @@ class RadixIndex:
             self.children[parent] -= 1
         self.tier[node] = -1
         self._free_rows.append(node)
+
+    def remove_many(self, nodes: Sequence[int] | np.ndarray) -> None:
+        """Drop distinct unpinned nodes each of whose children is among them (what `remove` of each
+        in turn, descendants first, leaves behind), in a few vectorised steps. Checked before any
+        change; costs O(len(nodes)), not O(capacity)."""
+        rows = np.asarray(nodes, dtype=np.int64)
+        if not rows.size:
+            return
+        if (self.tier[rows] < 0).any():
+            raise RuntimeError("a node to remove is not live")
+        parents = self.parent[rows]
+        outer = parents[parents != ROOT].astype(np.int64)
+        order = np.argsort(rows)
+        ordered = rows[order]
+        at = np.minimum(np.searchsorted(ordered, outer), len(rows) - 1)
+        among = ordered[at] == outer
+        removed = np.bincount(order[at[among]], minlength=len(rows))  # children removed with each node
+        if (self.children[rows] != removed).any() or self.pins[rows].any():
+            raise RuntimeError("nodes to remove have children outside them, or pins")
+        self.map.delete_many(rows)
+        np.subtract.at(self.children, outer, 1)
+        self.tier[rows] = -1
+        self._free_rows.frombytes(rows.astype(np.int32).tobytes())
 
     def touch(self, path: Sequence[int] | np.ndarray, now: float) -> None:
         """Mark a root-first path used now; the root ends with the highest tick."""
