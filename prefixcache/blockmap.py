@@ -150,9 +150,13 @@ class BlockMap:
         self.cell_of[rows] = EMPTY
         self._count -= len(rows)
 
-    def insert_many(self, digests: list[bytes], rows: list[int]) -> None:
+    def insert_many(self, digests: list[bytes], rows: list[int], found: np.ndarray | None = None) -> None:
         """Map `digests[i]` to `rows[i]`; raises KeyError, changing nothing, if a digest is mapped
-        already or repeats in `digests` (ValueError for a digest of a foreign size)."""
+        already or repeats in `digests` (ValueError for a digest of a foreign size).
+
+        `found`: `get_many(digests)` as the caller just computed it (nothing changed since), which
+        spares the second probe.
+        """
         count = len(digests)
         if count <= _SCALAR_BATCH:
             for done, (digest, row) in enumerate(zip(digests, rows)):
@@ -168,7 +172,7 @@ class BlockMap:
             raise ValueError(f"digests must be {self.digest_size} bytes each")
         if len(set(digests)) != count:
             raise KeyError("a digest repeats in the batch")
-        if (self.get_many(digests) >= 0).any():
+        if ((self.get_many(digests) if found is None else found) >= 0).any():
             raise KeyError("digest already mapped")
         query = self._query_words(joined, count)
         targets = np.asarray(rows, dtype=np.int64)
@@ -181,25 +185,25 @@ class BlockMap:
     def _place(self, rows: np.ndarray, buckets: np.ndarray) -> None:
         """Put unmapped `rows` into free cells, probing from `buckets` (vectorised rounds).
 
-        Each round orders the rows still waiting by bucket, gives every bucket's free cells to its
-        first comers and moves the rest on to the next bucket, which it only does once a bucket has
-        no free cell left: so no bucket on a row's path before its own keeps an empty cell.
+        Each round writes every waiting row into the first free cell of its bucket; where several
+        rows chose one cell the last write stays and the others try again. A row moves on to the
+        next bucket only when its bucket has no free cell left, so no bucket on a row's path before
+        its own keeps an empty cell.
         """
         flat = self.cells.reshape(-1)
         while rows.size:
-            order = np.argsort(buckets, kind="stable")
-            rows, buckets = rows[order], buckets[order]
-            starts = np.flatnonzero(np.r_[True, buckets[1:] != buckets[:-1]])
-            rank = np.arange(len(rows)) - np.repeat(starts, np.diff(np.r_[starts, len(rows)]))
             free = self.cells[buckets] < 0
-            seen = free.cumsum(axis=1)
-            fits = rank < seen[:, -1]
-            column = (free & (seen == (rank + 1)[:, None])).argmax(axis=1)
-            cells = buckets[fits] * BUCKET + column[fits]
-            self._empty -= int(np.count_nonzero(flat[cells] == EMPTY))
-            flat[cells] = rows[fits]
-            self.cell_of[rows[fits]] = cells
-            rows, buckets = rows[~fits], (buckets[~fits] + 1) & self.bucket_mask
+            room = free.any(axis=1)
+            target = buckets * BUCKET + free.argmax(axis=1)
+            waiting = rows[room]
+            cells = target[room]
+            before = flat[cells]
+            flat[cells] = waiting
+            placed = flat[cells] == waiting
+            self._empty -= int(np.count_nonzero(before[placed] == EMPTY))
+            self.cell_of[waiting[placed]] = cells[placed]
+            rows = np.concatenate([waiting[~placed], rows[~room]])
+            buckets = np.concatenate([buckets[room][~placed], (buckets[~room] + 1) & self.bucket_mask])
 
     def _maybe_rebuild(self) -> None:
         if self._empty < self._min_empty:

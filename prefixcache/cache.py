@@ -353,7 +353,8 @@ class PrefixCache:
         if new:
             nodes = self.index.add_chain(prompt.entry.index, path[-1] if path else ROOT,
                                          prompt.hashes[cached:cached + new], prompt.blocks[cached:cached + new],
-                                         tier, reservation.slots[first:first + new], now)
+                                         tier, reservation.slots[first:first + new], now,
+                                         match.found[cached:cached + new])
             if self.remote_link is not None:
                 for node in nodes:
                     self._write_through(node)

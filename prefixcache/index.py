@@ -143,11 +143,12 @@ class RadixIndex:
         return self.add_chain(namespace, parent, [block_hash], np.asarray(tokens)[None], tier, [slot], now)[0]
 
     def add_chain(self, namespace: int, parent: int, hashes: list[BlockHash], tokens: np.ndarray,
-                  tier: int, slots: Sequence[int], now: float) -> list[int]:
+                  tier: int, slots: Sequence[int], now: float, found: np.ndarray | None = None) -> list[int]:
         """Insert consecutive blocks under `parent` (block i+1 the child of block i), vectorised.
 
         Raises KeyError, changing nothing, if any hash is already indexed or repeats in `hashes`.
-        The caller touches the path afterwards.
+        `found`: the block map's rows for `hashes` from a `match` made since the last change (a
+        commit's), so they are not probed twice. The caller touches the path afterwards.
         """
         count = len(hashes)
         if not count:
@@ -155,7 +156,7 @@ class RadixIndex:
         if count > len(self._free_rows):
             raise RuntimeError("index is full (more blocks than tier slots)")
         nodes = self._free_rows[len(self._free_rows) - count:][::-1].tolist()
-        self.map.insert_many(hashes, nodes)  # all or nothing
+        self.map.insert_many(hashes, nodes, found)  # all or nothing
         del self._free_rows[len(self._free_rows) - count:]
         rows = np.asarray(nodes, dtype=np.int64)
         self.parent[rows[0]] = parent

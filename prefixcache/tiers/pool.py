@@ -27,6 +27,7 @@ class TensorPool:
         self.num_slots = storage.shape[0]
         self.capacity_bytes = self.num_slots * layout.block_bytes
         self.storage = storage
+        self._bytes: np.ndarray | None = None  # the CPU storage as [num_slots, block_bytes] u8, made on first use
 
     def read(self, slots: list[int]) -> torch.Tensor:
         index = torch.tensor(slots, dtype=torch.long, device=self.storage.device)
@@ -42,9 +43,10 @@ class TensorPool:
         if self.storage.device.type == "cpu" and blocks.device.type == "cpu":
             # A numpy gather-assign of the raw bytes: torch's index_copy_ costs ~50 µs of dispatch
             # (and far more when its thread pool wakes on a busy machine) for a few small blocks.
-            target = self.storage.view(self.num_slots, -1).view(torch.uint8).numpy()
+            if self._bytes is None:
+                self._bytes = self.storage.view(self.num_slots, -1).view(torch.uint8).numpy()
             source = blocks.reshape(len(slots), -1).contiguous().view(torch.uint8).numpy()
-            target[np.asarray(slots, dtype=np.int64)] = source
+            self._bytes[np.asarray(slots, dtype=np.int64)] = source
             return
         index = torch.tensor(slots, dtype=torch.long, device=self.storage.device)
         self.storage.index_copy_(0, index, blocks.to(self.storage.device))
@@ -59,3 +61,4 @@ class TensorPool:
 
     def close(self) -> None:
         self.storage = torch.empty(0)
+        self._bytes = None
