@@ -144,7 +144,8 @@ class BlockMap:
         if not rows.size:
             return
         cells = self.cell_of[rows]
-        if (cells < 0).any() or len(np.unique(cells)) != len(cells):
+        ordered = np.sort(cells)
+        if ordered[0] < 0 or (ordered[1:] == ordered[:-1]).any():
             raise KeyError("a row to delete is not mapped")
         self.cells.reshape(-1)[cells] = DELETED
         self.cell_of[rows] = EMPTY

@@ -197,16 +197,22 @@ class RadixIndex:
         if (self.tier[rows] < 0).any():
             raise RuntimeError("a node to remove is not live")
         parents = self.parent[rows]
-        outer = parents[parents != ROOT].astype(np.int64)
-        order = np.argsort(rows)
-        ordered = rows[order]
-        at = np.minimum(np.searchsorted(ordered, outer), len(rows) - 1)
-        among = ordered[at] == outer
-        removed = np.bincount(order[at[among]], minlength=len(rows))  # children removed with each node
+        ordered = np.sort(parents[parents != ROOT]).astype(np.int64)
+        if ordered.size:  # each parent once, with the children it loses
+            first = np.empty(len(ordered), dtype=bool)
+            first[0] = True
+            np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+            losers = ordered[first]
+            lost = np.diff(np.append(np.flatnonzero(first), len(ordered)))
+            at = np.minimum(np.searchsorted(losers, rows), len(losers) - 1)
+            removed = np.where(losers[at] == rows, lost[at], 0)  # children removed with each node
+        else:
+            losers = lost = _NO_ROWS
+            removed = np.zeros(len(rows), dtype=np.int64)
         if (self.children[rows] != removed).any() or self.pins[rows].any():
             raise RuntimeError("nodes to remove have children outside them, or pins")
-        self.map.delete_many(rows)
-        np.subtract.at(self.children, outer, 1)
+        self.map.delete_many(rows)  # raises, changing nothing, if a row repeats
+        self.children[losers] -= lost.astype(np.int32)
         self.tier[rows] = -1
         self._free_rows.frombytes(rows.astype(np.int32).tobytes())
 

@@ -48,7 +48,11 @@ class Placement:
     def _count_evictions(self, rows: np.ndarray, kind: TierKind, reason: EvictionReason) -> None:
         self.counters.evictions[(kind, reason)] += len(rows)
         if self._owner_counters is not None:  # one tenant lookup per namespace among them
-            _, first, counts = np.unique(self.index.namespace[rows], return_index=True, return_counts=True)
+            namespaces = self.index.namespace[rows]
+            if not (namespaces != namespaces[0]).any():  # the usual case: one namespace
+                self._owner_counters(int(rows[0])).evictions[(kind, reason)] += len(rows)
+                return
+            _, first, counts = np.unique(namespaces, return_index=True, return_counts=True)
             for i, count in zip(first.tolist(), counts.tolist()):
                 self._owner_counters(int(rows[i])).evictions[(kind, reason)] += count
 
@@ -96,7 +100,7 @@ class Placement:
         victims: list[int] = []
         for nodes in index.log.scan_chunks(eligible):
             for node, kids, up in zip(nodes.tolist(), children[nodes].tolist(), parent[nodes].tolist()):
-                if kids == gone.get(node, 0):
+                if not kids or kids == gone.get(node):
                     victims.append(node)
                     gone[up] = gone.get(up, 0) + 1
                     if len(victims) >= wanted:

@@ -302,6 +302,11 @@ def test_remove_many_equals_removing_one_by_one_and_checks_first() -> None:
         [many.map.digest(trunk[0])]).tolist() == [trunk[0]]
     with pytest.raises(RuntimeError):
         many.remove_many([trunk[1]])  # not live any more
+    roots = [chain(many, [20 + i, 20 + i], salt=10 + i)[2][0] for i in range(3)]
+    with pytest.raises(KeyError):
+        many.remove_many([roots[0], roots[0]])  # a repeat changes nothing
+    many.remove_many(roots)  # parentless leaves only
+    assert len(many) == 1 and (many.tier[roots] < 0).all()
 
 
 @settings(max_examples=60, deadline=None)

@@ -97,10 +97,11 @@ class FreeSlots:
         slots = np.asarray(slots, dtype=np.int64)
         if not slots.size:
             return
-        if slots.min() < 0 or slots.max() >= self.num_slots:
+        ordered = np.sort(slots)
+        if ordered[0] < 0 or ordered[-1] >= self.num_slots:
             raise RuntimeError(f"a slot is outside [0, {self.num_slots})")
         flags = np.frombuffer(self._is_free, dtype=np.uint8)
-        if flags[slots].any() or len(np.unique(slots)) != len(slots):
+        if flags[slots].any() or (ordered[1:] == ordered[:-1]).any():
             raise RuntimeError("a slot freed twice")
         flags[slots] = 1
         self._free.frombytes(slots.astype(np.int32).tobytes())
