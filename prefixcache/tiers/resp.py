@@ -77,7 +77,7 @@ class RespPipeline:
                 _send(sock, pieces)
                 reader = _Reader(sock)
                 out = [read(reader) for _ in range(replies)]
-            except socket.timeout as exc:
+            except TimeoutError as exc:  # socket.timeout
                 raise redis.exceptions.TimeoutError(f"Timeout reading from {connection.host}:{connection.port}") from exc
             except OSError as exc:
                 raise redis.exceptions.ConnectionError(f"Error {exc.errno} on {connection.host}:{connection.port}: "
@@ -180,7 +180,7 @@ def _read_value(reader: _Reader) -> memoryview | None:
 def _read_ok(reader: _Reader) -> None:
     line = reader.line()
     if line == b"+OK":
-        return None
+        return
     if line[:1] == b"-":
         raise redis.exceptions.ResponseError(line[1:].decode("utf-8", "replace"))
     raise redis.exceptions.InvalidResponse(f"unexpected reply to SET: {line[:32]!r}")
