@@ -43,6 +43,7 @@ from .base import TierKind
 from .breaker import Backoff, CircuitBreaker, Retry
 from .redis_options import RedisClient, RedisOptions, connect, is_cluster_url, redact_url
 from .redis_stats import RedisCounters, RedisStats
+from .resp import RespPipeline
 
 log = logging.getLogger(__name__)
 
@@ -294,12 +295,7 @@ class RedisTier:
         """One pipelined GETEX per hash; None after a fault (recorded in the breaker)."""
         start = time.perf_counter()
         try:
-            pipe = client.pipeline(transaction=False)
-            for block_hash in hashes:
-                pipe.getex(self.key(namespace_id, block_hash), px=ttl_ms)
-            with self._io_wait():
-                replies = pipe.execute(raise_on_error=False)
-            frames = _frames_from(replies, len(hashes))
+            frames = self._getex_many(client, [self.key(namespace_id, block_hash) for block_hash in hashes], ttl_ms)
         except REDIS_ERRORS as exc:
             if isinstance(exc, redis.exceptions.TimeoutError):
                 self._observe_link(0, time.perf_counter() - start)  # at least this slow
@@ -308,6 +304,18 @@ class RedisTier:
         self._observe_link(sum(len(frame) for frame in frames if frame is not None), time.perf_counter() - start)
         self._breaker.record_success()
         return frames
+
+    def _getex_many(self, client: RedisClient, keys: list[str], ttl_ms: int) -> list[bytes | memoryview | None]:
+        """Pipelined GETEX: read in place over RESP for a standalone client (tiers/resp.py), else redis-py."""
+        if isinstance(client, redis.Redis):
+            with self._io_wait():
+                return RespPipeline(client).getex(keys, ttl_ms)
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.getex(key, px=ttl_ms)
+        with self._io_wait():
+            replies = pipe.execute(raise_on_error=False)
+        return _frames_from(replies, len(keys))
 
     def _observe_link(self, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -402,6 +410,9 @@ class RedisTier:
             self._link.observe(written, elapsed)
 
     def _pipeline(self, batch: list[_Op]) -> None:
+        if isinstance(self._writer, redis.Redis) and all(isinstance(op, _Set) for op in batch):
+            RespPipeline(self._writer).set([(op.key, op.frame) for op in batch], [op.ttl_ms for op in batch])
+            return
         pipe = self._writer.pipeline(transaction=False)
         for op in batch:
             if isinstance(op, _Set):
