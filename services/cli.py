@@ -23,6 +23,7 @@ from prefixcache.errors import PrefixCacheError
 # (module, what it provides) in the order `--help` lists them.
 COMMAND_MODULES = (
     "services.cache_server.command",   # serve
+    "services.cache_server.shm_command",  # shm list, shm clean
     "services.worker.command",         # worker
     "services.admin.commands",         # stats, top, inspect, evict, flush
     "services.replay.command",         # replay

@@ -44,6 +44,7 @@ from prefixcache.stats import StatsSnapshot
 from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier
+from prefixcache.tiers.shm import OwnedSegment
 
 from .auth import Principal
 from .inspect import BlockReport, inspect_prefix
@@ -80,6 +81,7 @@ class CacheBackend:
         self._counts: dict[str, int] = {}                  # tenant -> namespaces registered
         self._draining = threading.Event()
         self._closed = False
+        self._segment: OwnedSegment | None = None  # reserved at start; the host tier maps it at the first Attach
 
     # -- lifecycle ----------------------------------------------------------
     @property
@@ -93,6 +95,13 @@ class CacheBackend:
     def begin_drain(self) -> None:
         self._draining.set()
 
+    def claim_segment(self, name: str, owner: str) -> None:
+        """Reserve the host tier's shared memory now, at start (tiers/shm.py): a /dev/shm that cannot
+        hold `host_capacity`, or a live service that owns `name`, stops the start with one line."""
+        with self._create_lock:
+            if self._segment is None and self._cache is None:
+                self._segment = OwnedSegment(name, self.options.cache.host_capacity, owner=owner)
+
     def close(self) -> None:
         """Drop leases and reservations with the cache and close its tiers (unlinks shm)."""
         self._draining.set()
@@ -100,6 +109,8 @@ class CacheBackend:
             if self._cache is not None and not self._closed:
                 self._cache.close()
                 log.info("cache closed; host tier released")
+            if self._segment is not None:
+                self._segment.close()  # a no-op once the host tier closed it; else never attached
             self._closed = True
 
     def expire(self) -> int:
@@ -116,7 +127,7 @@ class CacheBackend:
         options = self.options
         config = options.cache
         try:
-            host = HostTier(layout, config.host_capacity, options.shm_name)
+            host = HostTier(layout, config.host_capacity, self._segment or options.shm_name)
         except ConfigError as error:
             raise ServiceMisconfigured(f"{error} for this layout") from None
         try:
