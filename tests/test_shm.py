@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from prefixcache.tiers.shm import SHM_DIR, list_segments, segment_name_for
+from services import cli
 from tests import lifetime
 from tests.redis_server import free_port, poll
 
@@ -125,15 +126,18 @@ class Serve:
                 self.kill_group()
 
 
-def _shm_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services", "shm", *args], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=60)
+def _shm_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """`prefixcache shm ...` through the CLI's entry point: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    code = cli.main(["shm", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def _segments(shm: PrivateShm) -> dict[str, dict]:
-    listing = _shm_cli("list", "--json", "--dir", str(shm.dir))
-    assert listing.returncode == 0, listing.stderr
-    return {entry["name"]: entry for entry in json.loads(listing.stdout)}
+    """What `prefixcache shm list --json` reports, by name."""
+    return {info.name: {"pid": info.record.pid, "alive": info.alive, "size_bytes": info.size,
+                        "resident_bytes": info.resident} for info in list_segments(shm.dir)}
 
 
 # -- no SIGBUS: the pages are reserved, or the service does not start ---------------------------
@@ -207,13 +211,13 @@ def test_a_live_services_segment_is_never_taken_by_a_second_instance(private_shm
     try:
         name = segment_name_for("127.0.0.1", first.port)
         inode = os.stat(private_shm.dir / name).st_ino
-        for attempt in range(3):
-            other = Serve(private_shm, tmp_path / f"other-{attempt}.log", "--host-capacity", "8MiB",
-                          "--shm-name", name)
+        others = [Serve(private_shm, tmp_path / f"other-{attempt}.log", "--host-capacity", "8MiB", "--shm-name", name)
+                  for attempt in range(3)]  # at once: none may win a race for the name either
+        same_address = Serve(private_shm, tmp_path / "same.log", "--host-capacity", "8MiB", port=first.port)
+        for other in others:
             assert other.exit_code() == 2
             error = [line for line in other.stderr().splitlines() if "error:" in line]
             assert len(error) == 1 and "belongs to a running service" in error[0] and f"pid {first.pid}" in error[0]
-        same_address = Serve(private_shm, tmp_path / "same.log", "--host-capacity", "8MiB", port=first.port)
         assert same_address.exit_code() == 2 and "cannot listen" in same_address.stderr()
         assert os.stat(private_shm.dir / name).st_ino == inode and first.process.poll() is None
         assert list(_segments(private_shm)) == [name]
@@ -221,27 +225,31 @@ def test_a_live_services_segment_is_never_taken_by_a_second_instance(private_shm
         first.stop()
 
 
-def test_shm_clean_removes_only_dead_owners_segments(private_shm, tmp_path) -> None:
-    live = Serve(private_shm, tmp_path / "live.log", "--host-capacity", "8MiB").wait_ready()
+def test_shm_clean_removes_only_dead_owners_segments(private_shm, tmp_path, capsys) -> None:
+    live = Serve(private_shm, tmp_path / "live.log", "--host-capacity", "8MiB")
+    dead = Serve(private_shm, tmp_path / "dead.log", "--host-capacity", "8MiB", "--shm-name", "pfx-dead")
     try:
-        dead = Serve(private_shm, tmp_path / "dead.log", "--host-capacity", "8MiB", "--shm-name", "pfx-dead")
+        live.wait_ready()
         dead.wait_ready().kill_group()
         (private_shm.dir / "not-ours").write_bytes(b"x" * 8192)       # another program's shared memory
         live_name = segment_name_for("127.0.0.1", live.port)
         segments = _segments(private_shm)
         assert {n: (s["alive"], s["size_bytes"] > 8 * MiB) for n, s in segments.items()} == {
             live_name: (True, True), "pfx-dead": (False, True)}
-        table = _shm_cli("list", "--dir", str(private_shm.dir)).stdout
-        assert "alive" in table and "dead" in table and str(live.pid) in table
+        code, table, _ = _shm_cli(capsys, "list", "--dir", str(private_shm.dir))
+        assert code == 0 and "alive" in table and "dead" in table and str(live.pid) in table
+        code, out, _ = _shm_cli(capsys, "list", "--json", "--dir", str(private_shm.dir))
+        assert {entry["name"]: entry["alive"] for entry in json.loads(out)} == {live_name: True, "pfx-dead": False}
 
-        refused = _shm_cli("clean", live_name, "--dir", str(private_shm.dir))
-        assert refused.returncode == 2 and "running service" in refused.stderr
-        cleaned = _shm_cli("clean", "--dir", str(private_shm.dir))
-        assert cleaned.returncode == 0 and "removed pfx-dead" in cleaned.stdout, cleaned
+        code, _, err = _shm_cli(capsys, "clean", live_name, "--dir", str(private_shm.dir))
+        assert code == 2 and "running service" in err
+        code, out, _ = _shm_cli(capsys, "clean", "--dir", str(private_shm.dir))
+        assert code == 0 and "removed pfx-dead" in out, out
         assert sorted(os.listdir(private_shm.dir)) == sorted([live_name, "not-ours"])
         assert live.process.poll() is None
     finally:
         live.stop()
+        dead.stop()
 
 
 # -- a SIGKILLed test session leaves nothing behind ---------------------------------------------
