@@ -48,6 +48,18 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def segment_bytes(data_bytes: int) -> int:
+    """Bytes a segment takes in the tmpfs: its data rounded up to a page, plus the owner record."""
+    return -(-data_bytes // PAGE) * PAGE + RECORD_BYTES
+
+
+def dev_shm_bytes_for(host_capacity: int) -> int:
+    """The smallest /dev/shm for a service with this host capacity: its own segment, plus its
+    predecessor's, which workers still map (and the tmpfs still holds) after a restart until they
+    re-attach, so that a restarted service can reserve its segment at once."""
+    return 2 * segment_bytes(host_capacity)
+
+
 def segment_name_for(host: str, port: int) -> str:
     """The default segment name of a service listening on host:port: a successor on the same
     address finds (and, once its owner is gone, reclaims) its predecessor's segment."""
@@ -255,8 +267,8 @@ class OwnedSegment:
     def __init__(self, name: str, data_bytes: int, owner: str = "", directory: Path = SHM_DIR) -> None:
         self.name = check_name(name)
         self.path = Path(directory) / name
-        self.data_bytes = -(-data_bytes // PAGE) * PAGE
-        self.size = self.data_bytes + RECORD_BYTES
+        self.size = segment_bytes(data_bytes)
+        self.data_bytes = self.size - RECORD_BYTES
         self._fd = self._create(OwnerRecord.of_this_process(owner, self.data_bytes))
         try:
             self._map = mmap.mmap(self._fd, self.size)
