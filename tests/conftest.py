@@ -12,7 +12,7 @@ import pytest
 # busy-wait collapse when tests, services and workers share two cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tests import lifetime  # noqa: E402  (after the environment is set)
+from tests import lifetime  # after the environment is set
 
 pytest.register_assert_rewrite("tests.redis_server", "tests.worker_procs")
 

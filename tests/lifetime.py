@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -23,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from prefixcache.errors import ConfigError
 from prefixcache.tiers.shm import SHM_DIR, SegmentInfo, list_segments, remove_if_dead
 
 PR_SET_PDEATHSIG = 1
@@ -68,10 +70,8 @@ def _janitor(session_pid: int) -> int:
         left = session_segments(session_pid)
         for info in left:
             if not info.alive:
-                try:
+                with contextlib.suppress(ConfigError):  # claimed by a new owner meanwhile: not ours
                     remove_if_dead(info.path)
-                except Exception:  # noqa: BLE001 - claimed by a new owner meanwhile: not ours to remove
-                    pass
         if not any(info.alive for info in left) or time.monotonic() > deadline:
             return 0
         time.sleep(0.1)

@@ -231,6 +231,9 @@ def remove_if_dead(path: Path) -> OwnerRecord | None:
                 os.unlink(path)
         except FileNotFoundError:
             pass
+        except PermissionError:  # another user's file in the sticky /dev/shm
+            raise ConfigError("shm_name", f"{path} belongs to another user and cannot be removed by this one; "
+                                          "choose another --shm-name") from None
         return record
     finally:
         os.close(fd)

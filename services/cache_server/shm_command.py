@@ -16,7 +16,15 @@ import sys
 from pathlib import Path
 
 from prefixcache.errors import ConfigError
-from prefixcache.tiers.shm import SHM_DIR, SegmentInfo, check_name, inspect_segment, list_segments, mib, remove_if_dead
+from prefixcache.tiers.shm import (
+    SHM_DIR,
+    SegmentInfo,
+    check_name,
+    inspect_segment,
+    list_segments,
+    mib,
+    remove_if_dead,
+)
 
 EXAMPLES = """examples:
   prefixcache shm list
