@@ -284,3 +284,43 @@ def test_a_sigkilled_pytest_session_leaves_no_process_and_no_segment(tmp_path) -
         if inner.poll() is None:
             os.killpg(inner.pid, signal.SIGKILL)
             inner.wait(10)
+
+
+# -- in this process: closing after an operator's rm, and the lock as the liveness test ---------
+
+def test_closing_a_host_tier_whose_segment_file_was_removed_finishes(caplog) -> None:
+    from prefixcache.config import DType, KVLayout
+    from prefixcache.tiers.host import HostTier
+
+    host = HostTier(KVLayout(2, 2, 8, 4, DType.FLOAT32), 1 << 20)
+    (SHM_DIR / host.segment_name).unlink()  # `rm /dev/shm/<segment>` while the service runs
+    host.close()
+    assert "already removed" in caplog.text
+    host.close()  # idempotent
+
+
+def test_a_segment_is_live_exactly_while_its_owner_holds_it() -> None:
+    from prefixcache.errors import ConfigError
+    from prefixcache.tiers.shm import OwnedSegment, SegmentInUse, remove_if_dead
+
+    name = f"pfx-test-lock-{os.getpid()}"
+    segment = OwnedSegment(name, 3 * MiB, owner="test")
+    try:
+        info = {i.name: i for i in list_segments()}[name]
+        assert info.alive and info.record.pid == os.getpid() and info.record.pid_matches()
+        assert info.resident >= 3 * MiB  # reserved, not sparse
+        with pytest.raises(SegmentInUse):
+            OwnedSegment(name, MiB)      # a second owner, even in this process (another open file)
+        with pytest.raises(SegmentInUse):
+            remove_if_dead(segment.path)
+    finally:
+        segment.close()
+    assert not segment.path.exists()
+    foreign = SHM_DIR / f"pfx-test-foreign-{os.getpid()}"
+    foreign.write_bytes(b"\0" * 8192)
+    try:
+        with pytest.raises(ConfigError, match="not a prefixcache segment"):
+            OwnedSegment(foreign.name, MiB)
+        assert foreign.exists()
+    finally:
+        foreign.unlink()

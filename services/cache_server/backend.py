@@ -1,9 +1,11 @@
 """The service's side of one cache: created at the first Attach, scoped by tenant.
 
 The service starts with capacities and a block size but not the model
-geometry, so the `PrefixCache` (and its shared-memory host tier) is built at
-the first Attach, whose layout it then keeps; a later Attach with another
-layout is FAILED_PRECONDITION.
+geometry, so the `PrefixCache` (and its host tier) is built at the first
+Attach, whose layout it then keeps; a later Attach with another layout is
+FAILED_PRECONDITION. The host tier's shared memory is reserved earlier, when
+the server starts (`claim_segment`, sized to `host_capacity`), so a /dev/shm
+that cannot hold it stops the start rather than an Attach or a write.
 
 Owns: that cache, the registry of the namespaces each tenant attached, and
 the draining flag.
