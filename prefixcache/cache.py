@@ -38,7 +38,6 @@ from .remote_link import RemoteLink
 from .results import BlockLocation, BlockLocations, CommitResult, LookupResult
 from .stats import Counters, EvictionReason, StatsSnapshot, TierSnapshot, snapshot_dicts
 from .tiers.base import SlotTier, TierKind
-from .tiers.pool import torch_dtype
 from .transfer import ProbeBudget
 
 log = logging.getLogger(__name__)
@@ -70,7 +69,7 @@ class PrefixCache:
                                    owner_counters=self.ledger.counters_of_node)
         self._lock = threading.RLock()
         self._started = clock()
-        self._dtype = torch_dtype(layout)
+        self._dtype = layout.dtype.torch
 
     # -- namespaces -------------------------------------------------------
     def attach(self, namespace: Namespace) -> str:

@@ -9,12 +9,12 @@ A frame is what the Redis tier stores under a block's key. Layout, all little-en
       ns_len u16, namespace id (utf-8)
       hash_len u8, block hash
       parent_len u8, parent hash
-      dtype u8 (fixed codes below, not enum order)
+      dtype u8  the payload's format: `DType.code` (the same numbers as the proto enum)
       shape 5 x u32  [layers, 2, kv_heads, block_size, head_dim]
       n_tokens u32, tokens n_tokens x u32
       payload_len u64
       checksum u64   xxh3_64 of the payload
-    payload   payload_len bytes, the block tensor in the layout's dtype
+    payload   payload_len bytes, the block's raw bytes in that format (`layout.block_bytes`)
     mac       32s  KEYED_VERSION only: HMAC-SHA256(key, u32 len(storage key) ||
                    storage key (utf-8) || every frame byte before the mac)
 
@@ -29,7 +29,8 @@ Invariants:
 - Decoding never trusts a size from the frame: every expected size and field
   comes from the caller's layout and key (namespace id, block hash, parent hash,
   tokens). The stored header must equal the header those values encode, byte
-  for byte, so a value copied under another block's key is rejected.
+  for byte, so a value copied under another block's key is rejected, and so is
+  a frame of another format (float8_e4m3fn bytes never read as float8_e5m2).
 - Nothing in a frame is ever executed or interpreted beyond fixed-width fields;
   anything unexpected raises `CorruptBlock` with a reason, never another error.
 - `decode_block` returns a zero-copy view of the payload inside the frame.
@@ -46,7 +47,7 @@ import struct
 import numpy as np
 import xxhash
 
-from .config import DType, KVLayout
+from .config import KVLayout
 from .errors import CorruptBlock, InvalidArgument, LayoutMismatch
 from .hashing import token_array
 
@@ -64,7 +65,6 @@ MAC_BYTES = hashlib.sha256().digest_size
 _PREFIX = struct.Struct("<4sHI")        # magic, version, header length
 _SHAPE = struct.Struct("<5I")
 _TAIL = struct.Struct("<QQ")            # payload length, payload checksum
-_DTYPE_CODES = {DType.FLOAT32: 1, DType.FLOAT16: 2, DType.BFLOAT16: 3}
 _MAX_ID_BYTES = 0xFFFF
 _MAX_HASH_BYTES = 0xFF
 
@@ -89,7 +89,7 @@ def _header_body(layout: KVLayout, namespace_id: str, block_hash: bytes, parent_
         struct.pack("<H", len(ns)), ns,
         struct.pack("<B", len(block_hash)), bytes(block_hash),
         struct.pack("<B", len(parent_hash)), bytes(parent_hash),
-        struct.pack("<B", _DTYPE_CODES[layout.dtype]),
+        struct.pack("<B", layout.dtype.code),
         _SHAPE.pack(*layout.block_shape),
         struct.pack("<I", len(token_bytes) // 4), token_bytes,
     ))

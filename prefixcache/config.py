@@ -54,15 +54,55 @@ def parse_duration(value: str | float, field_name: str = "duration") -> float:
 
 
 class DType(enum.Enum):
-    """KV element types the cache stores; value = (name, bytes per element)."""
+    """The named formats a block's KV bytes are in: the one dtype table of the project.
+
+    The cache never converts or re-quantizes KV: a block is raw bytes of one named
+    format, and the format (with the layout's shape) fixes how many bytes a block
+    has. Each format has a stable `code` (the frame header's dtype byte and the
+    proto `DType` enum number, which are the same numbers), a `torch` dtype for
+    typed views, and `nbytes(elements)`, the bytes of that many elements.
+
+    Room for packed sub-byte formats (NVFP4, MXFP4...), not yet added: such a
+    format's `nbytes` counts its packed elements plus its per-group scales (so
+    `KVLayout.block_bytes` stays right while `block_shape` describes elements, not
+    bytes), it has no torch dtype, and tiers would hold its slots as uint8 rows of
+    `block_bytes`. Slot copies, frames and streams already move bytes only (rows of
+    words, never elements), so nothing below the layout changes for one.
+    """
 
     FLOAT32 = "float32"
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
+    FLOAT8_E4M3FN = "float8_e4m3fn"  # vLLM --kv-cache-dtype fp8 / fp8_e4m3
+    FLOAT8_E5M2 = "float8_e5m2"      # vLLM --kv-cache-dtype fp8_e5m2
+
+    @property
+    def code(self) -> int:
+        """The frame header's dtype byte and the proto DType number (never reused)."""
+        return _DTYPE_TABLE[self][0]
 
     @property
     def itemsize(self) -> int:
-        return 4 if self is DType.FLOAT32 else 2
+        """Bytes per element of an element-addressable format."""
+        return _DTYPE_TABLE[self][1]
+
+    def nbytes(self, elements: int) -> int:
+        """Bytes that `elements` KV elements take in this format (a block's size)."""
+        return elements * self.itemsize
+
+    @property
+    def torch(self):
+        """The torch dtype of typed views (torch is imported here, so the core stays light)."""
+        import torch  # here, not at the top: torch-free tools (CLI, codec) import config
+
+        return getattr(torch, self.value)
+
+    @classmethod
+    def from_code(cls, code: int, field_name: str = "dtype") -> "DType":
+        try:
+            return _DTYPE_OF_CODE[code]
+        except KeyError:
+            raise ConfigError(field_name, f"unknown dtype code {code}") from None
 
     @classmethod
     def parse(cls, value: "str | DType", field_name: str = "dtype") -> "DType":
@@ -73,6 +113,19 @@ class DType(enum.Enum):
         except ValueError:
             names = ", ".join(d.value for d in cls)
             raise ConfigError(field_name, f"unsupported dtype {value!r} (one of {names})") from None
+
+
+# DType -> (code, bytes per element). Codes are fixed on the wire and in stored frames:
+# append new formats, never renumber.
+_DTYPE_TABLE = {
+    DType.FLOAT32: (1, 4),
+    DType.FLOAT16: (2, 2),
+    DType.BFLOAT16: (3, 2),
+    DType.FLOAT8_E4M3FN: (4, 1),
+    DType.FLOAT8_E5M2: (5, 1),
+}
+_DTYPE_OF_CODE = {code: dtype for dtype, (code, _) in _DTYPE_TABLE.items()}
+MODEL_DTYPES = (DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16)  # what a model computes in (the worker's --dtype)
 
 
 class HashAlgorithm(enum.Enum):
@@ -121,11 +174,12 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+        return self.dtype.nbytes(2 * self.layers * self.kv_heads * self.head_dim)
 
     @property
     def block_bytes(self) -> int:
-        return self.bytes_per_token * self.block_size
+        """Bytes of one block, from the format (a packed format's own `nbytes`, scales included)."""
+        return self.dtype.nbytes(2 * self.layers * self.kv_heads * self.head_dim * self.block_size)
 
 
 QUOTA_TIERS = ("device", "host")  # slot tiers that take a per-tenant byte quota
@@ -226,7 +280,10 @@ class Namespace:
     """Everything that makes KV incompatible. Different namespaces never share a block.
 
     `tenant` is set by the service from the authenticated credential; `cache_salt`
-    is chosen by the client and only subdivides inside its tenant.
+    is chosen by the client and only subdivides inside its tenant. `kv_scale`
+    names the engine's KV quantization settings beyond `layout.dtype` (the k/v
+    scales of an fp8 cache, or a digest of per-layer ones): the same model and
+    dtype quantized with other scales holds other bytes, so it never shares.
     """
 
     model: str
@@ -234,9 +291,10 @@ class Namespace:
     layout: KVLayout
     tenant: str = ""
     cache_salt: str = ""
+    kv_scale: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("model", "revision", "tenant", "cache_salt"):
+        for name in ("model", "revision", "tenant", "cache_salt", "kv_scale"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(name, f"must be a string, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.layout, KVLayout):
@@ -245,6 +303,8 @@ class Namespace:
             raise ConfigError("model", "must be a non-empty string of at most 512 characters")
         if len(self.revision) > 512:
             raise ConfigError("revision", "must be at most 512 characters")
+        if len(self.kv_scale) > 512 or not self.kv_scale.isprintable():
+            raise ConfigError("kv_scale", "must be at most 512 printable characters")
         validate_salt(self.cache_salt, allow_empty=True)
         if len(self.tenant) > 128:
             raise ConfigError("tenant", "must be at most 128 characters")

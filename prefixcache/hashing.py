@@ -41,6 +41,11 @@ def encode_namespace(namespace: Namespace) -> bytes:
         parts.append(b"s" + struct.pack("<I", len(raw)) + raw)
     for number in (layout.layers, layout.kv_heads, layout.head_dim, layout.block_size):
         parts.append(b"i" + struct.pack("<Q", number))
+    if namespace.kv_scale:
+        # Appended only when set (its own tag), so namespaces without one keep their ids
+        # and the Redis keys written before the field existed.
+        raw = namespace.kv_scale.encode("utf-8")
+        parts.append(b"q" + struct.pack("<I", len(raw)) + raw)
     return b"".join(parts)
 
 

@@ -21,7 +21,6 @@ from prefixcache.index import ROOT
 from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier
-from prefixcache.tiers.pool import torch_dtype
 
 TINY = KVLayout(layers=1, kv_heads=1, head_dim=2, block_size=4, dtype="float32")
 
@@ -68,20 +67,14 @@ def kv_for(tokens, layout: KVLayout = TINY, start_block: int = 0, salt: int = 0)
     """
     size = layout.block_size
     full = len(tokens) // size
-    itemsize = layout.dtype.itemsize
     blocks = []
     for i in range(start_block, full):
         prefix = np.asarray(tokens[: (i + 1) * size], dtype="<u4").tobytes()
         seed = hashlib.sha256(salt.to_bytes(4, "little") + prefix).digest()
         raw = np.random.default_rng(list(seed)).integers(0, 256, layout.block_bytes, dtype=np.uint8)
-        blocks.append(torch.from_numpy(raw.copy()).view(_int_dtype(itemsize)))
-    stacked = torch.stack(blocks) if blocks else torch.empty((0, layout.block_bytes // itemsize),
-                                                            dtype=_int_dtype(itemsize))
-    return stacked.view(torch_dtype(layout)).reshape(len(blocks), *layout.block_shape)
-
-
-def _int_dtype(itemsize: int) -> torch.dtype:
-    return {2: torch.int16, 4: torch.int32}[itemsize]
+        blocks.append(torch.from_numpy(raw.copy()))
+    stacked = torch.stack(blocks) if blocks else torch.empty((0, layout.block_bytes), dtype=torch.uint8)
+    return stacked.view(layout.dtype.torch).reshape(len(blocks), *layout.block_shape)
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

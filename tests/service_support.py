@@ -19,7 +19,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prefixcache.client import CacheClient
-from prefixcache.config import CacheConfig, KVLayout
+from prefixcache.config import CacheConfig, DType, KVLayout
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
 from services.cache_server.auth import Authenticator
@@ -29,7 +29,7 @@ from services.cache_server.server import build_server
 from services.cache_server.servicer import SERVICE_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
-DTYPES = ("float16", "bfloat16", "float32")
+DTYPES = tuple(dtype.value for dtype in DType)  # every format the cache stores, fp8 included
 BLOCK = 16
 CACHE_FIELDS = {"ttl_s", "lease_ttl_s", "max_prompt_tokens", "max_leases"}
 CODE = grpc.StatusCode
@@ -43,11 +43,8 @@ def layout_of(dtype: str = "float16") -> KVLayout:
 def random_kv(blocks: int, layout: KVLayout, seed: int) -> torch.Tensor:
     """Random bit patterns (NaNs and all) so that only a byte-exact copy compares equal."""
     generator = torch.Generator().manual_seed(seed)
-    itemsize = layout.dtype.itemsize
-    bits = torch.randint(-(2 ** 15), 2 ** 15, (blocks, *layout.block_shape, itemsize // 2), dtype=torch.int16,
-                         generator=generator)
-    torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[layout.dtype.value]
-    return bits.view(torch_dtype).reshape(blocks, *layout.block_shape)
+    bits = torch.randint(0, 256, (blocks, layout.block_bytes), dtype=torch.uint8, generator=generator)
+    return bits.view(layout.dtype.torch).reshape(blocks, *layout.block_shape)
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -218,7 +218,7 @@ def test_stats_json_reports_exactly_what_was_done(stack, populated, cli):
     doc = result.json()
     assert doc["schema_version"] == 1 and doc["ready"] and doc["address"] == stack.address
     assert doc["layout"] == {"layers": 4, "kv_heads": 2, "head_dim": 32, "block_size": 16, "dtype": "bfloat16",
-                             "block_bytes": LAYOUT.block_bytes}
+                             "block_bytes": LAYOUT.block_bytes, "bytes_per_token": LAYOUT.bytes_per_token}
     assert doc["requests"] == {"lookups": 5, "hits": 3, "misses": 2, "hit_rate": 3 / 5}
     hit_blocks = 8 + 3 + 6
     assert doc["blocks"]["hits"] == hit_blocks and doc["blocks"]["committed"] == 14
@@ -247,7 +247,8 @@ def test_namespaces_lists_ids_models_and_resident_blocks(stack, populated, cli):
     listed = {entry["namespace_id"]: entry for entry in doc["namespaces"]}
     mine = listed[populated.namespace_id]
     assert mine == {"namespace_id": populated.namespace_id, "model": "cli-test-model", "revision": "r1",
-                    "salted": False, "tenant": None, "blocks": {"host": 14}, "bytes": 14 * LAYOUT.block_bytes}
+                    "salted": False, "tenant": None, "kv_scale": "", "blocks": {"host": 14},
+                    "bytes": 14 * LAYOUT.block_bytes}
     salted = [entry for entry in doc["namespaces"] if entry["salted"]]
     assert len(salted) == 1 and salted[0]["model"] == "cli-test-model" and salted[0]["blocks"] == {}
     assert SALT not in result.stdout

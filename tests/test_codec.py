@@ -27,11 +27,9 @@ def layout_of(dtype: DType) -> KVLayout:
 
 
 def payload_of(layout: KVLayout, seed: int = 0) -> bytes:
-    """A block tensor in the layout's dtype, as raw bytes (bf16 through torch, which numpy lacks)."""
+    """A block of random bit patterns (NaNs and all, in any format), as raw bytes."""
     generator = torch.Generator().manual_seed(seed)
-    dtype = {DType.FLOAT32: torch.float32, DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16}[layout.dtype]
-    tensor = torch.randn(layout.block_shape, generator=generator).to(dtype)
-    return tensor.view(torch.uint8).numpy().tobytes()
+    return torch.randint(0, 256, (layout.block_bytes,), dtype=torch.uint8, generator=generator).numpy().tobytes()
 
 
 LAYOUT = layout_of(DType.FLOAT16)

@@ -425,12 +425,14 @@ def test_docs_sizing_table_matches_the_kv_layout() -> None:
     tiny = tiny_config(vocab_size=1000)
     rows = {"Llama-3-8B": KVLayout(32, 8, 128, 16, DType.FLOAT16),
             "built-in `tiny`": KVLayout(tiny.num_hidden_layers, tiny.num_key_value_heads,
-                                        tiny.hidden_size // tiny.num_attention_heads, 16, DType.FLOAT32)}
+                                        tiny.hidden_size // tiny.num_attention_heads, 16, DType.FLOAT32),
+            "Llama-3-8B, fp8 KV (`float8_e4m3fn`)": KVLayout(32, 8, 128, 16, DType.FLOAT8_E4M3FN)}
+    labels = {DType.FLOAT16: "fp16", DType.FLOAT32: "float32", DType.FLOAT8_E4M3FN: "fp8"}
     doc = (ROOT / "docs" / "deploy.md").read_text()
     for model, layout in rows.items():
         per_token, block = layout.block_bytes // 16, layout.block_bytes
         expected = (f"| {model} | {layout.layers} × {layout.kv_heads} × {layout.head_dim} | "
-                    f"{'fp16' if layout.dtype is DType.FLOAT16 else 'float32'} | {per_token >> 10} KiB | "
+                    f"{labels[layout.dtype]} | {per_token >> 10} KiB | "
                     f"{block >> 10 if block < 1 << 20 else block >> 20} {'KiB' if block < 1 << 20 else 'MiB'} | "
                     f"{(1 << 30) // block:,} blocks")
         assert expected in doc, expected

@@ -113,11 +113,16 @@ def test_adjacent_fields_never_encode_alike(first: tuple[str, str], second: tupl
         assert encode_namespace(a) != encode_namespace(b)
         assert Hasher().root(a) != Hasher().root(b)
     assert len({encode_namespace(ns) for ns in as_model + as_tenant}) == 4
+    as_salt = [Namespace("m", "", LAYOUT, cache_salt=salt, kv_scale=scale) for salt, scale in (first, second)]
+    assert encode_namespace(as_salt[0]) != encode_namespace(as_salt[1])
 
 
 @pytest.mark.parametrize("change", [
     {"model": "other"}, {"revision": "other"}, {"tenant": "t2"}, {"cache_salt": "s2"},
     {"layout": dataclasses.replace(LAYOUT, dtype="float16")},
+    {"layout": dataclasses.replace(LAYOUT, dtype="float8_e4m3fn")},
+    {"layout": dataclasses.replace(LAYOUT, dtype="float8_e5m2")},
+    {"kv_scale": "k_scale=0.5,v_scale=0.5"},
     {"layout": dataclasses.replace(LAYOUT, layers=31)},
     {"layout": dataclasses.replace(LAYOUT, kv_heads=4)},
     {"layout": dataclasses.replace(LAYOUT, head_dim=64)},

@@ -30,11 +30,10 @@ import numpy as np
 import pytest
 import torch
 
-from prefixcache.client import CacheClient, wire
+from prefixcache.client import CacheClient
 from prefixcache.errors import PrefixCacheError
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
-from prefixcache.tiers.pool import torch_dtype
 from prefixcache.config import KVLayout
 from tests.isolation_support import write_credentials
 from tests.redis_server import free_port
@@ -129,7 +128,7 @@ def _failure(call) -> str:
 
 
 def _kv(layout: KVLayout, blocks: int) -> torch.Tensor:
-    return torch.randn(blocks, *layout.block_shape).to(torch_dtype(layout))
+    return torch.randn(blocks, *layout.block_shape).to(layout.dtype.torch)
 
 
 def _exercise_service(address: str, tokens) -> list[str]:
@@ -153,7 +152,7 @@ def _exercise_service(address: str, tokens) -> list[str]:
         ns = remote.attachment.namespace_id
         stub = pb_grpc.PrefixCacheStub(stack.enter_context(grpc.insecure_channel(address)))
         auth = (("authorization", f"Bearer {tokens.globex}"),)
-        header = pb.StoreHeader(namespace_id=ns, tokens=SECRET_TOKENS, block_count=4, dtype=wire.DTYPES[layout.dtype],
+        header = pb.StoreHeader(namespace_id=ns, tokens=SECRET_TOKENS, block_count=4, dtype=layout.dtype.code,
                                 block_shape=list(layout.block_shape), cache_salt=SECRET_SALT)
         bad_calls = [
             lambda: remote.lookup([*SECRET_TOKENS, 1 << 33]),

@@ -138,7 +138,7 @@ def test_tiny_weights_and_digest_are_a_function_of_seed_and_dtype(engines):
     digests = {first.weights_digest, other_seed.weights_digest, engines["bfloat16"].loaded.weights_digest}
     assert len(digests) == 3
     assert first.kv.layers == 4 and first.kv.kv_heads == 2 and first.kv.head_dim == 32
-    assert (first.kv.dtype, engines["bfloat16"].loaded.kv.dtype) == ("float32", "bfloat16")
+    assert (first.kv.dtype.value, engines["bfloat16"].loaded.kv.dtype.value) == ("float32", "bfloat16")
     assert engines["bfloat16"].loaded.kv.bytes_per_token == 2 * 4 * 2 * 32 * 2
 
 

@@ -42,7 +42,6 @@ from ..index import MissReason
 from ..results import BlockLocations, CommitResult
 from ..rpc import cache_pb2 as pb
 from ..rpc import cache_pb2_grpc as pb_grpc
-from ..tiers.pool import torch_dtype
 from . import wire
 from .dataplane import LocalPools, map_device_pool, map_host_segment
 from .errors import error_from_rpc
@@ -150,10 +149,15 @@ class CacheClient:
 
     # -- namespace ----------------------------------------------------------------
     def attach(self, model: str, layout: KVLayout, revision: str = "", cache_salt: str | None = None,
-               same_host: bool = True, timeout_s: float | None = None) -> Attachment:
-        """Register this worker's namespace; maps shared memory (and CUDA IPC) when co-located."""
+               same_host: bool = True, timeout_s: float | None = None, kv_scale: str = "") -> Attachment:
+        """Register this worker's namespace; maps shared memory (and CUDA IPC) when co-located.
+
+        `layout.dtype` is the KV format blocks are stored in (e.g. DType.FLOAT8_E4M3FN for an
+        fp8 cache, stored bit for bit); `kv_scale` names the engine's quantization settings
+        (its k/v scales): namespaces differing in either never share a block.
+        """
         request = pb.AttachRequest(model=model, revision=revision, layout=wire.layout_message(layout),
-                                   same_host=same_host)
+                                   same_host=same_host, kv_scale=kv_scale)
         if cache_salt is not None:
             request.cache_salt = cache_salt
         reply = self._call(self._stub.Attach, request, timeout_s)
@@ -195,9 +199,9 @@ class CacheClient:
         layout = self.attachment.layout
         shape = (hit.blocks, *layout.block_shape)
         if out is None:
-            out = torch.empty(shape, dtype=torch_dtype(layout))
-        elif tuple(out.shape) != shape or out.dtype != torch_dtype(layout) or not out.is_contiguous():
-            raise InvalidArgument("out", f"must be a contiguous {torch_dtype(layout)} tensor of shape {shape}")
+            out = torch.empty(shape, dtype=layout.dtype.torch)
+        elif tuple(out.shape) != shape or out.dtype != layout.dtype.torch or not out.is_contiguous():
+            raise InvalidArgument("out", f"must be a contiguous {layout.dtype.torch} tensor of shape {shape}")
         if hit.blocks == 0:
             return out
         if hit.lease_id is None:
@@ -266,8 +270,8 @@ class CacheClient:
 
     @staticmethod
     def _check_kv(kv: torch.Tensor, layout: KVLayout, start_block: int, token_count: int) -> None:
-        if kv.dtype != torch_dtype(layout):
-            raise InvalidArgument("kv", f"dtype {kv.dtype} differs from the namespace's {torch_dtype(layout)}")
+        if kv.dtype != layout.dtype.torch:
+            raise InvalidArgument("kv", f"dtype {kv.dtype} differs from the namespace's {layout.dtype.torch}")
         if kv.dim() != 6 or tuple(kv.shape[1:]) != layout.block_shape:
             raise InvalidArgument("kv", f"shape {tuple(kv.shape)} is not [blocks, *{layout.block_shape}]")
         if start_block < 0 or (start_block + len(kv)) * layout.block_size > token_count:
@@ -295,7 +299,7 @@ class CacheClient:
         attachment = self.attachment
         layout = attachment.layout
         header = pb.StoreHeader(namespace_id=attachment.namespace_id, tokens=tokens, start_block=start_block,
-                                block_count=len(kv), dtype=wire.DTYPES[layout.dtype], block_shape=layout.block_shape)
+                                block_count=len(kv), dtype=layout.dtype.code, block_shape=layout.block_shape)
         if salt is not None:
             header.cache_salt = salt
         payload = memoryview(kv.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())

@@ -28,7 +28,6 @@ from ..results import BlockLocations
 from ..rpc import cache_pb2 as pb
 from ..tiers.base import TierKind
 from ..tiers.host import MappedSegment
-from ..tiers.pool import torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +72,7 @@ def map_device_pool(pool: pb.CudaIpcPool, layout: KVLayout) -> torch.Tensor | No
         log.info("cannot open the device pool by CUDA IPC (%s); using the host tier or the stream", error)
         return None
     shape = (pool.num_slots, *layout.block_shape)
-    tensor = torch.empty(0, dtype=torch_dtype(layout), device=f"cuda:{pool.device_index}")
+    tensor = torch.empty(0, dtype=layout.dtype.torch, device=f"cuda:{pool.device_index}")
     return tensor.set_(storage, 0, shape)
 
 

@@ -12,14 +12,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import DType, KVLayout
-from ..errors import InvalidArgument
+from ..errors import ConfigError, InvalidArgument
 from ..index import MissReason
 from ..rpc import cache_pb2 as pb
 from ..stats import StatsSnapshot, TierSnapshot
 from ..tiers.base import TierKind
 
-DTYPES = {DType.FLOAT32: pb.DTYPE_FLOAT32, DType.FLOAT16: pb.DTYPE_FLOAT16, DType.BFLOAT16: pb.DTYPE_BFLOAT16}
-DTYPE_OF = {value: key for key, value in DTYPES.items()}
 TIERS = {TierKind.DEVICE: pb.TIER_DEVICE, TierKind.HOST: pb.TIER_HOST, TierKind.REDIS: pb.TIER_REDIS}
 TIER_OF = {value: key for key, value in TIERS.items()}
 TIER_TABLE = np.array([TIERS[kind] for kind in sorted(TierKind)], dtype=np.int32)  # TierKind -> enum
@@ -33,15 +31,23 @@ MISS_REASONS = {
 MISS_REASON_OF = {value: key for key, value in MISS_REASONS.items()}
 
 
+def dtype_of(value: int, field: str) -> DType:
+    """The DType of a proto DType number: the proto numbers are `DType.code` (no table here)."""
+    try:
+        return DType.from_code(value)
+    except ConfigError:
+        names = ", ".join(pb.DType.Name(dtype.code) for dtype in DType)
+        raise InvalidArgument(field, f"must be one of {names}, got {value}") from None
+
+
 def layout_message(layout: KVLayout) -> pb.KVLayout:
     return pb.KVLayout(layers=layout.layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim,
-                       block_size=layout.block_size, dtype=DTYPES[layout.dtype])
+                       block_size=layout.block_size, dtype=layout.dtype.code)
 
 
 def layout_of(message: pb.KVLayout) -> KVLayout:
-    if message.dtype not in DTYPE_OF:
-        raise InvalidArgument("layout.dtype", f"unknown dtype enum {message.dtype}")
-    return KVLayout(message.layers, message.kv_heads, message.head_dim, message.block_size, DTYPE_OF[message.dtype])
+    dtype = dtype_of(message.dtype, "layout.dtype")
+    return KVLayout(message.layers, message.kv_heads, message.head_dim, message.block_size, dtype)
 
 
 def tier_kinds(values) -> np.ndarray:
@@ -115,6 +121,7 @@ class NamespaceInfo:
     salted: bool
     tenant: str
     blocks: dict[TierKind, int]  # resident blocks per local tier (absent: none)
+    kv_scale: str = ""           # the engine's KV quantization settings it was attached with
 
     def resident_bytes(self, block_bytes: int) -> int:
         return sum(self.blocks.values()) * block_bytes
@@ -124,7 +131,7 @@ def namespaces_message(entries: list[NamespaceInfo], block_bytes: int) -> pb.Lis
     ordered = sorted(entries, key=lambda e: (e.tenant, e.model, e.revision, e.namespace_id))
     return pb.ListNamespacesResponse(namespaces=[
         pb.NamespaceInfo(namespace_id=e.namespace_id, model=e.model, revision=e.revision, salted=e.salted,
-                         tenant=e.tenant,
+                         tenant=e.tenant, kv_scale=e.kv_scale,
                          tiers=[pb.TierBlocks(tier=TIERS[kind], blocks=n, bytes=n * block_bytes)
                                 for kind, n in sorted(e.blocks.items())])
         for e in ordered])
@@ -132,7 +139,7 @@ def namespaces_message(entries: list[NamespaceInfo], block_bytes: int) -> pb.Lis
 
 def namespaces_of(message: pb.ListNamespacesResponse) -> list[NamespaceInfo]:
     return [NamespaceInfo(n.namespace_id, n.model, n.revision, n.salted, n.tenant,
-                          {TIER_OF[t.tier]: t.blocks for t in n.tiers if t.tier in TIER_OF})
+                          {TIER_OF[t.tier]: t.blocks for t in n.tiers if t.tier in TIER_OF}, n.kv_scale)
             for n in message.namespaces]
 
 

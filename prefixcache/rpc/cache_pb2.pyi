@@ -14,6 +14,8 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_FLOAT16: _ClassVar[DType]
     DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT8_E4M3FN: _ClassVar[DType]
+    DTYPE_FLOAT8_E5M2: _ClassVar[DType]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -33,6 +35,8 @@ DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
+DTYPE_FLOAT8_E4M3FN: DType
+DTYPE_FLOAT8_E5M2: DType
 TIER_UNSPECIFIED: Tier
 TIER_DEVICE: Tier
 TIER_HOST: Tier
@@ -58,18 +62,20 @@ class KVLayout(_message.Message):
     def __init__(self, layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("model", "revision", "layout", "cache_salt", "same_host")
+    __slots__ = ("model", "revision", "layout", "cache_salt", "same_host", "kv_scale")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     SAME_HOST_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALE_FIELD_NUMBER: _ClassVar[int]
     model: str
     revision: str
     layout: KVLayout
     cache_salt: str
     same_host: bool
-    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., cache_salt: _Optional[str] = ..., same_host: _Optional[bool] = ...) -> None: ...
+    kv_scale: str
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., cache_salt: _Optional[str] = ..., same_host: _Optional[bool] = ..., kv_scale: _Optional[str] = ...) -> None: ...
 
 class SharedMemorySegment(_message.Message):
     __slots__ = ("name", "num_slots", "slot_bytes")
@@ -276,20 +282,22 @@ class TierBlocks(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class NamespaceInfo(_message.Message):
-    __slots__ = ("namespace_id", "model", "revision", "salted", "tenant", "tiers")
+    __slots__ = ("namespace_id", "model", "revision", "salted", "tenant", "tiers", "kv_scale")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     SALTED_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     model: str
     revision: str
     salted: bool
     tenant: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierBlocks]
-    def __init__(self, namespace_id: _Optional[str] = ..., model: _Optional[str] = ..., revision: _Optional[str] = ..., salted: _Optional[bool] = ..., tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ...) -> None: ...
+    kv_scale: str
+    def __init__(self, namespace_id: _Optional[str] = ..., model: _Optional[str] = ..., revision: _Optional[str] = ..., salted: _Optional[bool] = ..., tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ..., kv_scale: _Optional[str] = ...) -> None: ...
 
 class ListNamespacesResponse(_message.Message):
     __slots__ = ("namespaces",)

@@ -23,7 +23,7 @@ import torch
 from ..config import KVLayout
 from ..errors import ConfigError
 from .base import TierKind
-from .pool import TensorPool, torch_dtype
+from .pool import TensorPool
 from .shm import OwnedSegment
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,8 @@ def slots_for(capacity_bytes: int, layout: KVLayout, field_name: str) -> int:
 
 
 def _tensor_over(buffer: memoryview, layout: KVLayout, num_slots: int) -> torch.Tensor:
-    flat = torch.frombuffer(buffer, dtype=torch_dtype(layout), count=num_slots * layout.block_bytes // layout.dtype.itemsize)
-    return flat.view(num_slots, *layout.block_shape)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=num_slots * layout.block_bytes)  # slots are bytes
+    return flat.view(layout.dtype.torch).view(num_slots, *layout.block_shape)
 
 
 class HostTier(TensorPool):

@@ -69,7 +69,8 @@ def stats_document(stats: ServiceStats, address: str) -> dict:
         "uptime_seconds": s.uptime_s,
         "layout": None if layout is None else {
             "layers": layout.layers, "kv_heads": layout.kv_heads, "head_dim": layout.head_dim,
-            "block_size": layout.block_size, "dtype": layout.dtype.value, "block_bytes": layout.block_bytes},
+            "block_size": layout.block_size, "dtype": layout.dtype.value, "block_bytes": layout.block_bytes,
+            "bytes_per_token": layout.bytes_per_token},
         "requests": {"lookups": s.lookups, "hits": s.request_hits, "misses": s.request_misses,
                      "hit_rate": ratio(s.request_hits, s.lookups)},
         "blocks": {"hits": s.block_hits, "misses": s.block_misses,

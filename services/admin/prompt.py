@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefixcache.client import CacheClient, ServiceStats
-from prefixcache.config import KVLayout
+from prefixcache.config import MODEL_DTYPES, KVLayout
 
 from .connect import AdminError
 
@@ -61,7 +61,7 @@ def add_identity_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--namespace", default=None, metavar="ID", help="namespace id (printed by `inspect`)")
     group.add_argument("--model", default=TINY, help="the worker's --model: 'tiny' or a checkpoint directory "
                        "(default %(default)s)")
-    group.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"],
+    group.add_argument("--dtype", default="bfloat16", choices=[d.value for d in MODEL_DTYPES],
                        help="the worker's --dtype (default %(default)s)")
     group.add_argument("--seed", type=int, default=0, help="the worker's --seed of the tiny model (default 0)")
     group.add_argument("--block-size", type=int, default=16, help="the worker's --block-size (default 16)")

@@ -55,7 +55,8 @@ def overview_table(doc: dict) -> Table:
     layout = doc["layout"]
     shape = "-" if layout is None else (
         f"{layout['layers']} layers x {layout['kv_heads']} kv heads x {layout['head_dim']} "
-        f"({layout['dtype']}), {layout['block_size']} tokens/block = {human_bytes(layout['block_bytes'])}")
+        f"({layout['dtype']}), {layout['block_size']} tokens/block = {human_bytes(layout['block_bytes'])}, "
+        f"{human_bytes(layout['bytes_per_token'])}/token")
     req, blk, tok = doc["requests"], doc["blocks"], doc["tokens"]
     return _pairs(f"prefixcache at {doc['address']}", [
         ("uptime", human_duration(doc["uptime_seconds"])),

@@ -152,8 +152,9 @@ class CacheBackend:
 
     # -- namespaces ---------------------------------------------------------
     def attach(self, principal: Principal, model: str, revision: str, layout: KVLayout,
-               salt: str | None) -> str:
-        namespace = Namespace(model, revision, layout, tenant=principal.tenant, cache_salt=salt or "")
+               salt: str | None, kv_scale: str = "") -> str:
+        namespace = Namespace(model, revision, layout, tenant=principal.tenant, cache_salt=salt or "",
+                              kv_scale=kv_scale)
         return self._register(self._cache_for(layout), namespace, "model")
 
     def _register(self, cache: PrefixCache, namespace: Namespace, field: str) -> str:
@@ -280,7 +281,7 @@ class CacheBackend:
         for ns, tenant in owned:
             namespace = cache.namespace(ns)
             entries.append(NamespaceInfo(ns, namespace.model, namespace.revision, bool(namespace.cache_salt),
-                                         tenant if principal.admin else "", resident.get(ns, {})))
+                                         tenant if principal.admin else "", resident.get(ns, {}), namespace.kv_scale))
         return entries
 
     def inspect(self, principal: Principal, ns_id: str, salt: str | None,

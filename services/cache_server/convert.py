@@ -24,7 +24,6 @@ from .inspect import BlockReport
 _NAMESPACE_ID = re.compile(r"^[0-9a-f]{16}$")
 MIN_CHUNK_BYTES = 4096
 
-DTYPE_OF = wire.DTYPE_OF
 TIERS = wire.TIERS
 
 
@@ -69,15 +68,13 @@ def positive_id(value: int, field: str) -> int:
 
 def layout(message: pb.KVLayout, server_block_size: int) -> KVLayout:
     """KVLayout from an Attach; block size 0 means the server's, any other value must equal it."""
-    if message.dtype not in DTYPE_OF:
-        names = ", ".join(pb.DType.Name(v) for v in DTYPE_OF)
-        raise InvalidArgument("layout.dtype", f"must be one of {names}")
+    dtype = wire.dtype_of(message.dtype, "layout.dtype")
     block_size = message.block_size or server_block_size
     if block_size != server_block_size:
         raise InvalidArgument("layout.block_size", f"{block_size} differs from this service's block size "
                               f"{server_block_size}")
     try:
-        return KVLayout(message.layers, message.kv_heads, message.head_dim, block_size, DTYPE_OF[message.dtype])
+        return KVLayout(message.layers, message.kv_heads, message.head_dim, block_size, dtype)
     except ConfigError as error:
         raise InvalidArgument(f"layout.{error.field}", str(error).split(": ", 1)[-1]) from None
 
@@ -120,8 +117,8 @@ def recompute_cost(message: pb.LookupRequest) -> float | None:
 
 def store_header(header: pb.StoreHeader, expected: KVLayout) -> None:
     """The declared dtype and block shape must be the namespace's."""
-    if DTYPE_OF.get(header.dtype) is not expected.dtype:
-        raise InvalidArgument("header.dtype", f"must be the namespace's {pb.DType.Name(wire.DTYPES[expected.dtype])}")
+    if header.dtype != expected.dtype.code:
+        raise InvalidArgument("header.dtype", f"must be the namespace's {pb.DType.Name(expected.dtype.code)}")
     if tuple(header.block_shape) != expected.block_shape:
         raise InvalidArgument("header.block_shape", f"{list(header.block_shape)} differs from the namespace's "
                               f"{list(expected.block_shape)}")

@@ -18,7 +18,6 @@ import torch
 from prefixcache.client import wire
 from prefixcache.errors import InvalidArgument, ResourceExhausted
 from prefixcache.rpc import cache_pb2 as pb
-from prefixcache.tiers.pool import torch_dtype
 
 from . import convert, status
 from .auth import OPEN, Authenticator, NotPermitted, Principal
@@ -93,7 +92,8 @@ class PrefixCacheServicer:
         if not request.HasField("layout"):
             raise InvalidArgument("layout", "is required")
         layout = convert.layout(request.layout, self._limits.block_size)
-        ns_id = self._backend.attach(principal, model, revision, layout, convert.salt(request))
+        kv_scale = convert.text(request.kv_scale, "kv_scale", required=False)
+        ns_id = self._backend.attach(principal, model, revision, layout, convert.salt(request), kv_scale)
         response = pb.AttachResponse(
             namespace_id=ns_id, layout=convert.layout_message(layout),
             lease_ttl_seconds=self._backend.options.cache.lease_ttl_s,
@@ -190,7 +190,7 @@ class PrefixCacheServicer:
         received = _receive(requests, buffer.numpy())
         if received != total:
             raise InvalidArgument("data", f"{received} bytes received; header.block_count announced {total}")
-        kv = buffer.view(torch_dtype(layout)).view(header.block_count, *layout.block_shape)
+        kv = buffer.view(layout.dtype.torch).view(header.block_count, *layout.block_shape)
         return convert.commit_response(self._backend.store(principal, ns_id, salt, tokens, kv, header.start_block))
 
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:

@@ -27,7 +27,6 @@ import torch
 import xxhash
 
 from prefixcache.config import DType, KVLayout
-from prefixcache.tiers.pool import torch_dtype
 
 TILE_BYTES = 4093  # prime: see module invariants
 
@@ -68,7 +67,7 @@ class SyntheticKV:
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
-        self._dtype = torch_dtype(layout)
+        self._dtype = layout.dtype.torch
         self._reps = -(-layout.block_bytes // TILE_BYTES)  # ceil
 
     def seeds(self, tokens: Sequence[int], count: int) -> list[int]:

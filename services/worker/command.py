@@ -10,7 +10,7 @@ import signal
 
 from prometheus_client import CollectorRegistry
 
-from prefixcache.config import parse_duration
+from prefixcache.config import MODEL_DTYPES, parse_duration
 from prefixcache.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def register(subparsers) -> None:
     cache.add_argument("--no-cache", action="store_true", help="never use the cache (the A/B baseline)")
     parser.add_argument("--model", default="tiny", help="'tiny' (built-in, seeded random weights) or a local "
                         "checkpoint directory (default %(default)s)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"],
+    parser.add_argument("--dtype", default="bfloat16", choices=[d.value for d in MODEL_DTYPES],
                         help="model and KV dtype (default bfloat16: cached == recomputed bit for bit on CPU)")
     parser.add_argument("--seed", type=int, default=0, help="weights seed of the tiny model (default 0)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per cached block (default 16)")

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache, PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from services.worker.kv_blocks import KVLayout, dtype_name
+from prefixcache.config import MODEL_DTYPES, DType, KVLayout
 
 
 class UnsupportedModelError(ValueError):
@@ -88,4 +88,7 @@ def probe_kv_layout(model: PreTrainedModel) -> KVLayout:
     dtype = cache.layers[0].keys.dtype
     if dtype != model.dtype:
         raise UnsupportedModelError(f"KV dtype {dtype} differs from the model dtype {model.dtype}")
-    return KVLayout(len(cache.layers), key_shape[1], key_shape[3], dtype_name(dtype))
+    if dtype not in {model_dtype.torch for model_dtype in MODEL_DTYPES}:
+        raise UnsupportedModelError(f"unsupported KV dtype {dtype}")
+    # The block size is the cache service's; the cache link sets it (the default stands in).
+    return KVLayout(len(cache.layers), key_shape[1], key_shape[3], dtype=DType.parse(str(dtype)))

@@ -1,7 +1,8 @@
-"""The KV block layout contract, and conversion between blocks and a transformers cache.
+"""Conversion between the cache service's KV blocks and a transformers cache.
 
-Owns `KVLayout` and the two copies between the cache service's blocks and the model's
-`DynamicCache`.
+Owns the two copies between blocks and the model's `DynamicCache`; the layout contract
+itself is `prefixcache.config.KVLayout` (the model's layout is read off a forward pass in
+`compat.probe_kv_layout`; its block size is the service's, set by the cache link).
 
 Layout (fixed by the cache service; do not change):
 - one block: `[layers, 2, kv_heads, block_size, head_dim]` in the model dtype; index 0 of
@@ -14,59 +15,26 @@ Layout (fixed by the cache service; do not change):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 from transformers import DynamicCache, PreTrainedConfig
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Shape and precision of a model's per-token KV."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: str  # "float32" | "float16" | "bfloat16"
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _DTYPE_NAMES.values():
-            raise ValueError(f"KV dtype {self.dtype!r} is not one of {sorted(_DTYPE_NAMES.values())}")
-        for name in ("layers", "kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"KV layout {name} must be >= 1, got {getattr(self, name)}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return next(t for t, name in _DTYPE_NAMES.items() if name == self.dtype)
-
-    @property
-    def bytes_per_token(self) -> int:
-        element = torch.empty((), dtype=self.torch_dtype).element_size()
-        return 2 * self.layers * self.kv_heads * self.head_dim * element
-
-    def block_shape(self, block_size: int) -> tuple[int, int, int, int, int]:
-        return (self.layers, 2, self.kv_heads, block_size, self.head_dim)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"unsupported KV dtype {dtype}")
-    return _DTYPE_NAMES[dtype]
+from prefixcache.config import KVLayout
 
 
 def validate_blocks(blocks: torch.Tensor, layout: KVLayout, device: torch.device) -> int:
-    """Check `blocks` against the layout; return the block size."""
+    """Check `blocks` against the layout (any block size); return the block size."""
     if blocks.dim() != 6:
         raise ValueError(f"prefix blocks must be 6-D [n, layers, 2, kv_heads, block_size, head_dim], got {tuple(blocks.shape)}")
     n, layers, two, kv_heads, block_size, head_dim = blocks.shape
-    expected = layout.block_shape(block_size)
-    if (layers, two, kv_heads, block_size, head_dim) != expected or n < 1 or block_size < 1:
+    if n < 1 or block_size < 1:
+        raise ValueError(f"prefix blocks shape {tuple(blocks.shape)} holds no block")
+    expected = dataclasses.replace(layout, block_size=block_size).block_shape
+    if (layers, two, kv_heads, block_size, head_dim) != expected:
         raise ValueError(f"prefix blocks shape {tuple(blocks.shape)} does not match [n>=1, *{expected}]")
-    if blocks.dtype != layout.torch_dtype:
-        raise ValueError(f"prefix blocks dtype {blocks.dtype} does not match the model's {layout.dtype}")
+    if blocks.dtype != layout.dtype.torch:
+        raise ValueError(f"prefix blocks dtype {blocks.dtype} does not match the model's {layout.dtype.value}")
     if blocks.device != device:
         raise ValueError(f"prefix blocks are on {blocks.device}, the model on {device}")
     return block_size

@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
+from prefixcache.config import MODEL_DTYPES, DType, KVLayout
 from services.worker.attention import register_prefix_exact_attention
 from services.worker.chat import ChatMessage, ChatMLTemplate, ChatRenderer, HFChatTemplate
 from services.worker.compat import check_plain_kv, probe_kv_layout
-from services.worker.kv_blocks import KVLayout
 from services.worker.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -48,21 +48,12 @@ TINY_MODEL_ID = "prefixcache-tiny-llama"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
-class DType(enum.Enum):
-    FLOAT32 = "float32"
-    FLOAT16 = "float16"
-    BFLOAT16 = "bfloat16"
-
-    @property
-    def torch(self) -> torch.dtype:
-        return getattr(torch, self.value)
-
-    @classmethod
-    def parse(cls, name: str) -> DType:
-        try:
-            return cls(name)
-        except ValueError:
-            raise ValueError(f"dtype {name!r} is not one of {[d.value for d in cls]}") from None
+def model_dtype(name: str) -> DType:
+    """The dtype a model computes (and keeps its KV) in: one of `MODEL_DTYPES`."""
+    parsed = next((dtype for dtype in MODEL_DTYPES if dtype.value == name), None)
+    if parsed is None:
+        raise ValueError(f"dtype {name!r} is not one of {[d.value for d in MODEL_DTYPES]}")
+    return parsed
 
 
 class Attention(enum.Enum):
@@ -80,7 +71,7 @@ class LoadedModel:
     render_chat: ChatRenderer
     model_id: str
     weights_digest: str
-    kv: KVLayout
+    kv: KVLayout  # read off a forward pass; its block_size is the default until the cache link sets the service's
     stop_token_ids: frozenset[int]
     max_positions: int | None
     attention: Attention
@@ -207,7 +198,7 @@ def load_model(
     attention: Attention = Attention.PREFIX_EXACT,
 ) -> LoadedModel:
     """Load "tiny" or the causal-LM checkpoint in local directory `spec`."""
-    parsed = DType.parse(dtype)
+    parsed = model_dtype(dtype)
     if attention is Attention.PREFIX_EXACT:
         register_prefix_exact_attention()
     if spec == TINY_SPEC:
@@ -218,7 +209,7 @@ def load_model(
             raise ValueError(f"model spec {spec!r} is neither {TINY_SPEC!r} nor a local checkpoint directory")
         loaded = _load_path(path, parsed, attention)
     logger.info(
-        "loaded model %s (%s, %s, digest %s): %s", loaded.model_id, loaded.kv.dtype,
+        "loaded model %s (%s, %s, digest %s): %s", loaded.model_id, loaded.kv.dtype.value,
         attention.value, loaded.weights_digest[:12], loaded.kv,
     )
     return loaded
