@@ -34,6 +34,7 @@ from prefixcache.version import version  # noqa: E402
 # (module, the commands it registers) in the order `--help` lists them.
 COMMAND_MODULES = (
     ("services.cache_server.command", ("serve",)),
+    ("services.cache_server.shm_command", ("shm",)),
     ("services.worker.command", ("worker",)),
     ("services.admin.commands", ("stats", "top", "inspect", "namespaces", "evict", "flush")),
     ("services.replay.command", ("replay",)),
