@@ -176,7 +176,7 @@ def index_array_bytes(cache: PrefixCache) -> int:
     per-row array the cache keeps beside the index."""
     index, table = cache.index, cache.index.map
     arrays = [index.parent, index.namespace, index.tier, index.slot, index.tick, index.last_access, index.pins,
-              index.children, index.tokens, table.cells, *table.columns, index.log.rows]
+              index.children, index.tokens, table.cells, table.cell_of, *table.columns, index.log.rows]
     arrays += [a for a in vars(cache).values() if isinstance(a, np.ndarray) and len(a) == index.capacity]
     free_lists = index._free_rows.buffer_info()[1] * 4 + sum(
         f._free.buffer_info()[1] * 4 + len(f._is_free) for f in cache.placement.free.values())
@@ -275,7 +275,7 @@ def update_docs(path: Path, results: dict) -> None:
         "arrays (`BlockLocations`), not 512 objects. The p99 column is dominated by preemption on this "
         "shared 2-vCPU machine; the CPU-time columns leave that out.",
         "", "Metadata per block: token ids 64 B, digest 16 B (xxh3_128; 32 B for sha256), hash-table cells "
-        "16-24 B (a power-of-two table), node arrays (parent, namespace, tier, slot, tick, last access, pins, "
+        "16-24 B (a power-of-two table) and the cell of each row 4 B, node arrays (parent, namespace, tier, slot, tick, last access, pins, "
         "children) 35 B, touch log "
         "8 B, the cache's per-block Redis deadline 8 B, free-list flags 1 B; tracemalloc adds what Python "
         "keeps beside the arrays. A dict of `bytes` -> `int` plus a list of hashes (the first version) was "

@@ -63,7 +63,8 @@ class PrefixCache:
         self.counters = Counters()
         self.ledger = TenantLedger(self.index, config.tenant_quotas, layout.block_bytes, self.leases)  # quota.py
         self.placement = Placement(self.index, self.tiers, self.counters,
-                                   reclaim=lambda: self._reclaim_expired(self.clock()), on_drop=self._on_drop,
+                                   reclaim=lambda: self._reclaim_expired(self.clock()),
+                                   on_drop=self._on_drop if remote is not None else None,
                                    owner_counters=self.ledger.counters_of_node)
         self._lock = threading.RLock()
         self._started = clock()
@@ -257,7 +258,7 @@ class PrefixCache:
                 count = self.ledger.room(self.placement, row, TierKind.HOST, count)
             self.placement.make_room(TierKind.HOST, count)
             free = self.placement.free[TierKind.HOST]
-            slots = tuple(s for s in (free.take() for _ in range(min(count, len(free)))) if s is not None)
+            slots = free.take_many(count)
             return self.leases.add_reservation(TierKind.HOST, slots, self.clock() + self.config.lease_ttl_s, row)
 
     def _check_block(self, block: torch.Tensor) -> torch.Tensor:
@@ -308,17 +309,17 @@ class PrefixCache:
         tier = reservation.tier
         new = self._attachable(prompt, match, start, end)
         nodes: list[int] = []
+        first = cached - start  # block `cached` was written to the reservation's slot `cached - start`
         if new:
-            first = cached - start  # block `cached` was written to the reservation's slot `cached - start`
             nodes = self.index.add_chain(prompt.entry.index, path[-1] if path else ROOT,
                                          prompt.hashes[cached:cached + new], prompt.blocks[cached:cached + new],
-                                         tier, reservation.slots[first:first + new], now)
-            for node in nodes:
-                self._write_through(node)
-        used = set(reservation.slots[cached - start:cached - start + new]) if new else set()
-        for slot in reservation.slots:
-            if slot not in used:
-                self.placement.free[tier].give(slot)
+                                         tier, reservation.slots[first:first + new], now,
+                                         match.found[cached:cached + new])
+            if self.remote_link is not None:
+                for node in nodes:
+                    self._write_through(node)
+        unused = reservation.slots[:first] + reservation.slots[first + new:] if new else reservation.slots
+        self.placement.free[tier].give_many(np.asarray(unused, dtype=np.int64))
         self.index.touch(path + nodes, now)
         deduplicated = max(0, min(cached, end) - start)
         for counters in (self.counters, self.ledger.counters(prompt.entry.index)):  # service-wide, tenant

@@ -2,7 +2,7 @@
 
 Every dataclass here validates itself at construction and names the field in
 its error, so a bad flag or file fails at start-up rather than on first use.
-Sizes accept "512MiB"/"2GiB"/"1.5GB"/plain bytes; durations accept "300",
+Sizes accept "512MiB"/"2GiB"/"1.5GB"/plain bytes, and Kubernetes' "2Gi"/"512Mi"; durations accept "300",
 "300s", "10m", "1h", "250ms".
 """
 
@@ -24,6 +24,7 @@ _SIZE_UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
     "k": 2**10, "m": 2**20, "g": 2**30,
+    "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40,  # Kubernetes quantities
 }
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
@@ -36,7 +37,7 @@ def parse_size(value: str | int, field_name: str = "size") -> int:
     else:
         match = _QUANTITY.match(str(value))
         if not match or match.group(2).lower() not in _SIZE_UNITS:
-            raise ConfigError(field_name, f"cannot parse size {value!r} (try 512MiB, 2GiB, 1000000)")
+            raise ConfigError(field_name, f"cannot parse size {value!r} (try 512MiB, 2GiB, 2Gi, 1000000)")
         number, unit = float(match.group(1)), match.group(2).lower()
     if number < 0 or not math.isfinite(number):
         raise ConfigError(field_name, f"size must be >= 0, got {value!r}")

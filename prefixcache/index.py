@@ -143,11 +143,12 @@ class RadixIndex:
         return self.add_chain(namespace, parent, [block_hash], np.asarray(tokens)[None], tier, [slot], now)[0]
 
     def add_chain(self, namespace: int, parent: int, hashes: list[BlockHash], tokens: np.ndarray,
-                  tier: int, slots: Sequence[int], now: float) -> list[int]:
+                  tier: int, slots: Sequence[int], now: float, found: np.ndarray | None = None) -> list[int]:
         """Insert consecutive blocks under `parent` (block i+1 the child of block i), vectorised.
 
         Raises KeyError, changing nothing, if any hash is already indexed or repeats in `hashes`.
-        The caller touches the path afterwards.
+        `found`: the block map's rows for `hashes` from a `match` made since the last change (a
+        commit's), so they are not probed twice. The caller touches the path afterwards.
         """
         count = len(hashes)
         if not count:
@@ -155,13 +156,7 @@ class RadixIndex:
         if count > len(self._free_rows):
             raise RuntimeError("index is full (more blocks than tier slots)")
         nodes = self._free_rows[len(self._free_rows) - count:][::-1].tolist()
-        for done, (node, block_hash) in enumerate(zip(nodes, hashes)):
-            try:
-                self.map.insert(block_hash, node)
-            except KeyError:
-                for inserted in nodes[:done]:
-                    self.map.delete(inserted)
-                raise
+        self.map.insert_many(hashes, nodes, found)  # all or nothing
         del self._free_rows[len(self._free_rows) - count:]
         rows = np.asarray(nodes, dtype=np.int64)
         self.parent[rows[0]] = parent
@@ -191,6 +186,35 @@ class RadixIndex:
             self.children[parent] -= 1
         self.tier[node] = -1
         self._free_rows.append(node)
+
+    def remove_many(self, nodes: Sequence[int] | np.ndarray) -> None:
+        """Drop distinct unpinned nodes each of whose children is among them (what `remove` of each
+        in turn, descendants first, leaves behind), in a few vectorised steps. Checked before any
+        change; costs O(len(nodes)), not O(capacity)."""
+        rows = np.asarray(nodes, dtype=np.int64)
+        if not rows.size:
+            return
+        if (self.tier[rows] < 0).any():
+            raise RuntimeError("a node to remove is not live")
+        parents = self.parent[rows]
+        ordered = np.sort(parents[parents != ROOT]).astype(np.int64)
+        if ordered.size:  # each parent once, with the children it loses
+            first = np.empty(len(ordered), dtype=bool)
+            first[0] = True
+            np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+            losers = ordered[first]
+            lost = np.diff(np.append(np.flatnonzero(first), len(ordered)))
+            at = np.minimum(np.searchsorted(losers, rows), len(losers) - 1)
+            removed = np.where(losers[at] == rows, lost[at], 0)  # children removed with each node
+        else:
+            losers = lost = _NO_ROWS
+            removed = np.zeros(len(rows), dtype=np.int64)
+        if (self.children[rows] != removed).any() or self.pins[rows].any():
+            raise RuntimeError("nodes to remove have children outside them, or pins")
+        self.map.delete_many(rows)  # raises, changing nothing, if a row repeats
+        self.children[losers] -= lost.astype(np.int32)
+        self.tier[rows] = -1
+        self._free_rows.frombytes(rows.astype(np.int32).tobytes())
 
     def touch(self, path: Sequence[int] | np.ndarray, now: float) -> None:
         """Mark a root-first path used now; the root ends with the highest tick."""

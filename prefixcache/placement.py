@@ -30,20 +30,31 @@ log = logging.getLogger(__name__)
 
 class Placement:
     def __init__(self, index: RadixIndex, tiers: dict[TierKind, SlotTier], counters: Counters,
-                 reclaim: Callable[[], None], on_drop: Callable[[int, bool], bool],
+                 reclaim: Callable[[], None], on_drop: Callable[[int, bool], bool] | None,
                  owner_counters: Callable[[int], Counters] | None = None) -> None:
         self.index = index
         self.tiers = tiers
         self.counters = counters
         self.free = {kind: FreeSlots(tier.num_slots) for kind, tier in tiers.items()}
         self._reclaim = reclaim
-        self._on_drop = on_drop  # (node, spill) -> whether the block now lives on in Redis
+        self._on_drop = on_drop  # (node, spill) -> whether the block now lives on in Redis; None: no Redis
         self._owner_counters = owner_counters  # node -> its tenant's counters (evictions per tenant)
 
     def _count_eviction(self, node: int, kind: TierKind, reason: EvictionReason) -> None:
         self.counters.evictions[(kind, reason)] += 1
         if self._owner_counters is not None:
             self._owner_counters(node).evictions[(kind, reason)] += 1
+
+    def _count_evictions(self, rows: np.ndarray, kind: TierKind, reason: EvictionReason) -> None:
+        self.counters.evictions[(kind, reason)] += len(rows)
+        if self._owner_counters is not None:  # one tenant lookup per namespace among them
+            namespaces = self.index.namespace[rows]
+            if not (namespaces != namespaces[0]).any():  # the usual case: one namespace
+                self._owner_counters(int(rows[0])).evictions[(kind, reason)] += len(rows)
+                return
+            _, first, counts = np.unique(namespaces, return_index=True, return_counts=True)
+            for i, count in zip(first.tolist(), counts.tolist()):
+                self._owner_counters(int(rows[i])).evictions[(kind, reason)] += count
 
     def used(self, kind: TierKind) -> int:
         """Slots of `kind` owned by blocks or reservations."""
@@ -61,14 +72,44 @@ class Placement:
         self._reclaim()  # a crashed worker's pins and slots go first
         if len(free) >= count:
             return True
+        if self.lower(kind) is None:
+            self._drop_leaves(kind, count - len(free), EvictionReason.LRU)
+            return len(free) >= count
         for node in self.index.lru(kind):
             if not self.evict(node, EvictionReason.LRU):
-                if self.lower(kind) is None:
-                    continue  # leaf-first: a block leaves the last tier after its descendants
-                break
+                break  # the lower tier is pinned full
             if len(free) >= count:
                 return True
         return len(free) >= count
+
+    def _drop_leaves(self, kind: TierKind, wanted: int, reason: EvictionReason,
+                     members: Callable[[np.ndarray], np.ndarray] | None = None) -> int:
+        """Drop up to `wanted` unpinned blocks (among `members`) from `kind`, the last slot tier, in
+        LRU order and leaf-first: the blocks `evict` of each LRU node in turn would drop (a block goes
+        once its children have), picked from the touch log and removed in one batch. Picking changes
+        nothing the scan reads but children counts, which `gone` carries. Costs O(log entries
+        scanned), not O(blocks cached). Returns how many were dropped."""
+        index = self.index
+        tier, pins, children, parent = index.tier, index.pins, index.children, index.parent
+
+        def eligible(nodes: np.ndarray) -> np.ndarray:
+            ok = (tier[nodes] == kind) & (pins[nodes] == 0)
+            return np.asarray(ok & members(nodes)) if members is not None else ok
+
+        gone: dict[int, int] = {}  # node -> its children picked before it
+        victims: list[int] = []
+        for nodes in index.log.scan_chunks(eligible):
+            for node, kids, up in zip(nodes.tolist(), children[nodes].tolist(), parent[nodes].tolist()):
+                if not kids or kids == gone.get(node):
+                    victims.append(node)
+                    gone[up] = gone.get(up, 0) + 1
+                    if len(victims) >= wanted:
+                        break
+            if len(victims) >= wanted:
+                break
+        if victims:
+            self.drop_many(victims, kind, reason, spill=True)
+        return len(victims)
 
     def evict(self, node: int, reason: EvictionReason) -> bool:
         """Move an unpinned block one tier down, or drop it from the last slot tier (leaves only).
@@ -96,6 +137,8 @@ class Placement:
         index, evicted = self.index, 0
         if excess <= 0:
             return 0
+        if self.lower(kind) is None:
+            return self._drop_leaves(kind, excess, reason, members)
         eligible = lambda nodes: (index.tier[nodes] == kind) & (index.pins[nodes] == 0) & members(nodes)  # noqa: E731
         for node in index.log.scan(eligible):
             if index.tier[node] != kind or index.pins[node]:
@@ -120,12 +163,25 @@ class Placement:
     def drop(self, node: int, reason: EvictionReason, spill: bool) -> None:
         """Remove a leaf from the slot tiers; `on_drop` may spill it to Redis first."""
         kind = TierKind(int(self.index.tier[node]))
-        if self._on_drop(node, spill):
+        if self._on_drop is not None and self._on_drop(node, spill):
             self.counters.spills[kind] += 1
         self._count_eviction(node, kind, reason)
         slot = int(self.index.slot[node])
         self.index.remove(node)
         self.free[kind].give(slot)
+
+    def drop_many(self, nodes: list[int], kind: TierKind, reason: EvictionReason, spill: bool) -> None:
+        """`drop` of each of `nodes` (all in `kind`, given descendants first), batched."""
+        index = self.index
+        rows = np.asarray(nodes, dtype=np.int64)
+        if self._on_drop is not None:
+            for node in nodes:
+                if self._on_drop(node, spill):
+                    self.counters.spills[kind] += 1
+        self._count_evictions(rows, kind, reason)
+        slots = index.slot[rows]
+        index.remove_many(rows)
+        self.free[kind].give_many(slots)
 
     def drop_all(self, nodes: Iterable[int], reason: EvictionReason,
                  before: Callable[[int], None] | None = None) -> int:

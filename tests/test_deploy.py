@@ -141,6 +141,23 @@ def test_kustomizations_reference_every_manifest_and_render() -> None:
                                        "PodDisruptionBudget/prefixcache", "Service/prefixcache"]
 
 
+def assert_shm_sized_for(shm_bytes: int, host_capacity: int) -> None:
+    """The /dev/shm sizing rule (docs/deploy.md): room for the segment and a predecessor's still
+    mapped after a restart, and not wildly more (a memory-backed tmpfs counts as memory)."""
+    from prefixcache.tiers.shm import dev_shm_bytes_for
+
+    needed = dev_shm_bytes_for(host_capacity)
+    assert needed <= shm_bytes <= needed + host_capacity // 2, (
+        f"/dev/shm of {shm_bytes} bytes for --host-capacity {host_capacity}: needs {needed} to {needed + host_capacity // 2}")
+
+
+def assert_docs_give_shm_size(prefix: str, size: str) -> None:
+    """docs/deploy.md's sizing section quotes the manifests' /dev/shm size, not an older one."""
+    section = (ROOT / "docs" / "deploy.md").read_text().split("## Sizing the tiers")[1].split("\n## ")[0]
+    quoted = set(re.findall(re.escape(prefix) + r"(\w+)", section))
+    assert quoted == {size}, f"docs/deploy.md quotes {prefix}{sorted(quoted)}, the manifests say {prefix}{size}"
+
+
 def test_worker_pod_shares_memory_backed_shm_with_the_cache_sidecar() -> None:
     deployment = k8s_object("Deployment", "prefixcache")
     spec = deployment["spec"]["template"]["spec"]
@@ -151,8 +168,9 @@ def test_worker_pod_shares_memory_backed_shm_with_the_cache_sidecar() -> None:
     shm = next(v for v in spec["volumes"] if v["name"] == mounts["cache"]["/dev/shm"])
     assert shm["emptyDir"]["medium"] == "Memory"
     capacity = parse_size(k8s_object("ConfigMap", "prefixcache")["data"]["PREFIXCACHE_HOST_CAPACITY"])
-    assert capacity <= quantity(shm["emptyDir"]["sizeLimit"]) <= 2 * capacity
-    # shm pages are charged to whichever container touches them first: both limits must hold them.
+    assert_shm_sized_for(quantity(shm["emptyDir"]["sizeLimit"]), capacity)
+    assert_docs_give_shm_size("sizeLimit: ", shm["emptyDir"]["sizeLimit"])
+    # The service reserves the segment's pages at start: they are charged to the sidecar.
     assert quantity(cache["resources"]["limits"]["memory"]) > capacity
     assert quantity(worker["resources"]["limits"]["memory"]) - quantity(worker["resources"]["requests"]["memory"]) >= capacity
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -371,7 +389,9 @@ def test_compose_cache_and_worker_mount_one_tmpfs_volume_at_dev_shm() -> None:
     assert volume["driver_opts"]["type"] == "tmpfs"
     size = dict(o.split("=") for o in volume["driver_opts"]["o"].split(","))["size"]
     cache = spec["services"]["cache"]["command"]
-    assert quantity(size) >= parse_size(cache[cache.index("--host-capacity") + 1])
+    assert_shm_sized_for(quantity(size), parse_size(cache[cache.index("--host-capacity") + 1]))
+    assert_docs_give_shm_size("size=", size)
+    assert set(re.findall(r"size=(\w+)", (DEPLOY / "compose.yaml").read_text())) == {size}, "comments agree"
     for name in ("cache", "worker"):  # a private /dev/shm would hide the segment
         assert "shm_size" not in spec["services"][name] and "/dev/shm" not in spec["services"][name].get("tmpfs", [])
 

@@ -190,7 +190,7 @@ def test_blocks_spilled_to_redis_come_back_bit_for_bit(redis_server: RedisServer
         assert cache.remote_link.tier.wait_idle(5) and cache.stats().spills.get("host", 0) >= 3
         frames = cache.remote_link.tier.fetch(ns, cache.hasher.block_hashes(cache.hasher.root(Namespace("m", "r", layout)),
                                                                   np.asarray(a, dtype="<u4"), 4))
-        assert all(frame is not None and frame.endswith(raw(kv)) for frame, kv in zip(frames, kv_a))
+        assert all(frame is not None and bytes(frame).endswith(raw(kv)) for frame, kv in zip(frames, kv_a))
         result = cache.lookup(ns, a)                          # promoted back from Redis
         assert result.hit_tokens == 16 and result.miss_reason is None
         assert cache.stats().remote["hits"] >= 3

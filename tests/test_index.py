@@ -114,6 +114,55 @@ def test_block_map_refills_a_bucket_from_overflowed_entries() -> None:
         assert table.get(keys[gone]) is None
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_block_map_batches_and_rebuilds_agree_with_a_dict(seed: int) -> None:
+    """insert_many / delete_many under heavy churn (tombstones pile up until a rebuild), with most
+    digests sharing a few home buckets; every state answers like a dict, scalar and batched."""
+    rnd = random.Random(seed)
+    capacity = rnd.randint(8, 30)
+    table = BlockMap(capacity, 16)
+    if seed % 2:  # rebuild on nearly every insert that takes an empty cell
+        table._min_empty = table.cells.size - 3
+    universe = list(dict.fromkeys(bytes([rnd.choice([0, 1, 2, 3, 255])] + [rnd.getrandbits(8) for _ in range(15)])
+                                  for _ in range(6 * capacity)))
+    reference: dict[bytes, int] = {}
+    free = list(range(capacity))
+    rebuilt = 0
+    for _ in range(400):
+        empty_before = table._empty
+        if rnd.random() < 0.55 and free:
+            fresh = [k for k in rnd.sample(universe, min(len(universe), 12)) if k not in reference]
+            batch = fresh[: rnd.randint(1, min(len(fresh), len(free)))] if fresh else []
+            if batch and len(batch) < len(free) and rnd.random() < 0.2:
+                # a batch holding a mapped or a repeated digest changes nothing
+                bad = batch + ([next(iter(reference))] if reference else batch[:1])
+                with pytest.raises(KeyError):
+                    table.insert_many(bad, free[: len(bad)])
+            elif batch:
+                rows = [free.pop(rnd.randrange(len(free))) for _ in batch]
+                table.insert_many(batch, rows)
+                reference.update(zip(batch, rows))
+        elif reference:
+            gone = rnd.sample(list(reference), rnd.randint(1, len(reference)))
+            rows = [reference.pop(k) for k in gone]
+            table.delete_many(np.asarray(rows))
+            free += rows
+            with pytest.raises(KeyError):
+                table.delete_many(np.asarray(rows[:1]))
+        if rnd.random() < 0.05:
+            table.rebuild()
+        rebuilt += table._empty > empty_before
+        probe = rnd.sample(universe, min(len(universe), 30))
+        assert table.get_many(probe).tolist() == [reference.get(k, -1) for k in probe]
+        assert [table.get(k) for k in probe] == [reference.get(k) for k in probe]
+        assert len(table) == len(reference)
+        assert sorted(table.cells[table.cells >= 0].tolist()) == sorted(reference.values())
+        assert table._empty == np.count_nonzero(table.cells == -1)  # what decides a rebuild is kept exact
+    assert rebuilt, "no rebuild happened"
+    for key, row in reference.items():
+        assert table.digest(row) == key and table.cells.reshape(-1)[table.cell_of[row]] == row
+
+
 # -- RadixIndex ---------------------------------------------------------------------
 def chain(index: RadixIndex, tokens: list[int], namespace: int = 0, now: float = 0.0,
           salt: int = 0, parent: int = ROOT, tier: int = 1) -> tuple[list[bytes], np.ndarray, list[int]]:
@@ -231,6 +280,35 @@ def test_add_chain_links_blocks_like_single_adds_and_is_all_or_nothing() -> None
     with pytest.raises(RuntimeError):
         index.add_chain(0, ROOT, [digest(70, i) for i in range(5)], np.zeros((5, BS), np.uint32), 1, range(5), 0.0)
     assert len(index) == 4
+
+
+def test_remove_many_equals_removing_one_by_one_and_checks_first() -> None:
+    one, many = RadixIndex(16, BS), RadixIndex(16, BS)
+    for index in (one, many):
+        _, _, trunk = chain(index, [1, 2, 3, 4, 5, 6])
+        _, _, branch = chain(index, [7, 8, 9, 10], salt=1, parent=trunk[0])
+    for node in (trunk[2], branch[1], branch[0], trunk[1]):
+        one.remove(node)
+    with pytest.raises(RuntimeError):  # trunk[0] keeps a child outside the batch
+        many.remove_many([trunk[2], trunk[1], trunk[0]])
+    many.pin([trunk[0], trunk[1], trunk[2]])
+    with pytest.raises(RuntimeError):  # pinned
+        many.remove_many([trunk[2]])
+    many.unpin([trunk[0], trunk[1], trunk[2]])
+    assert len(many) == 5 and many.children[trunk[0]] == 2
+    many.remove_many([trunk[2], branch[1], branch[0], trunk[1]])
+    for name in ("parent", "tier", "children", "pins"):
+        assert getattr(one, name).tolist() == getattr(many, name).tolist(), name
+    assert one._free_rows.tolist() == many._free_rows.tolist()
+    assert one.map.get_many([one.map.digest(trunk[0])]).tolist() == many.map.get_many(
+        [many.map.digest(trunk[0])]).tolist() == [trunk[0]]
+    with pytest.raises(RuntimeError):
+        many.remove_many([trunk[1]])  # not live any more
+    roots = [chain(many, [20 + i, 20 + i], salt=10 + i)[2][0] for i in range(3)]
+    with pytest.raises(KeyError):
+        many.remove_many([roots[0], roots[0]])  # a repeat changes nothing
+    many.remove_many(roots)  # parentless leaves only
+    assert len(many) == 1 and (many.tier[roots] < 0).all()
 
 
 @settings(max_examples=60, deadline=None)

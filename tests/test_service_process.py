@@ -25,6 +25,7 @@ from prefixcache.client import CacheClient
 from prefixcache.config import KVLayout
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
+from tests import lifetime
 
 pytestmark = pytest.mark.process
 
@@ -42,7 +43,7 @@ def _lines(stream, sink: queue.Queue) -> None:
 def service():
     """A `serve` subprocess; yields (process, address, shm name, stderr lines)."""
     shm_name = f"pfx-test-{secrets.token_hex(4)}"
-    process = subprocess.Popen(
+    process = lifetime.popen(
         [sys.executable, "-m", "services", "serve", "--listen", "127.0.0.1:0", "--host-capacity", "48MiB",
          "--shm-name", shm_name, "--grace", "20s", "--workers", "4"],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

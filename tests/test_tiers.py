@@ -20,6 +20,7 @@ from prefixcache.results import BlockLocations
 from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier, MappedSegment
+from prefixcache.tiers.shm import PAGE
 from tests.core_support import read_blocks, TINY, ManualClock, assert_consistent, block_hashes, kv_for, make_cache, namespace, \
     same_bytes
 
@@ -160,7 +161,10 @@ def test_capacities_are_exact_byte_budgets(capacity: int, slots: int) -> None:
             assert tier.num_slots == slots
             assert tier.capacity_bytes == slots * TINY.block_bytes <= capacity
             assert tier.storage.numel() * tier.storage.element_size() == tier.capacity_bytes
-        assert host._shm.size == slots * TINY.block_bytes
+        # The segment: the slots rounded up to a page, then one page of owner record (tiers/shm.py).
+        segment = host._segment
+        assert segment.data_bytes == -(-slots * TINY.block_bytes // PAGE) * PAGE
+        assert os.fstat(segment._fd).st_size == segment.data_bytes + PAGE
     finally:
         host.close()
         device.close()

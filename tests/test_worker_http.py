@@ -35,7 +35,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": []}, "messages", "non-empty list"),
     (CHAT, {"messages": "hi"}, "messages", "non-empty list"),
     (CHAT, {"messages": ["hi"]}, "messages[0]", "object"),
-    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "system, user or assistant"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "system, developer, user or assistant"),
     (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content", "string"),
     (CHAT, {"messages": USER, "max_tokens": -1}, "max_tokens", "got -1"),
     (CHAT, {"messages": USER, "max_tokens": 0}, "max_tokens", "got 0"),

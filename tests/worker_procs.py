@@ -6,13 +6,15 @@
   unique per service object so stacks sharing one redis-server never see each other's blocks.
 - `WorkerProcess`: `python -m services worker` (the tiny bfloat16 model) pointed at a service
   or `--no-cache`; readiness is polled on `GET /health` with a deadline.
+- `cache_service` (fixture): one service process of a test's own, without a worker.
 - `running_stack`: a service, a cached worker and (optionally) a `--no-cache` reference worker.
 - `WorkerClient`: a small stdlib HTTP client (one connection per call, so threads may share
   it) for the OpenAI endpoints, including server-sent-event streams.
 
 Readiness is always polled with a bounded deadline, never a blind sleep. Every process is
-killed when its owner is torn down, and at interpreter exit should a test die first; a
-SIGKILLed service's shared-memory segment is unlinked by `kill`.
+killed when its owner is torn down, at interpreter exit should a test die first, and by the
+kernel should the test process be SIGKILLed (tests/lifetime.py); a SIGKILLed service's
+shared-memory segment is unlinked by `kill`.
 
 Model processes take seconds to start (and seconds to exit: interpreter teardown of torch),
 so one stack serves the whole test session: the `worker_stack` fixture, which modules get with
@@ -41,6 +43,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import lifetime
 from tests.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,8 +114,8 @@ class CacheService:
         self._starts += 1
         self.shm_name = f"pfx-test-{secrets.token_hex(4)}-{self._starts}"
         with self.log_path.open("a") as log:
-            self.process = subprocess.Popen(self._command(), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                                            stderr=log, text=True)
+            self.process = lifetime.popen(self._command(), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                                          stderr=log, text=True)
         weakref.finalize(self, _kill, self.process)
         address = self._await_ready(timeout_s)
         self.port = int(address.rpartition(":")[2])
@@ -185,7 +188,7 @@ class WorkerProcess:
         command = [sys.executable, "-m", "services", "worker", "--listen", f"127.0.0.1:{self.port}", *cache,
                    *self.extra_args]
         with self.log_path.open("a") as log:
-            self.process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+            self.process = lifetime.popen(command, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
         weakref.finalize(self, _kill, self.process)
         return self
 
@@ -262,6 +265,16 @@ def running_stack(workdir: Path, redis_url: str | None = None, reference: bool =
         if service.alive():
             service.process.terminate()  # drains while the workers exit (seconds of torch teardown)
         stop_all(workers)
+        service.stop()
+
+
+@pytest.fixture
+def cache_service(tmp_path) -> Iterator[CacheService]:
+    """One service process of this test's own (no Redis, no worker), stopped at teardown."""
+    service = CacheService(tmp_path / "cache-service", host_capacity="16MiB").start()
+    try:
+        yield service
+    finally:
         service.stop()
 
 

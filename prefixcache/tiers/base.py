@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:  # the protocol names Redis-side types; importing them would load redis-py
@@ -101,7 +102,7 @@ class RemoteTier(Protocol):
 
     def fetch(self, namespace_id: str, hashes: Sequence[bytes], ttl_s: float | None = None, *,
               frame_bytes: int | None = None, prefix_only: bool = False,
-              budget: ProbeBudget | None = None, verify: TransferEstimate | None = None) -> list[bytes | None]:
+              budget: ProbeBudget | None = None, verify: TransferEstimate | None = None) -> list[bytes | memoryview | None]:
         """Frames for `hashes` (None: a miss, or not asked within the budget)."""
 
     def submit(self, namespace_id: str, block_hash: bytes, frame: bytes, ttl_s: float | None = None) -> bool:
@@ -154,6 +155,30 @@ class FreeSlots:
             raise RuntimeError(f"slot {slot} freed twice")
         self._is_free[slot] = 1
         self._free.append(slot)
+
+    def take_many(self, count: int) -> tuple[int, ...]:
+        """Up to `count` slots, the same ones (in the same order) as `count` calls of `take`."""
+        count = min(count, len(self._free))
+        if count <= 0:
+            return ()
+        taken = self._free[len(self._free) - count:]
+        del self._free[len(self._free) - count:]
+        np.frombuffer(self._is_free, dtype=np.uint8)[np.frombuffer(taken, dtype=np.int32)] = 0
+        return tuple(taken[::-1])
+
+    def give_many(self, slots: np.ndarray) -> None:
+        """`give` of each of `slots` (distinct), checked before any change."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if not slots.size:
+            return
+        ordered = np.sort(slots)
+        if ordered[0] < 0 or ordered[-1] >= self.num_slots:
+            raise RuntimeError(f"a slot is outside [0, {self.num_slots})")
+        flags = np.frombuffer(self._is_free, dtype=np.uint8)
+        if flags[slots].any() or (ordered[1:] == ordered[:-1]).any():
+            raise RuntimeError("a slot freed twice")
+        flags[slots] = 1
+        self._free.frombytes(slots.astype(np.int32).tobytes())
 
     def is_free(self, slot: int) -> bool:
         return bool(self._is_free[slot])

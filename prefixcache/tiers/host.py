@@ -2,8 +2,12 @@
 
 A co-located worker maps the same segment (see `MappedSegment`) and reads or
 writes slots directly, so a hit moves no bytes through the service. The
-segment is created owner-only (mode 0600) and is unlinked when the owning
-tier closes. Pinned (page-locked) memory is used only when CUDA is present.
+segment is an `OwnedSegment` (tiers/shm.py): created owner-only (mode 0600),
+every page reserved before the tier exists (no SIGBUS, here or in a worker),
+locked by its owner so a successor can tell a dead owner's segment from a live
+one, and unlinked when the owning tier closes. Slots start at offset 0 of the
+segment; the owner record after them is never part of the pool. Pinned
+(page-locked) memory is used only when CUDA is present.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import logging
 import mmap
 import os
 import secrets
-from multiprocessing import shared_memory
 
 import torch
 
@@ -21,6 +24,7 @@ from ..config import KVLayout
 from ..errors import ConfigError
 from .base import ShareHandle, TierKind
 from .pool import TensorPool
+from .shm import OwnedSegment
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +43,22 @@ def _tensor_over(buffer: memoryview, layout: KVLayout, num_slots: int) -> torch.
 
 
 class HostTier(TensorPool):
-    """Owner of the shared-memory segment; `segment_name` is what workers map."""
+    """Owner of the shared-memory segment; `segment_name` is what workers map.
 
-    def __init__(self, layout: KVLayout, capacity_bytes: int, segment_name: str | None = None) -> None:
+    `segment` is a segment reserved beforehand (the service claims one at start, sized to its
+    byte budget, before any layout is known) or the name of one to create now (random if None).
+    """
+
+    def __init__(self, layout: KVLayout, capacity_bytes: int, segment: OwnedSegment | str | None = None) -> None:
         num_slots = slots_for(capacity_bytes, layout, "host_capacity")
-        self.segment_name = segment_name or f"prefixcache-{secrets.token_hex(6)}"
-        shm = shared_memory.SharedMemory(self.segment_name, create=True, size=num_slots * layout.block_bytes)
-        self._shm: shared_memory.SharedMemory | None = shm
-        assert shm.buf is not None  # None only after close()
-        storage = _tensor_over(shm.buf, layout, num_slots)
+        if not isinstance(segment, OwnedSegment):
+            segment = OwnedSegment(segment or f"prefixcache-{secrets.token_hex(6)}", num_slots * layout.block_bytes)
+        elif segment.data_bytes < num_slots * layout.block_bytes:
+            raise ConfigError("host_capacity", f"segment {segment.name} holds {segment.data_bytes} bytes, "
+                                               f"fewer than {num_slots} slots")
+        self._segment: OwnedSegment | None = segment
+        self.segment_name = segment.name
+        storage = _tensor_over(segment.buf, layout, num_slots)
         if torch.cuda.is_available():
             torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes, 0)
         super().__init__(TierKind.HOST, layout, storage)
@@ -57,14 +68,14 @@ class HostTier(TensorPool):
         return ShareHandle(TierKind.HOST, self.num_slots, self.layout.block_bytes, segment=self.segment_name)
 
     def close(self) -> None:
-        if self._shm is None:
+        """Unmap and unlink the segment; a segment file already removed (by an operator) is logged, not fatal."""
+        if self._segment is None:
             return
         if torch.cuda.is_available():
             torch.cuda.cudart().cudaHostUnregister(self.storage.data_ptr())
         super().close()
-        self._shm.close()
-        self._shm.unlink()
-        self._shm = None
+        self._segment.close()
+        self._segment = None
 
 
 class MappedSegment:

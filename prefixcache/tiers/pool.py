@@ -44,6 +44,7 @@ class TensorPool:
         self.storage = storage
         self._word = _word(layout.block_bytes)
         self._rows = as_rows(storage, self._word)
+        self._bytes: np.ndarray | None = None  # the CPU storage as [num_slots, block_bytes] u8, made on first use
 
     def read(self, slots: list[int]) -> torch.Tensor:
         index = torch.tensor(slots, dtype=torch.long, device=self.storage.device)
@@ -59,6 +60,14 @@ class TensorPool:
         if not slots:
             return
         self._check_dtype(blocks)
+        if self.storage.device.type == "cpu" and blocks.device.type == "cpu":
+            # A numpy gather-assign of the raw bytes: torch's index_copy_ costs ~50 µs of dispatch
+            # (and far more when its thread pool wakes on a busy machine) for a few small blocks.
+            if self._bytes is None:
+                self._bytes = self.storage.view(self.num_slots, -1).view(torch.uint8).numpy()
+            source = blocks.reshape(len(slots), -1).contiguous().view(torch.uint8).numpy()
+            self._bytes[np.asarray(slots, dtype=np.int64)] = source
+            return
         index = torch.tensor(slots, dtype=torch.long, device=self.storage.device)
         self._rows.index_copy_(0, index, as_rows(blocks, self._word).to(self.storage.device))
 
@@ -91,3 +100,4 @@ class TensorPool:
     def close(self) -> None:
         self.storage = torch.empty(0)
         self._rows = self.storage
+        self._bytes = None

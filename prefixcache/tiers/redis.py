@@ -44,6 +44,7 @@ from .base import TierKind
 from .breaker import Backoff, CircuitBreaker, Retry
 from .redis_options import RedisClient, RedisOptions, connect, is_cluster_url, redact_url
 from .redis_stats import RedisCounters, RedisStats
+from .resp import RespPipeline
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +97,11 @@ _STOP = object()
 _PROBE = object()
 
 
-def _frames_from(replies: object, expected: int) -> list[bytes | None]:
+def _frames_from(replies: object, expected: int) -> list[bytes | memoryview | None]:
     """GETEX replies as frames; a wrong-typed key is a miss, anything else unexpected a fault."""
     if not isinstance(replies, list) or len(replies) != expected:
         raise MalformedReply(f"expected {expected} replies, got {type(replies).__name__}")
-    frames: list[bytes | None] = []
+    frames: list[bytes | memoryview | None] = []
     for reply in replies:
         if reply is None or isinstance(reply, bytes):
             frames.append(reply)
@@ -154,7 +155,7 @@ class RedisTier:
 
     def fetch(self, namespace_id: str, hashes: Sequence[bytes], ttl_s: float | None = None, *,
               frame_bytes: int | None = None, prefix_only: bool = False,
-              budget: ProbeBudget | None = None, verify: TransferEstimate | None = None) -> list[bytes | None]:
+              budget: ProbeBudget | None = None, verify: TransferEstimate | None = None) -> list[bytes | memoryview | None]:
         """Frames for `hashes` (None = miss) by pipelined GETEX, which also refreshes each hit's TTL.
 
         One round trip, or, when the expected frame size `frame_bytes` is given, round
@@ -176,7 +177,7 @@ class RedisTier:
             return [None] * len(hashes)
         per_trip = max(1, self.options.max_fetch_bytes // frame_bytes) if frame_bytes else max(1, len(hashes))
         ttl_ms = self._ttl_ms(ttl_s)
-        frames: list[bytes | None] = []
+        frames: list[bytes | memoryview | None] = []
         start = time.perf_counter()
         declined = budget.declined if budget is not None else 0
         while len(frames) < len(hashes):
@@ -292,16 +293,11 @@ class RedisTier:
         return budget.grant(wanted, estimate, frame_bytes, per_trip, time.perf_counter())
 
     def _round_trip(self, client: RedisClient, namespace_id: str, hashes: Sequence[bytes],
-                    ttl_ms: int) -> list[bytes | None] | None:
+                    ttl_ms: int) -> list[bytes | memoryview | None] | None:
         """One pipelined GETEX per hash; None after a fault (recorded in the breaker)."""
         start = time.perf_counter()
         try:
-            pipe = client.pipeline(transaction=False)
-            for block_hash in hashes:
-                pipe.getex(self.key(namespace_id, block_hash), px=ttl_ms)
-            with self._io_wait():
-                replies = pipe.execute(raise_on_error=False)
-            frames = _frames_from(replies, len(hashes))
+            frames = self._getex_many(client, [self.key(namespace_id, block_hash) for block_hash in hashes], ttl_ms)
         except REDIS_ERRORS as exc:
             if isinstance(exc, redis.exceptions.TimeoutError):
                 self._observe_link(0, time.perf_counter() - start)  # at least this slow
@@ -310,6 +306,18 @@ class RedisTier:
         self._observe_link(sum(len(frame) for frame in frames if frame is not None), time.perf_counter() - start)
         self._breaker.record_success()
         return frames
+
+    def _getex_many(self, client: RedisClient, keys: list[str], ttl_ms: int) -> list[bytes | memoryview | None]:
+        """Pipelined GETEX: read in place over RESP for a standalone client (tiers/resp.py), else redis-py."""
+        if isinstance(client, redis.Redis):
+            with self._io_wait():
+                return cast(list[bytes | memoryview | None], RespPipeline(client).getex(keys, ttl_ms))
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.getex(key, px=ttl_ms)
+        with self._io_wait():
+            replies = pipe.execute(raise_on_error=False)
+        return _frames_from(replies, len(keys))
 
     def _observe_link(self, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -406,6 +414,10 @@ class RedisTier:
 
     def _pipeline(self, batch: list[_Op]) -> None:
         assert self._writer is not None  # _apply checked
+        sets = [op for op in batch if isinstance(op, _Set)]
+        if isinstance(self._writer, redis.Redis) and len(sets) == len(batch):
+            RespPipeline(self._writer).set([(op.key, op.frame) for op in sets], [op.ttl_ms for op in sets])
+            return
         pipe = self._writer.pipeline(transaction=False)
         for op in batch:
             if isinstance(op, _Set):

@@ -1,9 +1,11 @@
 """The service's side of one cache: created at the first Attach, scoped by tenant.
 
 The service starts with capacities and a block size but not the model
-geometry, so the `PrefixCache` (and its shared-memory host tier) is built at
-the first Attach, whose layout it then keeps; a later Attach with another
-layout is FAILED_PRECONDITION.
+geometry, so the `PrefixCache` (and its host tier) is built at the first
+Attach, whose layout it then keeps; a later Attach with another layout is
+FAILED_PRECONDITION. The host tier's shared memory is reserved earlier, when
+the server starts (`claim_segment`, sized to `host_capacity`), so a /dev/shm
+that cannot hold it stops the start rather than an Attach or a write.
 
 Owns: that cache, the registry of the namespaces each tenant attached, and
 the draining flag.
@@ -44,6 +46,7 @@ from prefixcache.stats import StatsSnapshot
 from prefixcache.tiers.base import RemoteTier, ShareHandle, TierKind
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier
+from prefixcache.tiers.shm import OwnedSegment
 
 from .auth import Principal
 from .inspect import BlockReport, inspect_prefix
@@ -80,6 +83,7 @@ class CacheBackend:
         self._counts: dict[str, int] = {}                  # tenant -> namespaces registered
         self._draining = threading.Event()
         self._closed = False
+        self._segment: OwnedSegment | None = None  # reserved at start; the host tier maps it at the first Attach
 
     # -- lifecycle ----------------------------------------------------------
     @property
@@ -93,6 +97,13 @@ class CacheBackend:
     def begin_drain(self) -> None:
         self._draining.set()
 
+    def claim_segment(self, name: str, owner: str) -> None:
+        """Reserve the host tier's shared memory now, at start (tiers/shm.py): a /dev/shm that cannot
+        hold `host_capacity`, or a live service that owns `name`, stops the start with one line."""
+        with self._create_lock:
+            if self._segment is None and self._cache is None:
+                self._segment = OwnedSegment(name, self.options.cache.host_capacity, owner=owner)
+
     def close(self) -> None:
         """Drop leases and reservations with the cache and close its tiers (unlinks shm)."""
         self._draining.set()
@@ -100,6 +111,8 @@ class CacheBackend:
             if self._cache is not None and not self._closed:
                 self._cache.close()
                 log.info("cache closed; host tier released")
+            if self._segment is not None:
+                self._segment.close()  # a no-op once the host tier closed it; else never attached
             self._closed = True
 
     def expire(self) -> int:
@@ -116,7 +129,7 @@ class CacheBackend:
         options = self.options
         config = options.cache
         try:
-            host = HostTier(layout, config.host_capacity, options.shm_name)
+            host = HostTier(layout, config.host_capacity, self._segment or options.shm_name)
         except ConfigError as error:
             raise ServiceMisconfigured(f"{error} for this layout") from None
         try:

@@ -2,7 +2,9 @@
 
 On start it prints one line, `prefixcache serve: listening on HOST:PORT`
 (the real port when `--listen` asks for port 0), so scripts and tests can wait
-for readiness without sleeping. SIGTERM or SIGINT drains within `--grace` and
+for readiness without sleeping. By then the host tier's shared memory is
+reserved in full (tiers/shm.py): a /dev/shm too small for `--host-capacity`,
+or a live service owning the segment name, fails the start with one line. SIGTERM or SIGINT drains within `--grace` and
 exits 0.
 """
 
@@ -21,6 +23,7 @@ import torch
 from prefixcache.config import (CacheConfig, HashAlgorithm, KVLayout, TenantQuota, TenantQuotas, parse_duration,
                                 parse_size)
 from prefixcache.errors import ConfigError
+from prefixcache.tiers.shm import check_name
 
 from .auth import Authenticator, load_credentials, quota_overrides
 from .backend import BackendOptions
@@ -58,7 +61,9 @@ def register(subparsers) -> None:
     add("--tenant-quota", default="", metavar="TIER=SIZE[,...]",
         help="byte budget of every tenant per tier, e.g. host=256MiB,device=1GiB (default: none); "
              "a credentials line may override it")
-    add("--shm-name", default=None, help="name of the host tier's shared-memory segment (default: random)")
+    add("--shm-name", default=None,
+        help="name of the host tier's shared-memory segment in /dev/shm (default: prefixcache-HOST-PORT of the "
+             "bound address); a dead owner's segment of that name is reclaimed, a live one's refused")
     add("--max-prompt-tokens", type=int, default=1 << 20, help="longest prompt accepted (default %(default)s)")
     add("--max-leases", type=int, default=4096, help="leases held at once (default %(default)s)")
     auth = parser.add_mutually_exclusive_group()
@@ -164,8 +169,8 @@ def options_from(args: argparse.Namespace) -> ServerOptions:
         raise ConfigError("device_capacity", "needs a CUDA device and none is available")
     if args.block_size < 1 or args.block_size > 65536:
         raise ConfigError("block_size", f"must be in [1, 65536], got {args.block_size}")
-    if args.shm_name and os.path.exists(os.path.join("/dev/shm", args.shm_name)):
-        raise ConfigError("shm_name", f"shared memory {args.shm_name!r} already exists (another service?)")
+    if args.shm_name is not None:
+        check_name(args.shm_name)
     message_size = parse_size(args.max_message_size, "max_message_size")
     backend = BackendOptions(cache=cache, block_size=args.block_size, shm_name=args.shm_name,
                              device="cuda" if cache.device_capacity else None,

@@ -1,12 +1,17 @@
-"""Prometheus exporter of the service: cache counters from `StatsSnapshot`, RPC counts and latencies.
+"""Prometheus exporter of the service: cache counters from `StatsSnapshot`, RPC counts and latencies,
+the Redis tier's counters, op latency histograms and breaker state, and process/platform metrics.
 
 Cache figures are read from `cache.stats()` at scrape time (a collector), so
-they are never out of step with GetStats. RPC counts and durations are
-recorded by the servicer wrappers (status.py).
+they are never out of step with GetStats; the Redis tier's from its own
+`RedisStats` (`RemoteCollector`). RPC counts and durations are recorded by the
+servicer wrappers (status.py).
 
-Invariant: every label has a closed set of values (method name, gRPC status
-code, tier, eviction reason, miss reason, Redis stat name); no token id,
-prompt, salt, tenant or namespace id ever becomes a label.
+Invariants:
+- Every label has a closed set of values (method name, gRPC status code, tier,
+  eviction reason, miss reason, Redis event, op, side, breaker state); no token
+  id, prompt, salt, tenant or namespace id ever becomes a label.
+- One metric type per name: counters end in `_total` and only grow (so `rate()`
+  applies to them, tests/test_cli.py checks the dashboard), gauges never do.
 """
 
 from __future__ import annotations
@@ -19,11 +24,14 @@ from typing import Callable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector, ProcessCollector,
+                               make_wsgi_app)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from prefixcache.stats import StatsSnapshot
+from prefixcache.tiers.breaker import BreakerState
+from prefixcache.tiers.redis_stats import LatencySnapshot, RedisStats
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +104,71 @@ def _tier_gauges(s: StatsSnapshot) -> Iterator[Metric]:
     if s.remote_up is not None:
         up = GaugeMetricFamily(f"{PREFIX}_remote_up", "1 while the remote tier answers")
         up.add_metric([], 1.0 if s.remote_up else 0.0)
-        remote = GaugeMetricFamily(f"{PREFIX}_remote_stat", "Remote tier counters", labels=["stat"])
-        for name, value in s.remote.items():
-            remote.add_metric([name], value)
-        yield from (up, remote)
+        yield up
+
+
+# RedisStats counters exported as prefixcache_remote_events_total{event=...} (counts of things).
+REMOTE_EVENTS = ("hits", "misses", "reads_skipped", "read_errors", "spills_queued", "spills_dropped",
+                 "writes_failed", "integrity_failures", "probes_declined", "probe_blocks_declined")
+BREAKER_SIDES = ("read", "write")
+
+
+def remote_stats_of(cache) -> RedisStats | None:
+    """The Redis tier's stats of a cache (None: no cache yet, or no Redis tier)."""
+    remote = None if cache is None else cache.remote
+    return None if remote is None else remote.stats()
+
+
+def _histogram(name: str, text: str, label: str, series: dict[str, LatencySnapshot]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, text, labels=[label])
+    for value, snapshot in series.items():
+        bounds = [f"{b:g}" for b in snapshot.bounds_s] + ["+Inf"]
+        family.add_metric([value], list(zip(bounds, snapshot.cumulative())), sum_value=snapshot.sum_s)
+    return family
+
+
+def _breaker_state(stats: RedisStats, side: str) -> BreakerState:
+    # Hook: a tier with one breaker per side exposes `read_state` / `write_state`; until then
+    # both sides report the one breaker that guards them.
+    return getattr(stats, f"{side}_state", stats.state)
+
+
+class RemoteCollector(Collector):
+    """The Redis tier at each scrape: counters, gauges, op latency histograms, breaker state."""
+
+    def __init__(self, source: Callable[[], RedisStats | None]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._source()
+        if stats is None:
+            return
+        events = CounterMetricFamily(f"{PREFIX}_remote_events", "Redis tier events by kind", labels=["event"])
+        for name in REMOTE_EVENTS:
+            events.add_metric([name], getattr(stats, name))
+        transferred = CounterMetricFamily(f"{PREFIX}_remote_bytes", "Bytes read from / written to Redis",
+                                          labels=["direction"])
+        transferred.add_metric(["read"], stats.bytes_read)
+        transferred.add_metric(["write"], stats.bytes_written)
+        trips = CounterMetricFamily(f"{PREFIX}_remote_breaker_trips", "Times the breaker took the tier down")
+        trips.add_metric([], stats.breaker_trips)
+        state = GaugeMetricFamily(f"{PREFIX}_remote_breaker_state",
+                                  "1 for the breaker's current state, per side (up: calls go through)",
+                                  labels=["side", "state"])
+        for side in BREAKER_SIDES:
+            current = _breaker_state(stats, side)
+            for candidate in BreakerState:
+                state.add_metric([side, candidate.value], 1.0 if candidate is current else 0.0)
+        queue = GaugeMetricFamily(f"{PREFIX}_remote_queue_bytes", "Bytes queued for Redis writes")
+        queue.add_metric([], stats.queue_bytes)
+        latency = GaugeMetricFamily(f"{PREFIX}_remote_link_latency_seconds", "Estimated Redis round trip")
+        latency.add_metric([], stats.link_latency_s)
+        bandwidth = GaugeMetricFamily(f"{PREFIX}_remote_link_bytes_per_second", "Estimated Redis bandwidth")
+        bandwidth.add_metric([], stats.link_bytes_per_s)
+        durations = _histogram(f"{PREFIX}_remote_op_duration_seconds", "Redis operation time (read: one "
+                               "pipelined fetch, write: one batch of SETs)", "op",
+                               {"read": stats.read_latency, "write": stats.write_latency})
+        yield from (events, transferred, trips, state, queue, latency, bandwidth, durations)
 
 
 class HandlerCollector(Collector):
@@ -115,6 +184,13 @@ class HandlerCollector(Collector):
         for state, n in self._load().items():
             calls.add_metric([state], n)
         yield calls
+
+
+def add_process_collectors(registry: CollectorRegistry) -> None:
+    """process_* (CPU, memory, file descriptors; Linux), python_info and python_gc_*."""
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
 
 
 class _Server(socketserver.ThreadingMixIn, WSGIServer):
@@ -133,8 +209,10 @@ class _QuietHandler(WSGIRequestHandler):
 class ServiceMetrics:
     """The registry the exporter serves; `observe` is the servicer's per-call hook."""
 
-    def __init__(self, source: Callable[[], StatsSnapshot | None]) -> None:
+    def __init__(self, source: Callable[[], StatsSnapshot | None],
+                 remote: Callable[[], RedisStats | None] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        add_process_collectors(self.registry)
         self._rpcs = Counter(f"{PREFIX}_rpcs", "RPCs by method and status code", ["method", "code"],
                              registry=self.registry)
         self._latency = Histogram(f"{PREFIX}_rpc_duration_seconds", "RPC handling time (Lookup is the hot path)",
@@ -142,6 +220,8 @@ class ServiceMetrics:
         self._denied = Counter(f"{PREFIX}_auth_denied", "Calls refused for a missing or wrong token",
                                registry=self.registry)
         self.registry.register(StatsCollector(source))
+        if remote is not None:
+            self.registry.register(RemoteCollector(remote))
         self._http = None
 
     def watch_handlers(self, load: Callable[[], dict[str, int]]) -> None:

@@ -1,7 +1,9 @@
 """Builds and runs the gRPC server: servicer, auth, health, reflection, expiry, metrics, drain.
 
 Lifecycle:
-1. `build_server(options)` binds the port, starts the server and the expiry
+1. `build_server(options)` binds the port, reserves the host tier's shared
+   memory under a name derived from the bound address (or `--shm-name`;
+   tiers/shm.py reclaims a dead predecessor's, refuses a live one's), starts the server and the expiry
    ticker (`cache.expire()` every `expire_interval_s`), then sets health to
    SERVING for "" and "prefixcache.v1.PrefixCache".
 2. `shutdown(grace_s)` (SIGTERM in `serve`): health NOT_SERVING, new calls get
@@ -26,9 +28,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from prefixcache.tiers.shm import segment_name_for
+
 from .auth import AuthInterceptor
 from .backend import CacheBackend
-from .metrics import ServiceMetrics
+from .metrics import ServiceMetrics, remote_stats_of
 from .options import ServerOptions
 from .pools import ElasticPool, StreamsOnOwnPool
 from .servicer import SERVICE_NAME, Limits, PrefixCacheServicer, register
@@ -70,7 +74,8 @@ class CacheServer:
         self.options = options
         self.backend = CacheBackend(options.backend)
         self.tracker = CallTracker()
-        self.metrics = ServiceMetrics(self.backend.stats) if options.metrics_port is not None else None
+        self.metrics = (ServiceMetrics(self.backend.stats, remote=lambda: remote_stats_of(self.backend.cache))
+                        if options.metrics_port is not None else None)
         self.health = health.HealthServicer()
         self._ticker = Ticker("prefixcache-expire", options.expire_interval_s, self.backend.expire)
         self._stopped = threading.Event()
@@ -122,6 +127,9 @@ class CacheServer:
 
     def start(self) -> "CacheServer":
         self.port = self._bind()
+        # Named after the bound address, so a successor on it finds (and reclaims) a dead predecessor's segment.
+        self.backend.claim_segment(self.options.backend.shm_name or segment_name_for(self.options.host, self.port),
+                                   owner=self.address)
         self._server.start()
         self._ticker.start()
         if self.metrics is not None:

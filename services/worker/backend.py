@@ -17,8 +17,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from .cache_link import CacheLink, Prefix
 from .chat import ChatMessage, Role
 from .engine import Engine
-from .events import Finished, FinishReason, LinkState, RequestKind, Started
-from .openai_api import ApiError, GenerationRequest
+from .events import Finished, FinishReason, LinkState, Piece, Started
+from .openai_api import MAX_TOKENS_LIMIT, ApiError, GenerationRequest, Logprob, TokenizeRequest
+from .sampling import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -82,17 +83,20 @@ class InferenceBackend:
     def cache_state(self) -> LinkState:
         return LinkState.OFF if self.cache is None else self.cache.state
 
-    def prompt_tokens(self, request: GenerationRequest) -> list[int]:
+    def _encode(self, messages, prompt: str | tuple[int, ...], param: str) -> list[int]:
         loaded = self.engine.loaded
         try:
-            if request.kind is RequestKind.CHAT:
-                tokens = loaded.render_chat([ChatMessage(Role(r), c) for r, c in request.messages])
-            elif isinstance(request.prompt, tuple):
-                tokens = list(request.prompt)
-            else:
-                tokens = loaded.tokenizer.encode(request.prompt)
+            if messages:
+                return loaded.render_chat([ChatMessage(Role(r), c) for r, c in messages])
+            if isinstance(prompt, tuple):
+                return list(prompt)
+            return loaded.tokenizer.encode(prompt)
         except ValueError as error:
-            raise ApiError(str(error), "messages" if request.kind is RequestKind.CHAT else "prompt") from None
+            raise ApiError(str(error), param) from None
+
+    def prompt_tokens(self, request: GenerationRequest) -> list[int]:
+        loaded = self.engine.loaded
+        tokens = self._encode(request.messages, request.prompt, "messages" if request.kind == "chat" else "prompt")
         if not tokens:
             raise ApiError("the prompt encodes to no tokens", "prompt")
         bad = next((t for t in tokens if not 0 <= t < self._vocab), None)
@@ -100,19 +104,67 @@ class InferenceBackend:
             raise ApiError(f"token id {bad} is outside the model vocabulary [0, {self._vocab})", "prompt")
         if not self.engine.fits(len(tokens) + 1):
             raise ApiError(f"the prompt has {len(tokens)} tokens; the model allows {loaded.max_positions}",
-                           "messages" if request.kind is RequestKind.CHAT else "prompt")
+                           "messages" if request.kind == "chat" else "prompt")
         return tokens
+
+    def tokenize(self, request: TokenizeRequest) -> dict:
+        """Token ids as the worker would prefill them, and how many leading full blocks of them
+        the cache holds right now (Inspect: no lease, no LRU touch; null when the cache is off
+        or unreachable)."""
+        tokens = self._encode(request.messages, request.prompt, "messages" if request.messages else "prompt")
+        cached = None if self.cache is None else self.cache.cached_blocks(tokens, request.cache_salt)
+        block_size = None if self.cache is None else self.cache.layout.block_size
+        return {"count": len(tokens), "max_model_len": self.engine.loaded.max_positions, "tokens": tokens,
+                "block_size": block_size, "cached_blocks": cached,
+                "cached_tokens": None if cached is None else cached * block_size}
+
+    def detokenize(self, tokens: list[int]) -> str:
+        try:
+            return self.engine.loaded.tokenizer.decode(tokens)
+        except ValueError as error:
+            raise ApiError(str(error), "tokens") from None
+
+    def max_tokens(self, request: GenerationRequest, prompt_tokens: int) -> int:
+        """The request's max_tokens, or (chat's default) all the context the prompt leaves."""
+        limit = self.engine.loaded.max_positions
+        left = MAX_TOKENS_LIMIT if limit is None else limit - prompt_tokens
+        if request.max_tokens is None:
+            return max(1, left)
+        if request.max_tokens > left:  # OpenAI's answer, rather than a silently shorter reply
+            raise ApiError(f"This model's maximum context length is {limit} tokens; the prompt has "
+                           f"{prompt_tokens} and max_tokens asks for {request.max_tokens} more", "max_tokens")
+        return request.max_tokens
+
+    def _check_ids(self, request: GenerationRequest) -> None:
+        for param, ids in (("logit_bias", request.sampling.logit_bias), ("stop_token_ids", request.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < self._vocab), None)
+            if bad is not None:
+                raise ApiError(f"'{param}' names token {bad}, outside the model vocabulary [0, {self._vocab})", param)
+
+    def _decoded(self, entry: TokenLogprob) -> Logprob:
+        tokenizer = self.engine.loaded.tokenizer
+        token_bytes = getattr(tokenizer, "token_bytes", None)
+
+        def piece(token: int) -> tuple[str, bytes]:
+            text = tokenizer.decode([token])
+            return text, token_bytes(token) if token_bytes is not None else text.encode()
+
+        text, raw = piece(entry.token)
+        return Logprob(text, raw, entry.logprob, tuple((*piece(t), lp) for t, lp in entry.top))
 
     def generate(self, request: GenerationRequest, cancelled: threading.Event) -> Iterator[Started | str | Finished]:
         started_at = time.perf_counter()
         tokens = self.prompt_tokens(request)
+        max_tokens = self.max_tokens(request, len(tokens))
+        self._check_ids(request)
         prefix = self.cache.lookup(tokens, request.cache_salt) if self.cache else Prefix(0, None, None)
         generation = None
         try:
             try:
-                generation = self.engine.generate(tokens, prefix.blocks, max_tokens=request.max_tokens,
-                                                  temperature=request.temperature, seed=request.seed,
-                                                  should_stop=cancelled.is_set)
+                stops = self.engine.loaded.stop_token_ids | request.stop_token_ids
+                generation = self.engine.generate(tokens, prefix.blocks, max_tokens=max_tokens,
+                                                  stop_token_ids=stops, sampling=request.sampling,
+                                                  seed=request.seed, should_stop=cancelled.is_set)
             except ValueError as error:
                 raise ApiError(str(error), "prompt") from None
             if self.cache is not None:
@@ -120,6 +172,10 @@ class InferenceBackend:
             yield Started(len(tokens), prefix.tokens)
             self.metrics.prompt_tokens.inc(len(tokens))
             self.metrics.cached_tokens.inc(prefix.tokens)
+            if request.echo:
+                echoed = request.prompt if isinstance(request.prompt, str) else \
+                    self.engine.loaded.tokenizer.decode(tokens)
+                yield Piece(echoed, (), echo=True)
             yield from self._stream(generation, request, started_at)
             self.metrics.requests.labels("ok" if not cancelled.is_set() else "cancelled").inc()
         finally:
@@ -132,22 +188,26 @@ class InferenceBackend:
                         self.cache.store(tokens, kv, start_block, request.cache_salt)
                 self.cache.release(prefix.hit)
 
-    def _stream(self, generation, request: GenerationRequest, started_at: float) -> Iterator[str | Finished]:
+    def _stream(self, generation, request: GenerationRequest, started_at: float) -> Iterator[Piece | Finished]:
         text = TextStream(self.engine.loaded.tokenizer.decode, request.stop)
         count, first = 0, True
+        logprobs: list[Logprob] = []  # of the tokens since the last piece sent
         for token in generation:
             count += 1
             piece = text.push(token)
+            if generation.last_logprob is not None:
+                logprobs.append(self._decoded(generation.last_logprob))
             if first:
                 self.metrics.ttft.observe(time.perf_counter() - started_at)
                 first = False
-            if piece:
-                yield piece
+            if piece or (logprobs and text.stopped):
+                yield Piece(piece, tuple(logprobs))
+                logprobs = []
             if text.stopped:
                 break
         tail = text.flush()
-        if tail:
-            yield tail
+        if tail or logprobs:
+            yield Piece(tail, tuple(logprobs))
         reason = FinishReason.STOP if text.stopped or generation.finish_reason is FinishReason.STOP \
             else FinishReason.LENGTH
         yield Finished(reason, count)

@@ -195,6 +195,17 @@ class CacheLink:
                 return None
         return None
 
+    def cached_blocks(self, tokens: list[int], salt: str | None) -> int | None:
+        """Leading full blocks of `tokens` cached right now (Inspect: no lease, no LRU touch);
+        None when the link is down or the service cannot say."""
+        if not self._ready():
+            return None
+        try:
+            return self._client.inspect(tokens, cache_salt=salt).hit_tokens // self.layout.block_size
+        except PrefixCacheError as error:
+            log.info("cache inspect failed (%s)", error)
+            return None
+
     def blocks_to_store(self, tokens: list[int], start_block: int) -> int:
         """How many full blocks from `start_block` on `store` would send now (0: none, or the link is down)."""
         end = len(tokens) // self.layout.block_size

@@ -51,6 +51,9 @@ def register(subparsers) -> None:
                         help="deadline of each cache call; past it the request prefills in full (default 500)")
     parser.add_argument("--auth-token", default=os.environ.get("PREFIXCACHE_AUTH_TOKEN"),
                         help="bearer token for the cache service (or env PREFIXCACHE_AUTH_TOKEN)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on the HTTP API (/health and /metrics stay open; "
+                             "or env PREFIXCACHE_API_KEY)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: CPUs available)")
     parser.add_argument("--hit-policy", choices=["auto", "always"], default="auto",
                         help="auto: load a cached prefix only when that is estimated faster than recomputing it "
@@ -87,7 +90,10 @@ def build_backend(args):
     # None: pad where it bounds memory (bfloat16 on CPU with oneDNN, engine.buckets_bound_memory).
     engine = Engine(loaded, prefill_buckets=False if args.no_prefill_buckets else None)
     log.info("prefill buckets: %s", "on" if engine.prefill_buckets else "off")
+    from services.cache_server.metrics import add_process_collectors
+
     registry = CollectorRegistry()
+    add_process_collectors(registry)  # process_*, python_info, python_gc_*
     link = None
     if not args.no_cache:
         policy = HitPolicy(registry, always_take=args.hit_policy == "always")
@@ -103,7 +109,7 @@ def run(args) -> int:
 
     backend = build_backend(args)
     host, port = args.listen
-    app = WorkerApp(backend)
+    app = WorkerApp(backend, api_key=args.api_key)
 
     async def main() -> None:
         task = asyncio.ensure_future(run_app(app, host, port))

@@ -44,6 +44,7 @@ from services.worker.events import FinishReason
 from services.worker.kv_blocks import KVLayout, blocks_to_cache, extract_blocks, validate_blocks
 from services.worker.model import LoadedModel
 from services.worker.prefill_rate import PrefillRateMeter
+from services.worker.sampling import GREEDY, Sampler, SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -99,13 +100,6 @@ class PrefillResult:
     padding_tokens: int = 0  # pads computed after the suffix (prefill buckets), then cropped
 
 
-def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    if temperature == 0.0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
 class Generation:
     """Iterator over generated token ids of one request; its prefill has already run.
 
@@ -120,23 +114,25 @@ class Generation:
         *,
         max_tokens: int,
         stop_token_ids: frozenset[int],
-        temperature: float,
+        sampling: SamplingParams,
         seed: int | None,
         should_stop: Callable[[], bool] | None,
+        prompt: Sequence[int] = (),
     ) -> None:
         self._engine = engine
         self.prefill = prefill
         self.seed = seed
         self._max_tokens = max_tokens
         self._stop = stop_token_ids
-        self._temperature = temperature
         self._should_stop = should_stop
         self._tokens: list[int] = []
         self.finish_reason: FinishReason | None = None
-        self._generator = None
-        if temperature > 0.0:
-            device = engine.loaded.model.device
-            self._generator = torch.Generator(device=device).manual_seed(seed)
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=engine.loaded.model.device).manual_seed(seed)
+        self._sampler = Sampler(sampling, prompt, engine.vocab_size, generator)
+        self._want_logprobs = sampling.logprobs is not None
+        self.last_logprob: TokenLogprob | None = None  # of the token `next` returned last, if asked for
 
     @property
     def cache(self) -> DynamicCache:
@@ -168,9 +164,11 @@ class Generation:
             logits = self._engine.decode_step(self._tokens[-1], position, self.cache)
         else:
             logits = self.prefill.logits
-        token = _sample(logits, self._temperature, self._generator)
+        token = self._sampler.choose(logits)
         if token in self._stop:
             self._finish(FinishReason.STOP)
+        if self._want_logprobs:
+            self.last_logprob = self._sampler.logprob(logits, token)
         self._tokens.append(token)
         return token
 
@@ -194,6 +192,11 @@ class Engine:
     @property
     def kv(self) -> KVLayout:
         return self.loaded.kv
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding table: the ids a prompt or a logit_bias may name."""
+        return self._vocab
 
     def fits(self, n_positions: int) -> bool:
         limit = self.loaded.max_positions
@@ -297,31 +300,37 @@ class Engine:
         *,
         max_tokens: int = 256,
         stop_token_ids: Iterable[int] | None = None,
-        temperature: float = 0.0,
+        temperature: float | None = None,
+        sampling: SamplingParams | None = None,
         seed: int | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> Generation:
         """Prefill now; return an iterator that decodes one token per `next()`.
 
-        Greedy when `temperature` is 0, else sampling from a generator seeded with `seed`
-        (random if None; kept on `Generation.seed`). Stops on a stop token (default: the
-        model's EOS / end-of-turn ids), after `max_tokens`, or once `should_stop()` is True.
+        `sampling` (see services/worker/sampling.py) or, as a shorthand, `temperature` alone:
+        greedy when the temperature is 0 (the default), else sampling from a generator seeded
+        with `seed` (random if None; kept on `Generation.seed`). Stops on a stop token (default:
+        the model's EOS / end-of-turn ids), after `max_tokens`, or once `should_stop()` is True.
         """
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        if not (math.isfinite(temperature) and temperature >= 0.0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-        if temperature > 0.0 and seed is None:
+        if sampling is not None and temperature is not None:
+            raise ValueError("give temperature or sampling, not both")
+        if sampling is None:
+            sampling = GREEDY if temperature is None else SamplingParams(temperature=temperature)
+        if not sampling.greedy and seed is None:
             seed = int.from_bytes(os.urandom(8), "little") >> 1
         stops = self.loaded.stop_token_ids if stop_token_ids is None else frozenset(stop_token_ids)
+        prefill = self.prefill(token_ids, prefix_blocks)
         return Generation(
             self,
-            self.prefill(token_ids, prefix_blocks),
+            prefill,
             max_tokens=max_tokens,
             stop_token_ids=stops,
-            temperature=temperature,
+            sampling=sampling,
             seed=seed,
             should_stop=should_stop,
+            prompt=token_ids,
         )
 
     def extract_blocks(

@@ -1,4 +1,4 @@
-"""What one generation yields to the HTTP layer, in order: `Started`, text pieces, `Finished`.
+"""What one generation yields to the HTTP layer, in order: `Started`, `Piece`s, `Finished`.
 
 Owned here so that the backend (which produces them) and http.py (which serialises them)
 both depend on this module, never on each other. The closed sets are enums whose values
@@ -37,6 +37,13 @@ class LinkState(enum.StrEnum):
 class Started:
     prompt_tokens: int
     cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+    logprobs: tuple = ()  # openai_api.Logprob of each token the text came from (if asked for)
+    echo: bool = False  # the prompt's own text (completions' echo), not generated
 
 
 @dataclass(frozen=True)

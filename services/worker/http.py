@@ -8,11 +8,15 @@ queue. A client that disconnects (streaming or not: aiohttp cancels the
 handler when its connection is lost) sets its request's cancel flag, which
 stops its generation at the next token and releases its lease; a request that
 fails only fails itself.
+
+With `api_key` set, every route but /health and /metrics (probes and scrapers) needs
+`Authorization: Bearer KEY`, compared in constant time (vLLM's --api-key).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import threading
@@ -22,8 +26,10 @@ from typing import Iterator, Protocol
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from .events import Finished, RequestKind, Started
-from .openai_api import ApiError, GenerationRequest, ResponseShaper, parse_request, usage
+from prefixcache.version import version
+
+from .events import Finished, Piece, RequestKind, Started
+from .openai_api import ApiError, GenerationRequest, ResponseShaper, parse_detokenize, parse_request, parse_tokenize, usage
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +42,15 @@ class Backend(Protocol):
     def cache_state(self) -> str:
         """"off" (--no-cache), or the cache link's "up" / "down" / "pending"."""
 
-    def generate(self, request: GenerationRequest, cancelled: threading.Event) -> Iterator[Started | str | Finished]:
+    def generate(self, request: GenerationRequest, cancelled: threading.Event
+                 ) -> Iterator[Started | Piece | Finished]:
         """Runs on the inference thread: Started, then text pieces, then Finished."""
+
+    def tokenize(self, request) -> dict:
+        """/tokenize's answer for an `openai_api.TokenizeRequest` (inference thread)."""
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """/detokenize's text (inference thread)."""
 
 
 class _End:
@@ -47,19 +60,36 @@ class _End:
         self.error = error
 
 
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # never behind --api-key
+
+
 class WorkerApp:
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, api_key: str | None = None) -> None:
         self.backend = backend
+        self._api_key = None if api_key is None else api_key.encode()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
-        self.app = web.Application(client_max_size=8 * 1024 * 1024, middlewares=[self._errors])
+        self.app = web.Application(client_max_size=8 * 1024 * 1024, middlewares=[self._errors, self._auth])
         self.app.add_routes([
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions),
             web.get("/v1/models", self.models),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
+            web.get("/version", self.version),
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
         ])
         self.app.on_shutdown.append(self._shutdown)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self._api_key is None or request.path in OPEN_PATHS:
+            return await handler(request)
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key):
+            raise ApiError("Incorrect API key provided (Authorization: Bearer KEY)", status=401,
+                           code="invalid_api_key")
+        return await handler(request)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
@@ -85,6 +115,21 @@ class WorkerApp:
         return web.json_response({"object": "list", "data": [
             {"id": self.backend.model_name, "object": "model", "owned_by": "prefixcache"}]})
 
+    async def version(self, _request: web.Request) -> web.Response:
+        return web.json_response({"version": version()})
+
+    async def _on_inference_thread(self, function, *args):
+        # The tokenizer and the cache link belong to the inference thread (module docstring).
+        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        parsed = parse_tokenize(await request.read(), self.backend.model_name)
+        return web.json_response(await self._on_inference_thread(self.backend.tokenize, parsed))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        tokens = parse_detokenize(await request.read(), self.backend.model_name)
+        return web.json_response({"prompt": await self._on_inference_thread(self.backend.detokenize, tokens)})
+
     async def metrics(self, _request: web.Request) -> web.Response:
         body = generate_latest(self.backend.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -96,7 +141,7 @@ class WorkerApp:
         return await self._serve(request, RequestKind.COMPLETION)
 
     async def _serve(self, http: web.Request, kind: RequestKind) -> web.StreamResponse:
-        parsed = parse_request(await http.read(), kind)
+        parsed = parse_request(await http.read(), kind, self.backend.model_name)
         cancelled = threading.Event()
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -133,8 +178,8 @@ class WorkerApp:
             yield event
 
     async def _collect(self, parsed: GenerationRequest, events: asyncio.Queue) -> web.Response:
-        shaper = ResponseShaper(parsed.kind, self.backend.model_name)
-        pieces, started, finished = [], None, None
+        shaper = ResponseShaper(parsed.kind, self.backend.model_name, parsed.sampling.logprobs is not None)
+        pieces, logprobs, started, finished = [], [], None, None
         try:
             async for event in self._events(events):
                 if isinstance(event, Started):
@@ -142,17 +187,20 @@ class WorkerApp:
                 elif isinstance(event, Finished):
                     finished = event
                 else:
-                    pieces.append(event)
+                    pieces.append(event.text)
+                    logprobs.extend(event.logprobs)
+                    if event.echo:
+                        shaper.skip_text(event.text)
         except ApiError:
             raise
         except Exception as error:  # noqa: BLE001 - reported to this client only
             return web.json_response({"error": {"message": f"generation failed: {error}",
                                                 "type": "server_error", "param": None, "code": None}}, status=500)
         body = usage(started.prompt_tokens, finished.completion_tokens, started.cached_tokens)
-        return web.json_response(shaper.full("".join(pieces), finished.finish_reason, body))
+        return web.json_response(shaper.full("".join(pieces), finished.finish_reason, body, tuple(logprobs)))
 
     async def _stream(self, http: web.Request, parsed: GenerationRequest, events: asyncio.Queue) -> web.StreamResponse:
-        shaper = ResponseShaper(parsed.kind, self.backend.model_name)
+        shaper = ResponseShaper(parsed.kind, self.backend.model_name, parsed.sampling.logprobs is not None)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         started = None
 
@@ -172,7 +220,9 @@ class WorkerApp:
                         await send(shaper.usage_chunk(usage(started.prompt_tokens, event.completion_tokens,
                                                             started.cached_tokens)))
                 else:
-                    await send(shaper.chunk(event, None))
+                    if event.echo:
+                        shaper.skip_text(event.text)
+                    await send(shaper.chunk(event.text, None, logprobs=event.logprobs))
         except ApiError:
             if not response.prepared:
                 raise

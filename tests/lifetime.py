@@ -1,0 +1,81 @@
+"""Test processes die with the test session and leave no shared memory behind, however it ends.
+
+- `popen(...)`: `subprocess.Popen` whose child gets PR_SET_PDEATHSIG=SIGKILL, so the kernel kills
+  it when the pytest process dies, even by SIGKILL (no finalizer runs then). PDEATHSIG follows the
+  *thread* that forked the child, so the tie is made only from the main thread, where fixtures run;
+  a child launched from another thread is untied (its owner's teardown still stops it). The tie
+  survives exec (not for set-uid binaries), so redis-server and `python -m services` keep it.
+- The session janitor (`start_janitor`, this module's `__main__`): a small process in its own
+  session that waits for the pytest process to end (EOF on a pipe only pytest holds), then removes
+  the shared-memory segments of processes of that session (owner record pid or parent pid == the
+  pytest pid: in-process host tiers and the services fixtures started) once their owners are gone.
+  It never touches a live segment or another session's. It imports no torch (tiers/shm.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from prefixcache.errors import ConfigError
+from prefixcache.tiers.shm import SHM_DIR, SegmentInfo, list_segments, remove_if_dead
+
+PR_SET_PDEATHSIG = 1
+JANITOR_WAIT_S = 30.0  # for the session's children to finish dying after the pytest process did
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with(parent_pid: int):
+    prctl = _libc.prctl
+
+    def tie() -> None:  # runs in the child between fork and exec
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before the tie was made
+            os._exit(1)
+
+    return tie
+
+
+def popen(args, **kwargs) -> subprocess.Popen:
+    """subprocess.Popen, the child killed by the kernel when this process dies (from the main thread)."""
+    if threading.current_thread() is threading.main_thread() and "preexec_fn" not in kwargs:
+        kwargs["preexec_fn"] = _die_with(os.getpid())
+    return subprocess.Popen(args, **kwargs)
+
+
+def session_segments(pid: int, directory: Path = SHM_DIR) -> list[SegmentInfo]:
+    """Segments owned by `pid` or by one of its children."""
+    return [info for info in list_segments(directory) if pid in (info.record.pid, info.record.ppid)]
+
+
+def start_janitor(session_pid: int | None = None) -> subprocess.Popen:
+    """The janitor of this session; it outlives a SIGKILL of this process (and of its group)."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root))
+    return subprocess.Popen([sys.executable, "-m", "tests.lifetime", str(session_pid or os.getpid())],
+                            stdin=subprocess.PIPE, cwd=root, env=env, start_new_session=True)
+
+
+def _janitor(session_pid: int) -> int:
+    sys.stdin.buffer.read()  # EOF: the session's process is gone (or closed the pipe at its end)
+    deadline = time.monotonic() + JANITOR_WAIT_S
+    while True:
+        left = session_segments(session_pid)
+        for info in left:
+            if not info.alive:
+                with contextlib.suppress(ConfigError):  # claimed by a new owner meanwhile: not ours
+                    remove_if_dead(info.path)
+        if not any(info.alive for info in left) or time.monotonic() > deadline:
+            return 0
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    sys.exit(_janitor(int(sys.argv[1])))
