@@ -33,6 +33,7 @@ from .errors import CorruptBlock
 from .hashing import BlockHash
 from .index import ROOT, RadixIndex
 from .tiers.base import RemoteTier, SlotTier, TierKind
+from .tiers.redis_stats import RedisStats
 from .transfer import ProbeBudget, TransferEstimate, TransferMeter
 
 log = logging.getLogger(__name__)
@@ -162,9 +163,13 @@ class RemoteLink:
     def is_up(self) -> bool:
         return self.tier.is_up()
 
+    def stats(self) -> RedisStats:
+        """The tier's own stats (the service's metrics export them)."""
+        return self.tier.stats()
+
     def figures(self) -> dict[str, float]:
         """The tier's numeric counters by name (GetStats' `remote` map)."""
-        return {k: v for k, v in vars(self.tier.stats()).items() if isinstance(v, (int, float))}
+        return {k: v for k, v in vars(self.stats()).items() if isinstance(v, (int, float))}
 
     def close(self) -> None:
         self.tier.close()

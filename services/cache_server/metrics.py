@@ -115,8 +115,8 @@ BREAKER_SIDES = ("read", "write")
 
 def remote_stats_of(cache) -> RedisStats | None:
     """The Redis tier's stats of a cache (None: no cache yet, or no Redis tier)."""
-    remote = None if cache is None else cache.remote
-    return None if remote is None else remote.stats()
+    link = None if cache is None else cache.remote_link
+    return None if link is None else link.stats()
 
 
 def _histogram(name: str, text: str, label: str, series: dict[str, LatencySnapshot]) -> HistogramMetricFamily:
