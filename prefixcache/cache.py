@@ -525,8 +525,9 @@ class PrefixCache:
                 remote_up=remote_up, remote=remote, **snapshot_dicts(c))
 
     def close(self) -> None:
-        for tier in self.tiers.values():
-            tier.close()
+        with self._lock:  # every write into a tier holds it: none is half done when the tiers go
+            for tier in self.tiers.values():
+                tier.close()
         if self.remote is not None:
             self.remote.close()
 

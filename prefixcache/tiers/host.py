@@ -12,7 +12,7 @@ import logging
 import mmap
 import os
 import secrets
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 import _posixshmem
 import torch
@@ -45,6 +45,7 @@ class HostTier(TensorPool):
         num_slots = slots_for(capacity_bytes, layout, "host_capacity")
         self.segment_name = segment_name or f"prefixcache-{secrets.token_hex(6)}"
         self._shm = shared_memory.SharedMemory(self.segment_name, create=True, size=num_slots * layout.block_bytes)
+        self._unlinked = False
         storage = _tensor_over(self._shm.buf, layout, num_slots)
         if torch.cuda.is_available():
             torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes, 0)
@@ -58,8 +59,19 @@ class HostTier(TensorPool):
             torch.cuda.cudart().cudaHostUnregister(self.storage.data_ptr())
         super().close()
         self._shm.close()
-        self._shm.unlink()
+        self.unlink()
         self._shm = None
+
+    def unlink(self) -> None:
+        """Remove the segment's name (idempotent); one already removed, e.g. by hand, is logged once."""
+        if self._shm is None or self._unlinked:
+            return
+        self._unlinked = True
+        try:
+            self._shm.unlink()
+        except FileNotFoundError:
+            log.warning("host tier: shared memory %s was already removed; nothing to unlink", self.segment_name)
+            resource_tracker.unregister(self._shm._name, "shared_memory")  # else it warns at exit
 
 
 class MappedSegment:

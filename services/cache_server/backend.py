@@ -17,17 +17,22 @@ Invariants:
 - A tenant registers at most `max_namespaces_per_tenant` namespaces (the core
   never forgets one and holds 32k in all): one tenant cannot exhaust them.
 - The cache is created at most once; after `close()` every call raises `Draining`.
+- Tier memory is unmapped only when no thread is copying out of it: the only reads
+  outside the cache lock (a Fetch stream copying leased slots into a message) run inside
+  `reading()`, which `close()` fences off and waits for (at most `FENCE_S`); copies that
+  outlast it leave the segment mapped until the process exits (its name is still removed).
 - What a non-admin tenant can see or change is its own: its namespaces, leases and
   reservations, its blocks (inspect, evict, flush) and its own figures (GetStats).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -51,8 +56,41 @@ from .inspect import BlockReport, inspect_prefix
 log = logging.getLogger(__name__)
 
 
+FENCE_S = 0.25  # how long close() waits for copies out of the tiers (each is one chunk, <= 4 MiB)
+
+
 class Draining(PrefixCacheError):
     """The service is shutting down and takes no new calls."""
+
+
+class TierFence:
+    """Threads reading tier memory outside the cache lock; once closed, nobody enters."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._inside = 0
+        self._closed = False
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._cond:
+            if self._closed:
+                raise Draining("the service is shutting down")
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._inside -= 1
+                if self._inside == 0:
+                    self._cond.notify_all()
+
+    def close(self, timeout_s: float) -> int:
+        """Let nobody in, wait for those inside; returns how many are still inside."""
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: self._inside == 0, timeout=timeout_s)
+            return self._inside
 
 
 class ServiceMisconfigured(PrefixCacheError):
@@ -79,6 +117,7 @@ class CacheBackend:
         self._salted: dict[tuple[str, str], str] = {}      # (namespace id, salt) -> namespace id
         self._counts: dict[str, int] = {}                  # tenant -> namespaces registered
         self._draining = threading.Event()
+        self._fence = TierFence()
         self._closed = False
 
     # -- lifecycle ----------------------------------------------------------
@@ -93,14 +132,30 @@ class CacheBackend:
     def begin_drain(self) -> None:
         self._draining.set()
 
+    def reading(self) -> contextlib.AbstractContextManager[None]:
+        """Around a copy out of tier memory made without the cache lock (see the invariants)."""
+        return self._fence.reading()
+
     def close(self) -> None:
-        """Drop leases and reservations with the cache and close its tiers (unlinks shm)."""
+        """Drop leases and reservations with the cache and close its tiers (unlinks shm).
+
+        Writes to the tiers run under the cache lock, which `PrefixCache.close` takes; reads
+        without it are fenced (`reading`)."""
         self._draining.set()
         with self._create_lock:
-            if self._cache is not None and not self._closed:
-                self._cache.close()
-                log.info("cache closed; host tier released")
-            self._closed = True
+            cache, self._closed = (self._cache if not self._closed else None), True
+            still_reading = self._fence.close(FENCE_S)
+            if cache is None:
+                return
+            if still_reading:
+                log.warning("%d Fetch handler(s) still copying %.2fs after the drain; the host tier stays mapped "
+                            "until the process exits", still_reading, FENCE_S)
+                cache.tiers[TierKind.HOST].unlink()
+                if cache.remote is not None:
+                    cache.remote.close()  # the Redis write queue still drains
+                return
+            cache.close()
+            log.info("cache closed; host tier released")
 
     def expire(self) -> int:
         cache = self._cache
@@ -221,7 +276,8 @@ class CacheBackend:
         return device.storage.untyped_storage()._share_cuda_(), device.num_slots
 
     def block_bytes(self, location: BlockLocation) -> memoryview:
-        """One block's bytes (a view into the tier for the host tier; the caller holds a lease)."""
+        """One block's bytes (a view into the tier for the host tier; the caller holds a lease
+        and copies it inside `reading()`)."""
         tier = self._require().tiers[TierKind(location.tier)]
         block = tier.view(location.slot)
         if block.device.type != "cpu":

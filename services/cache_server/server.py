@@ -6,9 +6,16 @@ Lifecycle:
    SERVING for "" and "prefixcache.v1.PrefixCache".
 2. `shutdown(grace_s)` (SIGTERM in `serve`): health NOT_SERVING, new calls get
    UNAVAILABLE, calls in flight (Fetch streams included) get up to the grace
-   period to finish, then the server stops, the ticker stops, and the cache
-   closes: leases and reservations vanish with it and the host tier's
-   shared-memory segment is unlinked.
+   period to finish, then the rest are cancelled, the server stops, the ticker
+   stops, and the cache closes: leases and reservations vanish with it and the
+   host tier's shared-memory segment is unlinked.
+
+Shutdown bound: `shutdown` returns within the grace period plus `SHUTDOWN_BOUND_S`,
+plus the Redis write-queue drain when a Redis tier is configured (`RedisTier.close`).
+Handlers cancelled at the end of the grace period get `HANDLER_EXIT_S` to return;
+the host tier is unmapped only once no handler is copying out of it (the backend's
+`TierFence`), and if one still were after `backend.FENCE_S`, the segment is unlinked
+but left mapped until the process exits: no handler ever reads unmapped memory.
 
 Defaults are conservative: 127.0.0.1, explicit message-size limits,
 keepalive, a bound on concurrent RPCs (RESOURCE_EXHAUSTED beyond it).
@@ -35,6 +42,9 @@ from .servicer import SERVICE_NAME, Limits, PrefixCacheServicer, register
 from .status import CallTracker
 
 log = logging.getLogger(__name__)
+
+HANDLER_EXIT_S = 0.5    # cancelled handlers return at their next send; a stream handler copies <= 4 MiB first
+SHUTDOWN_BOUND_S = 1.0  # past the grace period: cancel, HANDLER_EXIT_S, FENCE_S and the unmap, with margin
 
 
 class Ticker:
@@ -150,6 +160,11 @@ class CacheServer:
             # messages may still be on their way: let gRPC finish sending them within what
             # is left of the grace period (an open health Watch can hold it that long).
             self._server.stop(max(0.0, deadline - time.monotonic())).wait()
+            # gRPC's stop cancels the calls but does not wait for their handler threads:
+            # give them a bounded moment to return, so that few are left inside the tiers.
+            if not self.tracker.wait_idle(HANDLER_EXIT_S):
+                log.warning("%d handler(s) still running %.1fs after cancelling; closing around them",
+                            self.tracker.in_flight, HANDLER_EXIT_S)
             self._stop_pools()
             self._ticker.stop()
             self.backend.close()

@@ -131,8 +131,15 @@ class PrefixCacheServicer:
         count = len(lease.locations)
         total = count * self._backend.cache.layout.block_bytes
         views = (self._backend.block_bytes(location) for location in lease.locations)
-        for offset, parts in byte_chunks(views, limit):
-            message = wire.encode_fetch_chunk(offset, parts, total, count)  # the one copy of the bytes
+        chunks = byte_chunks(views, limit)
+        while True:
+            # The views point into the host tier's mapping: every step that touches them runs
+            # inside the backend's fence, which the shutdown closes before it unmaps the tier.
+            with self._backend.reading():
+                step = next(chunks, None)
+                if step is None:
+                    return
+                message = wire.encode_fetch_chunk(step[0], step[1], total, count)  # the one copy of the bytes
             # Checked after the copy: if the lease is still live, the slots were pinned while
             # they were read, so these bytes are the leased blocks and nothing else.
             self._backend.lease(principal, lease_id)
