@@ -18,7 +18,8 @@ the host tier is unmapped only once no handler is copying out of it (the backend
 but left mapped until the process exits: no handler ever reads unmapped memory.
 
 Defaults are conservative: 127.0.0.1, explicit message-size limits,
-keepalive, a bound on concurrent RPCs (RESOURCE_EXHAUSTED beyond it).
+keepalive, a bound on calls held at once (RESOURCE_EXHAUSTED with a retry hint beyond it;
+health checks and Release are exempt: pools.Admission).
 """
 
 from __future__ import annotations
@@ -37,7 +38,13 @@ from .auth import AuthInterceptor
 from .backend import CacheBackend
 from .metrics import ServiceMetrics
 from .options import ServerOptions
-from .pools import ElasticPool, StreamsOnOwnPool
+from .pools import (
+    HEALTH_METHODS,
+    Admission,
+    CountingPool,
+    ElasticPool,
+    StreamsOnOwnPool,
+)
 from .servicer import SERVICE_NAME, Limits, PrefixCacheServicer, register
 from .status import CallTracker
 
@@ -89,8 +96,10 @@ class CacheServer:
         self.metrics_port: int | None = None
         # Unary calls on a few threads, streams on their own (pools.py says why).
         self.unary_pool = ElasticPool(options.workers, options.workers + options.max_concurrent_rpcs, "rpc")
-        self.stream_pool = futures.ThreadPoolExecutor(max_workers=options.stream_workers,
-                                                       thread_name_prefix="rpc-stream")
+        self.stream_pool = CountingPool(options.stream_workers, "rpc-stream")
+        self.control_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rpc-control")
+        self.admission = Admission(options.max_concurrent_rpcs, (self.unary_pool, self.stream_pool),
+                                   self.control_pool, HEALTH_METHODS | {f"/{SERVICE_NAME}/Release"})
         if self.metrics is not None:
             self.metrics.watch_handlers(self.unary_pool.load)
         self._server = self._build_grpc()
@@ -98,11 +107,10 @@ class CacheServer:
     def _build_grpc(self) -> grpc.Server:
         options = self.options
         denied = self.metrics.denied if self.metrics else None
-        interceptors: list[grpc.ServerInterceptor] = [StreamsOnOwnPool(self.stream_pool)]
+        interceptors: list[grpc.ServerInterceptor] = [self.admission, StreamsOnOwnPool(self.stream_pool)]
         if options.authenticator.enabled:
             interceptors.append(AuthInterceptor(options.authenticator, denied))
-        server = grpc.server(self.unary_pool, interceptors=interceptors, options=options.grpc_options(),
-                             maximum_concurrent_rpcs=options.max_concurrent_rpcs)
+        server = grpc.server(self.unary_pool, interceptors=interceptors, options=options.grpc_options())
         limits = Limits(options.backend.block_size, options.backend.cache.max_prompt_tokens, options.max_chunk_bytes)
         servicer = PrefixCacheServicer(self.backend, options.authenticator, limits)
         register(server, servicer, self.tracker, self.metrics.observe if self.metrics else _no_observer)
@@ -177,6 +185,7 @@ class CacheServer:
         # gRPC leaves the executors it was given running; their threads are idle by now.
         self.unary_pool.shutdown(wait=False, cancel_futures=True)
         self.stream_pool.shutdown(wait=False, cancel_futures=True)
+        self.control_pool.shutdown(wait=False, cancel_futures=True)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         return self._stopped.wait(timeout_s)
