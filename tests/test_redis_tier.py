@@ -256,17 +256,22 @@ def test_server_side_refusals_fail_open(private_redis: RedisServer, fault: str) 
 
 
 def test_out_of_memory_drops_writes_but_keeps_serving_reads(private_redis: RedisServer) -> None:
-    """OOM refuses SET but not GETEX (not a denyoom command): hits continue, spills fail, counted."""
+    """OOM refuses SET but not GETEX (not a denyoom command): hits continue, spills fail, counted,
+    and once the write side is down (its own breaker) writes are dropped at submit, reads not."""
     with RedisTier(fast_options(private_redis.url)) as tier:
         assert tier.submit(NS, block_hash(1), b"x") and tier.wait_idle(5)
         with private_redis.client() as raw:
             raw.config_set("maxmemory-policy", "noeviction")
             raw.config_set("maxmemory", "1")
-        for i in range(2, 6):
-            assert tier.submit(NS, block_hash(i), b"y")
+        accepted = 0
+        for i in range(2, 12):
+            accepted += tier.submit(NS, block_hash(i), b"y")
             assert tier.wait_idle(5)
             assert tier.fetch(NS, [block_hash(1), block_hash(i)]) == [b"x", None]
-        assert tier.stats().writes_failed == 4
+        stats = tier.stats()
+        assert stats.writes_failed == accepted == tier.options.breaker_failures  # then the write side went down
+        assert stats.reads_up and not stats.writes_up and stats.state is BreakerState.UP
+        assert stats.write_state is BreakerState.DOWN and stats.reads_skipped == 0
 
 
 # ---- cluster and connection variants ----------------------------------------------------------
