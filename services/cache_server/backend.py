@@ -207,7 +207,7 @@ class CacheBackend:
             if namespace_id(cache.hasher.root(namespace)) not in self._owners:
                 if self._counts.get(tenant, 0) >= limit:
                     raise ResourceExhausted(f"{field}: this tenant already has {limit} namespaces "
-                                            "(models, revisions and salts)")
+                                            "(models, revisions and salts)", field)
                 self._counts[tenant] = self._counts.get(tenant, 0) + 1
             ns_id = cache.attach(namespace)
             self._owners[ns_id] = tenant
