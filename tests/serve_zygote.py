@@ -12,13 +12,26 @@ Protocol, one line each way (stdin -> stdout), one child at a time:
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import sys
 
 from services.cli import main as cli_main
 
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux), so that nothing outlives the test."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
 
 def _child(fd: int, argv: list[str]) -> None:
+    _die_with_parent()
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -33,6 +46,7 @@ def _child(fd: int, argv: list[str]) -> None:
 
 
 def serve_forever() -> None:
+    _die_with_parent()
     child = None
     for line in sys.stdin:
         words = line.split()

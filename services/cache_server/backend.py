@@ -85,6 +85,10 @@ class TierFence:
                 if self._inside == 0:
                     self._cond.notify_all()
 
+    @property
+    def inside(self) -> int:
+        return self._inside
+
     def close(self, timeout_s: float) -> int:
         """Let nobody in, wait for those inside; returns how many are still inside."""
         with self._cond:
@@ -131,6 +135,10 @@ class CacheBackend:
 
     def begin_drain(self) -> None:
         self._draining.set()
+
+    def copies_in_progress(self) -> int:
+        """Threads copying out of tier memory right now (inside `reading()`)."""
+        return self._fence.inside
 
     def reading(self) -> contextlib.AbstractContextManager[None]:
         """Around a copy out of tier memory made without the cache lock (see the invariants)."""

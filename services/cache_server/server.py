@@ -168,6 +168,10 @@ class CacheServer:
             # messages may still be on their way: let gRPC finish sending them within what
             # is left of the grace period (an open health Watch can hold it that long).
             self._server.stop(max(0.0, deadline - time.monotonic())).wait()
+            copying = self.backend.copies_in_progress()
+            if copying:  # unmapping now would pull the memory from under them (SIGSEGV)
+                log.info("%d handler(s) copying out of the host tier as the server stopped; waiting for them",
+                         copying)
             # gRPC's stop cancels the calls but does not wait for their handler threads:
             # give them a bounded moment to return, so that few are left inside the tiers.
             if not self.tracker.wait_idle(HANDLER_EXIT_S):
