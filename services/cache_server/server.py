@@ -38,13 +38,7 @@ from .auth import AuthInterceptor
 from .backend import CacheBackend
 from .metrics import ServiceMetrics
 from .options import ServerOptions
-from .pools import (
-    HEALTH_METHODS,
-    Admission,
-    CountingPool,
-    ElasticPool,
-    StreamsOnOwnPool,
-)
+from .pools import HEALTH_METHODS, Admission, CountingPool, ElasticPool, StreamsOnOwnPool
 from .servicer import SERVICE_NAME, Limits, PrefixCacheServicer, register
 from .status import CallTracker
 
