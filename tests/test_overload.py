@@ -14,7 +14,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from prefixcache.client.errors import RETRY_METADATA
+from prefixcache.client.errors import RETRY_METADATA, retry_after_s
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
 from services.cache_server.servicer import SERVICE_NAME
@@ -52,7 +52,9 @@ def test_health_and_release_are_never_refused_while_new_work_is():
                     stub.Lookup(pb.LookupRequest(namespace_id=ns, tokens=tokens, take_lease=False), timeout=20)
                     looked = (CODE.OK, None)
                 except grpc.RpcError as error:
-                    looked = (error.code(), dict(error.trailing_metadata() or ()).get(RETRY_METADATA))
+                    hint = dict(error.trailing_metadata() or ()).get(RETRY_METADATA)
+                    assert retry_after_s(error) == int(hint) / 1000  # what CacheClient.release waits
+                    looked = (error.code(), hint)
                 health = health_pb2_grpc.HealthStub(own).Check(health_pb2.HealthCheckRequest(), timeout=20)
                 stub.Release(pb.ReleaseRequest(lease_id=leases[i].lease_id), timeout=20)
                 return looked, health.status
