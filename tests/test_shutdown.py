@@ -26,9 +26,12 @@ import pytest
 import torch
 
 from prefixcache.client import CacheClient
-from prefixcache.config import KVLayout
+from prefixcache.config import CacheConfig, KVLayout
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
+from prefixcache.tiers.base import TierKind
+from services.cache_server.auth import OPEN
+from services.cache_server.backend import FENCE_S, BackendOptions, CacheBackend, Draining
 from services.cache_server.server import SHUTDOWN_BOUND_S
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,11 +153,6 @@ def test_sigterm_with_open_slow_and_stuck_fetch_streams_exits_zero_in_bound(tmp_
 def test_close_never_unmaps_under_a_copy_in_progress():
     """A copy held inside the fence past `FENCE_S`: close returns anyway, removes the segment's
     name, keeps its memory mapped (the copy can finish), and no new copy may start."""
-    from prefixcache.config import CacheConfig
-    from prefixcache.tiers.base import TierKind
-    from services.cache_server.auth import OPEN
-    from services.cache_server.backend import FENCE_S, BackendOptions, CacheBackend, Draining
-
     layout = KVLayout(layers=2, kv_heads=2, head_dim=64, block_size=16, dtype="float16")
     backend = CacheBackend(BackendOptions(CacheConfig(host_capacity=8 * layout.block_bytes), block_size=16))
     backend.attach(OPEN, "m", "", layout, None)
@@ -174,9 +172,8 @@ def test_close_never_unmaps_under_a_copy_in_progress():
     backend.close()
     assert FENCE_S <= time.monotonic() - started < FENCE_S + 1.0
     assert not Path("/dev/shm", host.segment_name).exists()
-    with pytest.raises(Draining):
-        with backend.reading():
-            pass
+    with pytest.raises(Draining), backend.reading():
+        pass
     leave.set()
     reader.join(5)
     assert copied == [0]
