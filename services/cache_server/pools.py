@@ -244,14 +244,12 @@ class Admission(grpc.ServerInterceptor):
     ran is never counted twice or leaked."""
 
     def __init__(self, limit: int, pools: tuple, control_pool: futures.ThreadPoolExecutor,
-                 control: frozenset[str], retry_after_ms: int = 100,
-                 on_refused: Callable[[str], None] | None = None) -> None:
+                 control: frozenset[str], retry_after_ms: int = 100) -> None:
         self._limit = limit
         self._pools = pools
         self._control_pool = control_pool
         self._control = control
         self._retry_after_ms = retry_after_ms
-        self._on_refused = on_refused
         self._moved: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     def held(self) -> int:
@@ -273,8 +271,6 @@ class Admission(grpc.ServerInterceptor):
         held = self.held()
         if held < self._limit:
             return handler
-        if self._on_refused is not None:
-            self._on_refused(method)
         return self._refusal(handler, held)
 
     def _refusal(self, handler: grpc.RpcMethodHandler, held: int) -> grpc.RpcMethodHandler:
