@@ -44,12 +44,13 @@ from ..rpc import cache_pb2 as pb
 from ..rpc import cache_pb2_grpc as pb_grpc
 from . import wire
 from .dataplane import LocalPools, map_device_pool, map_host_segment
-from .errors import error_from_rpc
+from .errors import error_from_rpc, retry_after_s
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "prefixcache.v1.PrefixCache"
 LEASE_MARGIN_S = 0.05          # read from shared memory only this long before the lease ends
+RELEASE_ATTEMPTS = 5           # Release refused for load (older services) is retried after the hint
 MIN_STREAM_BYTES_PER_S = 100e6  # a Fetch/Store deadline grows with its size at this rate
 STORE_CHUNK_BYTES = 1 << 20     # data per Store message (the service may allow up to 4 MiB)
 
@@ -245,11 +246,23 @@ class CacheClient:
         lease_id = hit.lease_id if isinstance(hit, Hit) else hit
         if not lease_id:
             return False
-        try:
-            self._call(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id), timeout_s, lease_id)
-        except UnknownLease:
-            return False
-        return True
+        request = pb.ReleaseRequest(lease_id=lease_id)
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        for attempt in range(RELEASE_ATTEMPTS):
+            try:
+                self._stub.Release(request, timeout=max(0.001, deadline - time.monotonic()), metadata=self._metadata)
+                return True
+            except grpc.RpcError as error:
+                # A service from before Release was exempt from its load limit may refuse it:
+                # retry after its hint, since a lease left to expire pins blocks for its TTL.
+                pause = retry_after_s(error)
+                if pause is None or attempt == RELEASE_ATTEMPTS - 1 or time.monotonic() + pause >= deadline:
+                    try:
+                        raise error_from_rpc(error, self.address, lease_id) from None
+                    except UnknownLease:
+                        return False
+                time.sleep(pause)
+        return False
 
     # -- writes ---------------------------------------------------------------------------
     def store(self, tokens, kv: torch.Tensor, start_block: int = 0, cache_salt: str | None = None,

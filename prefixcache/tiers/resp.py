@@ -40,13 +40,18 @@ class RespPipeline:
     def __init__(self, client: redis.Redis) -> None:
         self._pool = client.connection_pool
 
-    def getex(self, keys: list[str], ttl_ms: int) -> list[memoryview | None]:
-        """`GETEX key PX ttl_ms` for each key in one round trip; None for a missing key, or for a
-        key holding another type (WRONGTYPE: a foreign value our next SET replaces)."""
-        px = b"%d" % ttl_ms
-        tail = b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(px), px)
-        command = b"".join(b"*4\r\n$5\r\nGETEX\r\n$%d\r\n%s%s" % (len(k), k, tail)
-                           for k in (key.encode() for key in keys))
+    def getex(self, keys: list[str], ttl_ms: int | None) -> list[memoryview | None]:
+        """`GETEX key PX ttl_ms` (plain `GET` when `ttl_ms` is None) for each key in one round trip;
+        None for a missing key, or for a key holding another type (WRONGTYPE: a foreign value our
+        next SET replaces)."""
+        if ttl_ms is None:
+            command = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
+                               for k in (key.encode() for key in keys))
+        else:
+            px = b"%d" % ttl_ms
+            tail = b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(px), px)
+            command = b"".join(b"*4\r\n$5\r\nGETEX\r\n$%d\r\n%s%s" % (len(k), k, tail)
+                               for k in (key.encode() for key in keys))
         return self._exchange([command], len(keys), _read_value)
 
     def set(self, entries: list[tuple[str, bytes | memoryview]], ttl_ms: int | list[int]) -> None:
