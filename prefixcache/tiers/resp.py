@@ -178,8 +178,17 @@ def _read_value(reader: _Reader) -> memoryview | None:
     if kind == b"-":
         if line.startswith(b"-WRONGTYPE"):
             return None
-        raise redis.exceptions.ResponseError(line[1:].decode("utf-8", "replace"))
+        raise _error_reply(line)
     raise redis.exceptions.InvalidResponse(f"unexpected reply to GETEX: {line[:32]!r}")
+
+
+# The classes redis-py raises for these codes (the tier classifies write refusals by them).
+_ERROR_CLASSES = {b"OOM": redis.exceptions.OutOfMemoryError, b"READONLY": redis.exceptions.ReadOnlyError}
+
+
+def _error_reply(line: bytes) -> redis.exceptions.ResponseError:
+    code = line[1:].split(b" ", 1)[0]
+    return _ERROR_CLASSES.get(code, redis.exceptions.ResponseError)(line[1:].decode("utf-8", "replace"))
 
 
 def _read_ok(reader: _Reader) -> None:
@@ -187,5 +196,5 @@ def _read_ok(reader: _Reader) -> None:
     if line == b"+OK":
         return
     if line[:1] == b"-":
-        raise redis.exceptions.ResponseError(line[1:].decode("utf-8", "replace"))
+        raise _error_reply(line)
     raise redis.exceptions.InvalidResponse(f"unexpected reply to SET: {line[:32]!r}")
