@@ -8,7 +8,8 @@ SPEC: {"model": DIR, "apc": bool, "connector": {kv_connector_extra_config} | nul
    "kill_pid_after_s": [pid, seconds]?}: greedy outputs and num_cached_tokens per prompt;
    with kill_pid_after_s a thread SIGKILLs pid that long after generation starts;
 - {"barrier": NAME}: writes OUT.NAME.reached, waits for OUT.NAME.go (the test acts meanwhile).
-OUT: {"startup_s": s, "steps": {NAME: {"outputs": [[ids]...], "cached": [n...], "seconds": s}}}.
+OUT: {"startup_s": s, "steps": {NAME: {"outputs": [[ids]...], "cached": [n...], "seconds": s,
+"metrics": {connector counter: cumulative value}}}}.
 Engines take tens of seconds to start, so one process serves many checks; vLLM spawns
 processes, hence the __main__ guard.
 """
@@ -34,6 +35,16 @@ def _barrier(out: Path, name: str, timeout_s: float = 300.0) -> None:
         time.sleep(0.05)
 
 
+def _connector_metrics(llm) -> dict[str, float]:
+    """vllm:prefixcache_* counters as vLLM's own metrics reader sees them (cumulative)."""
+    values: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:prefixcache_") and hasattr(metric, "value"):
+            key = metric.name.removeprefix("vllm:prefixcache_")
+            values[key] = values.get(key, 0) + metric.value
+    return values
+
+
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     out = Path(out_path)
@@ -49,7 +60,7 @@ def main(spec_path: str, out_path: str) -> None:
     started = time.monotonic()
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", block_size=32, enforce_eager=True,
               max_model_len=spec.get("max_model_len", 2048), enable_prefix_caching=bool(spec.get("apc")),
-              max_num_seqs=spec.get("max_num_seqs", 16), seed=0, **kwargs)
+              max_num_seqs=spec.get("max_num_seqs", 16), seed=0, disable_log_stats=False, **kwargs)
     result: dict = {"startup_s": time.monotonic() - started, "steps": {}}
     for step in spec["steps"]:
         if "barrier" in step:
@@ -71,7 +82,8 @@ def main(spec_path: str, out_path: str) -> None:
         result["steps"][step["generate"]] = {
             "outputs": [list(o.outputs[0].token_ids) for o in outputs],
             "cached": [o.num_cached_tokens or 0 for o in outputs],
-            "seconds": time.monotonic() - begun}
+            "seconds": time.monotonic() - begun,
+            "metrics": _connector_metrics(llm)}
         out.write_text(json.dumps(result))
     out.write_text(json.dumps(result))
     del llm

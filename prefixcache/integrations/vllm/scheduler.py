@@ -84,7 +84,8 @@ class SchedulerSide:
         try:
             hit = client.lookup(prompt, cache_salt=state.salt, take_lease=True,
                                 timeout_s=self.settings.lookup_timeout_s,
-                                recompute_s_per_token=1.0 / self._prefill_tokens_per_s)
+                                recompute_s_per_token=None if self.settings.hit_policy == "always"
+                                else 1.0 / self._prefill_tokens_per_s)
         except PrefixCacheError as error:
             self.link.failed(error)
             self.stats.add(lookup_errors=1)
