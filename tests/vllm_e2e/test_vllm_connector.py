@@ -8,7 +8,9 @@ report:
 - REF (no connector, prefix caching off) and APC (no connector, prefix caching on, warmed
   with A's prompts) give the reference outputs and vLLM's own prefix-cache baseline.
 - B1 (fresh, connector -> s1, prefix caching off): loads A's prefixes from s1's host tier
-  (shared memory); then s1 is SIGKILLed while B1 serves a batch, restarted, and B1 hits again.
+  (shared memory); then s1 is SIGKILLed while B1 serves a batch, restarted, and B1 hits again;
+  last, s1 restarts with 1 ms leases, so every scheduled load fails after scheduling and vLLM
+  must recompute the blocks the connector reports (get_block_ids_with_load_errors).
 - B2 (fresh, connector -> s2, a second service over the same Redis, prefix caching on): loads
   A's prefixes through Redis; after every Redis value is corrupted, prompts only Redis holds
   are misses with reference outputs.
@@ -22,7 +24,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +139,12 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
     fresh = _conversations(rng, 3, _tokens(rng, 40))
     prompts["d1"] = [conv[0] for conv in fresh]
     prompts["d2"] = [conv[1] for conv in fresh]
+    late = _conversations(rng, 3, _tokens(rng, 40))
+    prompts["f1"] = [conv[0] for conv in late]
+    prompts["f2"] = [conv[1] for conv in late]
+    salted = _tokens(rng, 150)
+    prompts["s_a"] = [salted]
+    prompts["s_b"] = [salted + _tokens(rng, 9)] * 3
     redis = RedisServer(workdir / "redis").start()
     s1 = CacheService(workdir / "s1", redis_url=redis.url, extra_args=["--block-size", str(BS)])
     s2 = CacheService(workdir / "s2", redis_url=redis.url, extra_args=["--block-size", str(BS)])
@@ -147,8 +154,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
         s1.start()
         s2.start()
         connector = {"hit_policy": "always", "timeout_s": 5.0, "lookup_timeout_s": 5.0}
-        order = ["b", "b2", "c", "d1", "d2", "e"]
-        a = _start(workdir, "A", model, [_gen("a", prompts["a"])], {"cache": s1.address, **connector}, apc=False)
+        order = ["b", "b2", "c", "d1", "d2", "e", "f2", "s_b"]
+        a = _start(workdir, "A", model, [_gen("a", prompts["a"]), _gen("s_a", prompts["s_a"], salts=["tenant-1"])],
+                   {"cache": s1.address, **connector}, apc=False)
         ref = _start(workdir, "REF", model, [_gen(k, prompts[k]) for k in order], None, apc=False)
         apc = _start(workdir, "APC", model, [_gen("a", prompts["a"]), _gen("b", prompts["b"]), _gen("b2", prompts["b2"])],
                      None, apc=True)
@@ -159,10 +167,13 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
             assert poll(lambda: sum(1 for _ in raw.scan_iter(match=f"{s1.redis_key_prefix}*")) >= len(blocks), 60)
         b1 = _start(workdir, "B1", model, [
             _gen("b", prompts["b"]),
+            _gen("s_b", prompts["s_b"], salts=["tenant-1", "tenant-2", None]),
             {"barrier": "kill"},
             _gen("c", prompts["c"], kill_pid_after_s=[s1.process.pid, KILL_AFTER_S], max_tokens=32),
             {"barrier": "restart"},
-            _gen("d1", prompts["d1"]), _gen("d2", prompts["d2"])], {"cache": s1.address, **connector}, apc=False)
+            _gen("d1", prompts["d1"]), _gen("d2", prompts["d2"]),
+            {"barrier": "short_lease"},
+            _gen("f1", prompts["f1"]), _gen("f2", prompts["f2"])], {"cache": s1.address, **connector}, apc=False)
         b2 = _start(workdir, "B2", model, [_gen("b2", prompts["b2"]), {"barrier": "corrupt"}, _gen("e", prompts["e"])],
                     {"cache": s2.address, **connector}, apc=True)
         engines += [b1, b2]
@@ -172,6 +183,10 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
         assert not s1.alive()
         s1.restart()  # same port, fresh host tier (the dead one's segment unlinked)
         b1.go("restart")
+        b1.wait_barrier("short_lease")
+        s1.extra_args += ("--lease-ttl", "1ms")  # every lease is over before a worker can copy it
+        s1.restart()
+        b1.go("short_lease")
         results["B1"] = b1.result()
         b2.wait_barrier("corrupt")
         corrupted = _corrupt_every_value(redis, s1.redis_key_prefix)
@@ -263,3 +278,20 @@ def test_a_corrupted_redis_block_is_a_miss_never_wrong_output(scenario: dict) ->
     assert scenario["corrupted"] > 0
     assert e["cached"] == [0] * len(scenario["prompts"]["e"])
     assert e["outputs"] == scenario["REF"]["steps"]["e"]["outputs"]
+
+
+def test_a_load_that_fails_after_scheduling_is_recomputed_by_vllm(scenario: dict) -> None:
+    steps = scenario["B1"]["steps"]
+    before, after = steps["f1"]["metrics"], steps["f2"]["metrics"]
+    failed = after.get("load_failures", 0) - before.get("load_failures", 0)
+    assert failed == len(scenario["prompts"]["f2"])  # each f2 prompt was offered f1's blocks, none loaded
+    assert after.get("loaded_tokens", 0) == before.get("loaded_tokens", 0)
+    assert steps["f2"]["outputs"] == scenario["REF"]["steps"]["f2"]["outputs"]
+
+
+def test_a_request_cache_salt_shares_only_with_the_same_salt(scenario: dict) -> None:
+    s_b, prompts = scenario["B1"]["steps"]["s_b"], scenario["prompts"]
+    expected = _expected_external(prompts["s_b"][0], prompts["s_a"])
+    assert expected == 128
+    assert s_b["cached"] == [expected, 0, 0]  # same salt; another salt; no salt
+    assert s_b["outputs"] == scenario["REF"]["steps"]["s_b"]["outputs"]

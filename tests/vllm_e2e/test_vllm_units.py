@@ -10,8 +10,17 @@ import torch
 
 from prefixcache.config import KVLayout
 from prefixcache.errors import ConfigError
-from prefixcache.integrations.vllm.config import ConnectorSettings, kv_dtype_of, weights_digest
-from prefixcache.integrations.vllm.paged import KVPacking, PagedCache, PagedLayer, packing_of_backend
+from prefixcache.integrations.vllm.config import (
+    ConnectorSettings,
+    kv_dtype_of,
+    weights_digest,
+)
+from prefixcache.integrations.vllm.paged import (
+    KVPacking,
+    PagedCache,
+    PagedLayer,
+    packing_of_backend,
+)
 
 H, N, D, BLOCKS, LAYERS = 2, 32, 16, 9, 3
 
@@ -112,3 +121,11 @@ def test_backends_the_connector_cannot_copy_fail_by_name() -> None:
     with pytest.raises(ConfigError) as error:
         packing_of_backend("TRITON_MLA")
     assert error.value.field == "attention_backend"
+
+
+def test_the_library_does_not_import_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, prefixcache, prefixcache.client, prefixcache.integrations; sys.exit('vllm' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120, check=False).returncode == 0

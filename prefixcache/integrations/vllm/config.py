@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...config import DType, KVLayout
+from ...config import DType, KVLayout, validate_salt
 from ...errors import ConfigError
 
 HIT_POLICIES = ("always", "auto")
@@ -56,7 +56,7 @@ class ConnectorSettings:
     prefill_tokens_per_s: float = 0.0  # auto policy's prefill rate before the worker measured one
 
     @classmethod
-    def parse(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
+    def parse(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
         extra = dict(extra or {})
         unknown = sorted(set(extra) - _KNOWN_KEYS)
         if unknown:
@@ -100,6 +100,8 @@ class ConnectorSettings:
             if not isinstance(extra["same_host"], bool):
                 raise ConfigError("same_host", f"must be true or false, got {extra['same_host']!r}")
             values["same_host"] = extra["same_host"]
+        if "cache_salt" in values:
+            validate_salt(values["cache_salt"])
         settings = cls(**values)
         if settings.cache_salt_source == "config" and settings.cache_salt is None:
             raise ConfigError("cache_salt", "cache_salt_source=config needs a cache_salt")

@@ -19,12 +19,15 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ...errors import ConfigError
 from .config import ConnectorSettings, describe, namespace_of
-from .link import CacheLink
+from .link import LOGGER, CacheLink
 from .metadata import PrefixCacheMetadata
 from .paged import PagedCache, PagedLayer, packing_of_backend
 from .scheduler import SchedulerSide
@@ -35,11 +38,11 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-log = logging.getLogger("prefixcache.integrations.vllm")
+log = logging.getLogger(LOGGER)
 
 
 class PrefixCacheConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.settings = ConnectorSettings.parse(transfer.kv_connector_extra_config)

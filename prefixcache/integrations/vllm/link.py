@@ -16,15 +16,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from ...client.api import Attachment, CacheClient
 from ...config import KVLayout
-from ...errors import PrefixCacheError
+from ...errors import InvalidArgument, PrefixCacheError, UnknownNamespace
 from .config import ConnectorSettings, VllmNamespace
 
-log = logging.getLogger("prefixcache.integrations.vllm")
+# A child of vLLM's "vllm" logger, so messages go out through vLLM's handler, format and level.
+LOGGER = "vllm.prefixcache"
+log = logging.getLogger(LOGGER)
 
 RETRY_S = 1.0
+T = TypeVar("T")
+
+
+def service_level(error: PrefixCacheError) -> bool:
+    """True when the error means the service (not this one request) is unusable: re-attach."""
+    return (not isinstance(error, InvalidArgument) or isinstance(error, UnknownNamespace)
+            or error.field in ("namespace", "namespace_id"))  # the service forgot us: it restarted
 
 
 class CacheLink:
@@ -66,6 +77,22 @@ class CacheLink:
             self._client, self._attachment = client, attachment
             self._set_state(True, None)
             return client, attachment
+
+    def call(self, operation: Callable[[CacheClient, Attachment], T]) -> tuple[T, Attachment] | None:
+        """`operation` on the attached client (None while unusable). When a working client fails
+        at the service level, re-attach and try once more: a restarted service answers the
+        second call, so a restart costs no request its hit or its save."""
+        for attempt in (0, 1):
+            attached = self.client()
+            if attached is None:
+                return None
+            try:
+                return operation(*attached), attached[1]
+            except PrefixCacheError as error:
+                if attempt or not service_level(error):
+                    raise
+                self.failed(error)
+        return None
 
     def failed(self, error: BaseException) -> None:
         """A call on the current client failed: drop it; the next `client()` re-attaches when due."""

@@ -54,7 +54,7 @@ class PagedLayer:
     values: torch.Tensor
 
     @classmethod
-    def of(cls, tensor: torch.Tensor, packing: KVPacking, head_size: int) -> "PagedLayer":
+    def of(cls, tensor: torch.Tensor, packing: KVPacking, head_size: int) -> PagedLayer:
         if tensor.dim() != 4 or tensor.shape[-1] != 2 * head_size:
             raise ConfigError("kv_caches", f"expected [blocks, kv_heads, block_size, {2 * head_size}], "
                                            f"got {tuple(tensor.shape)}")

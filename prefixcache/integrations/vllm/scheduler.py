@@ -28,11 +28,11 @@ from ...client.api import Attachment, Hit
 from ...errors import PrefixCacheError
 from ...tiers.base import TierKind
 from ...transfer import TransferEstimate
-from .link import CacheLink
+from .link import LOGGER, CacheLink, service_level
 from .metadata import LoadOp, PrefixCacheMetadata, SaveOp
 from .stats import StatsBox
 
-log = logging.getLogger("prefixcache.integrations.vllm")
+log = logging.getLogger(LOGGER)
 
 # Priors of the `auto` hit policy (services/worker/hit_policy.py measures these on the reference worker).
 MAPPED_LOAD = TransferEstimate(latency_s=100e-6, bytes_per_s=2e9)   # shared memory -> staging -> paged cache
@@ -75,22 +75,24 @@ class SchedulerSide:
         usable = (len(prompt) - 1) // self.block_size * self.block_size  # vLLM computes >= 1 token
         if usable <= num_computed_tokens:
             return 0  # nothing to gain; saves still start at vLLM's own local blocks' worth of 0
-        attached = self.link.client()
         self.stats.add(lookups=1)
-        if attached is None:
-            self.stats.add(lookup_errors=1)
-            return 0
-        client, attachment = attached
+        recompute = None if self.settings.hit_policy == "always" else 1.0 / self._prefill_tokens_per_s
         try:
-            hit = client.lookup(prompt, cache_salt=state.salt, take_lease=True,
-                                timeout_s=self.settings.lookup_timeout_s,
-                                recompute_s_per_token=None if self.settings.hit_policy == "always"
-                                else 1.0 / self._prefill_tokens_per_s)
+            answer = self.link.call(lambda client, _: client.lookup(
+                prompt, cache_salt=state.salt, take_lease=True, timeout_s=self.settings.lookup_timeout_s,
+                recompute_s_per_token=recompute))
         except PrefixCacheError as error:
-            self.link.failed(error)
+            if service_level(error):
+                self.link.failed(error)
             self.stats.add(lookup_errors=1)
             return 0
-        if not self._valid(hit, attachment, len(prompt)):
+        if answer is None:
+            self.stats.add(lookup_errors=1)
+            return 0
+        hit, attachment = answer
+        client = self.link.client()
+        client = client[0] if client is not None else None
+        if not self._valid(hit, attachment, len(prompt), state.salt):
             self._release(client, hit)
             self.link.failed(PrefixCacheError(f"invalid Lookup answer for {len(prompt)} tokens: "
                                               f"{hit.hit_tokens} hit tokens in {hit.blocks} blocks"))
@@ -108,8 +110,9 @@ class SchedulerSide:
         self.stats.add(offered_tokens=external)
         return external
 
-    def _valid(self, hit: Hit, attachment: Attachment, prompt_tokens: int) -> bool:
-        return (hit.namespace_id == attachment.namespace_id and hit.prompt_tokens == prompt_tokens
+    def _valid(self, hit: Hit, attachment: Attachment, prompt_tokens: int, salt: str | None) -> bool:
+        # A salted lookup answers in the salted namespace, whose id differs from the attached one.
+        return ((salt is not None or hit.namespace_id == attachment.namespace_id) and hit.prompt_tokens == prompt_tokens
                 and 0 <= hit.hit_tokens <= prompt_tokens and hit.hit_tokens % self.block_size == 0
                 and hit.blocks == hit.hit_tokens // self.block_size
                 and (hit.blocks == 0 or hit.lease_id is not None)
@@ -197,6 +200,8 @@ class SchedulerSide:
         state.hit, state.load_pending = None, False
 
     def _release(self, client: Any, hit: Hit) -> None:
+        if client is None:
+            return
         try:
             client.release(hit)
         except PrefixCacheError as error:

@@ -14,7 +14,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 FIELDS = ("lookups", "hits", "misses", "lookup_errors", "offered_tokens", "external_tokens",
           "loaded_blocks", "loaded_tokens", "load_seconds", "load_failures",
@@ -47,7 +50,7 @@ class PrefixCacheStats(KVConnectorStats):
         for key, value in counts.items():
             self.data[key] = self.data.get(key, 0) + value
 
-    def aggregate(self, other: KVConnectorStats) -> "PrefixCacheStats":
+    def aggregate(self, other: KVConnectorStats) -> PrefixCacheStats:
         merged = PrefixCacheStats(dict(self.data))
         merged.add(**other.data)
         return merged

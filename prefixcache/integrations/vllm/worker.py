@@ -13,8 +13,8 @@ Saves go through `CacheClient.store`: Reserve + copy into shared memory + Commit
 else the Store stream.
 
 Invariants:
-- A load whose namespace or shared-memory segment differs from this worker's attachment (the
-  service restarted between Lookup and load), whose lease expired before the copy finished,
+- A load whose shared-memory segment differs from this worker's attachment (the service
+  restarted between Lookup and load; a stream load's lease is unknown to a restarted service), whose lease expired before the copy finished,
   or that failed in any way is reported by vLLM block id through
   `get_block_ids_with_load_errors`, so vLLM recomputes those blocks; wrong KV is never kept.
 - The worker releases every lease it received, whatever happened to the load.
@@ -31,22 +31,17 @@ import numpy as np
 import torch
 
 from ...client.api import Hit
-from ...errors import InvalidArgument, PrefixCacheError, UnknownNamespace
+from ...errors import PrefixCacheError
 from ...results import BlockLocations
 from ...tiers.base import TierKind
-from .link import CacheLink
+from .link import LOGGER, CacheLink, service_level
 from .metadata import LoadOp, PrefixCacheMetadata, SaveOp
 from .paged import PagedCache
 from .stats import StatsBox
 
-log = logging.getLogger("prefixcache.integrations.vllm")
+log = logging.getLogger(LOGGER)
 
 SAVE_QUEUE_BLOCKS = 4096  # blocks copied out and waiting for the service; more are dropped
-
-
-def service_level(error: PrefixCacheError) -> bool:
-    """True when the error means the service (not this one request) is unusable: re-attach."""
-    return not isinstance(error, InvalidArgument) or isinstance(error, UnknownNamespace)
 
 
 class WorkerSide:
@@ -70,7 +65,7 @@ class WorkerSide:
             except (PrefixCacheError, RuntimeError, ValueError) as error:
                 self._load_errors.update(op.block_ids)
                 self.stats.add(load_failures=1)
-                log.info("prefixcache worker: load of %d blocks for %s failed (%s); vLLM recomputes them",
+                log.debug("prefixcache worker: load of %d blocks for %s failed (%s); vLLM recomputes them",
                          len(op.block_ids), op.request_id, error)
                 continue
             finally:
@@ -85,8 +80,7 @@ class WorkerSide:
         if attached is None:
             raise PrefixCacheError("service unusable")
         client, attachment = attached
-        if attachment.namespace_id != op.namespace_id or (op.host_segment and attachment.shared_memory
-                                                          and attachment.host_segment != op.host_segment):
+        if op.host_segment and attachment.shared_memory and attachment.host_segment != op.host_segment:
             self.link.failed(PrefixCacheError("the service restarted"))  # re-attach for later loads
             raise PrefixCacheError(f"lease {op.lease_id} is from another attachment of the service")
         end = op.first_block + len(op.block_ids)
@@ -158,13 +152,10 @@ class WorkerSide:
         self._queue.task_done()
 
     def _store(self, op: SaveOp, kv: torch.Tensor) -> None:
-        attached = self.link.client()
-        if attached is None:
-            self.stats.add(save_failures=1)
-            return
         started = time.perf_counter()
         try:
-            result = attached[0].store(list(op.tokens), kv, start_block=op.start_block, cache_salt=op.cache_salt)
+            answer = self.link.call(lambda client, _: client.store(list(op.tokens), kv, start_block=op.start_block,
+                                                                     cache_salt=op.cache_salt))
         except PrefixCacheError as error:
             self.stats.add(save_failures=1)
             if service_level(error):
@@ -172,6 +163,10 @@ class WorkerSide:
             else:
                 log.info("prefixcache worker: save for %s refused: %s", op.request_id, error)
             return
+        if answer is None:
+            self.stats.add(save_failures=1)
+            return
+        result = answer[0]
         self.stats.add(saved_blocks=result.stored, save_deduplicated=result.deduplicated,
                        save_rejected=result.rejected, save_seconds=time.perf_counter() - started)
 
@@ -187,6 +182,8 @@ class WorkerSide:
 
     def close(self) -> None:
         self.flush(5.0)
+        totals = self.stats.totals
+        log.info("prefixcache worker totals: %s", ", ".join(f"{k}={v:.6g}" for k, v in sorted(totals.items())))
         self._queue.put(None)
         self._saver.join(timeout=5.0)
         self.link.close()
