@@ -129,3 +129,16 @@ def test_the_library_does_not_import_vllm() -> None:
 
     code = "import sys, prefixcache, prefixcache.client, prefixcache.integrations; sys.exit('vllm' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120, check=False).returncode == 0
+
+
+def test_the_auto_policy_loads_only_what_beats_prefill() -> None:
+    from prefixcache.integrations.vllm.scheduler import worth_loading
+
+    block = 32 * 2 * 8 * 2 * 128 * 2  # 32 tokens of an 8-layer, 2-KV-head, head-128 bf16 model: 256 KiB
+    assert worth_loading(320, 32, block, mapped=True, leased_blocks=10, prefill_tokens_per_s=5e3)
+    # a very fast prefill (a big GPU) beats a stream of the whole lease
+    assert not worth_loading(32, 32, block, mapped=False, leased_blocks=40, prefill_tokens_per_s=1e6)
+    # ...but not a memcpy of the same block out of shared memory at a CPU's prefill rate
+    assert worth_loading(32, 32, block, mapped=True, leased_blocks=40, prefill_tokens_per_s=5e3)
+    # the stream path pays for the whole lease: one usable block of a 40-block lease is not worth it
+    assert not worth_loading(32, 32, block, mapped=False, leased_blocks=40, prefill_tokens_per_s=5e3)

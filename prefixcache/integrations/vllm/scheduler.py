@@ -40,6 +40,15 @@ STREAM_LOAD = TransferEstimate(latency_s=2e-3, bytes_per_s=300e6)   # gRPC Fetch
 PREFILL_PRIOR_TOKENS_PER_S = 5e3
 
 
+def worth_loading(tokens: int, block_size: int, block_bytes: int, mapped: bool, leased_blocks: int,
+                  prefill_tokens_per_s: float) -> bool:
+    """The `auto` policy: is copying `tokens` (whole blocks) expected to beat prefilling them?
+    A mapped load copies just those blocks; a stream load moves the whole lease."""
+    load_s = (MAPPED_LOAD.seconds(tokens // block_size * block_bytes) if mapped
+              else STREAM_LOAD.seconds(leased_blocks * block_bytes))
+    return load_s < tokens / prefill_tokens_per_s
+
+
 @dataclass
 class _Request:
     request: Any
@@ -119,14 +128,12 @@ class SchedulerSide:
                 and bool(np.all(np.isin(hit.locations.tiers, (int(TierKind.DEVICE), int(TierKind.HOST))))))
 
     def _worth_loading(self, external: int, local: int, hit: Hit, attachment: Attachment) -> bool:
-        """The `auto` policy: load only when the copy is expected to beat vLLM's prefill of those tokens."""
         if self.settings.hit_policy == "always":
             return True
-        nbytes = external // self.block_size * attachment.layout.block_bytes
         first, end = local // self.block_size, (local + external) // self.block_size
         mapped = attachment.shared_memory and bool(np.all(hit.locations.tiers[first:end] == int(TierKind.HOST)))
-        load_s = MAPPED_LOAD.seconds(nbytes) if mapped else STREAM_LOAD.seconds(hit.blocks * attachment.layout.block_bytes)
-        return load_s < external / self._prefill_tokens_per_s
+        return worth_loading(external, attachment.layout.block_size, attachment.layout.block_bytes, mapped,
+                             hit.blocks, self._prefill_tokens_per_s)
 
     # -- update_state_after_alloc ---------------------------------------------------------
     def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
