@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -27,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.worker_procs import CacheService  # noqa: E402
+from tests.worker_procs import CacheService
 
 BS = 32
 
@@ -49,7 +50,7 @@ def _engine(workdir: Path, name: str, model: Path, steps: list[dict], connector:
                                 "max_model_len": 4096}))
     with (workdir / f"{name}.log").open("w") as log:
         subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_driver.py"), str(spec), str(out)], cwd=ROOT,
-                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "2"},
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "2"},
                        stdout=log, stderr=subprocess.STDOUT, check=True)
     return json.loads(out.read_text())
 
