@@ -18,7 +18,9 @@ head_size]` views of vLLM's own storage, so a block copy is an indexed copy betw
 the cache's canonical block `[layers, 2, kv_heads, block_size, head_size]`: a memcpy-like
 gather/scatter on CPU, and the same code moves host->device or device->host on CUDA.
 
-Invariant: nothing here allocates a second paged cache; views alias vLLM's tensors.
+Invariants: nothing here allocates a second paged cache (views alias vLLM's tensors); bytes
+are copied, never converted (a dtype that differs only in name, e.g. fp8 stored as uint8, is
+reinterpreted with `view`).
 """
 
 from __future__ import annotations
@@ -87,9 +89,11 @@ class PagedCache:
         """vLLM block block_ids[i] <- canonical block blocks[i] (`[n, layers, 2, H, N, D]`, any device)."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         source = blocks.to(self.device, non_blocking=True)
+        if source.dtype != self.layers[0].keys.dtype:  # e.g. fp8 held as uint8: same bytes, never converted
+            source = source.view(self.layers[0].keys.dtype)
         for number, layer in enumerate(self.layers):
-            layer.keys.index_copy_(0, index, source[:, number, 0].to(layer.keys.dtype))
-            layer.values.index_copy_(0, index, source[:, number, 1].to(layer.values.dtype))
+            layer.keys.index_copy_(0, index, source[:, number, 0])
+            layer.values.index_copy_(0, index, source[:, number, 1])
 
     def gather(self, block_ids: list[int]) -> torch.Tensor:
         """Canonical blocks `[n, layers, 2, H, N, D]` (on CPU) of vLLM blocks block_ids."""
