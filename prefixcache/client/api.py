@@ -64,6 +64,7 @@ class Attachment:
     max_chunk_bytes: int
     shared_memory: bool  # the host tier is mapped into this process
     device_ipc: bool     # the device pool is mapped by CUDA IPC
+    host_segment: str = ""  # the mapped host tier's shm name: changes when the service restarts
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,8 @@ class CacheClient:
         device = map_device_pool(reply.device_pool, layout) if reply.HasField("device_pool") else None
         self._pools = LocalPools(host, device)
         self._attachment = Attachment(reply.namespace_id, layout, reply.lease_ttl_seconds, reply.max_prompt_tokens,
-                                      reply.max_chunk_bytes, host is not None, device is not None)
+                                      reply.max_chunk_bytes, host is not None, device is not None,
+                                      reply.host_segment.name if host is not None else "")
         return self._attachment
 
     # -- lookups and reads ------------------------------------------------------------
