@@ -153,7 +153,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     storage.mkdir()
     results["ExampleConnector warm"] = run_child(model, prompts, "warm", connector="example", storage=str(storage))
     results["ExampleConnector"] = run_child(model, prompts, "measure", connector="example", storage=str(storage))
-    service, address = start_service("--host-capacity", "2GiB")
+    service, address = start_service("--host-capacity", "2GiB", "--block-size", str(BLOCK))
     try:
         results["prefixcache host warm"] = run_child(model, prompts, "warm", connector="prefixcache", cache=address)
         results["prefixcache host"] = run_child(model, prompts, "measure", connector="prefixcache", cache=address)
@@ -163,8 +163,8 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     (work / "redis").mkdir()
     redis = RedisServer(work / "redis").start()
     try:
-        first, first_address = start_service("--host-capacity", "2GiB", "--redis-url", redis.url)
-        second, second_address = start_service("--host-capacity", "2GiB", "--redis-url", redis.url)
+        first, first_address = start_service("--host-capacity", "2GiB", "--block-size", str(BLOCK), "--redis-url", redis.url)
+        second, second_address = start_service("--host-capacity", "2GiB", "--block-size", str(BLOCK), "--redis-url", redis.url)
         try:
             results["prefixcache redis warm"] = run_child(model, prompts, "warm", connector="prefixcache",
                                                           cache=first_address)

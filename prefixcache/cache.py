@@ -133,7 +133,7 @@ class PrefixCache:
             if self.leases.full():
                 self._reclaim_expired(now)
             if self.leases.full():
-                raise ResourceExhausted(f"lease limit of {self.config.max_leases} reached")
+                raise ResourceExhausted(f"take_lease: lease limit of {self.config.max_leases} reached", "take_lease")
         self.index.touch(path, now)
         if self.config.promote_on_hit:
             self._promote(prompt, path)
@@ -251,7 +251,7 @@ class PrefixCache:
             raise InvalidArgument("count", f"must be a non-negative integer, got {count!r}")
         host = self.tiers[TierKind.HOST]
         if count > host.num_slots:
-            raise ResourceExhausted(f"count: {count} blocks exceed the host tier's {host.num_slots} slots")
+            raise ResourceExhausted(f"count: {count} blocks exceed the host tier's {host.num_slots} slots", "count")
         row = self.namespaces.get(ns_id).index if ns_id is not None else -1
         with self._lock:
             if row >= 0:
@@ -488,8 +488,9 @@ class PrefixCache:
                 remote_up=remote_up, remote=remote, **snapshot_dicts(c))
 
     def close(self) -> None:
-        for tier in self.tiers.values():
-            tier.close()
+        with self._lock:  # every write into a tier holds it: none is half done when the tiers go
+            for tier in self.tiers.values():
+                tier.close()
         if self.remote_link is not None:
             self.remote_link.close()
 

@@ -30,7 +30,7 @@ class ConfigError(InvalidArgument):
 
 class UnknownNamespace(InvalidArgument):
     def __init__(self, namespace_id: str) -> None:
-        super().__init__("namespace", f"unknown namespace id {namespace_id!r}; call Attach first")
+        super().__init__("namespace_id", f"unknown namespace id {namespace_id!r}; call Attach first")
 
 
 class UnknownLease(InvalidArgument):
@@ -43,7 +43,11 @@ class LayoutMismatch(PrefixCacheError):
 
 
 class ResourceExhausted(PrefixCacheError):
-    """A request is larger than a configured limit or quota."""
+    """A request is larger than a configured limit or quota; `field` names the argument, if one."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class TierUnavailable(PrefixCacheError):

@@ -57,7 +57,7 @@ class NamespaceRegistry:
                 raise InvalidArgument("namespace", f"id {ns_id} already names a different namespace (hash collision)")
             return known, False
         if len(self._by_row) >= MAX_NAMESPACES:
-            raise ResourceExhausted("too many namespaces")
+            raise ResourceExhausted("namespace: too many namespaces", "namespace")
         entry = NamespaceEntry(len(self._by_row), namespace, root, ns_id)
         self._by_id[ns_id] = entry
         self._by_row.append(entry)
@@ -76,7 +76,8 @@ class NamespaceRegistry:
         entry = self.get(ns_id)
         array = token_array(tokens)
         if len(array) > self.max_prompt_tokens:
-            raise ResourceExhausted(f"tokens: {len(array)} tokens exceed the limit of {self.max_prompt_tokens}")
+            raise ResourceExhausted(f"tokens: {len(array)} tokens exceed the limit of {self.max_prompt_tokens}",
+                                    "tokens")
         size = self.layout.block_size
         full = len(array) // size
         blocks = array[: full * size].reshape(full, size)

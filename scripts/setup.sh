@@ -23,3 +23,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   pip install -q --disable-pip-version-check -e ".[test]"
   touch "$stamp"
 fi
+
+# The vLLM connector tests' own environment (.venv-vllm), once per clone.
+[ "${PREFIXCACHE_SKIP_VLLM:-0}" = "1" ] || bash scripts/setup_vllm.sh

@@ -485,7 +485,7 @@ def test_unknown_namespace_and_foreign_layout_are_refused() -> None:
     with make_cache(host_slots=2) as cache:
         with pytest.raises(UnknownNamespace) as caught:
             cache.lookup("0123456789abcdef", prompt(1))
-        assert caught.value.field == "namespace"
+        assert caught.value.field == "namespace_id"
         with pytest.raises(UnknownNamespace):
             cache.store("nope", prompt(1), kv_for(prompt(1)))
         with pytest.raises(UnknownNamespace):

@@ -205,7 +205,7 @@ def test_inspect_evict_stats_leases_and_reservations_stay_in_the_tenant(tmp_path
                      lambda: globex.evict(namespace_id=acme_ns, prefix_tokens=mine)):
             with pytest.raises(InvalidArgument) as error:
                 call()
-            assert error.value.field == "namespace"  # as for an id never issued
+            assert error.value.field == "namespace_id"  # as for an id never issued
         assert globex.evict(older_than_s=0) == 2 and globex.flush() == 0  # only its own blocks went
         hit = acme.lookup(mine)
         assert hit.hit_tokens == 3 * BLOCK

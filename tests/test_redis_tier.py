@@ -240,16 +240,27 @@ def test_tier_started_before_redis_starts_fast_and_picks_it_up(tmp_path: Path) -
         server.kill()
 
 
-@pytest.mark.parametrize("fault", ["readonly", "noauth"])
-def test_server_side_refusals_fail_open(private_redis: RedisServer, fault: str) -> None:
+def test_a_read_only_replica_keeps_serving_reads_and_refuses_writes(private_redis: RedisServer) -> None:
+    """A replica answers READONLY to GETEX and SET: the tier reads with GET (no TTL refresh) and
+    only the write side goes down (issue 15.5)."""
     with RedisTier(fast_options(private_redis.url, breaker_failures=2)) as tier:
         assert tier.submit(NS, block_hash(1), b"x") and tier.wait_idle(5)
         with private_redis.client() as raw:
-            if fault == "readonly":      # a replica: GETEX and SET both answer READONLY
-                raw.execute_command("REPLICAOF", "127.0.0.1", "1")
-            else:                        # new connections now need a password the tier lacks
-                raw.config_set("requirepass", "s3cret")
-                raw.client_kill_filter(_type="normal", skipme=True)
+            raw.execute_command("REPLICAOF", "127.0.0.1", "1")  # no such master: keeps its data, read-only
+        for i in range(2, 8):
+            tier.submit(NS, block_hash(i), b"y")
+            assert tier.wait_idle(5)
+            assert tier.fetch(NS, [block_hash(1), block_hash(i)]) == [b"x", None]
+        stats = tier.stats()
+        assert stats.reads_up and not stats.writes_up and stats.writes_failed >= 2 and stats.reads_skipped == 0
+
+
+def test_a_refused_connection_fails_open(private_redis: RedisServer) -> None:
+    with RedisTier(fast_options(private_redis.url, breaker_failures=2)) as tier:
+        assert tier.submit(NS, block_hash(1), b"x") and tier.wait_idle(5)
+        with private_redis.client() as raw:  # new connections now need a password the tier lacks
+            raw.config_set("requirepass", "s3cret")
+            raw.client_kill_filter(_type="normal", skipme=True)
         for i in range(4):
             assert tier.fetch(NS, [block_hash(1)]) == [None]
             tier.submit(NS, block_hash(i), b"y")
@@ -258,17 +269,22 @@ def test_server_side_refusals_fail_open(private_redis: RedisServer, fault: str) 
 
 
 def test_out_of_memory_drops_writes_but_keeps_serving_reads(private_redis: RedisServer) -> None:
-    """OOM refuses SET but not GETEX (not a denyoom command): hits continue, spills fail, counted."""
+    """OOM refuses SET but not GETEX (not a denyoom command): hits continue, spills fail, counted,
+    and once the write side is down (its own breaker) writes are dropped at submit, reads not."""
     with RedisTier(fast_options(private_redis.url)) as tier:
         assert tier.submit(NS, block_hash(1), b"x") and tier.wait_idle(5)
         with private_redis.client() as raw:
             raw.config_set("maxmemory-policy", "noeviction")
             raw.config_set("maxmemory", "1")
-        for i in range(2, 6):
-            assert tier.submit(NS, block_hash(i), b"y")
+        accepted = 0
+        for i in range(2, 12):
+            accepted += tier.submit(NS, block_hash(i), b"y")
             assert tier.wait_idle(5)
             assert tier.fetch(NS, [block_hash(1), block_hash(i)]) == [b"x", None]
-        assert tier.stats().writes_failed == 4
+        stats = tier.stats()
+        assert stats.writes_failed == accepted == tier.options.breaker_failures  # then the write side went down
+        assert stats.reads_up and not stats.writes_up and stats.state is BreakerState.UP
+        assert stats.write_state is BreakerState.DOWN and stats.reads_skipped == 0
 
 
 # ---- cluster and connection variants ----------------------------------------------------------

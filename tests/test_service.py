@@ -36,7 +36,7 @@ from services.cache_server.auth import Authenticator, parse_credentials
 from services.cache_server.backend import BackendOptions
 from services.cache_server.options import ServerOptions
 from services.cache_server.server import build_server
-from services.cache_server.servicer import METHODS, SERVICE_NAME
+from services.cache_server.servicer import METHODS, REQUEST_TYPES, SERVICE_NAME
 from tests.service_support import (BLOCK, BLOCK_BYTES, CODE, DTYPES, FUZZ_METHODS, MATRIX, ROOT, fuzz_inputs,
                                    health_status, layout_of, prompt, random_kv, rpc_code, running_servers, same_bytes,
                                    store_header, stub_for)
@@ -243,12 +243,35 @@ def test_malformed_request_matrix(attached):
     server, stub, client = attached
     ns = client.attachment.namespace_id
     failures = []
-    for name, (code, field, call) in MATRIX.items():
+    for name, (_method, code, field, call) in MATRIX.items():
         got = rpc_code(call, stub, ns)
         if got != (code, field):
             failures.append(f"{name}: got {got}, expected {(code, field)}")
         assert client.lookup(prompt(2), take_lease=False).hit_tokens == 2 * BLOCK  # still serving
     assert not failures, "\n".join(failures)
+
+
+def _resolves(message_descriptor, path: str) -> bool:
+    """Whether dotted `path` names a field of the message (through message-typed fields)."""
+    descriptor = message_descriptor
+    for part in path.split("."):
+        if descriptor is None or part not in descriptor.fields_by_name:
+            return False
+        descriptor = descriptor.fields_by_name[part].message_type
+    return True
+
+
+def test_every_field_an_error_names_is_spelled_as_in_the_proto():
+    """Issue 15.7: each INVALID_ARGUMENT / RESOURCE_EXHAUSTED case of the matrix (which the test
+    above runs against a server: the trailer `prefixcache-field` must equal the expectation) names
+    a field of that method's request message, or the whole `request`; every method is covered."""
+    named = {(CODE.INVALID_ARGUMENT, True), (CODE.RESOURCE_EXHAUSTED, True)}
+    wrong = [f"{name}: {method}.{field}" for name, (method, code, field, _call) in MATRIX.items()
+             if (code, True) in named and not (field == "request"
+                                                or (field and _resolves(REQUEST_TYPES[method].DESCRIPTOR, field)))]
+    assert not wrong, wrong
+    with_errors = {method for method, code, _field, _call in MATRIX.values() if (code, True) in named}
+    assert with_errors >= set(METHODS) - {"GetStats", "ListNamespaces", "Flush", "Release"}, with_errors
 
 
 def test_client_raises_typed_errors(attached):

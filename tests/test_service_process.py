@@ -39,13 +39,12 @@ def _lines(stream, sink: queue.Queue) -> None:
     sink.put(None)
 
 
-@pytest.fixture
-def service():
-    """A `serve` subprocess; yields (process, address, shm name, stderr lines)."""
+def _start(*extra: str, grace: str = "20s"):
+    """A `serve` subprocess; returns (process, address, shm name, stderr lines)."""
     shm_name = f"pfx-test-{secrets.token_hex(4)}"
     process = lifetime.popen(
         [sys.executable, "-m", "services", "serve", "--listen", "127.0.0.1:0", "--host-capacity", "48MiB",
-         "--shm-name", shm_name, "--grace", "20s", "--workers", "4"],
+         "--shm-name", shm_name, "--grace", grace, "--workers", "4", *extra],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
     out, err = queue.Queue(), queue.Queue()
@@ -65,7 +64,15 @@ def service():
     if address is None:
         process.kill()
         pytest.fail(f"service did not report readiness: {''.join(_drain(err))}")
-    yield process, address, shm_name, err
+    return process, address, shm_name, err
+
+
+@pytest.fixture
+def service():
+    """A `serve` subprocess; yields (process, address, shm name, stderr lines)."""
+    started = _start()
+    yield started
+    process = started[0]
     if process.poll() is None:
         process.kill()
         process.wait(10)
@@ -105,3 +112,32 @@ def test_sigterm_drains_a_fetch_stream_then_exits_zero(service):
     assert not Path("/dev/shm", shm_name).exists()  # the host tier was unlinked
     client.close()
     channel.close()
+
+
+def test_sigterm_after_the_segment_file_was_removed_still_closes_everything(private_redis):
+    """Issue 15.3: `rm /dev/shm/<segment>` while serving. Traffic goes on (the mapping stays);
+    SIGTERM then logs the missing segment once, still drains the Redis write queue and exits 0."""
+    process, address, shm_name, stderr = _start("--redis-url", private_redis.url, "--redis-key-prefix", "rmshm",
+                                                grace="2s")
+    try:
+        layout = KVLayout(layers=2, kv_heads=2, head_dim=64, block_size=16, dtype="float16")
+        with CacheClient(address, timeout_s=10) as client:
+            client.attach("model", layout)
+            tokens = list(range(8 * 16))
+            kv = torch.randint(-(2 ** 15), 2 ** 15, (8, *layout.block_shape), dtype=torch.int16).view(torch.float16)
+            assert client.store(tokens, kv).stored == 8
+            Path("/dev/shm", shm_name).unlink()
+            hit = client.lookup(tokens)  # still served from the mapping
+            assert hit.blocks == 8 and torch.equal(client.read(hit).view(torch.int16), kv.view(torch.int16))
+            client.release(hit)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        log = "".join(_drain(stderr))
+        assert log.count("was already removed") == 1, log
+        assert "error" not in log.lower() and "Traceback" not in log, log
+        assert log.rstrip().endswith("stopped"), log  # every step of close ran
+        assert len(private_redis.client().keys("rmshm*")) >= 8  # the write-through reached Redis
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)

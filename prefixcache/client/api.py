@@ -46,7 +46,7 @@ from ..rpc import cache_pb2 as pb
 from ..rpc import cache_pb2_grpc as pb_grpc
 from . import wire
 from .dataplane import LocalPools, map_device_pool, map_host_segment
-from .errors import error_from_rpc
+from .errors import error_from_rpc, retry_after_s
 
 TokenInput = Sequence[int] | np.ndarray | torch.Tensor  # token ids, as callers hold them
 
@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "prefixcache.v1.PrefixCache"
 LEASE_MARGIN_S = 0.05          # read from shared memory only this long before the lease ends
+RELEASE_ATTEMPTS = 5           # Release refused for load (older services) is retried after the hint
 MIN_STREAM_BYTES_PER_S = 100e6  # a Fetch/Store deadline grows with its size at this rate
 STORE_CHUNK_BYTES = 1 << 20     # data per Store message (the service may allow up to 4 MiB)
 
@@ -67,6 +68,7 @@ class Attachment:
     max_chunk_bytes: int
     shared_memory: bool  # the host tier is mapped into this process
     device_ipc: bool     # the device pool is mapped by CUDA IPC
+    host_segment: str = ""  # the mapped host tier's shm name: changes when the service restarts
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,8 @@ class CacheClient:
         device = map_device_pool(reply.device_pool, layout) if reply.HasField("device_pool") else None
         self._pools = LocalPools(host, device)
         self._attachment = Attachment(reply.namespace_id, layout, reply.lease_ttl_seconds, reply.max_prompt_tokens,
-                                      reply.max_chunk_bytes, host is not None, device is not None)
+                                      reply.max_chunk_bytes, host is not None, device is not None,
+                                      reply.host_segment.name if host is not None else "")
         return self._attachment
 
     # -- lookups and reads ------------------------------------------------------------
@@ -250,11 +253,23 @@ class CacheClient:
         lease_id = hit.lease_id if isinstance(hit, Hit) else hit
         if not lease_id:
             return False
-        try:
-            self._call(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id), timeout_s, lease_id)
-        except UnknownLease:
-            return False
-        return True
+        request = pb.ReleaseRequest(lease_id=lease_id)
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        for attempt in range(RELEASE_ATTEMPTS):
+            try:
+                self._stub.Release(request, timeout=max(0.001, deadline - time.monotonic()), metadata=self._metadata)
+                return True
+            except grpc.RpcError as error:
+                # A service from before Release was exempt from its load limit may refuse it:
+                # retry after its hint, since a lease left to expire pins blocks for its TTL.
+                pause = retry_after_s(error)
+                if pause is None or attempt == RELEASE_ATTEMPTS - 1 or time.monotonic() + pause >= deadline:
+                    try:
+                        raise error_from_rpc(error, self.address, lease_id) from None
+                    except UnknownLease:
+                        return False
+                time.sleep(pause)
+        return False
 
     # -- writes ---------------------------------------------------------------------------
     def store(self, tokens: TokenInput, kv: torch.Tensor, start_block: int = 0, cache_salt: str | None = None,

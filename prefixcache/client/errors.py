@@ -19,6 +19,7 @@ import grpc
 from ..errors import InvalidArgument, LayoutMismatch, PrefixCacheError, ResourceExhausted, UnknownLease
 
 FIELD_METADATA = "prefixcache-field"
+RETRY_METADATA = "prefixcache-retry-after-ms"  # on an overload refusal: when to try again
 
 
 class CacheUnavailable(PrefixCacheError):
@@ -45,6 +46,20 @@ def _field(error: grpc.RpcError) -> str | None:
     for key, value in error.trailing_metadata() or ():
         if key == FIELD_METADATA:
             return value if isinstance(value, str) else value.decode("utf-8", "replace")
+    return None
+
+
+def retry_after_s(error: grpc.RpcError) -> float | None:
+    """The service's retry hint of an overload refusal (RESOURCE_EXHAUSTED with trailer
+    `prefixcache-retry-after-ms`), in seconds; None for any other error."""
+    if error.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    for key, value in error.trailing_metadata() or ():
+        if key == RETRY_METADATA:
+            try:
+                return min(5.0, max(0.0, int(value) / 1000))
+            except ValueError:
+                return None
     return None
 
 

@@ -77,6 +77,11 @@ class HostTier(TensorPool):
         self._segment.close()
         self._segment = None
 
+    def unlink(self) -> None:
+        """Remove the segment's name but keep it mapped (for a close that cannot unmap yet)."""
+        if self._segment is not None:
+            self._segment.unlink()
+
 
 class MappedSegment:
     """A worker's mapping of the service's host tier (no copy, no ownership).

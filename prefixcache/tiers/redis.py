@@ -18,6 +18,16 @@ Invariants:
   probes: while the breaker is down `fetch` does no I/O at all.
 - Constructing the tier does no I/O, so a service starts promptly with Redis
   down and picks it up when a probe succeeds.
+- Two breakers. The link breaker counts faults of the connection (timeouts, resets,
+  anything not a refusal) from reads and writes alike; while it is down neither
+  side does I/O. The write breaker counts only writes Redis refused while the link
+  works (OOM under `maxmemory-policy noeviction`, READONLY from a replica,
+  `WRITE_REFUSALS`): it stops writes, never reads, which go on while they work (then
+  with GET instead of GETEX, as the TTL refresh is a write Redis may refuse too).
+  `stats()` says which side is down (`state`/`reads_up`, `write_state`/`writes_up`).
+- Logs carry the error kind (exception type and Redis error code) and a key's
+  prefix, namespace and hash prefix, never the exception text: redis-py puts the
+  command, its key and raw frame bytes in it.
 - Every successful round trip, read or write, and every read that times out is
   a sample of the link (`TransferMeter`, seeded with `LINK_PRIOR`); a fetch given
   a `ProbeBudget` asks only for the blocks that estimate says are worth it.
@@ -41,7 +51,7 @@ import redis.exceptions
 
 from ..transfer import ProbeBudget, TransferEstimate, TransferMeter
 from .base import TierKind
-from .breaker import Backoff, CircuitBreaker, Retry
+from .breaker import Backoff, BreakerState, CircuitBreaker, Retry
 from .redis_options import RedisClient, RedisOptions, connect, is_cluster_url, redact_url
 from .redis_stats import RedisCounters, RedisStats
 from .resp import RespPipeline
@@ -128,8 +138,10 @@ class RedisTier:
         self._clock = clock
         self._rng = rng or random.Random()
         backoff = Backoff(options.breaker_backoff_min_s, options.breaker_backoff_max_s)
-        self._breaker = CircuitBreaker(f"redis tier {redact_url(options.url)}", options.breaker_failures,
-                                       backoff, clock, self._rng)
+        name = f"redis tier {redact_url(options.url)}"
+        self._breaker = CircuitBreaker(name, options.breaker_failures, backoff, clock, self._rng)
+        self._write_breaker = CircuitBreaker(f"{name} writes", options.breaker_failures, backoff, clock, self._rng)
+        self._plain_get = False          # GETEX was refused as a write: read with GET until writes work
         self._write_retry = Retry(options.write_retries, Backoff(0.01, 0.1), (redis.exceptions.ConnectionError,))
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -141,6 +153,7 @@ class RedisTier:
         self._counters = RedisCounters()
         self._link = TransferMeter(LINK_PRIOR, clock=clock)
         self._owns_clients = client is None
+        self._probed = False
         self._reader: RedisClient | None = client
         self._writer: RedisClient | None = write_client or client
         if client is None and not is_cluster_url(options.url):
@@ -211,7 +224,7 @@ class RedisTier:
         """Queue an asynchronous SET; False (and a counted drop) when full, down or closed."""
         op = _Set(self.key(namespace_id, block_hash), frame, self._ttl_ms(ttl_s))
         with self._lock:
-            if (self._closing or not self._breaker.is_up()
+            if (self._closing or not self._writes_up()
                     or self._queue_bytes + len(frame) > self.options.max_queue_bytes):
                 self._counters.spills_dropped += 1
                 return False
@@ -245,8 +258,9 @@ class RedisTier:
 
     def stats(self) -> RedisStats:
         with self._lock:
+            write_state = self._write_breaker.state if self._breaker.is_up() else BreakerState.DOWN
             return RedisStats.of(self._counters, self._breaker.state, self._queue_bytes, self._breaker.trips,
-                                 self._link.estimate())
+                                 self._link.estimate(), write_state, self._write_breaker.trips)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """True once nothing is queued or in flight (tests, shutdown)."""
@@ -297,7 +311,15 @@ class RedisTier:
         """One pipelined GETEX per hash; None after a fault (recorded in the breaker)."""
         start = time.perf_counter()
         try:
-            frames = self._getex_many(client, [self.key(namespace_id, block_hash) for block_hash in hashes], ttl_ms)
+            try:
+                frames = self._read_frames(client, namespace_id, hashes, ttl_ms, self._plain_get)
+            except redis.exceptions.ResponseError as exc:
+                if self._plain_get or _redis_code(exc) not in WRITE_REFUSALS:
+                    raise
+                self._plain_get = True  # the TTL refresh is a write Redis refuses now: read without it
+                log.warning("%s: GETEX refused (%s); reading with GET, without refreshing TTLs, until writes "
+                            "work again", self._breaker.name, error_kind(exc))
+                frames = self._read_frames(client, namespace_id, hashes, ttl_ms, True)
         except REDIS_ERRORS as exc:
             if isinstance(exc, redis.exceptions.TimeoutError):
                 self._observe_link(0, time.perf_counter() - start)  # at least this slow
@@ -307,14 +329,20 @@ class RedisTier:
         self._breaker.record_success()
         return frames
 
-    def _getex_many(self, client: RedisClient, keys: list[str], ttl_ms: int) -> list[bytes | memoryview | None]:
-        """Pipelined GETEX: read in place over RESP for a standalone client (tiers/resp.py), else redis-py."""
+    def _read_frames(self, client: RedisClient, namespace_id: str, hashes: Sequence[bytes], ttl_ms: int,
+                     plain: bool) -> list[bytes | memoryview | None]:
+        """Pipelined GETEX (GET when `plain`: Redis refuses the TTL refresh as a write): read in
+        place over RESP for a standalone client (tiers/resp.py), else through redis-py."""
+        keys = [self.key(namespace_id, block_hash) for block_hash in hashes]
         if isinstance(client, redis.Redis):
             with self._io_wait():
-                return cast(list[bytes | memoryview | None], RespPipeline(client).getex(keys, ttl_ms))
+                return cast(list[bytes | memoryview | None], RespPipeline(client).getex(keys, None if plain else ttl_ms))
         pipe = client.pipeline(transaction=False)
         for key in keys:
-            pipe.getex(key, px=ttl_ms)
+            if plain:
+                pipe.get(key)
+            else:
+                pipe.getex(key, px=ttl_ms)
         with self._io_wait():
             replies = pipe.execute(raise_on_error=False)
         return _frames_from(replies, len(keys))
@@ -324,7 +352,7 @@ class RedisTier:
             self._link.observe(nbytes, seconds)
 
     def _read_failed(self, exc: BaseException) -> None:
-        self._breaker.record_failure(f"read: {type(exc).__name__}: {exc}")
+        self._breaker.record_failure(f"read: {error_kind(exc)}")
         with self._changed:
             self._counters.read_errors += 1
             self._changed.notify_all()   # the writer may have a probe to schedule
@@ -365,12 +393,13 @@ class RedisTier:
                     self._queue_bytes = 0
                     self._changed.notify_all()
                     return _STOP
-                if self._breaker.probe_due():
+                if self._breaker.probe_due() or (self._breaker.is_up() and self._write_breaker.probe_due()):
                     return _PROBE
                 if self._queue:
                     return self._pop_batch_locked()
                 # Sleep until new work, close, or (while down) the next probe.
-                self._changed.wait(None if self._breaker.is_up() else self._breaker.seconds_until_probe())
+                down = self._breaker if not self._breaker.is_up() else self._write_breaker
+                self._changed.wait(None if down.is_up() else down.seconds_until_probe())
 
     def _pop_batch_locked(self) -> list[_Op]:
         """Consecutive single-key ops up to max_batch, or one SCAN-based op alone (keeps queue order)."""
@@ -388,7 +417,7 @@ class RedisTier:
         self._counters.spills_dropped += sum(1 for op in ops if isinstance(op, _Set))
 
     def _apply(self, batch: list[_Op]) -> None:
-        if self._writer is None or not self._breaker.is_up():
+        if self._writer is None or not self._writes_up():
             with self._lock:
                 self._drop_locked(batch)
             return
@@ -399,13 +428,14 @@ class RedisTier:
         try:
             self._write_retry.call(lambda: self._pipeline(batch), self._rng)
         except REDIS_ERRORS as exc:
-            self._breaker.record_failure(f"write: {type(exc).__name__}: {exc}")
+            reason = f"write of {len(batch)} key(s) from {key_hint(batch[0].key)}: {error_kind(exc)}"
+            self._write_failed(exc, reason)
             with self._lock:
                 self._counters.writes_failed += sum(1 for op in batch if isinstance(op, _Set))
-            log.debug("redis write batch of %d failed: %s", len(batch), exc)
+            log.debug("redis %s failed", reason)
             return
         elapsed = time.perf_counter() - start
-        self._breaker.record_success()
+        self._wrote()
         written = sum(len(op.frame) for op in batch if isinstance(op, _Set))
         with self._lock:
             self._counters.bytes_written += written
@@ -439,10 +469,10 @@ class RedisTier:
                     keys = []
             removed += self._unlink_keys(keys)
         except REDIS_ERRORS as exc:
-            self._breaker.record_failure(f"scan/unlink: {type(exc).__name__}: {exc}")
-            log.warning("redis delete of %s stopped after %d keys: %s", pattern, removed, exc)
+            self._write_failed(exc, f"scan/unlink: {error_kind(exc)}")
+            log.warning("redis delete of %s stopped after %d keys: %s", key_hint(pattern), removed, error_kind(exc))
             return
-        self._breaker.record_success()
+        self._wrote()
         log.info("redis: removed %d keys matching %s", removed, pattern)
 
     def _unlink_keys(self, keys: list[bytes]) -> int:
@@ -455,20 +485,86 @@ class RedisTier:
             pipe.unlink(key)
         return sum(pipe.execute(raise_on_error=True))
 
-    def _probe(self) -> None:
-        """PING (building the clients first if needed); the only I/O done while down."""
-        try:
-            if self._reader is None:
-                self._reader, self._writer = self._build_clients()
-            self._reader.ping()
-        except REDIS_ERRORS as exc:
-            reason = f"probe: {type(exc).__name__}: {exc}"
-            if self._breaker.is_up():
-                self._breaker.trip(reason)
-            else:
-                self._breaker.record_failure(reason)
-            return
+    def _writes_up(self) -> bool:
+        return self._breaker.is_up() and self._write_breaker.is_up()
+
+    def _write_failed(self, exc: BaseException, reason: str) -> None:
+        """A refusal while the link works counts against writes only; any other fault against the link."""
+        breaker = self._write_breaker if _redis_code(exc) in WRITE_REFUSALS else self._breaker
+        breaker.record_failure(reason)
+
+    def _wrote(self) -> None:
         self._breaker.record_success()
+        self._write_breaker.record_success()
+        self._plain_get = False
+
+    def _probe(self) -> None:
+        """The only I/O done while a breaker is down: PING for the link (building the clients
+        first if needed), a small SET with a TTL for writes (PING answers while Redis refuses
+        writes)."""
+        starting, self._probed = not self._probed, True
+        if starting or self._breaker.probe_due():
+            try:
+                if self._reader is None:
+                    self._reader, self._writer = self._build_clients()
+                self._reader.ping()
+            except REDIS_ERRORS as exc:
+                _probe_failed(self._breaker, f"probe: {error_kind(exc)}")
+                return
+            self._breaker.record_success()
+        if self._write_breaker.probe_due() and self._writer is not None:
+            try:
+                self._writer.set(f"{self.options.key_prefix}:probe", b"1", px=10_000)
+            except REDIS_ERRORS as exc:
+                reason = f"write probe: {error_kind(exc)}"
+                self._write_breaker.record_failure(reason)  # down: schedules its next probe
+                if _redis_code(exc) not in WRITE_REFUSALS:
+                    self._breaker.record_failure(reason)
+                return
+            self._wrote()
+
+
+WRITE_REFUSALS = frozenset({"OOM", "READONLY", "MISCONF", "NOREPLICAS"})  # Redis answered: no writes now
+_REDIS_CODE = re.compile(r"[A-Z][A-Z_]{1,31}")
+
+
+# redis-py turns these codes into exception classes and strips them from the message
+_CODE_OF_CLASS = ((redis.exceptions.OutOfMemoryError, "OOM"), (redis.exceptions.ReadOnlyError, "READONLY"))
+
+
+def _redis_code(exc: BaseException) -> str | None:
+    """The error code Redis put first in its reply (OOM, READONLY, ...), if any."""
+    for kind, code in _CODE_OF_CLASS:
+        if isinstance(exc, kind):
+            return code
+    if not isinstance(exc, redis.exceptions.ResponseError) or not exc.args:
+        return None
+    text = str(exc.args[0]).rsplit("caused error: ", 1)[-1]  # a pipeline wraps the reply after the command
+    match = _REDIS_CODE.match(text)
+    return match.group() if match else None
+
+
+def error_kind(exc: BaseException) -> str:
+    """What a log may say about a Redis error: its type and Redis's error code, never the
+    message (redis-py puts the command there: key, raw frame bytes)."""
+    code = _redis_code(exc)
+    return f"{type(exc).__name__} {code}" if code else type(exc).__name__
+
+
+def key_hint(key: str) -> str:
+    """`prefix:namespace-prefix…:hash-prefix…` of a key or key pattern: enough to tell which."""
+    parts = key.rsplit(":", 2)
+    if len(parts) < 3:
+        return parts[0][:16]
+    prefix, namespace, block = parts
+    return f"{prefix}:{namespace[:12]}…:{block[:8]}…" if block != "*" else f"{prefix}:{namespace[:12]}…:*"
+
+
+def _probe_failed(breaker: CircuitBreaker, reason: str) -> None:
+    if breaker.is_up():
+        breaker.trip(reason)
+    else:
+        breaker.record_failure(reason)
 
 
 def _escape(text: str) -> str:

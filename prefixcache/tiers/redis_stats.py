@@ -92,6 +92,10 @@ class RedisStats:
     link_latency_s: float = 0.0      # the link's estimated round-trip latency ...
     link_bytes_per_s: float = 0.0    # ... and bandwidth (transfer.TransferMeter)
     link_samples: int = 0            # 0: the estimate is still the prior
+    write_state: BreakerState = BreakerState.UP  # writes have a breaker of their own (`state`: reads)
+    write_breaker_trips: int = 0
+    reads_up: bool = True            # numeric copies of the two states for the stats maps and metrics
+    writes_up: bool = True
 
     @property
     def up(self) -> bool:
@@ -99,7 +103,8 @@ class RedisStats:
 
     @classmethod
     def of(cls, counters: RedisCounters, state: BreakerState, queue_bytes: int, trips: int,
-           link: TransferEstimate | None = None) -> RedisStats:
+           link: TransferEstimate | None = None, write_state: BreakerState = BreakerState.UP,
+           write_trips: int = 0) -> RedisStats:
         return cls(
             state=state, hits=counters.hits, misses=counters.misses, reads_skipped=counters.reads_skipped,
             read_errors=counters.read_errors, bytes_read=counters.bytes_read, bytes_written=counters.bytes_written,
@@ -110,4 +115,6 @@ class RedisStats:
             probes_declined=counters.probes_declined, probe_blocks_declined=counters.probe_blocks_declined,
             link_latency_s=link.latency_s if link else 0.0, link_bytes_per_s=link.bytes_per_s if link else 0.0,
             link_samples=link.samples if link else 0,
+            write_state=write_state, write_breaker_trips=write_trips,
+            reads_up=state is BreakerState.UP, writes_up=write_state is BreakerState.UP,
         )

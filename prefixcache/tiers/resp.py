@@ -42,13 +42,18 @@ class RespPipeline:
     def __init__(self, client: redis.Redis) -> None:
         self._pool = client.connection_pool
 
-    def getex(self, keys: list[str], ttl_ms: int) -> list[memoryview | None]:
-        """`GETEX key PX ttl_ms` for each key in one round trip; None for a missing key, or for a
-        key holding another type (WRONGTYPE: a foreign value our next SET replaces)."""
-        px = b"%d" % ttl_ms
-        tail = b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(px), px)
-        command = b"".join(b"*4\r\n$5\r\nGETEX\r\n$%d\r\n%s%s" % (len(k), k, tail)
-                           for k in (key.encode() for key in keys))
+    def getex(self, keys: list[str], ttl_ms: int | None) -> list[memoryview | None]:
+        """`GETEX key PX ttl_ms` (plain `GET` when `ttl_ms` is None) for each key in one round trip;
+        None for a missing key, or for a key holding another type (WRONGTYPE: a foreign value our
+        next SET replaces)."""
+        if ttl_ms is None:
+            command = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
+                               for k in (key.encode() for key in keys))
+        else:
+            px = b"%d" % ttl_ms
+            tail = b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(px), px)
+            command = b"".join(b"*4\r\n$5\r\nGETEX\r\n$%d\r\n%s%s" % (len(k), k, tail)
+                               for k in (key.encode() for key in keys))
         return self._exchange([command], len(keys), _read_value)
 
     def set(self, entries: list[tuple[str, bytes | memoryview]], ttl_ms: int | list[int]) -> None:
@@ -176,8 +181,17 @@ def _read_value(reader: _Reader) -> memoryview | None:
     if kind == b"-":
         if line.startswith(b"-WRONGTYPE"):
             return None
-        raise redis.exceptions.ResponseError(line[1:].decode("utf-8", "replace"))
+        raise _error_reply(line)
     raise redis.exceptions.InvalidResponse(f"unexpected reply to GETEX: {line[:32]!r}")
+
+
+# The classes redis-py raises for these codes (the tier classifies write refusals by them).
+_ERROR_CLASSES = {b"OOM": redis.exceptions.OutOfMemoryError, b"READONLY": redis.exceptions.ReadOnlyError}
+
+
+def _error_reply(line: bytes) -> redis.exceptions.ResponseError:
+    code = line[1:].split(b" ", 1)[0]
+    return _ERROR_CLASSES.get(code, redis.exceptions.ResponseError)(line[1:].decode("utf-8", "replace"))
 
 
 def _read_ok(reader: _Reader) -> None:
@@ -185,5 +199,5 @@ def _read_ok(reader: _Reader) -> None:
     if line == b"+OK":
         return
     if line[:1] == b"-":
-        raise redis.exceptions.ResponseError(line[1:].decode("utf-8", "replace"))
+        raise _error_reply(line)
     raise redis.exceptions.InvalidResponse(f"unexpected reply to SET: {line[:32]!r}")

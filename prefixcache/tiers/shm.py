@@ -272,6 +272,7 @@ class OwnedSegment:
         self.path = Path(directory) / name
         self.size = segment_bytes(data_bytes)
         self.data_bytes = self.size - RECORD_BYTES
+        self._unlinked = False
         self._fd = self._create(OwnerRecord.of_this_process(owner, self.data_bytes))
         try:
             self._map = mmap.mmap(self._fd, self.size)
@@ -319,11 +320,12 @@ class OwnedSegment:
     def closed(self) -> bool:
         return self._fd < 0
 
-    def close(self) -> None:
-        if self._fd < 0:
+    def unlink(self) -> None:
+        """Remove the name (idempotent), not the mapping: workers and a successor then see no
+        segment by that name, while this process may still hold views of the memory."""
+        if self._fd < 0 or self._unlinked:
             return
-        self.buf.release()
-        self._map.close()
+        self._unlinked = True
         try:
             if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
                 os.unlink(self.path)
@@ -331,5 +333,12 @@ class OwnedSegment:
                 log.warning("shared memory %s was replaced by another file; leaving that one", self.path)
         except FileNotFoundError:
             log.warning("shared memory %s was already removed; nothing to unlink", self.path)
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self.buf.release()
+        self._map.close()
+        self.unlink()
         os.close(self._fd)  # releases the owner's lock, after the name is gone
         self._fd = -1

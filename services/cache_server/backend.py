@@ -19,17 +19,22 @@ Invariants:
 - A tenant registers at most `max_namespaces_per_tenant` namespaces (the core
   never forgets one and holds 32k in all): one tenant cannot exhaust them.
 - The cache is created at most once; after `close()` every call raises `Draining`.
+- Tier memory is unmapped only when no thread is copying out of it: the only reads
+  outside the cache lock (a Fetch stream copying leased slots into a message) run inside
+  `reading()`, which `close()` fences off and waits for (at most `FENCE_S`); copies that
+  outlast it leave the segment mapped until the process exits (its name is still removed).
 - What a non-admin tenant can see or change is its own: its namespaces, leases and
   reservations, its blocks (inspect, evict, flush) and its own figures (GetStats).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -54,8 +59,45 @@ from .inspect import BlockReport, inspect_prefix
 log = logging.getLogger(__name__)
 
 
+FENCE_S = 0.25  # how long close() waits for copies out of the tiers (each is one chunk, <= 4 MiB)
+
+
 class Draining(PrefixCacheError):
     """The service is shutting down and takes no new calls."""
+
+
+class TierFence:
+    """Threads reading tier memory outside the cache lock; once closed, nobody enters."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._inside = 0
+        self._closed = False
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._cond:
+            if self._closed:
+                raise Draining("the service is shutting down")
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._inside -= 1
+                if self._inside == 0:
+                    self._cond.notify_all()
+
+    @property
+    def inside(self) -> int:
+        return self._inside
+
+    def close(self, timeout_s: float) -> int:
+        """Let nobody in, wait for those inside; returns how many are still inside."""
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: self._inside == 0, timeout=timeout_s)
+            return self._inside
 
 
 class ServiceMisconfigured(PrefixCacheError):
@@ -82,6 +124,7 @@ class CacheBackend:
         self._salted: dict[tuple[str, str], str] = {}      # (namespace id, salt) -> namespace id
         self._counts: dict[str, int] = {}                  # tenant -> namespaces registered
         self._draining = threading.Event()
+        self._fence = TierFence()
         self._closed = False
         self._segment: OwnedSegment | None = None  # reserved at start; the host tier maps it at the first Attach
 
@@ -104,16 +147,35 @@ class CacheBackend:
             if self._segment is None and self._cache is None:
                 self._segment = OwnedSegment(name, self.options.cache.host_capacity, owner=owner)
 
+    def copies_in_progress(self) -> int:
+        """Threads copying out of tier memory right now (inside `reading()`)."""
+        return self._fence.inside
+
+    def reading(self) -> contextlib.AbstractContextManager[None]:
+        """Around a copy out of tier memory made without the cache lock (see the invariants)."""
+        return self._fence.reading()
+
     def close(self) -> None:
-        """Drop leases and reservations with the cache and close its tiers (unlinks shm)."""
+        """Drop leases and reservations with the cache and close its tiers (unlinks shm).
+
+        Writes to the tiers run under the cache lock, which `PrefixCache.close` takes; reads
+        without it are fenced (`reading`)."""
         self._draining.set()
         with self._create_lock:
-            if self._cache is not None and not self._closed:
-                self._cache.close()
+            cache, self._closed = (self._cache if not self._closed else None), True
+            still_reading = self._fence.close(FENCE_S)
+            if cache is not None and still_reading:
+                log.warning("%d Fetch handler(s) still copying %.2fs after the drain; the host tier stays mapped "
+                            "until the process exits", still_reading, FENCE_S)
+                cache.tiers[TierKind.HOST].unlink()
+                if cache.remote_link is not None:
+                    cache.remote_link.close()  # the Redis write queue still drains
+                return
+            if cache is not None:
+                cache.close()
                 log.info("cache closed; host tier released")
             if self._segment is not None:
                 self._segment.close()  # a no-op once the host tier closed it; else never attached
-            self._closed = True
 
     def expire(self) -> int:
         cache = self._cache
@@ -166,7 +228,7 @@ class CacheBackend:
             if namespace_id(cache.hasher.root(namespace)) not in self._owners:
                 if self._counts.get(tenant, 0) >= limit:
                     raise ResourceExhausted(f"{field}: this tenant already has {limit} namespaces "
-                                            "(models, revisions and salts)")
+                                            "(models, revisions and salts)", field)
                 self._counts[tenant] = self._counts.get(tenant, 0) + 1
             ns_id = cache.attach(namespace)
             self._owners[ns_id] = tenant
@@ -228,7 +290,8 @@ class CacheBackend:
         return tier.share_handle() if tier is not None else None
 
     def block_bytes(self, location: BlockLocation) -> memoryview:
-        """One block's bytes (a view into the tier for the host tier; the caller holds a lease)."""
+        """One block's bytes (a view into the tier for the host tier; the caller holds a lease
+        and copies it inside `reading()`)."""
         return self._require().tiers[location.tier].block_bytes(location.slot)
 
     # -- writes -------------------------------------------------------------------------

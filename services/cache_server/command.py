@@ -75,7 +75,8 @@ def register(subparsers) -> None:
     add("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (default: off)")
     add("--metrics-host", default=None, help="metrics bind address (default: the --listen host)")
     add("--grace", default="10s", help="drain period on SIGTERM (default %(default)s)")
-    add("--max-concurrent-rpcs", type=int, default=128, help="RPCs at once; more get RESOURCE_EXHAUSTED")
+    add("--max-concurrent-rpcs", type=int, default=128, help="calls held at once (queued or running); more get RESOURCE_EXHAUSTED with a retry "
+        "hint; health checks and Release are never refused (default %(default)s)")
     add("--workers", type=int, default=2,
         help="unary calls (Lookup, Commit, ...) run at once, plus one per call waiting on Redis; more "
              "rarely helps: each extra runnable thread costs GIL hand-offs (default %(default)s)")

@@ -35,7 +35,7 @@ class ServerOptions:
     max_send_bytes: int = 16 * MIB
     max_chunk_bytes: int = 4 * MIB - 1024  # Fetch/Store data per message: whole messages stay <= 4 MiB,
                                            # which any gRPC client accepts with default settings
-    max_concurrent_rpcs: int = 128       # beyond: RESOURCE_EXHAUSTED from gRPC itself
+    max_concurrent_rpcs: int = 128       # calls held; beyond: RESOURCE_EXHAUSTED + retry hint (pools.Admission)
     workers: int = 2                     # unary calls run at once (plus one per call waiting on Redis); pools.py
     stream_workers: int = 16             # threads for streams (Fetch, Store, reflection); one per open stream
     grace_s: float = 10.0

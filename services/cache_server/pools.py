@@ -12,6 +12,12 @@ Streams (Fetch, Store, reflection) hold their thread for as long as the peer rea
 writes, so `StreamsOnOwnPool` moves every streaming handler onto a plain pool of their own
 (through the handler attribute `experimental_thread_pool`, which gRPC's own health service
 uses; tests/test_handler_pools.py fails if a gRPC release stops honouring it).
+
+`Admission` bounds the calls of new work held at once (`--max-concurrent-rpcs`: queued for
+a thread or running, on both pools) and refuses the rest with RESOURCE_EXHAUSTED and a retry
+hint (trailer `prefixcache-retry-after-ms`). Health checks and Release are never refused for
+load and never wait behind other calls: they run on a small pool of their own. (gRPC's own
+`maximum_concurrent_rpcs` is not used: it counts health checks and Release like any call.)
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from concurrent import futures
 from typing import Callable, Iterator
 
 import grpc
+
+from prefixcache.client.errors import RETRY_METADATA
 
 _current = threading.local()  # .pool: the ElasticPool whose worker this thread is
 
@@ -73,6 +81,12 @@ class ElasticPool(futures.ThreadPoolExecutor):
     @property
     def threads(self) -> int:
         return len(self._threads)
+
+    @property
+    def held(self) -> int:
+        """Calls queued or running."""
+        with self._cond:
+            return len(self._queue) + self._running
 
     def load(self) -> dict[str, int]:
         """Calls by state, for the metrics exporter: queued for a thread, running, waiting (of running)."""
@@ -189,3 +203,89 @@ class StreamsOnOwnPool(grpc.ServerInterceptor):
                 or getattr(behavior, "experimental_non_blocking", False):
             return handler
         return handler._replace(**{field: _on_pool(behavior, self._pool)})
+
+
+class CountingPool(futures.ThreadPoolExecutor):
+    """A plain pool that knows how many calls it holds (queued or running)."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        self._count_lock = threading.Lock()
+        self._held = 0
+
+    def submit(self, fn, /, *args, **kwargs) -> futures.Future:
+        with self._count_lock:
+            self._held += 1
+        try:
+            future = super().submit(fn, *args, **kwargs)
+        except BaseException:
+            self._done(None)
+            raise
+        future.add_done_callback(self._done)  # also runs for a future cancelled at shutdown
+        return future
+
+    def _done(self, _future) -> None:
+        with self._count_lock:
+            self._held -= 1
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+
+HEALTH_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
+
+
+class Admission(grpc.ServerInterceptor):
+    """New work beyond `limit` calls held by `pools` is refused with RESOURCE_EXHAUSTED and a
+    retry hint; `control` methods (health, Release) are never refused and run on `control_pool`.
+
+    The count is the pools' own (queued or running), so a call cancelled before its handler
+    ran is never counted twice or leaked."""
+
+    def __init__(self, limit: int, pools: tuple, control_pool: futures.ThreadPoolExecutor,
+                 control: frozenset[str], retry_after_ms: int = 100) -> None:
+        self._limit = limit
+        self._pools = pools
+        self._control_pool = control_pool
+        self._control = control
+        self._retry_after_ms = retry_after_ms
+        self._moved: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def held(self) -> int:
+        return sum(pool.held for pool in self._pools)
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return handler
+        if method in self._control:
+            if handler.request_streaming or handler.response_streaming:
+                return handler  # the health Watch: non-blocking, holds no thread
+            moved = self._moved.get(method)
+            if moved is None or moved[0] is not handler:
+                moved = (handler, handler._replace(unary_unary=_on_pool(handler.unary_unary, self._control_pool)))
+                self._moved[method] = moved
+            return moved[1]
+        held = self.held()
+        if held < self._limit:
+            return handler
+        return self._refusal(handler, held)
+
+    def _refusal(self, handler: grpc.RpcMethodHandler, held: int) -> grpc.RpcMethodHandler:
+        details = (f"overloaded: {held} calls held, the limit is {self._limit} (--max-concurrent-rpcs); "
+                   f"retry after {self._retry_after_ms} ms or on another instance")
+        trailer = ((RETRY_METADATA, str(self._retry_after_ms)),)
+
+        def refuse(_request, context):
+            context.set_trailing_metadata(trailer)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+        refuse = _on_pool(refuse, self._control_pool)  # answered at once, not queued behind the load
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(refuse)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(refuse)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(refuse)
+        return grpc.unary_unary_rpc_method_handler(refuse)

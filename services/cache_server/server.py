@@ -8,12 +8,20 @@ Lifecycle:
    SERVING for "" and "prefixcache.v1.PrefixCache".
 2. `shutdown(grace_s)` (SIGTERM in `serve`): health NOT_SERVING, new calls get
    UNAVAILABLE, calls in flight (Fetch streams included) get up to the grace
-   period to finish, then the server stops, the ticker stops, and the cache
-   closes: leases and reservations vanish with it and the host tier's
-   shared-memory segment is unlinked.
+   period to finish, then the rest are cancelled, the server stops, the ticker
+   stops, and the cache closes: leases and reservations vanish with it and the
+   host tier's shared-memory segment is unlinked.
+
+Shutdown bound: `shutdown` returns within the grace period plus `SHUTDOWN_BOUND_S`,
+plus the Redis write-queue drain when a Redis tier is configured (`RedisTier.close`).
+Handlers cancelled at the end of the grace period get `HANDLER_EXIT_S` to return;
+the host tier is unmapped only once no handler is copying out of it (the backend's
+`TierFence`), and if one still were after `backend.FENCE_S`, the segment is unlinked
+but left mapped until the process exits: no handler ever reads unmapped memory.
 
 Defaults are conservative: 127.0.0.1, explicit message-size limits,
-keepalive, a bound on concurrent RPCs (RESOURCE_EXHAUSTED beyond it).
+keepalive, a bound on calls held at once (RESOURCE_EXHAUSTED with a retry hint beyond it;
+health checks and Release are exempt: pools.Admission).
 """
 
 from __future__ import annotations
@@ -34,11 +42,14 @@ from .auth import AuthInterceptor
 from .backend import CacheBackend
 from .metrics import ServiceMetrics, remote_stats_of
 from .options import ServerOptions
-from .pools import ElasticPool, StreamsOnOwnPool
+from .pools import HEALTH_METHODS, Admission, CountingPool, ElasticPool, StreamsOnOwnPool
 from .servicer import SERVICE_NAME, Limits, PrefixCacheServicer, register
 from .status import CallTracker
 
 log = logging.getLogger(__name__)
+
+HANDLER_EXIT_S = 0.5    # cancelled handlers return at their next send; a stream handler copies <= 4 MiB first
+SHUTDOWN_BOUND_S = 1.0  # past the grace period: cancel, HANDLER_EXIT_S, FENCE_S and the unmap, with margin
 
 
 class Ticker:
@@ -84,8 +95,10 @@ class CacheServer:
         self.metrics_port: int | None = None
         # Unary calls on a few threads, streams on their own (pools.py says why).
         self.unary_pool = ElasticPool(options.workers, options.workers + options.max_concurrent_rpcs, "rpc")
-        self.stream_pool = futures.ThreadPoolExecutor(max_workers=options.stream_workers,
-                                                       thread_name_prefix="rpc-stream")
+        self.stream_pool = CountingPool(options.stream_workers, "rpc-stream")
+        self.control_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rpc-control")
+        self.admission = Admission(options.max_concurrent_rpcs, (self.unary_pool, self.stream_pool),
+                                   self.control_pool, HEALTH_METHODS | {f"/{SERVICE_NAME}/Release"})
         if self.metrics is not None:
             self.metrics.watch_handlers(self.unary_pool.load)
         self._server = self._build_grpc()
@@ -93,11 +106,10 @@ class CacheServer:
     def _build_grpc(self) -> grpc.Server:
         options = self.options
         denied = self.metrics.denied if self.metrics else None
-        interceptors: list[grpc.ServerInterceptor] = [StreamsOnOwnPool(self.stream_pool)]
+        interceptors: list[grpc.ServerInterceptor] = [self.admission, StreamsOnOwnPool(self.stream_pool)]
         if options.authenticator.enabled:
             interceptors.append(AuthInterceptor(options.authenticator, denied))
-        server = grpc.server(self.unary_pool, interceptors=interceptors, options=options.grpc_options(),
-                             maximum_concurrent_rpcs=options.max_concurrent_rpcs)
+        server = grpc.server(self.unary_pool, interceptors=interceptors, options=options.grpc_options())
         limits = Limits(options.backend.block_size, options.backend.cache.max_prompt_tokens, options.max_chunk_bytes)
         servicer = PrefixCacheServicer(self.backend, options.authenticator, limits)
         register(server, servicer, self.tracker, self.metrics.observe if self.metrics else _no_observer)
@@ -158,6 +170,15 @@ class CacheServer:
             # messages may still be on their way: let gRPC finish sending them within what
             # is left of the grace period (an open health Watch can hold it that long).
             self._server.stop(max(0.0, deadline - time.monotonic())).wait()
+            copying = self.backend.copies_in_progress()
+            if copying:  # unmapping now would pull the memory from under them (SIGSEGV)
+                log.info("%d handler(s) copying out of the host tier as the server stopped; waiting for them",
+                         copying)
+            # gRPC's stop cancels the calls but does not wait for their handler threads:
+            # give them a bounded moment to return, so that few are left inside the tiers.
+            if not self.tracker.wait_idle(HANDLER_EXIT_S):
+                log.warning("%d handler(s) still running %.1fs after cancelling; closing around them",
+                            self.tracker.in_flight, HANDLER_EXIT_S)
             self._stop_pools()
             self._ticker.stop()
             self.backend.close()
@@ -170,6 +191,7 @@ class CacheServer:
         # gRPC leaves the executors it was given running; their threads are idle by now.
         self.unary_pool.shutdown(wait=False, cancel_futures=True)
         self.stream_pool.shutdown(wait=False, cancel_futures=True)
+        self.control_pool.shutdown(wait=False, cancel_futures=True)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         return self._stopped.wait(timeout_s)

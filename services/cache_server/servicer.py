@@ -42,6 +42,18 @@ UNARY_METHODS = {
     "Flush": (pb.FlushRequest, pb.FlushResponse),
 }
 METHODS = (*UNARY_METHODS, "Fetch", "Store")
+REQUEST_TYPES = {**{name: request for name, (request, _) in UNARY_METHODS.items()},
+                 "Fetch": pb.FetchRequest, "Store": pb.StoreRequest}
+
+# The library names its arguments as its Python API does (`count`, `older_than_s`); an error
+# names the field as the method's request message spells it (tests/test_field_names.py).
+PROTO_FIELDS: dict[str, dict[str, str]] = {
+    "Attach": {"namespace": "model"},
+    "Reserve": {"count": "block_count"},
+    "Store": {"namespace_id": "header.namespace_id", "tokens": "header.tokens", "start_block": "header.start_block",
+              "count": "header.block_count", "kv": "data"},
+    "Evict": {"namespace": "namespace_id", "older_than_s": "older_than_seconds", "tokens": "prefix.tokens"},
+}
 
 
 @dataclass(frozen=True)
@@ -134,8 +146,15 @@ class PrefixCacheServicer:
         count = len(lease.locations)
         total = count * self._backend.cache.layout.block_bytes
         views = (self._backend.block_bytes(location) for location in lease.locations)
-        for offset, parts in byte_chunks(views, limit):
-            message = wire.encode_fetch_chunk(offset, parts, total, count)  # the one copy of the bytes
+        chunks = byte_chunks(views, limit)
+        while True:
+            # The views point into the host tier's mapping: every step that touches them runs
+            # inside the backend's fence, which the shutdown closes before it unmaps the tier.
+            with self._backend.reading():
+                step = next(chunks, None)
+                if step is None:
+                    return
+                message = wire.encode_fetch_chunk(step[0], step[1], total, count)  # the one copy of the bytes
             # Checked after the copy: if the lease is still live, the slots were pinned while
             # they were read, so these bytes are the leased blocks and nothing else.
             self._backend.lease(principal, lease_id)
@@ -188,7 +207,7 @@ class PrefixCacheServicer:
         capacity = self._backend.options.cache.host_capacity
         if total > capacity:
             raise ResourceExhausted(f"header.block_count: {header.block_count} blocks ({total} bytes) exceed "
-                                    f"the host tier's {capacity} bytes")
+                                    f"the host tier's {capacity} bytes", "header.block_count")
         buffer = torch.empty(total, dtype=torch.uint8)
         received = _receive(requests, buffer.numpy())
         if received != total:
@@ -253,15 +272,15 @@ def register(server: grpc.Server, servicer: PrefixCacheServicer, tracker: status
     """Add the service's handlers, with parsers that turn junk into INVALID_ARGUMENT."""
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
-            status.unary(name, getattr(servicer, name), tracker, observe),
+            status.unary(name, getattr(servicer, name), tracker, observe, PROTO_FIELDS.get(name)),
             request_deserializer=status.parser(request), response_serializer=response.SerializeToString)
         for name, (request, response) in UNARY_METHODS.items()
     }
     handlers["Fetch"] = grpc.unary_stream_rpc_method_handler(  # yields serialized FetchChunks (wire.py)
-        status.streaming("Fetch", servicer.Fetch, tracker, observe),
+        status.streaming("Fetch", servicer.Fetch, tracker, observe, PROTO_FIELDS.get("Fetch")),
         request_deserializer=status.parser(pb.FetchRequest), response_serializer=None)
     handlers["Store"] = grpc.stream_unary_rpc_method_handler(
-        status.unary("Store", servicer.Store, tracker, observe),
+        status.unary("Store", servicer.Store, tracker, observe, PROTO_FIELDS["Store"]),
         request_deserializer=status.parser(pb.StoreRequest, wire.decode_store_request),
         response_serializer=pb.CommitResponse.SerializeToString)
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

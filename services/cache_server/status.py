@@ -3,9 +3,11 @@
 Mapping (see cache.proto):
 - `UnknownLease`                                -> NOT_FOUND (an expected race: it timed out)
 - `InvalidArgument` and subclasses              -> INVALID_ARGUMENT, field named in the details
-                                                   and in trailing metadata `prefixcache-field`
+                                                   and in trailing metadata `prefixcache-field`,
+                                                   spelled as in the request message (`renames`
+                                                   maps the library's argument names to it)
 - `LayoutMismatch`, `ServiceMisconfigured`      -> FAILED_PRECONDITION
-- `ResourceExhausted`                           -> RESOURCE_EXHAUSTED
+- `ResourceExhausted`                           -> RESOURCE_EXHAUSTED, field as for INVALID_ARGUMENT
 - `Draining`, `TierUnavailable`                 -> UNAVAILABLE
 - `Unauthenticated` (normally caught earlier by the auth interceptor) -> UNAUTHENTICATED
 - `NotPermitted` (a credential without the right for this call) -> PERMISSION_DENIED
@@ -123,6 +125,17 @@ class CallTracker:
             return self._idle.wait_for(lambda: self._count == 0, timeout=timeout_s)
 
 
+def in_proto_terms(failure: Failure, renames: dict[str, str]) -> Failure:
+    """The failure with its field named as the request message spells it."""
+    field = failure.field
+    if field is None or field not in renames:
+        return failure
+    details = failure.details
+    if details.startswith(f"{field}:"):
+        details = renames[field] + details[len(field):]
+    return Failure(failure.code, details, renames[field])
+
+
 def _fail(context: grpc.ServicerContext, failure: Failure) -> None:
     if failure.field:
         context.set_trailing_metadata(((FIELD_METADATA, failure.field),))
@@ -145,15 +158,17 @@ def _done(observe: Observer, method: str, code: grpc.StatusCode, started: float,
     log.debug("%s %s in %.3f ms%s%s", method, code.name, seconds * 1e3, ": " if details else "", details)
 
 
-def unary(method: str, handler: Callable, tracker: CallTracker, observe: Observer) -> Callable:
+def unary(method: str, handler: Callable, tracker: CallTracker, observe: Observer,
+          renames: dict[str, str] | None = None) -> Callable:
     """Wrap a unary-response handler: map typed errors, count it in flight, time it."""
+    renames = renames or {}
     def wrapped(request, context):
         started = time.perf_counter()
         with tracker:
             try:
                 response = handler(request, context)
             except Exception as error:  # noqa: BLE001 - the edge: typed errors mapped, bugs logged
-                failure = _failure_from(error, method)
+                failure = in_proto_terms(_failure_from(error, method), renames)
             else:
                 _done(observe, method, grpc.StatusCode.OK, started)
                 return response
@@ -162,15 +177,17 @@ def unary(method: str, handler: Callable, tracker: CallTracker, observe: Observe
     return wrapped
 
 
-def streaming(method: str, handler: Callable, tracker: CallTracker, observe: Observer) -> Callable:
+def streaming(method: str, handler: Callable, tracker: CallTracker, observe: Observer,
+              renames: dict[str, str] | None = None) -> Callable:
     """Wrap a response-streaming handler (a generator) the same way."""
+    renames = renames or {}
     def wrapped(request, context) -> Iterator:
         started = time.perf_counter()
         with tracker:
             try:
                 yield from handler(request, context)
             except Exception as error:  # noqa: BLE001 - the edge, as in `unary`
-                failure = _failure_from(error, method)
+                failure = in_proto_terms(_failure_from(error, method), renames)
             else:
                 _done(observe, method, grpc.StatusCode.OK, started)
                 return

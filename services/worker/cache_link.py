@@ -177,7 +177,7 @@ class CacheLink:
                 return self._client.lookup(tokens, cache_salt=salt, take_lease=True,
                                            recompute_s_per_token=self.policy.recompute_s_per_token())
             except InvalidArgument as error:
-                if error.field == "namespace" and not retried:
+                if error.field == "namespace_id" and not retried:  # as the proto names it
                     # The service restarted and forgot this worker's namespace: attach again at
                     # once (it answers, so no backoff) and this request still gets its hit.
                     log.info("cache service lost this namespace (restarted?); attaching again")

@@ -1,0 +1,177 @@
+"""The connector's settings and the namespace it attaches under, read off vLLM's config.
+
+`ConnectorSettings.parse` validates `kv_connector_extra_config`; every error is a
+`ConfigError` naming the key as the user spells it. `namespace_of` derives what makes KV
+incompatible: model name, revision, a weights digest, the KV layout (layers, KV heads,
+head size, vLLM's block size, KV dtype) and the tensor-parallel rank and size.
+
+Invariants:
+- The namespace block size is vLLM's block size (one vLLM block = one cache block), so a
+  hit is always a whole number of vLLM blocks and a copy never splits a block.
+- The cache stores blocks in its one canonical layout `[layers, 2, kv_heads, block_size,
+  head_dim]`; vLLM's physical paged layout (CPU's LBHNC, CUDA's NHD/HND) is converted at
+  copy time and is therefore *not* part of the namespace.
+- The weights digest is a pure function of the checkpoint's bytes that it samples (see
+  `weights_digest`): the same files on two machines give the same digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ...config import DType, KVLayout, validate_salt
+from ...errors import ConfigError
+
+HIT_POLICIES = ("always", "auto")
+SALT_SOURCES = ("request", "config", "none")
+DIGEST_MODES = ("sampled", "full", "off")
+_SAMPLE_BYTES = 1 << 20  # bytes hashed at the start, middle and end of each weight file
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_KNOWN_KEYS = {"cache", "auth_token", "auth_token_file", "timeout_s", "lookup_timeout_s", "hit_policy",
+               "cache_salt", "cache_salt_source", "revision", "weights_digest", "same_host",
+               "tls_root_cert_file", "prefill_tokens_per_s"}
+
+# vLLM's cache_dtype -> the cache's element type name ("auto" means the model's dtype).
+_VLLM_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    cache: str                       # host:port of the prefixcache service
+    auth_token: str | None = None
+    timeout_s: float = 2.0           # every RPC but Lookup (Fetch/Store streams grow with their size)
+    lookup_timeout_s: float = 0.5    # the scheduler waits this long at most per request
+    hit_policy: str = "auto"         # always: load every usable block; auto: only when faster than prefill
+    cache_salt: str | None = None    # salt for every request without its own (cache_salt_source=config)
+    cache_salt_source: str = "request"  # request: vLLM's per-request cache_salt (else `cache_salt`)
+    revision: str = ""               # overrides vLLM's model revision in the namespace
+    weights_digest: str = "sampled"
+    same_host: bool = True           # map the service's shared memory when it is on this host
+    tls_root_cert_file: str | None = None
+    prefill_tokens_per_s: float = 0.0  # auto policy's prefill rate before the worker measured one
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - _KNOWN_KEYS)
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown kv_connector_extra_config key (known: {', '.join(sorted(_KNOWN_KEYS))})")
+        cache = extra.get("cache")
+        if not isinstance(cache, str) or ":" not in cache:
+            raise ConfigError("cache", f"must be the service address HOST:PORT, got {cache!r}")
+        token = extra.get("auth_token")
+        token_file = extra.get("auth_token_file")
+        if token is not None and token_file is not None:
+            raise ConfigError("auth_token_file", "give auth_token or auth_token_file, not both")
+        if token_file is not None:
+            try:
+                token = Path(str(token_file)).read_text().strip()
+            except OSError as error:
+                raise ConfigError("auth_token_file", f"cannot read {token_file!r}: {error.strerror}") from None
+            if not token:
+                raise ConfigError("auth_token_file", f"{token_file!r} is empty")
+        if token is not None and (not isinstance(token, str) or not token):
+            raise ConfigError("auth_token", "must be a non-empty string")
+        values: dict[str, Any] = {"cache": cache, "auth_token": token}
+        for key in ("timeout_s", "lookup_timeout_s", "prefill_tokens_per_s"):
+            if key in extra:
+                value = extra[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
+                        or value == float("inf") or (value == 0 and key != "prefill_tokens_per_s"):
+                    raise ConfigError(key, f"must be a positive number, got {value!r}")
+                values[key] = float(value)
+        for key, allowed in (("hit_policy", HIT_POLICIES), ("cache_salt_source", SALT_SOURCES),
+                             ("weights_digest", DIGEST_MODES)):
+            if key in extra:
+                if extra[key] not in allowed:
+                    raise ConfigError(key, f"must be one of {', '.join(allowed)}, got {extra[key]!r}")
+                values[key] = extra[key]
+        for key in ("cache_salt", "revision", "tls_root_cert_file"):
+            if key in extra:
+                if not isinstance(extra[key], str) or (key != "revision" and not extra[key]):
+                    raise ConfigError(key, f"must be a non-empty string, got {extra[key]!r}")
+                values[key] = extra[key]
+        if "same_host" in extra:
+            if not isinstance(extra["same_host"], bool):
+                raise ConfigError("same_host", f"must be true or false, got {extra['same_host']!r}")
+            values["same_host"] = extra["same_host"]
+        if "cache_salt" in values:
+            validate_salt(values["cache_salt"])
+        settings = cls(**values)
+        if settings.cache_salt_source == "config" and settings.cache_salt is None:
+            raise ConfigError("cache_salt", "cache_salt_source=config needs a cache_salt")
+        return settings
+
+    def salt_for(self, request_salt: str | None) -> str | None:
+        """The cache salt one request's blocks live under (None: the namespace's unsalted space)."""
+        if self.cache_salt_source == "none":
+            return None
+        if self.cache_salt_source == "request" and request_salt:
+            return request_salt
+        return self.cache_salt
+
+
+@dataclass(frozen=True)
+class VllmNamespace:
+    model: str
+    revision: str   # "<revision>|weights=<digest>|tp=<rank>/<size>": what besides the layout splits KV
+    layout: KVLayout
+
+
+def kv_dtype_of(cache_dtype: str, model_dtype: Any) -> DType:
+    """The cache's element type for vLLM's `cache_dtype` (fp8 needs a DType that names it)."""
+    name = _VLLM_KV_DTYPES.get(cache_dtype) if cache_dtype != "auto" else str(model_dtype).removeprefix("torch.")
+    if name is None:
+        raise ConfigError("cache_dtype", f"vLLM kv cache dtype {cache_dtype!r} has no prefixcache element type")
+    return DType.parse(name, "cache_dtype")
+
+
+def weights_digest(model: str, mode: str = "sampled") -> str:
+    """sha256 naming a local checkpoint's weights; "" for mode off or a model that is not a directory.
+
+    sampled: config.json, then for each weight file its name, size, and the first, middle and
+    last MiB (safetensors files start with their tensor index, so that is hashed too); cheap
+    on a 100 GB checkpoint and changes whenever a file is retrained or re-quantized, except a
+    change confined to bytes it does not sample. full: every byte (slow on big models).
+    """
+    path = Path(model)
+    if mode == "off" or not path.is_dir():
+        return ""
+    files = sorted(p for p in path.iterdir() if p.is_file() and (p.name == "config.json" or p.suffix in _WEIGHT_SUFFIXES))
+    digest = hashlib.sha256(mode.encode())
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}:".encode())
+        with file.open("rb") as f:
+            if mode == "full" or size <= 3 * _SAMPLE_BYTES:
+                digest.update(hashlib.file_digest(f, "sha256").digest())
+                continue
+            for offset in (0, size // 2, size - _SAMPLE_BYTES):
+                f.seek(offset)
+                digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def namespace_of(vllm_config: Any, settings: ConnectorSettings, layers: int, kv_heads: int, head_dim: int,
+                 tp_rank: int) -> VllmNamespace:
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    layout = KVLayout(layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=cache_config.block_size,
+                      dtype=kv_dtype_of(cache_config.cache_dtype, model_config.dtype))
+    revision = settings.revision or (model_config.revision or "")
+    digest = weights_digest(model_config.model, settings.weights_digest)
+    parts = [revision, f"weights={digest[:32]}" if digest else "weights=unknown", f"tp={tp_rank}/{tp_size}"]
+    name = model_config.served_model_name if isinstance(model_config.served_model_name, str) else model_config.model
+    return VllmNamespace(model=os.path.basename(str(name).rstrip("/")) or str(name), revision="|".join(parts),
+                         layout=layout)
+
+
+def describe(settings: ConnectorSettings) -> str:
+    shown = {k: v for k, v in settings.__dict__.items() if k != "auth_token"}
+    shown["auth_token"] = "set" if settings.auth_token else None
+    return json.dumps(shown, sort_keys=True)

@@ -1,0 +1,107 @@
+"""vLLM's paged KV tensors seen as per-layer key and value views, and block copies in and out.
+
+vLLM 0.32 hands a connector one tensor per attention layer with the *logical* shape
+`[num_blocks, kv_heads, block_size, 2 * head_size]`; its physical order is whatever the
+attention backend asked for (vLLM's `KVCacheLayout`, applied through strides). How keys and
+values share the last axis depends on the backend:
+
+- `TOKEN_STACKED` (vLLM's CPU backend, `CPU_ATTN`, layout LBHNC): each `(block, head)` run of
+  `block_size * 2 * head_size` elements is reinterpreted as `[2, block_size, head_size]`:
+  all keys of the block, then all values (cpu_attn.py views it as `[.., 2 * block_size, D]`
+  and chunks dim 2). Needs that run to be contiguous, which LBHNC guarantees.
+- `CONTENT_SPLIT` (CUDA FlashAttention `FLASH_ATTN` and FlashInfer `FLASHINFER`): keys are
+  `[..., :head_size]`, values `[..., head_size:]` of each token's row; NHD (`LBNHC`, tokens
+  outer) and HND (`LBHNC`/`BLHNC`, heads outer) differ only in strides, which these views keep.
+
+Either way `PagedLayer.keys` / `.values` are strided `[num_blocks, kv_heads, block_size,
+head_size]` views of vLLM's own storage, so a block copy is an indexed copy between them and
+the cache's canonical block `[layers, 2, kv_heads, block_size, head_size]`: a memcpy-like
+gather/scatter on CPU, and the same code moves host->device or device->host on CUDA.
+
+Invariants: nothing here allocates a second paged cache (views alias vLLM's tensors); bytes
+are copied, never converted (a dtype that differs only in name, e.g. fp8 stored as uint8, is
+reinterpreted with `view`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import ConfigError
+
+
+class KVPacking(enum.Enum):
+    TOKEN_STACKED = "token_stacked"  # CPU_ATTN: per (block, head) [K rows | V rows]
+    CONTENT_SPLIT = "content_split"  # FLASH_ATTN, FLASHINFER: per token [K | V]
+
+
+_PACKING_OF_BACKEND = {"CPU_ATTN": KVPacking.TOKEN_STACKED, "FLASH_ATTN": KVPacking.CONTENT_SPLIT,
+                       "FLASHINFER": KVPacking.CONTENT_SPLIT}
+
+
+def packing_of_backend(name: str) -> KVPacking:
+    try:
+        return _PACKING_OF_BACKEND[name]
+    except KeyError:
+        known = ", ".join(sorted(_PACKING_OF_BACKEND))
+        raise ConfigError("attention_backend", f"{name!r} is not a backend the connector can copy ({known})") from None
+
+
+@dataclass(frozen=True)
+class PagedLayer:
+    keys: torch.Tensor    # [num_blocks, kv_heads, block_size, head_size], a view of vLLM's cache
+    values: torch.Tensor
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, packing: KVPacking, head_size: int) -> PagedLayer:
+        if tensor.dim() != 4 or tensor.shape[-1] != 2 * head_size:
+            raise ConfigError("kv_caches", f"expected [blocks, kv_heads, block_size, {2 * head_size}], "
+                                           f"got {tuple(tensor.shape)}")
+        blocks, heads, block_size, _ = tensor.shape
+        if packing is KVPacking.CONTENT_SPLIT:
+            return cls(tensor[..., :head_size], tensor[..., head_size:])
+        sb, sh, sn, sc = tensor.stride()
+        if sc != 1 or sn != 2 * head_size:
+            raise ConfigError("kv_caches", f"CPU paged cache strides {tensor.stride()} are not block-contiguous "
+                                           "(LBHNC); cannot split keys from values")
+        shape = (blocks, heads, block_size, head_size)
+        strides = (sb, sh, head_size, 1)
+        half = block_size * head_size
+        keys = tensor.as_strided(shape, strides, tensor.storage_offset())
+        values = tensor.as_strided(shape, strides, tensor.storage_offset() + half)
+        return cls(keys, values)
+
+
+class PagedCache:
+    """vLLM's layers in model order, with copies to and from canonical cache blocks."""
+
+    def __init__(self, layers: list[PagedLayer]) -> None:
+        self.layers = layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].keys.device
+
+    def load(self, blocks: torch.Tensor, block_ids: list[int]) -> None:
+        """vLLM block block_ids[i] <- canonical block blocks[i] (`[n, layers, 2, H, N, D]`, any device)."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        source = blocks.to(self.device, non_blocking=True)
+        if source.dtype != self.layers[0].keys.dtype:  # e.g. fp8 held as uint8: same bytes, never converted
+            source = source.view(self.layers[0].keys.dtype)
+        for number, layer in enumerate(self.layers):
+            layer.keys.index_copy_(0, index, source[:, number, 0])
+            layer.values.index_copy_(0, index, source[:, number, 1])
+
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        """Canonical blocks `[n, layers, 2, H, N, D]` (on CPU) of vLLM blocks block_ids."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        first = self.layers[0].keys
+        out = torch.empty((len(block_ids), len(self.layers), 2, *first.shape[1:]), dtype=first.dtype,
+                          device=self.device)
+        for number, layer in enumerate(self.layers):
+            torch.index_select(layer.keys, 0, index, out=out[:, number, 0])
+            torch.index_select(layer.values, 0, index, out=out[:, number, 1])
+        return out.cpu()

@@ -1,0 +1,102 @@
+"""The connector's counters as vLLM connector stats and Prometheus metrics.
+
+Both roles count into a `PrefixCacheStats` (scheduler: lookups, hits, misses, offered and
+external tokens, lookup errors; worker: loaded blocks/tokens, load seconds and failures, saved
+blocks, save seconds and failures). vLLM collects them each step (`get_kv_connector_stats`),
+sums them across roles and workers (`aggregate`), logs `reduce()` and feeds `observe` of
+`PrefixCachePromMetrics`, so `vllm serve`'s /metrics shows `vllm:prefixcache_*` counters.
+
+Invariant: every field is a monotonic count or a sum of seconds, so aggregation is addition.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+FIELDS = ("lookups", "hits", "misses", "lookup_errors", "offered_tokens", "external_tokens",
+          "loaded_blocks", "loaded_tokens", "load_seconds", "load_failures",
+          "saved_blocks", "save_deduplicated", "save_rejected", "save_seconds", "save_failures", "saves_dropped")
+_DESCRIPTIONS = {
+    "lookups": "Lookups the scheduler sent to prefixcache",
+    "hits": "Requests that loaded a prefix from prefixcache",
+    "misses": "Requests that found nothing usable in prefixcache",
+    "lookup_errors": "Lookups that failed (service down, slow or invalid): prefilled normally",
+    "offered_tokens": "Cached tokens prefixcache offered beyond vLLM's own prefix cache",
+    "external_tokens": "Tokens the scheduler told vLLM to load from prefixcache",
+    "loaded_blocks": "Blocks copied from prefixcache into vLLM's KV cache",
+    "loaded_tokens": "Tokens whose KV was copied from prefixcache",
+    "load_seconds": "Seconds spent copying KV from prefixcache",
+    "load_failures": "Scheduled loads that failed (vLLM recomputed those blocks)",
+    "saved_blocks": "Blocks newly published to prefixcache",
+    "save_deduplicated": "Saved blocks prefixcache already held",
+    "save_rejected": "Saved blocks prefixcache had no room for",
+    "save_seconds": "Seconds spent copying KV out and storing it",
+    "save_failures": "Saves that failed (the blocks are simply not cached)",
+    "saves_dropped": "Saves dropped because the save queue was full",
+}
+
+
+class PrefixCacheStats(KVConnectorStats):
+    def reset(self) -> None:
+        self.data = {}
+
+    def add(self, **counts: float) -> None:
+        for key, value in counts.items():
+            self.data[key] = self.data.get(key, 0) + value
+
+    def aggregate(self, other: KVConnectorStats) -> PrefixCacheStats:
+        merged = PrefixCacheStats(dict(self.data))
+        merged.add(**other.data)
+        return merged
+
+    def reduce(self) -> dict[str, int | float]:
+        return {key: round(value, 6) if isinstance(value, float) else value for key, value in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class StatsBox:
+    """A thread-safe accumulator the connector drains once per step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = PrefixCacheStats()
+        self.totals: dict[str, float] = {}  # since start (for logs and tests)
+
+    def add(self, **counts: float) -> None:
+        with self._lock:
+            self._stats.add(**counts)
+            for key, value in counts.items():
+                self.totals[key] = self.totals.get(key, 0) + value
+
+    def take(self) -> PrefixCacheStats | None:
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            taken, self._stats = self._stats, PrefixCacheStats()
+            return taken
+
+
+class PrefixCachePromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {}
+        for key in FIELDS:
+            counter = self._counter_cls(name=f"vllm:prefixcache_{key}", documentation=_DESCRIPTIONS[key],
+                                        labelnames=labelnames)
+            self._counters[key] = {engine: counter.labels(*values)
+                                   for engine, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            per_engine = self._counters.get(key)
+            if per_engine is not None and value > 0 and engine_idx in per_engine:
+                per_engine[engine_idx].inc(value)

@@ -1,0 +1,297 @@
+"""PrefixCacheConnector end to end: real vLLM engines, real cache services, a real redis-server.
+
+One module-scoped scenario runs five engines (vLLM takes tens of seconds to start, so each
+engine performs several checks; tests/vllm_driver.py) and the tests assert on what they
+report:
+- A (connector -> service s1, vLLM prefix caching off) serves multi-turn conversations and
+  saves their prompts' blocks; s1 writes them through to Redis.
+- REF (no connector, prefix caching off) and APC (no connector, prefix caching on, warmed
+  with A's prompts) give the reference outputs and vLLM's own prefix-cache baseline.
+- B1 (fresh, connector -> s1, prefix caching off): loads A's prefixes from s1's host tier
+  (shared memory); then s1 is SIGKILLed while B1 serves a batch, restarted, and B1 hits again;
+  last, s1 restarts with 1 ms leases, so every scheduled load fails after scheduling and vLLM
+  must recompute the blocks the connector reports (get_block_ids_with_load_errors).
+- B2 (fresh, connector -> s2, a second service over the same Redis, prefix caching on): loads
+  A's prefixes through Redis; after every Redis value is corrupted, prompts only Redis holds
+  are misses with reference outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.redis_server import RedisServer, poll
+from tests.worker_procs import CacheService
+
+ROOT = Path(__file__).resolve().parents[2]
+BS = 32
+VOCAB = 512
+MAX_TOKENS = 8
+KILL_AFTER_S = 0.2
+DRIVER_TIMEOUT_S = 420
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _model(directory: Path) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=True, initializer_range=0.1)  # 0.1: greedy output varies
+    torch.manual_seed(1234)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+def _conversations(rng: random.Random, count: int, system: list[int]) -> list[list[list[int]]]:
+    """ShareGPT-shaped token prompts: each turn's prompt is the previous one plus a reply and a user turn."""
+    conversations = []
+    for _ in range(count):
+        turns, prompt = [], system + _tokens(rng, rng.randrange(20, 60))
+        for _ in range(3):
+            turns.append(prompt)
+            prompt = prompt + _tokens(rng, rng.randrange(10, 40)) + _tokens(rng, rng.randrange(15, 50))
+        conversations.append(turns)
+    return conversations
+
+
+@dataclass
+class Engine:
+    name: str
+    process: subprocess.Popen
+    out: Path
+
+    def reached(self, barrier: str) -> bool:
+        return self.out.with_name(f"{self.out.name}.{barrier}.reached").exists()
+
+    def go(self, barrier: str) -> None:
+        self.out.with_name(f"{self.out.name}.{barrier}.go").write_text("1")
+
+    def wait_barrier(self, barrier: str) -> None:
+        assert poll(lambda: self.reached(barrier) or self.process.poll() is not None, DRIVER_TIMEOUT_S), barrier
+        assert self.process.poll() is None, f"{self.name} exited before barrier {barrier}: {self.log()}"
+
+    def result(self) -> dict:
+        code = self.process.wait(timeout=DRIVER_TIMEOUT_S)
+        assert code == 0, f"{self.name} exited {code}: {self.log()}"
+        return json.loads(self.out.read_text())
+
+    def log(self) -> str:
+        return self.out.with_suffix(".log").read_text(errors="replace")[-4000:]
+
+
+def _start(workdir: Path, name: str, model: Path, steps: list[dict], connector: dict | None, apc: bool) -> Engine:
+    spec = workdir / f"{name}.spec.json"
+    out = workdir / f"{name}.json"
+    spec.write_text(json.dumps({"model": str(model), "apc": apc, "connector": connector, "steps": steps}))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+    with out.with_suffix(".log").open("w") as log:
+        process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "vllm_driver.py"), str(spec), str(out)],
+                                   cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return Engine(name, process, out)
+
+
+def _gen(name: str, prompts: list[list[int]], **extra) -> dict:
+    return {"generate": name, "prompts": prompts, "max_tokens": MAX_TOKENS, **extra}
+
+
+def _corrupt_every_value(redis: RedisServer, prefix: str) -> int:
+    corrupted = 0
+    with redis.client() as raw:
+        for key in raw.scan_iter(match=f"{prefix}*", count=1000):
+            value = raw.get(key)
+            if value:
+                raw.set(key, value[:-1] + bytes([value[-1] ^ 0x01]), keepttl=True)
+                corrupted += 1
+    return corrupted
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    workdir = tmp_path_factory.mktemp("vllm")
+    model = _model(workdir / "model")
+    rng = random.Random(7)
+    system = _tokens(rng, 70)
+    convs = _conversations(rng, 8, system)  # 0-3 for B1, 4-7 for B2 (both save: keep them apart)
+    own = [_conversations(rng, 1, _tokens(rng, 50))[0] for _ in range(3)]  # own system prompts
+    prompts = {
+        "a": [turn for conv in convs for turn in conv[:2]] + [conv[0] for conv in own],
+        "b": [conv[2] for conv in convs[:4]] + [conv[1] for conv in convs[:2]],  # a new turn, and repeats
+        "b2": [conv[2] for conv in convs[4:]] + [conv[1] for conv in convs[4:6]],
+        "c": [turn for conv in convs[:4] for turn in conv] * 3,                # served while s1 dies
+        "e": [conv[0] + _tokens(rng, 7) for conv in own],                      # only Redis holds these
+    }
+    fresh = _conversations(rng, 3, _tokens(rng, 40))
+    prompts["d1"] = [conv[0] for conv in fresh]
+    prompts["d2"] = [conv[1] for conv in fresh]
+    late = _conversations(rng, 3, _tokens(rng, 40))
+    prompts["f1"] = [conv[0] for conv in late]
+    prompts["f2"] = [conv[1] for conv in late]
+    salted = _tokens(rng, 150)
+    prompts["s_a"] = [salted]
+    prompts["s_b"] = [salted + _tokens(rng, 9)] * 3
+    redis = RedisServer(workdir / "redis").start()
+    s1 = CacheService(workdir / "s1", redis_url=redis.url, extra_args=["--block-size", str(BS)])
+    s2 = CacheService(workdir / "s2", redis_url=redis.url, extra_args=["--block-size", str(BS)])
+    s2.redis_key_prefix = s1.redis_key_prefix  # one shared Redis keyspace
+    engines: list[Engine] = []
+    try:
+        s1.start()
+        s2.start()
+        connector = {"hit_policy": "always", "timeout_s": 5.0, "lookup_timeout_s": 5.0}
+        order = ["b", "b2", "c", "d1", "d2", "e", "f2", "s_b"]
+        a = _start(workdir, "A", model, [_gen("a", prompts["a"]), _gen("s_a", prompts["s_a"], salts=["tenant-1"])],
+                   {"cache": s1.address, **connector}, apc=False)
+        ref = _start(workdir, "REF", model, [_gen(k, prompts[k]) for k in order], None, apc=False)
+        apc = _start(workdir, "APC", model, [_gen("a", prompts["a"]), _gen("b", prompts["b"]), _gen("b2", prompts["b2"])],
+                     None, apc=True)
+        engines += [a, ref, apc]
+        results = {"A": a.result()}
+        blocks = {tuple(p[:k * BS]) for p in prompts["a"] for k in range(1, len(p) // BS + 1)}
+        with redis.client() as raw:  # A's blocks reach Redis by s1's write-through
+            assert poll(lambda: sum(1 for _ in raw.scan_iter(match=f"{s1.redis_key_prefix}*")) >= len(blocks), 60)
+        b1 = _start(workdir, "B1", model, [
+            _gen("b", prompts["b"]),
+            _gen("s_b", prompts["s_b"], salts=["tenant-1", "tenant-2", None]),
+            {"barrier": "kill"},
+            _gen("c", prompts["c"], kill_pid_after_s=[s1.process.pid, KILL_AFTER_S], max_tokens=32),
+            {"barrier": "restart"},
+            _gen("d1", prompts["d1"]), _gen("d2", prompts["d2"]),
+            {"barrier": "short_lease"},
+            _gen("f1", prompts["f1"]), _gen("f2", prompts["f2"])], {"cache": s1.address, **connector}, apc=False)
+        b2 = _start(workdir, "B2", model, [_gen("b2", prompts["b2"]), {"barrier": "corrupt"}, _gen("e", prompts["e"])],
+                    {"cache": s2.address, **connector}, apc=True)
+        engines += [b1, b2]
+        b1.wait_barrier("kill")
+        b1.go("kill")
+        b1.wait_barrier("restart")
+        assert not s1.alive()
+        s1.restart()  # same port, fresh host tier (the dead one's segment unlinked)
+        b1.go("restart")
+        b1.wait_barrier("short_lease")
+        s1.extra_args += ("--lease-ttl", "1ms")  # every lease is over before a worker can copy it
+        s1.restart()
+        b1.go("short_lease")
+        results["B1"] = b1.result()
+        b2.wait_barrier("corrupt")
+        corrupted = _corrupt_every_value(redis, s1.redis_key_prefix)
+        b2.go("corrupt")
+        results["B2"] = b2.result()
+        results["REF"], results["APC"] = ref.result(), apc.result()
+        results["corrupted"] = corrupted
+        results["prompts"] = prompts
+        (workdir / "results.json").write_text(json.dumps(results))
+        if os.environ.get("PREFIXCACHE_VLLM_RESULTS"):  # figures for docs/vllm.md
+            Path(os.environ["PREFIXCACHE_VLLM_RESULTS"]).write_text(json.dumps(results))
+        return results
+    finally:
+        for engine in engines:
+            if engine.process.poll() is None:
+                engine.process.send_signal(signal.SIGKILL)
+                engine.process.wait(timeout=30)
+        for service in (s1, s2):
+            service.stop()
+        redis.stop()
+
+
+def _expected_external(prompt: list[int], saved: list[list[int]]) -> int:
+    """All but the last block of the shared prefix: whole cached blocks, never the prompt's last token."""
+    shared = 0
+    for other in saved:
+        n = 0
+        for x, y in zip(prompt, other[: len(other) // BS * BS]):
+            if x != y:
+                break
+            n += 1
+        shared = max(shared, n)
+    return min(shared // BS * BS, (len(prompt) - 1) // BS * BS)
+
+
+def _mismatches(outputs: list[list[int]], reference: list[list[int]]) -> int:
+    return sum(1 for o, r in zip(outputs, reference, strict=True) if o != r)
+
+
+def test_a_fresh_instance_loads_every_shared_prefix_from_the_host_tier(scenario: dict) -> None:
+    prompts, b = scenario["prompts"], scenario["B1"]["steps"]["b"]
+    expected = [_expected_external(p, prompts["a"]) for p in prompts["b"]]
+    assert all(e >= 2 * BS for e in expected)
+    assert b["cached"] == expected  # vLLM's own prefix caching is off: all of it came from the cache
+    metrics = b["metrics"]
+    assert metrics.get("loaded_tokens") == sum(expected) and metrics.get("load_failures", 0) == 0
+    assert metrics.get("hits") == len(expected)
+
+
+def test_through_redis_a_second_service_serves_what_the_first_saved(scenario: dict) -> None:
+    prompts, b = scenario["prompts"], scenario["B2"]["steps"]["b2"]
+    expected = [_expected_external(p, prompts["a"]) for p in prompts["b2"]]
+    # With vLLM's prefix caching on, a prompt vLLM already holds part of loads only the rest;
+    # num_cached_tokens counts both.
+    assert b["cached"] == expected
+    assert b["metrics"].get("loaded_tokens", 0) > 0
+
+
+def test_outputs_equal_a_vllm_without_the_connector_and_no_worse_than_apc(scenario: dict) -> None:
+    ref, apc = scenario["REF"]["steps"], scenario["APC"]["steps"]
+    assert all(apc[k]["cached"] != [0] * len(ref[k]["outputs"]) for k in ("b", "b2"))  # APC really hit
+    apc_b, apc_b2 = (_mismatches(apc[k]["outputs"], ref[k]["outputs"]) for k in ("b", "b2"))
+    host = _mismatches(scenario["B1"]["steps"]["b"]["outputs"], ref["b"]["outputs"])
+    via_redis = _mismatches(scenario["B2"]["steps"]["b2"]["outputs"], ref["b2"]["outputs"])
+    print(f"mismatching prompts: host tier {host} vs APC {apc_b} of {len(ref['b']['outputs'])}; "
+          f"via Redis {via_redis} vs APC {apc_b2} of {len(ref['b2']['outputs'])}")
+    assert host <= apc_b and via_redis <= apc_b2
+    assert host == 0 and via_redis == 0
+
+
+def test_a_service_killed_mid_batch_never_fails_a_request_nor_changes_outputs(scenario: dict) -> None:
+    c = scenario["B1"]["steps"]["c"]
+    assert c["seconds"] > KILL_AFTER_S  # the batch was still being served when the service died
+    assert len(c["outputs"]) == len(scenario["prompts"]["c"])
+    assert all(len(o) == 32 for o in c["outputs"])
+    assert [o[:MAX_TOKENS] for o in c["outputs"]] == scenario["REF"]["steps"]["c"]["outputs"]
+
+
+def test_hits_resume_after_the_service_restarts(scenario: dict) -> None:
+    prompts, d2 = scenario["prompts"], scenario["B1"]["steps"]["d2"]
+    expected = [_expected_external(p, prompts["d1"]) for p in prompts["d2"]]
+    assert all(e > 0 for e in expected)
+    assert d2["cached"] == expected
+    assert d2["outputs"] == scenario["REF"]["steps"]["d2"]["outputs"]
+
+
+def test_a_corrupted_redis_block_is_a_miss_never_wrong_output(scenario: dict) -> None:
+    e = scenario["B2"]["steps"]["e"]
+    assert scenario["corrupted"] > 0
+    assert e["cached"] == [0] * len(scenario["prompts"]["e"])
+    assert e["outputs"] == scenario["REF"]["steps"]["e"]["outputs"]
+
+
+def test_a_load_that_fails_after_scheduling_is_recomputed_by_vllm(scenario: dict) -> None:
+    steps = scenario["B1"]["steps"]
+    before, after = steps["f1"]["metrics"], steps["f2"]["metrics"]
+    failed = after.get("load_failures", 0) - before.get("load_failures", 0)
+    assert failed == len(scenario["prompts"]["f2"])  # each f2 prompt was offered f1's blocks, none loaded
+    assert after.get("loaded_tokens", 0) == before.get("loaded_tokens", 0)
+    assert steps["f2"]["outputs"] == scenario["REF"]["steps"]["f2"]["outputs"]
+
+
+def test_a_request_cache_salt_shares_only_with_the_same_salt(scenario: dict) -> None:
+    s_b, prompts = scenario["B1"]["steps"]["s_b"], scenario["prompts"]
+    expected = _expected_external(prompts["s_b"][0], prompts["s_a"])
+    assert expected == 128
+    assert s_b["cached"] == [expected, 0, 0]  # same salt; another salt; no salt
+    assert s_b["outputs"] == scenario["REF"]["steps"]["s_b"]["outputs"]

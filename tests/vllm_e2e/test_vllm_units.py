@@ -1,0 +1,144 @@
+"""The connector's pure parts, in the vLLM environment: extra-config validation, the namespace,
+and the paged-KV views checked against the very reinterpretations vLLM's backends apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefixcache.config import KVLayout
+from prefixcache.errors import ConfigError
+from prefixcache.integrations.vllm.config import (
+    ConnectorSettings,
+    kv_dtype_of,
+    weights_digest,
+)
+from prefixcache.integrations.vllm.paged import (
+    KVPacking,
+    PagedCache,
+    PagedLayer,
+    packing_of_backend,
+)
+
+H, N, D, BLOCKS, LAYERS = 2, 32, 16, 9, 3
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({}, "cache"), ({"cache": "nohost"}, "cache"), ({"cache": "h:1", "hit_policy": "sometimes"}, "hit_policy"),
+    ({"cache": "h:1", "timeout_s": 0}, "timeout_s"), ({"cache": "h:1", "timeout_s": "1"}, "timeout_s"),
+    ({"cache": "h:1", "lookup_timeout_s": -1}, "lookup_timeout_s"), ({"cache": "h:1", "cachesalt": "x"}, "cachesalt"),
+    ({"cache": "h:1", "auth_token": "a", "auth_token_file": "/x"}, "auth_token_file"),
+    ({"cache": "h:1", "auth_token_file": "/nonexistent/token"}, "auth_token_file"),
+    ({"cache": "h:1", "cache_salt_source": "config"}, "cache_salt"),
+    ({"cache": "h:1", "same_host": "yes"}, "same_host"), ({"cache": "h:1", "weights_digest": "md5"}, "weights_digest"),
+])
+def test_bad_extra_config_names_the_key(extra: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        ConnectorSettings.parse(extra)
+    assert error.value.field == field
+
+
+def test_token_file_and_salt_sources(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("s3cret\n")
+    settings = ConnectorSettings.parse({"cache": "h:1", "auth_token_file": str(tmp_path / "token")})
+    assert settings.auth_token == "s3cret" and settings.salt_for("tenant-a") == "tenant-a"
+    assert settings.salt_for(None) is None
+    fixed = ConnectorSettings.parse({"cache": "h:1", "cache_salt": "team", "cache_salt_source": "config"})
+    assert fixed.salt_for("tenant-a") == "team"
+    assert ConnectorSettings.parse({"cache": "h:1", "cache_salt_source": "none"}).salt_for("tenant-a") is None
+
+
+def test_kv_dtype_follows_vllm_cache_dtype() -> None:
+    assert kv_dtype_of("auto", torch.bfloat16).value == "bfloat16"
+    assert kv_dtype_of("auto", torch.float16).value == "float16"
+    with pytest.raises(ConfigError) as error:
+        kv_dtype_of("turboquant", torch.bfloat16)
+    assert error.value.field == "cache_dtype"
+
+
+def test_weights_digest_changes_with_the_weights_not_the_path(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+        (tmp_path / name / "model.safetensors").write_bytes(bytes(range(256)) * 20000)  # > 3 MiB: sampled
+    assert weights_digest(str(tmp_path / "a")) == weights_digest(str(tmp_path / "b")) != ""
+    data = bytearray((tmp_path / "b" / "model.safetensors").read_bytes())
+    data[10] ^= 1
+    (tmp_path / "b" / "model.safetensors").write_bytes(bytes(data))
+    assert weights_digest(str(tmp_path / "a")) != weights_digest(str(tmp_path / "b"))
+    assert weights_digest(str(tmp_path / "a"), "full") != weights_digest(str(tmp_path / "a"))
+    assert weights_digest("org/model-on-a-hub") == ""
+
+
+def _vllm_cpu_views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cpu_attn.py: view [B, H, N, 2D] as [B, H, 2N, D], chunk dim 2."""
+    blocks, heads, n, _ = t.shape
+    return t.view((blocks, heads, n * 2, -1)).chunk(2, dim=2)
+
+
+def _vllm_flash_views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn.py: transpose(1, 2) then split the last axis; returned as [B, H, N, D]."""
+    k, v = t.transpose(1, 2).split(D, dim=-1)
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _paged(packing: KVPacking, physical_nhd: bool) -> list[torch.Tensor]:
+    layers = []
+    for _ in range(LAYERS):
+        if physical_nhd:  # NHD: memory [B, N, H, 2D], logical [B, H, N, 2D] by strides
+            layers.append(torch.zeros(BLOCKS, N, H, 2 * D, dtype=torch.bfloat16).transpose(1, 2))
+        else:
+            layers.append(torch.zeros(BLOCKS, H, N, 2 * D, dtype=torch.bfloat16))
+    return layers
+
+
+@pytest.mark.parametrize(("packing", "nhd", "views"), [
+    (KVPacking.TOKEN_STACKED, False, _vllm_cpu_views),
+    (KVPacking.CONTENT_SPLIT, False, _vllm_flash_views),   # HND
+    (KVPacking.CONTENT_SPLIT, True, _vllm_flash_views),    # NHD
+])
+def test_a_loaded_block_is_what_the_backend_reads_and_gathers_back_bit_exact(packing, nhd, views) -> None:
+    layout = KVLayout(layers=LAYERS, kv_heads=H, head_dim=D, block_size=N, dtype="bfloat16")
+    tensors = _paged(packing, nhd)
+    cache = PagedCache([PagedLayer.of(t, packing, D) for t in tensors])
+    blocks = torch.randn(2, *layout.block_shape).to(torch.bfloat16)
+    cache.load(blocks, [5, 2])
+    for number, t in enumerate(tensors):
+        keys, values = views(t)
+        for i, block_id in enumerate([5, 2]):
+            assert torch.equal(keys[block_id], blocks[i, number, 0])
+            assert torch.equal(values[block_id], blocks[i, number, 1])
+        untouched = [b for b in range(BLOCKS) if b not in (5, 2)]
+        assert not keys[untouched].any() and not values[untouched].any()
+    assert torch.equal(cache.gather([2, 5]), blocks.flip(0))
+
+
+def test_backends_the_connector_cannot_copy_fail_by_name() -> None:
+    assert packing_of_backend("CPU_ATTN") is KVPacking.TOKEN_STACKED
+    assert packing_of_backend("FLASHINFER") is KVPacking.CONTENT_SPLIT
+    with pytest.raises(ConfigError) as error:
+        packing_of_backend("TRITON_MLA")
+    assert error.value.field == "attention_backend"
+
+
+def test_the_library_does_not_import_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, prefixcache, prefixcache.client, prefixcache.integrations; sys.exit('vllm' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120, check=False).returncode == 0
+
+
+def test_the_auto_policy_loads_only_what_beats_prefill() -> None:
+    from prefixcache.integrations.vllm.scheduler import worth_loading
+
+    block = 32 * 2 * 8 * 2 * 128 * 2  # 32 tokens of an 8-layer, 2-KV-head, head-128 bf16 model: 256 KiB
+    assert worth_loading(320, 32, block, mapped=True, leased_blocks=10, prefill_tokens_per_s=5e3)
+    # a very fast prefill (a big GPU) beats a stream of the whole lease
+    assert not worth_loading(32, 32, block, mapped=False, leased_blocks=40, prefill_tokens_per_s=1e6)
+    # ...but not a memcpy of the same block out of shared memory at a CPU's prefill rate
+    assert worth_loading(32, 32, block, mapped=True, leased_blocks=40, prefill_tokens_per_s=5e3)
+    # the stream path pays for the whole lease: one usable block of a 40-block lease is not worth it
+    assert not worth_loading(32, 32, block, mapped=False, leased_blocks=40, prefill_tokens_per_s=5e3)
