@@ -42,10 +42,10 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import chaos_checks as checks  # noqa: E402
 from prefixcache.errors import PrefixCacheError  # noqa: E402
 from prefixcache.tiers.redis_options import RedisOptions  # noqa: E402
-from services.replay.runner import RunOptions, RunResult, Target, run_schedule  # noqa: E402
-from services.replay.prompt_tokens import ChatTokens  # noqa: E402
-from services.replay.schedule import Schedule, ScheduleConfig, build_schedule  # noqa: E402
-from services.replay.workload import WorkloadSpec, load_workload  # noqa: E402
+from prefixcache_services.replay.runner import RunOptions, RunResult, Target, run_schedule  # noqa: E402
+from prefixcache_services.replay.prompt_tokens import ChatTokens  # noqa: E402
+from prefixcache_services.replay.schedule import Schedule, ScheduleConfig, build_schedule  # noqa: E402
+from prefixcache_services.replay.workload import WorkloadSpec, load_workload  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 from tests.worker_procs import CacheService, WorkerProcess, start_all  # noqa: E402
 

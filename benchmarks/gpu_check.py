@@ -11,7 +11,7 @@ well within 8 minutes (about a minute on an H100/H200):
    (`is_pinned()`), and host->device copies from it vs from pageable memory;
 3. a worker's mapping of the host tier is pinned in its own process, and a
    host-tier hit is read straight into GPU memory;
-4. CUDA IPC: `python -m services serve --device-capacity ...` in its own
+4. CUDA IPC: `python -m prefixcache_services serve --device-capacity ...` in its own
    process; this process attaches as a same-host worker, opens the device pool
    from its IPC handle, and reads a promoted hit device-to-device;
 5. bf16 exactness: every byte read back (device tier, IPC, shared memory, gRPC

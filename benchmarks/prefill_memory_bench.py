@@ -41,8 +41,8 @@ def run_mode(mode: str, count: int) -> dict:
 
     if not MODES[mode]["onednn"]:
         torch.backends.mkldnn.enabled = False
-    from services.worker.engine import Engine, bucket_length
-    from services.worker.model import configure_torch_threads, load_model
+    from prefixcache_services.worker.engine import Engine, bucket_length
+    from prefixcache_services.worker.model import configure_torch_threads, load_model
 
     configure_torch_threads()
     engine = Engine(load_model("tiny", "bfloat16"), prefill_buckets=MODES[mode]["buckets"])

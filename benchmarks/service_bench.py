@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/service_bench.py [--fetch-mib 256] [--seconds 5] [--json-out FILE]
 
-Starts `python -m services serve` as its own process (its own GIL, as in
+Starts `python -m prefixcache_services serve` as its own process (its own GIL, as in
 production) with a Llama-3-8B-shaped layout (32 layers, 8 KV heads, head_dim
 128, fp16: 2 MiB per 16-token block), stores an 8k-token prompt, then measures:
 

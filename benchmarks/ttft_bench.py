@@ -50,8 +50,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from prefixcache.client import CacheClient  # noqa: E402
-from services.cli import build_parser  # noqa: E402
-from services.worker.command import build_backend  # noqa: E402
+from prefixcache_services.cli import build_parser  # noqa: E402
+from prefixcache_services.worker.command import build_backend  # noqa: E402
 from service_process import start_service as start_process  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"

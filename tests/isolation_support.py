@@ -22,9 +22,9 @@ import torch
 
 from prefixcache.client import CacheClient
 from prefixcache.config import KVLayout
-from services.cache_server.command import options_from
-from services.cache_server.server import CacheServer, build_server
-from services.cli import build_parser
+from prefixcache_services.cache_server.command import options_from
+from prefixcache_services.cache_server.server import CacheServer, build_server
+from prefixcache_services.cli import build_parser
 
 LAYOUT = KVLayout(layers=2, kv_heads=1, head_dim=16, block_size=16, dtype="float16")  # 2 KiB blocks
 BLOCK = LAYOUT.block_size

@@ -4,7 +4,7 @@
   it when the pytest process dies, even by SIGKILL (no finalizer runs then). PDEATHSIG follows the
   *thread* that forked the child, so the tie is made only from the main thread, where fixtures run;
   a child launched from another thread is untied (its owner's teardown still stops it). The tie
-  survives exec (not for set-uid binaries), so redis-server and `python -m services` keep it.
+  survives exec (not for set-uid binaries), so redis-server and `python -m prefixcache_services` keep it.
 - The session janitor (`start_janitor`, this module's `__main__`): a small process in its own
   session that waits for the pytest process to end (EOF on a pipe only pytest holds), then removes
   the shared-memory segments of processes of that session (owner record pid or parent pid == the

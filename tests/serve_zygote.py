@@ -1,6 +1,6 @@
 """Starts many `serve` processes quickly: fork from one interpreter that imported the service once.
 
-`python -m services serve` spends ~3 s importing torch and gRPC before it listens; a test that
+`python -m prefixcache_services serve` spends ~3 s importing torch and gRPC before it listens; a test that
 must SIGTERM a fresh service twenty times cannot pay that each time. This process imports the
 service once, creates no gRPC object (so forking is safe: gRPC's core is not yet started), and
 forks one child per request, which then runs `prefixcache serve` exactly as the CLI would.
@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 
-from services.cli import main as cli_main
+from prefixcache_services.cli import main as cli_main
 
 PR_SET_PDEATHSIG = 1
 

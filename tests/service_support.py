@@ -22,11 +22,11 @@ from prefixcache.client import CacheClient
 from prefixcache.config import CacheConfig, DType, KVLayout
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
-from services.cache_server.auth import Authenticator
-from services.cache_server.backend import BackendOptions
-from services.cache_server.options import ServerOptions
-from services.cache_server.server import build_server
-from services.cache_server.servicer import SERVICE_NAME
+from prefixcache_services.cache_server.auth import Authenticator
+from prefixcache_services.cache_server.backend import BackendOptions
+from prefixcache_services.cache_server.options import ServerOptions
+from prefixcache_services.cache_server.server import build_server
+from prefixcache_services.cache_server.servicer import SERVICE_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = tuple(dtype.value for dtype in DType)  # every format the cache stores, fp8 included

@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.client import CacheClient
 from prefixcache.config import KVLayout
-from services.admin.document import stats_document
+from prefixcache_services.admin.document import stats_document
 from tests.redis_server import free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.process]
@@ -86,8 +86,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def run_many(*commands: list[str], env: dict | None = None, stdin: str | None = None) -> list[Result]:
-    """Run `python -m services ARGS...` for each command at once; results in order."""
-    processes = [subprocess.Popen([sys.executable, "-m", "services", *args], cwd=ROOT, env=env or _env(),
+    """Run `python -m prefixcache_services ARGS...` for each command at once; results in order."""
+    processes = [subprocess.Popen([sys.executable, "-m", "prefixcache_services", *args], cwd=ROOT, env=env or _env(),
                                   stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for args in commands]
@@ -105,7 +105,7 @@ def run(*args: str, env: dict | None = None) -> Result:
 @pytest.fixture
 def cli(capsys, monkeypatch):
     """The CLI in this process, for variants where a process boundary adds nothing: (code, out, err)."""
-    from services.cli import main
+    from prefixcache_services.cli import main
 
     monkeypatch.setenv("PREFIXCACHE_AUTH_TOKEN", TOKEN)
     monkeypatch.setenv("COLUMNS", "120")
@@ -129,7 +129,7 @@ def _read_until(stream, sink: queue.Queue) -> None:
 
 def _start_service(redis_url: str) -> tuple[subprocess.Popen, str, int]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "services", "--log-level", "WARNING", "serve", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "prefixcache_services", "--log-level", "WARNING", "serve", "--listen", "127.0.0.1:0",
          "--host-capacity", "2MiB", "--metrics-port", "0", "--auth-token", TOKEN, "--redis-url", redis_url,
          "--redis-key-prefix", f"clitest{os.getpid()}", "--workers", "8", "--grace", "2s"],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -167,7 +167,7 @@ def stack(redis_server):
     worker_port = free_port()
     # Started now, waited for later: it loads the model while the first tests run.
     worker = subprocess.Popen(
-        [sys.executable, "-m", "services", "--log-level", "WARNING", "worker", "--cache", address,
+        [sys.executable, "-m", "prefixcache_services", "--log-level", "WARNING", "worker", "--cache", address,
          "--listen", f"127.0.0.1:{worker_port}", "--threads", "1", "--cache-deadline-ms", "5000"],
         cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     yield Stack(address, metrics_port, worker_port, worker)
@@ -338,7 +338,7 @@ def _pty_spawn(args: list[str], rows: int = 40, cols: int = 120) -> tuple[int, i
     pid, fd = pty.fork()
     if pid == 0:  # the child: exec at once
         os.environ.update(_env(TERM="xterm-256color"))
-        os.execv(sys.executable, [sys.executable, "-m", "services", *args])
+        os.execv(sys.executable, [sys.executable, "-m", "prefixcache_services", *args])
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
     return pid, fd
 
@@ -377,7 +377,7 @@ def _wait_exit(pid: int, fd: int, buffer: bytearray, timeout_s: float = 20.0) ->
 
 def test_top_refreshes_in_a_terminal_shows_evictions_and_quits_on_q(stack, populated):
     pid, fd = _pty_spawn(["top", "--cache", stack.address, "--interval", "0.3", "--auth-token", TOKEN])
-    plain = subprocess.Popen([sys.executable, "-m", "services", "top", "--cache", stack.address, "--interval", "0.2"],
+    plain = subprocess.Popen([sys.executable, "-m", "prefixcache_services", "top", "--cache", stack.address, "--interval", "0.2"],
                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     screen = bytearray()
     assert _pty_read(fd, screen, re.compile(rb"refresh #[2-9]")), bytes(screen[-2000:])

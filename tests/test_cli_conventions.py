@@ -17,7 +17,7 @@ import yaml
 from prefixcache.config import parse_size
 from prefixcache.errors import ConfigError
 from prefixcache.version import version
-from services.cli import build_parser, configure_logging, env_name, main
+from prefixcache_services.cli import build_parser, configure_logging, env_name, main
 
 pytestmark = pytest.mark.process
 
@@ -134,7 +134,7 @@ BLOCKER = textwrap.dedent("""
 
     sys.meta_path.insert(0, Absent())
     import prefixcache.client  # noqa: F401
-    from services.cli import main
+    from prefixcache_services.cli import main
     try:
         code = main(sys.argv[1:])
     except SystemExit as done:
@@ -162,9 +162,9 @@ SERVE_AND_USE = textwrap.dedent("""
     import sys, torch
     from prefixcache.config import KVLayout
     from prefixcache.client import CacheClient
-    from services.cli import build_parser, main
-    from services.cache_server.command import options_from
-    from services.cache_server.server import build_server
+    from prefixcache_services.cli import build_parser, main
+    from prefixcache_services.cache_server.command import options_from
+    from prefixcache_services.cache_server.server import build_server
 
     argv = ["serve", "--listen", "127.0.0.1:0", "--host-capacity", "8Mi", "--metrics-port", "0", "--block-size", "4"]
     server = build_server(options_from(build_parser(argv).parse_args(argv)))

@@ -14,10 +14,10 @@ from prefixcache.client import ServiceStats
 from prefixcache.config import KVLayout
 from prefixcache.stats import StatsSnapshot, TierSnapshot
 from prefixcache.tiers.base import TierKind
-from services.admin.connect import AdminError, check_address
-from services.admin.document import stats_document
-from services.admin.prompt import WorkerIdentity, check_layout, read_tokens_file
-from services.admin.top_model import TopModel
+from prefixcache_services.admin.connect import AdminError, check_address
+from prefixcache_services.admin.document import stats_document
+from prefixcache_services.admin.prompt import WorkerIdentity, check_layout, read_tokens_file
+from prefixcache_services.admin.top_model import TopModel
 
 pytestmark = pytest.mark.unit
 

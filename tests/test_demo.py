@@ -12,7 +12,7 @@ from pathlib import Path
 
 import jsonschema
 
-from services.replay.report import load_schema
+from prefixcache_services.replay.report import load_schema
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 
@@ -23,7 +23,7 @@ def test_demo_replays_sharegpt_and_passes_the_output_check(tmp_path):
     out = tmp_path / "demo.json"
     logs = tmp_path / "logs"
     done = subprocess.run(
-        [sys.executable, "-m", "services", "demo", "--conversations", "2",
+        [sys.executable, "-m", "prefixcache_services", "demo", "--conversations", "2",
          "--no-progress", "--json", str(out), "--log-dir", str(logs)],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -3,7 +3,7 @@
 - Kubernetes manifests: strict schema validation with kubernetes-validate for the
   oldest supported (1.29, native sidecars) and a current release; kustomize renders.
 - Every `prefixcache ...` in compose.yaml, the Dockerfile and the manifests parses
-  with the real CLI parser (services.cli.build_parser), and the service starts with
+  with the real CLI parser (prefixcache_services.cli.build_parser), and the service starts with
   the compose/Kubernetes values and answers the health checks those files define.
 - redis.conf and the Redis Cluster ConfigMap run under a real redis-server: eviction
   instead of OOM errors, and the least-privilege ACL user runs the real RedisTier
@@ -240,9 +240,9 @@ def invocations() -> dict[str, list[str]]:
 
 def real_parser():
     try:
-        cli = __import__("services.cli", fromlist=["build_parser"])
+        cli = __import__("prefixcache_services.cli", fromlist=["build_parser"])
     except ImportError as error:
-        pytest.skip(f"services.cli is not importable yet ({error}); the CLI checks need it")
+        pytest.skip(f"prefixcache_services.cli is not importable yet ({error}); the CLI checks need it")
     return cli.build_parser()
 
 
@@ -257,7 +257,7 @@ def test_invocation_is_accepted_by_the_real_cli(where: str) -> None:
     subcommands = subparsers_of(real_parser())
     assert argv[0] in PLANNED_SUBCOMMANDS, f"{where}: unknown subcommand {argv[0]!r}"
     if argv[0] not in subcommands:
-        pytest.skip(f"`prefixcache {argv[0]}` is planned but services.cli does not register it yet")
+        pytest.skip(f"`prefixcache {argv[0]}` is planned but prefixcache_services.cli does not register it yet")
     known = subcommands[argv[0]]._option_string_actions
     unknown = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--") and a.split("=", 1)[0] not in known]
     assert not unknown, f"{where}: `prefixcache {argv[0]}` has no option(s) {unknown}"
@@ -295,7 +295,7 @@ def running_serve(argv: list[str], tmp_path: Path) -> Iterator[int]:
         rewritten.append(f"{flag}={value}" if value else flag)
     if not any(a.startswith("--auth-token") for a in rewritten):
         rewritten.append("--auth-token=0123456789abcdef0123456789abcdef")  # health must not need it
-    proc = subprocess.Popen([sys.executable, "-m", "services", "serve", *rewritten], cwd=ROOT, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "prefixcache_services", "serve", *rewritten], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         port, deadline = None, time.monotonic() + DEADLINE_S
@@ -423,7 +423,7 @@ def test_dockerignore_excludes_local_state_but_not_the_sources() -> None:
 
 def test_docs_sizing_table_matches_the_kv_layout() -> None:
     from prefixcache.config import DType, KVLayout
-    from services.worker.model import tiny_config
+    from prefixcache_services.worker.model import tiny_config
     tiny = tiny_config(vocab_size=1000)
     rows = {"Llama-3-8B": KVLayout(32, 8, 128, 16, DType.FLOAT16),
             "built-in `tiny`": KVLayout(tiny.num_hidden_layers, tiny.num_key_value_heads,

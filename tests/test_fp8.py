@@ -33,9 +33,9 @@ from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier, MappedSegment
 from prefixcache.tiers.redis import RedisOptions, RedisTier
-from services.admin.document import stats_document
-from services.admin.namespaces_view import namespaces_document, namespaces_view
-from services.admin.stats_view import overview_table
+from prefixcache_services.admin.document import stats_document
+from prefixcache_services.admin.namespaces_view import namespaces_document, namespaces_view
+from prefixcache_services.admin.stats_view import overview_table
 from tests.core_support import read_blocks
 from tests.redis_server import RedisServer
 from tests.service_support import BLOCK, CODE, prompt, rpc_code, running_servers, same_bytes, stub_for

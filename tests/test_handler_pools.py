@@ -11,7 +11,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from prefixcache.rpc import cache_pb2 as pb
-from services.cache_server.pools import ElasticPool, waiting
+from prefixcache_services.cache_server.pools import ElasticPool, waiting
 from tests.isolation_support import serve
 from tests.redis_server import poll
 from tests.service_support import layout_of, prompt, random_kv, running_servers

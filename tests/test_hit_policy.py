@@ -23,8 +23,8 @@ from prefixcache.config import DType, KVLayout
 from prefixcache.results import BlockLocations
 from prefixcache.tiers.base import TierKind
 from prefixcache.transfer import ProbeBudget, TransferEstimate, TransferMeter, blocks_worth_fetching
-from services.worker.engine import PrefillResult
-from services.worker.hit_policy import (Decision, Estimates, HitPolicy, Offer, ReadPath, Verdict, choose)
+from prefixcache_services.worker.engine import PrefillResult
+from prefixcache_services.worker.hit_policy import (Decision, Estimates, HitPolicy, Offer, ReadPath, Verdict, choose)
 from tests.core_support import ManualClock
 
 pytestmark = pytest.mark.unit
@@ -283,7 +283,7 @@ def test_policy_recomputes_when_prefill_gets_cheap():
 
 
 def test_replay_report_section_counts_decisions_during_the_run():
-    from services.replay.worker_metrics import parse, section
+    from prefixcache_services.replay.worker_metrics import parse, section
 
     registry = CollectorRegistry()
     policy = HitPolicy(registry, clock=ManualClock())

@@ -33,9 +33,9 @@ from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
 from tests.isolation_support import (BLOCK, SALT, mann_whitney_p, prompt, random_kv, same_bytes, serve,
                                      tenant_clients, write_credentials)
-from services.cache_server.auth import Principal, parse_credentials, quota_overrides
-from services.cache_server.command import options_from
-from services.cli import build_parser
+from prefixcache_services.cache_server.auth import Principal, parse_credentials, quota_overrides
+from prefixcache_services.cache_server.command import options_from
+from prefixcache_services.cli import build_parser
 from tests.redis_server import RedisServer, make_tls_files
 
 pytestmark = [pytest.mark.redis, pytest.mark.process]

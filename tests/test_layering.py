@@ -23,7 +23,7 @@ CORE = [
     "prefixcache.cache", "prefixcache.placement", "prefixcache.results", "prefixcache.config", "prefixcache.stats",
     "prefixcache.leases", "prefixcache.errors", "prefixcache.remote_link", "prefixcache.namespaces", "prefixcache.quota", "prefixcache.transfer",
 ]
-FORBIDDEN = ["grpc", "redis", "transformers", "services", "google.protobuf"]
+FORBIDDEN = ["grpc", "redis", "transformers", "prefixcache_services", "google.protobuf"]
 
 _PROBE = """
 import importlib, json, sys
@@ -51,5 +51,5 @@ def test_core_modules_import_no_service_or_client_libraries() -> None:
 
 def test_the_probe_would_notice_a_forbidden_import() -> None:
     """The check itself can fail: importing a forbidden package is reported."""
-    found = offenders(loaded_after_importing(["prefixcache.errors", "redis", "services"]))
-    assert "redis" in found and "services" in found
+    found = offenders(loaded_after_importing(["prefixcache.errors", "redis", "prefixcache_services"]))
+    assert "redis" in found and "prefixcache_services" in found

@@ -61,7 +61,7 @@ def _env() -> dict[str, str]:
 
 def _start_service(workdir: Path, credentials: Path, port: int) -> tuple[subprocess.Popen, Path]:
     log = workdir / "service.log"
-    command = [sys.executable, "-m", "services", "--log-level", "DEBUG", "serve", "--listen", f"127.0.0.1:{port}",
+    command = [sys.executable, "-m", "prefixcache_services", "--log-level", "DEBUG", "serve", "--listen", f"127.0.0.1:{port}",
                "--credentials", str(credentials), "--metrics-port", "0", "--host-capacity", "4MiB",
                "--shm-name", f"pfx-hygiene-{secrets.token_hex(4)}", "--grace", "2s", "--workers", "4"]
     with log.open("w") as sink:
@@ -87,7 +87,7 @@ def _wait_service(process: subprocess.Popen, log: Path) -> tuple[str, int]:
 
 def _start_worker(workdir: Path, address: str, token: str) -> tuple[subprocess.Popen, Path, WorkerClient]:
     log, port = workdir / "worker.log", free_port()
-    command = [sys.executable, "-m", "services", "--log-level", "DEBUG", "worker", "--listen", f"127.0.0.1:{port}",
+    command = [sys.executable, "-m", "prefixcache_services", "--log-level", "DEBUG", "worker", "--listen", f"127.0.0.1:{port}",
                "--cache", address, "--auth-token", token, "--cache-deadline-ms", "5000",
                "--hit-policy", "always"]
     with log.open("w") as sink:
@@ -214,7 +214,7 @@ def test_secrets_never_reach_logs_metrics_or_errors(tmp_path: Path) -> None:
     finally:
         _stop([worker, service])
     service_text, worker_text = service_log.read_text(), worker_log.read_text()
-    assert "DEBUG services.cache_server.status: Lookup OK" in service_text  # DEBUG was on, per call
+    assert "DEBUG prefixcache_services.cache_server.status: Lookup OK" in service_text  # DEBUG was on, per call
     assert "INVALID_ARGUMENT" in service_text and "Store INVALID_ARGUMENT" in service_text  # failures logged
     assert "prefixcache_lookups" in metrics and "DEBUG" in worker_text
     leaks = [(where, secret) for secret in _secrets(tokens)

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prefixcache.client.errors import RETRY_METADATA, retry_after_s
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
-from services.cache_server.servicer import SERVICE_NAME
+from prefixcache_services.cache_server.servicer import SERVICE_NAME
 from tests.redis_server import poll
 from tests.service_support import CODE, layout_of, prompt, random_kv, running_servers
 

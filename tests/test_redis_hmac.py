@@ -27,8 +27,8 @@ from prefixcache.config import DType, KVLayout
 from prefixcache.errors import ConfigError, CorruptBlock
 from prefixcache.index import MissReason
 from prefixcache.tiers.redis_options import RedisOptions
-from services.cache_server.command import remote_factory_from
-from services.cli import build_parser
+from prefixcache_services.cache_server.command import remote_factory_from
+from prefixcache_services.cli import build_parser
 from tests.core_support import block_hashes
 from tests.isolation_support import BLOCK, LAYOUT as SERVICE_LAYOUT, random_kv, same_bytes, serve
 from tests.redis_server import RedisServer

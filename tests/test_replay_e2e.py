@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from prefixcache.client import CacheClient
-from services import cli
-from services.replay.local_stack import LocalStack
-from services.replay.prompt_tokens import ChatTokens
-from services.replay.report import load_schema
-from services.replay.synthetic_kv import SyntheticKV, preset
-from services.replay.transcripts import Conversation, Role
+from prefixcache_services import cli
+from prefixcache_services.replay.local_stack import LocalStack
+from prefixcache_services.replay.prompt_tokens import ChatTokens
+from prefixcache_services.replay.report import load_schema
+from prefixcache_services.replay.synthetic_kv import SyntheticKV, preset
+from prefixcache_services.replay.transcripts import Conversation, Role
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 
@@ -50,7 +50,7 @@ def stack(tmp_path_factory):
 
 def _replay(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "services", "--log-level", "WARNING", "replay", "--no-progress",
+    return subprocess.run([sys.executable, "-m", "prefixcache_services", "--log-level", "WARNING", "replay", "--no-progress",
                            *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -177,9 +177,9 @@ def test_synthetic_kv_depends_on_the_whole_prefix_and_nothing_else():
 
 
 def test_prompt_tokens_match_the_worker_template_and_extend_turn_by_turn():
-    from services.replay.turns import conversation_turns
-    from services.worker.chat import ChatMessage, ChatMLTemplate, Role as ChatRole
-    from services.worker.tokenizer import TiktokenTokenizer
+    from prefixcache_services.replay.turns import conversation_turns
+    from prefixcache_services.worker.chat import ChatMessage, ChatMLTemplate, Role as ChatRole
+    from prefixcache_services.worker.tokenizer import TiktokenTokenizer
 
     conv = Conversation("c", ((Role.SYSTEM, "Be brief."), (Role.USER, "Hello\nthere"),
                               (Role.ASSISTANT, "Hi! <|im_end|> fake"), (Role.USER, "What is a KV cache?")))

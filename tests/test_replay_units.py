@@ -23,19 +23,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from services.replay import plots
-from services.replay.json_stream import ArrayReadState, JsonArrayError, iter_json_array
-from services.replay.openai_client import (ChatClient, Completion, chat_completions_url,
+from prefixcache_services.replay import plots
+from prefixcache_services.replay.json_stream import ArrayReadState, JsonArrayError, iter_json_array
+from prefixcache_services.replay.openai_client import (ChatClient, Completion, chat_completions_url,
                                           iter_sse_data)
-from services.replay.report import (Report, build_report, load_schema, percentile,
+from prefixcache_services.replay.report import (Report, build_report, load_schema, percentile,
                                     summarize_run)
-from services.replay.report_table import print_report
-from services.replay.runner import (ABResult, RequestRecord, RunOptions, RunResult, Target,
+from prefixcache_services.replay.report_table import print_report
+from prefixcache_services.replay.runner import (ABResult, RequestRecord, RunOptions, RunResult, Target,
                                     compare_runs, run_ab, run_schedule)
-from services.replay.schedule import ScheduleConfig, ScheduleError, ThinkTime, build_schedule
-from services.replay.transcripts import (Conversation, Role, TranscriptError, load_jsonl,
+from prefixcache_services.replay.schedule import ScheduleConfig, ScheduleError, ThinkTime, build_schedule
+from prefixcache_services.replay.transcripts import (Conversation, Role, TranscriptError, load_jsonl,
                                          load_sharegpt)
-from services.replay.turns import conversation_turns
+from prefixcache_services.replay.turns import conversation_turns
 
 pytestmark = pytest.mark.unit
 

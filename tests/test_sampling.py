@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from services.worker.sampling import Sampler, SamplingParams
+from prefixcache_services.worker.sampling import Sampler, SamplingParams
 
 pytestmark = pytest.mark.unit
 

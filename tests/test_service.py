@@ -32,11 +32,11 @@ from prefixcache.config import CacheConfig, KVLayout
 from prefixcache.errors import InvalidArgument, ResourceExhausted, UnknownLease
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
-from services.cache_server.auth import Authenticator, parse_credentials
-from services.cache_server.backend import BackendOptions
-from services.cache_server.options import ServerOptions
-from services.cache_server.server import build_server
-from services.cache_server.servicer import METHODS, REQUEST_TYPES, SERVICE_NAME
+from prefixcache_services.cache_server.auth import Authenticator, parse_credentials
+from prefixcache_services.cache_server.backend import BackendOptions
+from prefixcache_services.cache_server.options import ServerOptions
+from prefixcache_services.cache_server.server import build_server
+from prefixcache_services.cache_server.servicer import METHODS, REQUEST_TYPES, SERVICE_NAME
 from tests.service_support import (BLOCK, BLOCK_BYTES, CODE, DTYPES, FUZZ_METHODS, MATRIX, ROOT, fuzz_inputs,
                                    health_status, layout_of, prompt, random_kv, rpc_code, running_servers, same_bytes,
                                    store_header, stub_for)
@@ -162,8 +162,8 @@ def test_namespaces_per_tenant_are_bounded(start):
 
 
 def test_serve_flags_wire_the_redis_tier(start, private_redis):
-    from services.cli import build_parser
-    from services.cache_server.command import options_from
+    from prefixcache_services.cli import build_parser
+    from prefixcache_services.cache_server.command import options_from
 
     layout = layout_of()
     args = build_parser().parse_args(["serve", "--listen", "127.0.0.1:0", "--block-size", str(BLOCK),

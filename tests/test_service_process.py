@@ -1,4 +1,4 @@
-"""`python -m services serve` as a real process: readiness line, SIGTERM drain, exit 0, shm unlinked.
+"""`python -m prefixcache_services serve` as a real process: readiness line, SIGTERM drain, exit 0, shm unlinked.
 
 A Fetch stream larger than gRPC's flow-control windows is in flight when
 SIGTERM arrives; the service must finish it byte for byte, then exit 0 and
@@ -43,7 +43,7 @@ def _start(*extra: str, grace: str = "20s"):
     """A `serve` subprocess; returns (process, address, shm name, stderr lines)."""
     shm_name = f"pfx-test-{secrets.token_hex(4)}"
     process = lifetime.popen(
-        [sys.executable, "-m", "services", "serve", "--listen", "127.0.0.1:0", "--host-capacity", "48MiB",
+        [sys.executable, "-m", "prefixcache_services", "serve", "--listen", "127.0.0.1:0", "--host-capacity", "48MiB",
          "--shm-name", shm_name, "--grace", grace, "--workers", "4", *extra],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from prefixcache.tiers.shm import SHM_DIR, list_segments, segment_name_for
-from services import cli
+from prefixcache_services import cli
 from tests import lifetime
 from tests.redis_server import free_port, poll
 
@@ -95,7 +95,7 @@ class Serve:
         self.log = log
         with log.open("a") as err:
             self.process = lifetime.popen(
-                shm.command([sys.executable, "-m", "services", "serve", "--listen", f"127.0.0.1:{self.port}",
+                shm.command([sys.executable, "-m", "prefixcache_services", "serve", "--listen", f"127.0.0.1:{self.port}",
                              "--grace", "1s", *flags]),
                 cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
 

@@ -30,9 +30,9 @@ from prefixcache.config import CacheConfig, KVLayout
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
 from prefixcache.tiers.base import TierKind
-from services.cache_server.auth import OPEN
-from services.cache_server.backend import FENCE_S, BackendOptions, CacheBackend, Draining
-from services.cache_server.server import SHUTDOWN_BOUND_S
+from prefixcache_services.cache_server.auth import OPEN
+from prefixcache_services.cache_server.backend import FENCE_S, BackendOptions, CacheBackend, Draining
+from prefixcache_services.cache_server.server import SHUTDOWN_BOUND_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 

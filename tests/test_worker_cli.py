@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from transformers import MistralConfig, Qwen3NextConfig
 
-from services.cli import main
+from prefixcache_services.cli import main
 
 pytestmark = pytest.mark.unit
 

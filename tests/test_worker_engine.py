@@ -24,13 +24,13 @@ from transformers import (
     Qwen3NextConfig,
 )
 
-from services.worker.attention import prefix_exact_attention
-from services.worker.chat import ChatMessage, ChatMLTemplate, Role, completion_prompt
-from services.worker.compat import UnsupportedModelError, check_plain_kv
-from services.worker.engine import Engine, FinishReason, bucket_length
-from services.worker.model import checkpoint_digest, configure_torch_threads, load_model
-from services.worker.prefill_rate import PrefillRateMeter
-from services.worker.tokenizer import (
+from prefixcache_services.worker.attention import prefix_exact_attention
+from prefixcache_services.worker.chat import ChatMessage, ChatMLTemplate, Role, completion_prompt
+from prefixcache_services.worker.compat import UnsupportedModelError, check_plain_kv
+from prefixcache_services.worker.engine import Engine, FinishReason, bucket_length
+from prefixcache_services.worker.model import checkpoint_digest, configure_torch_threads, load_model
+from prefixcache_services.worker.prefill_rate import PrefillRateMeter
+from prefixcache_services.worker.tokenizer import (
     CL100K_SHA256,
     TiktokenTokenizer,
     TokenizerIntegrityError,

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.replay.transcripts import Conversation, Role, load_sharegpt
-from services.worker.chat import ChatMessage, ChatMLTemplate
-from services.worker.chat import Role as ChatRole
-from services.worker.tokenizer import TiktokenTokenizer
+from prefixcache_services.replay.transcripts import Conversation, Role, load_sharegpt
+from prefixcache_services.worker.chat import ChatMessage, ChatMLTemplate
+from prefixcache_services.worker.chat import Role as ChatRole
+from prefixcache_services.worker.tokenizer import TiktokenTokenizer
 
 from tests.worker_procs import Reply, Stack, poll
 

@@ -1,10 +1,10 @@
 """Real `prefixcache serve` and `prefixcache worker` processes for tests, on free loopback ports.
 
-- `CacheService`: `python -m services serve` with its own shared-memory name; readiness is its
+- `CacheService`: `python -m prefixcache_services serve` with its own shared-memory name; readiness is its
   `prefixcache serve: listening on HOST:PORT` line. It can be SIGKILLed (as a crash would) and
   restarted on the same port, optionally over a Redis tier (`--redis-url`), whose key prefix is
   unique per service object so stacks sharing one redis-server never see each other's blocks.
-- `WorkerProcess`: `python -m services worker` (the tiny bfloat16 model) pointed at a service
+- `WorkerProcess`: `python -m prefixcache_services worker` (the tiny bfloat16 model) pointed at a service
   or `--no-cache`; readiness is polled on `GET /health` with a deadline.
 - `cache_service` (fixture): one service process of a test's own, without a worker.
 - `running_stack`: a service, a cached worker and (optionally) a `--no-cache` reference worker.
@@ -102,7 +102,7 @@ class CacheService:
         return self.workdir / "service.log"
 
     def _command(self) -> list[str]:
-        command = [sys.executable, "-m", "services", "serve", "--listen", f"127.0.0.1:{self.port}",
+        command = [sys.executable, "-m", "prefixcache_services", "serve", "--listen", f"127.0.0.1:{self.port}",
                    "--host-capacity", self.host_capacity, "--shm-name", self.shm_name, "--grace", "2s",
                    "--workers", "8", *self.extra_args]
         if self.redis_url:
@@ -185,7 +185,7 @@ class WorkerProcess:
 
     def launch(self) -> WorkerProcess:
         cache = ["--no-cache"] if self.cache is None else ["--cache", self.cache.address]
-        command = [sys.executable, "-m", "services", "worker", "--listen", f"127.0.0.1:{self.port}", *cache,
+        command = [sys.executable, "-m", "prefixcache_services", "worker", "--listen", f"127.0.0.1:{self.port}", *cache,
                    *self.extra_args]
         with self.log_path.open("a") as log:
             self.process = lifetime.popen(command, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)

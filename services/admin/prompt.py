@@ -110,8 +110,8 @@ def read_tokens_file(path: str) -> list[int]:
 
 def _tokenizer_and_chat(model: str):
     """(encode, render one user message): the worker's tokenizer and template, without the weights."""
-    from services.worker.chat import ChatMessage, ChatMLTemplate, HFChatTemplate, Role
-    from services.worker.tokenizer import HFTokenizer, TiktokenTokenizer
+    from ..worker.chat import ChatMessage, ChatMLTemplate, HFChatTemplate, Role
+    from ..worker.tokenizer import HFTokenizer, TiktokenTokenizer
 
     if model == TINY:
         tokenizer = TiktokenTokenizer()
@@ -143,7 +143,7 @@ def prompt_tokens(args: argparse.Namespace, text: str | None, tokens_file: str |
 
 
 def _load(spec: str, dtype: str, seed: int):
-    from services.worker.model import load_model
+    from ..worker.model import load_model
 
     try:
         return load_model(spec, dtype=dtype, seed=seed)

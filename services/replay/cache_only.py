@@ -30,12 +30,12 @@ from rich.console import Console
 from prefixcache.client import CacheClient
 from prefixcache.client.api import Hit
 from prefixcache.errors import PrefixCacheError
-from services.replay.openai_client import Completion
-from services.replay.report import CacheOnlySummary, Percentiles
-from services.replay.runner import RunOptions, RunResult, Target, run_schedule_with
-from services.replay.schedule import Schedule
-from services.replay.synthetic_kv import ModelPreset, SyntheticKV, equal_blocks
-from services.replay.turns import Turn
+from .openai_client import Completion
+from .report import CacheOnlySummary, Percentiles
+from .runner import RunOptions, RunResult, Target, run_schedule_with
+from .schedule import Schedule
+from .synthetic_kv import ModelPreset, SyntheticKV, equal_blocks
+from .turns import Turn
 
 log = logging.getLogger(__name__)
 

@@ -15,16 +15,16 @@ from pathlib import Path
 
 from rich.console import Console
 
-from services.replay.cache_only import CacheOnlyOptions
-from services.replay.json_stream import JsonArrayError
-from services.replay.report_table import print_report
-from services.replay.runner import RunOptions, Target
-from services.replay.schedule import ScheduleConfig, ThinkTime
-from services.replay.session import (ReplayError, ReplayOptions, discover_model, exit_code, plan, run_cache,
+from .cache_only import CacheOnlyOptions
+from .json_stream import JsonArrayError
+from .report_table import print_report
+from .runner import RunOptions, Target
+from .schedule import ScheduleConfig, ThinkTime
+from .session import (ReplayError, ReplayOptions, discover_model, exit_code, plan, run_cache,
                                      run_chat, write_outputs)
-from services.replay.synthetic_kv import PRESETS, preset
-from services.replay.transcripts import TranscriptError
-from services.replay.workload import SHAREGPT, WorkloadSpec
+from .synthetic_kv import PRESETS, preset
+from .transcripts import TranscriptError
+from .workload import SHAREGPT, WorkloadSpec
 
 EXAMPLES = """examples:
   prefixcache replay --target http://127.0.0.1:8000 --compare-no-cache http://127.0.0.1:8001 \\

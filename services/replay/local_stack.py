@@ -56,7 +56,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _child_env() -> dict[str, str]:
-    # Children run `python -m services` from this checkout even when it is not installed.
+    # Children run `python -m prefixcache_services` from this checkout even when it is not installed.
     path = os.environ.get("PYTHONPATH")
     return dict(os.environ, PYTHONPATH=f"{PROJECT_ROOT}{os.pathsep}{path}" if path else str(PROJECT_ROOT))
 
@@ -95,7 +95,7 @@ class LocalStack:
         with open(log_path, "wb") as sink:
             # A new session: a terminal's Ctrl-C reaches only us, and we stop the children in order.
             process = subprocess.Popen(
-                [sys.executable, "-m", "services", "--log-level", self.log_level, *args],
+                [sys.executable, "-m", "prefixcache_services", "--log-level", self.log_level, *args],
                 stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT, env=_child_env(),
                 cwd=PROJECT_ROOT, start_new_session=True)
         started = Started(name, process, log_path)

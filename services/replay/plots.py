@@ -14,7 +14,7 @@ from typing import Sequence
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from services.replay.report import Report, TurnRecord
+from .report import Report, TurnRecord
 
 
 def _new_figure() -> Figure:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from services.replay.transcripts import Message
-from services.worker.chat import ChatMessage, ChatMLTemplate, Role
-from services.worker.tokenizer import TiktokenTokenizer
+from .transcripts import Message
+from ..worker.chat import ChatMessage, ChatMLTemplate, Role
+from ..worker.tokenizer import TiktokenTokenizer
 
 
 class ChatTokens:

@@ -26,8 +26,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from services.replay.runner import ABResult, Comparison, RequestRecord, RunResult
-from services.replay.schedule import ScheduleConfig
+from .runner import ABResult, Comparison, RequestRecord, RunResult
+from .schedule import ScheduleConfig
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")

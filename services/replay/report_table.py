@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 from rich.console import Console
 from rich.table import Table
 
-from services.replay.report import CacheOnlySummary, Percentiles, Report, RunSummary, percentile
+from .report import CacheOnlySummary, Percentiles, Report, RunSummary, percentile
 
 
 def _pct(x: float | None) -> str:

@@ -26,9 +26,9 @@ from typing import Awaitable, Callable
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from services.replay.openai_client import ChatClient, Completion
-from services.replay.schedule import Schedule, ScheduledConversation
-from services.replay.turns import Turn
+from .openai_client import ChatClient, Completion
+from .schedule import Schedule, ScheduledConversation
+from .turns import Turn
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Iterable, Sequence
 
-from services.replay.turns import Turn
+from .turns import Turn
 
 
 class ScheduleError(ValueError):

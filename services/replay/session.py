@@ -27,14 +27,14 @@ from rich.console import Console
 
 from prefixcache.client import ServiceStats
 from prefixcache.errors import PrefixCacheError
-from services.replay.cache_only import CacheOnlyOptions, run_cache_only
-from services.replay.prompt_tokens import ChatTokens
-from services.replay.report import Report, WorkloadSummary, build_report
-from services.replay.runner import ABResult, RunOptions, Target, run_ab
-from services.replay.schedule import Schedule, ScheduleConfig, build_schedule
-from services.replay.service_stats import fetch_stats, stats_section
-from services.replay.workload import Workload, WorkloadSpec, load_workload
-from services.replay import worker_metrics
+from .cache_only import CacheOnlyOptions, run_cache_only
+from .prompt_tokens import ChatTokens
+from .report import Report, WorkloadSummary, build_report
+from .runner import ABResult, RunOptions, Target, run_ab
+from .schedule import Schedule, ScheduleConfig, build_schedule
+from .service_stats import fetch_stats, stats_section
+from .workload import Workload, WorkloadSpec, load_workload
+from . import worker_metrics
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def write_outputs(report: Report, json_path: Path | None, plots_dir: Path | None
         if console is not None:
             console.print(f"report JSON: {json_path}", highlight=False)
     if plots_dir is not None:
-        from services.replay import plots  # deferred: matplotlib (the `replay` extra) only for --plots
+        from . import plots  # deferred: matplotlib (the `replay` extra) only for --plots
 
         paths = plots.write_plots(report, plots_dir)
         if console is not None:

@@ -23,7 +23,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from services.replay.json_stream import ArrayReadState, iter_json_array
+from .json_stream import ArrayReadState, iter_json_array
 
 log = logging.getLogger(__name__)
 

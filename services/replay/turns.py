@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from services.replay.transcripts import Conversation, Message, Role
+from .transcripts import Conversation, Message, Role
 
 TokenCounter = Callable[[Sequence[Message]], int]
 

@@ -18,8 +18,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.replay.transcripts import LoadResult, load_jsonl, load_sharegpt
-from services.replay.turns import TokenCounter, Turn, conversation_turns
+from .transcripts import LoadResult, load_jsonl, load_sharegpt
+from .turns import TokenCounter, Turn, conversation_turns
 
 log = logging.getLogger(__name__)
 

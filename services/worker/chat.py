@@ -38,7 +38,7 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from services.worker.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
+from .tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
 
 
 class Role(enum.Enum):

@@ -90,7 +90,7 @@ def build_backend(args):
     # None: pad where it bounds memory (bfloat16 on CPU with oneDNN, engine.buckets_bound_memory).
     engine = Engine(loaded, prefill_buckets=False if args.no_prefill_buckets else None)
     log.info("prefill buckets: %s", "on" if engine.prefill_buckets else "off")
-    from services.cache_server.metrics import add_process_collectors
+    from ..cache_server.metrics import add_process_collectors
 
     registry = CollectorRegistry()
     add_process_collectors(registry)  # process_*, python_info, python_gc_*

@@ -40,11 +40,11 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from services.worker.events import FinishReason
-from services.worker.kv_blocks import KVLayout, blocks_to_cache, extract_blocks, validate_blocks
-from services.worker.model import LoadedModel
-from services.worker.prefill_rate import PrefillRateMeter
-from services.worker.sampling import GREEDY, Sampler, SamplingParams, TokenLogprob
+from .events import FinishReason
+from .kv_blocks import KVLayout, blocks_to_cache, extract_blocks, validate_blocks
+from .model import LoadedModel
+from .prefill_rate import PrefillRateMeter
+from .sampling import GREEDY, Sampler, SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
 

@@ -36,10 +36,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from prefixcache.config import MODEL_DTYPES, DType, KVLayout
-from services.worker.attention import register_prefix_exact_attention
-from services.worker.chat import ChatMessage, ChatMLTemplate, ChatRenderer, HFChatTemplate
-from services.worker.compat import check_plain_kv, probe_kv_layout
-from services.worker.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
+from .attention import register_prefix_exact_attention
+from .chat import ChatMessage, ChatMLTemplate, ChatRenderer, HFChatTemplate
+from .compat import check_plain_kv, probe_kv_layout
+from .tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
