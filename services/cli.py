@@ -164,9 +164,16 @@ def build_parser(argv: list[str] | None = None, environ=os.environ) -> argparse.
     return parser
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a finder that refuses the name outright
+        return False
+
+
 def _add_summaries(subparsers, module_name: str, names: tuple[str, ...]) -> None:
     extra = MODULE_EXTRAS.get(module_name)
-    missing = extra and any(importlib.util.find_spec(m) is None for m in EXTRA_MODULES[extra])
+    missing = extra and not all(_importable(m) for m in EXTRA_MODULES[extra])
     for name in names:
         subparsers.add_parser(name, help=f"(needs: pip install 'prefixcache[{extra}]')" if missing
                               else SUMMARIES[name])
