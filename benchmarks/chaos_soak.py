@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import chaos_checks as checks  # noqa: E402
 from prefixcache.errors import PrefixCacheError  # noqa: E402
 from prefixcache.tiers.redis_options import RedisOptions  # noqa: E402
-from prefixcache_services.replay.runner import RunOptions, RunResult, Target, run_schedule  # noqa: E402
 from prefixcache_services.replay.prompt_tokens import ChatTokens  # noqa: E402
+from prefixcache_services.replay.runner import RunOptions, RunResult, Target, run_schedule  # noqa: E402
 from prefixcache_services.replay.schedule import Schedule, ScheduleConfig, build_schedule  # noqa: E402
 from prefixcache_services.replay.workload import WorkloadSpec, load_workload  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
@@ -62,18 +62,18 @@ class SoakConfig:
     fault_spacing_s: float = 10.0
     redis_down_s: float = 2.0
     pause_s: float = 3.0
-    restart_s: float = 15.0        # how long a service restart is expected to take (for the schedule)
-    rate: float = 0.5              # conversations per second (~3 turns each)
+    restart_s: float = 15.0  # how long a service restart is expected to take (for the schedule)
+    rate: float = 0.5  # conversations per second (~3 turns each)
     think_s: float = 1.0
     concurrency: int = 4
     max_turns: int = 8
     max_prompt_tokens: int = 1536
     max_tokens: int = 8
-    host_capacity: str = "4MiB"    # 256 blocks of the tiny model: eviction pressure
+    host_capacity: str = "4MiB"  # 256 blocks of the tiny model: eviction pressure
     drain_s: float = 60.0
     seed: int = 0
-    onednn: bool = False           # workers keep oneDNN (torch's CPU default): RSS then grows per new prompt length
-    workdir: str = ""              # "": a new temporary directory
+    onednn: bool = False  # workers keep oneDNN (torch's CPU default): RSS then grows per new prompt length
+    workdir: str = ""  # "": a new temporary directory
 
     def expected_s(self, kind: str) -> float:
         return {"service_restart": self.restart_s, "redis_kill": self.redis_down_s + 1.0}.get(kind, self.pause_s)
@@ -147,7 +147,7 @@ class Soak:
             self.redis.pause(int(self.config.pause_s * 1000))
             time.sleep(self.config.pause_s)
         elif index % 2:
-            self.service.stop()   # SIGTERM: drain, then gone
+            self.service.stop()  # SIGTERM: drain, then gone
             self.service.start()
             kind, self.service_ready = "service_stop_start", time.perf_counter()
         else:
@@ -159,11 +159,17 @@ class Soak:
     def sample(self) -> None:
         stats = service_stats(self.service)
         snapshot = stats.snapshot if stats else None
-        self.samples.append(checks.Sample(
-            self.now(), rss_bytes(self.service.process.pid if self.service.alive() else None),
-            rss_bytes(self.cached.process.pid), snapshot.remote.get("queue_bytes") if snapshot else None,
-            snapshot.active_leases if snapshot else None, time.perf_counter() - self.service_ready,
-            rss_bytes(self.reference.process.pid)))
+        self.samples.append(
+            checks.Sample(
+                self.now(),
+                rss_bytes(self.service.process.pid if self.service.alive() else None),
+                rss_bytes(self.cached.process.pid),
+                snapshot.remote.get("queue_bytes") if snapshot else None,
+                snapshot.active_leases if snapshot else None,
+                time.perf_counter() - self.service_ready,
+                rss_bytes(self.reference.process.pid),
+            )
+        )
 
 
 async def _faults(soak: Soak) -> None:
@@ -198,9 +204,18 @@ async def _run(soak: Soak, schedule, options: RunOptions) -> tuple[RunResult, Ru
 
 
 def _requests(result: RunResult) -> list[checks.Request]:
-    return [checks.Request(r.conversation_id, r.turn_index, r.start_s, r.completion.prompt_tokens or 0,
-                           r.completion.cached_tokens or 0, r.completion.text, r.completion.error)
-            for r in result.records]
+    return [
+        checks.Request(
+            r.conversation_id,
+            r.turn_index,
+            r.start_s,
+            r.completion.prompt_tokens or 0,
+            r.completion.cached_tokens or 0,
+            r.completion.text,
+            r.completion.error,
+        )
+        for r in result.records
+    ]
 
 
 def _settle(soak: Soak) -> tuple[int | None, float | None, dict]:
@@ -226,22 +241,36 @@ def _warm_up(soak: Soak, max_prompt_tokens: int, max_tokens: int) -> None:
         worker.client.complete(tokens, max_tokens=max_tokens)
 
 
-def verdict(soak: Soak, cached: RunResult, reference: RunResult, leases, queued,
-            remote: dict) -> tuple[list[checks.Check], dict]:
+def verdict(
+    soak: Soak, cached: RunResult, reference: RunResult, leases, queued, remote: dict
+) -> tuple[list[checks.Check], dict]:
     config = soak.config
     a, b = _requests(cached), _requests(reference)
     recovery, baseline, times = checks.check_recovery(a, soak.faults, config.warm_s, config.duration_s)
-    found = [checks.check_failures(a, b), checks.check_outputs(a, b), recovery,
-             *checks.check_memory(soak.samples, config.warm_s, config.duration_s),
-             checks.check_queue(soak.samples, QUEUE_BOUND_BYTES, queued),
-             checks.check_leases(leases)]
+    found = [
+        checks.check_failures(a, b),
+        checks.check_outputs(a, b),
+        recovery,
+        *checks.check_memory(soak.samples, config.warm_s, config.duration_s),
+        checks.check_queue(soak.samples, QUEUE_BOUND_BYTES, queued),
+        checks.check_leases(leases),
+    ]
     overall, _ = checks.hit_rate(a, config.warm_s, config.duration_s)
-    figures = {"requests": len(a), "not_sent": cached.not_sent, "wall_s": cached.wall_s,
-               "hit_rate": overall, "baseline_hit_rate": baseline, "recovery_s": times,
-               "faults": [dataclasses.asdict(f) for f in soak.faults], "last_service_redis": remote,
-               "samples": [dataclasses.asdict(s) for s in soak.samples], "workdir": config.workdir,
-               "requests_cached": [[r.conversation, r.turn, round(r.start_s, 2), r.prompt_tokens, r.cached_tokens,
-                                    r.error] for r in a]}
+    figures = {
+        "requests": len(a),
+        "not_sent": cached.not_sent,
+        "wall_s": cached.wall_s,
+        "hit_rate": overall,
+        "baseline_hit_rate": baseline,
+        "recovery_s": times,
+        "faults": [dataclasses.asdict(f) for f in soak.faults],
+        "last_service_redis": remote,
+        "samples": [dataclasses.asdict(s) for s in soak.samples],
+        "workdir": config.workdir,
+        "requests_cached": [
+            [r.conversation, r.turn, round(r.start_s, 2), r.prompt_tokens, r.cached_tokens, r.error] for r in a
+        ],
+    }
     return found, figures
 
 
@@ -249,12 +278,21 @@ def multi_turn_schedule(config: SoakConfig) -> Schedule:
     """ShareGPT conversations with at least two turns under the caps (every conversation then
     brings requests a hit can serve, so the hit rate is measurable all along), Poisson arrivals."""
     wanted = math.ceil(config.rate * config.duration_s * 1.5) + 5
-    spec = WorkloadSpec(conversations=3 * wanted, max_turns=config.max_turns, max_prompt_tokens=config.max_prompt_tokens)
+    spec = WorkloadSpec(
+        conversations=3 * wanted, max_turns=config.max_turns, max_prompt_tokens=config.max_prompt_tokens
+    )
     workload = load_workload(spec, ChatTokens().count)
     chats = tuple(turns for turns in workload.turns if len(turns) >= 2)[:wanted]
-    return build_schedule(chats, ScheduleConfig(rate=config.rate, think_time_s=config.think_s,
-                                                concurrency=config.concurrency, duration_s=config.duration_s,
-                                                seed=config.seed))
+    return build_schedule(
+        chats,
+        ScheduleConfig(
+            rate=config.rate,
+            think_time_s=config.think_s,
+            concurrency=config.concurrency,
+            duration_s=config.duration_s,
+            seed=config.seed,
+        ),
+    )
 
 
 def soak_once(config: SoakConfig) -> tuple[list[checks.Check], dict]:
@@ -264,8 +302,11 @@ def soak_once(config: SoakConfig) -> tuple[list[checks.Check], dict]:
     try:
         soak.start()
         _warm_up(soak, config.max_prompt_tokens, config.max_tokens)
-        print(f"load: {schedule.request_count} requests planned over {config.duration_s:.0f}s, a fault every "
-              f"{config.fault_spacing_s:.0f}s after the previous one ({' -> '.join(FAULTS)})", flush=True)
+        print(
+            f"load: {schedule.request_count} requests planned over {config.duration_s:.0f}s, a fault every "
+            f"{config.fault_spacing_s:.0f}s after the previous one ({' -> '.join(FAULTS)})",
+            flush=True,
+        )
         cached, reference = asyncio.run(_run(soak, schedule, run_options))
         return verdict(soak, cached, reference, *_settle(soak))
     finally:
@@ -298,8 +339,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"requests {figures['requests']}, token hit rate {figures['hit_rate']}, total {figures['total_s']:.0f}s")
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps({"config": dataclasses.asdict(config), "figures": figures,
-                                        "checks": [dataclasses.asdict(c) for c in found]}, indent=2) + "\n")
+        json_out.write_text(
+            json.dumps(
+                {
+                    "config": dataclasses.asdict(config),
+                    "figures": figures,
+                    "checks": [dataclasses.asdict(c) for c in found],
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0 if all(c.ok for c in found) else 1
 
 

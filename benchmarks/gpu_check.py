@@ -28,13 +28,15 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from service_process import start_service as start_process  # noqa: E402
 
 from prefixcache.cache import PrefixCache  # noqa: E402
 from prefixcache.client import CacheClient  # noqa: E402
@@ -42,14 +44,13 @@ from prefixcache.config import CacheConfig, KVLayout, Namespace  # noqa: E402
 from prefixcache.tiers.base import TierKind  # noqa: E402
 from prefixcache.tiers.device import DeviceTier  # noqa: E402
 from prefixcache.tiers.host import HostTier  # noqa: E402
-from service_process import start_service as start_process  # noqa: E402
 
 LAYOUT = KVLayout(layers=32, kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")  # 2 MiB blocks
 
 
 def random_bits(blocks: int) -> torch.Tensor:
     """bf16 tensor of random bit patterns (NaNs and infinities included): only exact copies compare equal."""
-    return torch.randint(-(2 ** 15), 2 ** 15, (blocks, *LAYOUT.block_shape), dtype=torch.int16).view(torch.bfloat16)
+    return torch.randint(-(2**15), 2**15, (blocks, *LAYOUT.block_shape), dtype=torch.int16).view(torch.bfloat16)
 
 
 def exact(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -85,7 +86,13 @@ def check_device_tier(rows: list) -> None:
         hit = cache.lookup(ns, tokens)
         on_device = sum(1 for loc in hit.locations if loc.tier == TierKind.DEVICE)
         rows.append(("hit promoted host -> device", on_device == 8, f"{on_device}/8 blocks on device"))
-        rows.append(("promoted blocks read back exactly", exact(torch.cat([cache.tiers[loc.tier].read([loc.slot]).cpu() for loc in hit.locations]), data), ""))
+        rows.append(
+            (
+                "promoted blocks read back exactly",
+                exact(torch.cat([cache.tiers[loc.tier].read([loc.slot]).cpu() for loc in hit.locations]), data),
+                "",
+            )
+        )
         pinned = host.storage.is_pinned()
         rows.append(("host tier shared memory is pinned", pinned, "cudaHostRegister"))
         pageable = torch.empty_like(host.storage)
@@ -93,15 +100,21 @@ def check_device_tier(rows: list) -> None:
         nbytes = host.storage.numel() * host.storage.element_size()
         pinned_bw = gbps(nbytes, lambda: target.copy_(host.storage, non_blocking=True))
         pageable_bw = gbps(nbytes, lambda: target.copy_(pageable, non_blocking=True))
-        rows.append(("H2D from pinned shm vs pageable", pinned_bw > pageable_bw,
-                     f"{pinned_bw:.1f} vs {pageable_bw:.1f} GB/s"))
+        rows.append(
+            ("H2D from pinned shm vs pageable", pinned_bw > pageable_bw, f"{pinned_bw:.1f} vs {pageable_bw:.1f} GB/s")
+        )
     finally:
         cache.close()
 
 
 def start_service(device_blocks: int) -> tuple[subprocess.Popen, str]:
-    return start_process("--host-capacity", str(256 * LAYOUT.block_bytes),
-                         "--device-capacity", str(device_blocks * LAYOUT.block_bytes), grace="5s")
+    return start_process(
+        "--host-capacity",
+        str(256 * LAYOUT.block_bytes),
+        "--device-capacity",
+        str(device_blocks * LAYOUT.block_bytes),
+        grace="5s",
+    )
 
 
 def check_host_to_gpu(rows: list) -> None:
@@ -111,8 +124,13 @@ def check_host_to_gpu(rows: list) -> None:
         client = CacheClient(address, timeout_s=60)
         client.attach("gpu-check", LAYOUT)
         mapping = client._pools.host
-        rows.append(("worker's shm mapping is pinned too", bool(mapping is not None and mapping.is_pinned()),
-                     "cudaHostRegister per process"))
+        rows.append(
+            (
+                "worker's shm mapping is pinned too",
+                bool(mapping is not None and mapping.is_pinned()),
+                "cudaHostRegister per process",
+            )
+        )
         tokens, data = list(range(64 * 16)), random_bits(64)
         client.store(tokens, data)
         hit = client.lookup(tokens)
@@ -121,8 +139,13 @@ def check_host_to_gpu(rows: list) -> None:
         h2d = gbps(nbytes, lambda: client.read(hit, out=out))
         pageable = data.clone()
         plain = gbps(nbytes, lambda: out.copy_(pageable))
-        rows.append(("host-tier hit read into GPU, bf16 exact", exact(out, data),
-                     f"{h2d:.1f} GB/s (pageable memcpy {plain:.1f})"))
+        rows.append(
+            (
+                "host-tier hit read into GPU, bf16 exact",
+                exact(out, data),
+                f"{h2d:.1f} GB/s (pageable memcpy {plain:.1f})",
+            )
+        )
         client.release(hit)
         client.close()
     finally:
@@ -136,8 +159,13 @@ def check_ipc(rows: list) -> None:
         local, remote = CacheClient(address, timeout_s=60), CacheClient(address, timeout_s=60)
         attachment = local.attach("gpu-check", LAYOUT)
         remote.attach("gpu-check", LAYOUT, same_host=False)
-        rows.append(("worker maps host shm and device pool (IPC)", attachment.shared_memory and attachment.device_ipc,
-                     f"shm={attachment.shared_memory} ipc={attachment.device_ipc}"))
+        rows.append(
+            (
+                "worker maps host shm and device pool (IPC)",
+                attachment.shared_memory and attachment.device_ipc,
+                f"shm={attachment.shared_memory} ipc={attachment.device_ipc}",
+            )
+        )
         tokens, data = list(range(64 * 16)), random_bits(64)  # 128 MiB
         rows.append(("store through shared memory", local.store(tokens, data).stored == 64, "64 blocks"))
         hit = local.lookup(tokens)  # the hit promotes the blocks to the device tier

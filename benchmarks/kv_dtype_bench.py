@@ -26,9 +26,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from service_process import start_service  # noqa: E402
+
 from prefixcache.client import CacheClient  # noqa: E402
 from prefixcache.config import DType, KVLayout  # noqa: E402
-from service_process import start_service  # noqa: E402
 
 GiB = 1 << 30
 SHAPES = {"Llama-3-8B": (32, 8, 128), "tiny": (4, 2, 32)}
@@ -40,9 +41,16 @@ def capacity_rows() -> list[dict]:
     for name, (layers, kv_heads, head_dim) in SHAPES.items():
         for dtype in FORMATS:
             layout = KVLayout(layers, kv_heads, head_dim, 16, dtype)
-            rows.append({"layout": name, "dtype": dtype.value, "bytes_per_token": layout.bytes_per_token,
-                         "block_bytes": layout.block_bytes, "blocks_per_GiB": GiB // layout.block_bytes,
-                         "tokens_per_GiB": GiB // layout.block_bytes * layout.block_size})
+            rows.append(
+                {
+                    "layout": name,
+                    "dtype": dtype.value,
+                    "bytes_per_token": layout.bytes_per_token,
+                    "block_bytes": layout.block_bytes,
+                    "blocks_per_GiB": GiB // layout.block_bytes,
+                    "tokens_per_GiB": GiB // layout.block_bytes * layout.block_size,
+                }
+            )
     return rows
 
 
@@ -81,8 +89,14 @@ def measure(dtype: DType, tokens: int, repeats: int) -> dict:
     finally:
         process.terminate()
         process.wait(30)
-    return {"dtype": dtype.value, "tokens": tokens, "bytes": kv_bytes, "store_ms": store_s * 1e3,
-            "fetch_ms": fetch_s * 1e3, "shm_read_ms": shm_s * 1e3}
+    return {
+        "dtype": dtype.value,
+        "tokens": tokens,
+        "bytes": kv_bytes,
+        "store_ms": store_s * 1e3,
+        "fetch_ms": fetch_s * 1e3,
+        "shm_read_ms": shm_s * 1e3,
+    }
 
 
 def main() -> None:
@@ -94,14 +108,18 @@ def main() -> None:
     capacity = capacity_rows()
     print(f"{'layout':<12}{'dtype':<16}{'B/token':>10}{'block':>12}{'blocks/GiB':>12}{'tokens/GiB':>12}")
     for row in capacity:
-        print(f"{row['layout']:<12}{row['dtype']:<16}{row['bytes_per_token']:>10,}{row['block_bytes']:>12,}"
-              f"{row['blocks_per_GiB']:>12,}{row['tokens_per_GiB']:>12,}")
+        print(
+            f"{row['layout']:<12}{row['dtype']:<16}{row['bytes_per_token']:>10,}{row['block_bytes']:>12,}"
+            f"{row['blocks_per_GiB']:>12,}{row['tokens_per_GiB']:>12,}"
+        )
     moved = [measure(dtype, args.tokens, args.repeats) for dtype in FORMATS]
     print(f"\nLlama-3-8B layout, {args.tokens}-token prompt, median of {args.repeats}:")
     print(f"{'dtype':<16}{'MiB':>8}{'Store ms':>10}{'Fetch ms':>10}{'shm read ms':>13}")
     for row in moved:
-        print(f"{row['dtype']:<16}{row['bytes'] / (1 << 20):>8.0f}{row['store_ms']:>10.1f}{row['fetch_ms']:>10.1f}"
-              f"{row['shm_read_ms']:>13.1f}")
+        print(
+            f"{row['dtype']:<16}{row['bytes'] / (1 << 20):>8.0f}{row['store_ms']:>10.1f}{row['fetch_ms']:>10.1f}"
+            f"{row['shm_read_ms']:>13.1f}"
+        )
     result = {"capacity": capacity, "moved": moved}
     print(json.dumps(result))
     if args.json_out:

@@ -45,9 +45,13 @@ class Adapter:
         self.ns = self.cache.attach(Namespace("peer-bench", "r1", layout))
         longest = wstats["prompt_tokens_max"] + getattr(args, "reply_max", 0)
         self.kv = torch.zeros((longest // bs + 1, *layout.block_shape), dtype=torch.float16)
-        self.info = {"impl": "PrefixCache.lookup / store / Placement.make_room (leaf-first LRU)",
-                     "hash": "xxh3_128 chain", "host_slots": slots, "block_bytes": layout.block_bytes,
-                     "ttl_s": 3600}
+        self.info = {
+            "impl": "PrefixCache.lookup / store / Placement.make_room (leaf-first LRU)",
+            "hash": "xxh3_128 chain",
+            "host_slots": slots,
+            "block_bytes": layout.block_bytes,
+            "ttl_s": 3600,
+        }
 
     def prepare(self, tokens):
         return np.asarray(tokens, dtype=np.uint32)  # the service's input type (gRPC repeated uint32)

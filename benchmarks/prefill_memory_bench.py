@@ -24,8 +24,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = {"buckets": {"buckets": None, "onednn": True}, "unpadded": {"buckets": False, "onednn": True},
-         "no_onednn": {"buckets": False, "onednn": False}}
+MODES = {
+    "buckets": {"buckets": None, "onednn": True},
+    "unpadded": {"buckets": False, "onednn": True},
+    "no_onednn": {"buckets": False, "onednn": False},
+}
 
 
 def rss_mib() -> float:
@@ -47,8 +50,10 @@ def run_mode(mode: str, count: int) -> dict:
     configure_torch_threads()
     engine = Engine(load_model("tiny", "bfloat16"), prefill_buckets=MODES[mode]["buckets"])
     rng = random.Random(0)
-    passes = {"pass1": sorted(rng.sample(range(40, 1000, 2), count)),
-              "pass2": sorted(rng.sample(range(41, 1000, 2), count))}
+    passes = {
+        "pass1": sorted(rng.sample(range(40, 1000, 2), count)),
+        "pass2": sorted(rng.sample(range(41, 1000, 2), count)),
+    }
 
     def prompt(n: int, seed: int) -> list[int]:
         return torch.randint(0, 100_000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -62,8 +67,12 @@ def run_mode(mode: str, count: int) -> dict:
         for i, n in enumerate(lengths):
             engine.prefill(prompt(n, i))
         ran = {bucket_length(n) if engine.prefill_buckets else n for n in lengths}
-        result[name] = {"rss_growth_mib": rss_mib() - before, "lengths_run": len(ran), "new_lengths_run": len(ran - seen),
-                        "prefill_seconds": time.perf_counter() - started}
+        result[name] = {
+            "rss_growth_mib": rss_mib() - before,
+            "lengths_run": len(ran),
+            "new_lengths_run": len(ran - seen),
+            "prefill_seconds": time.perf_counter() - started,
+        }
         seen |= ran
     return result
 
@@ -79,15 +88,24 @@ def main() -> None:
         return
     results = []
     for mode in MODES:
-        child = subprocess.run([sys.executable, __file__, "--mode", mode, "--lengths", str(args.lengths)],
-                               cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
-                               text=True, check=True)
+        child = subprocess.run(
+            [sys.executable, __file__, "--mode", mode, "--lengths", str(args.lengths)],
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         results.append(json.loads(child.stdout.strip().splitlines()[-1]))
-    print(f"{'mode':<10} {'pass 1 RSS':>11} {'lengths run':>12} {'pass 2 RSS':>11} {'new lengths':>12} {'prefill s':>10}")
+    print(
+        f"{'mode':<10} {'pass 1 RSS':>11} {'lengths run':>12} {'pass 2 RSS':>11} {'new lengths':>12} {'prefill s':>10}"
+    )
     for r in results:
         p1, p2 = r["pass1"], r["pass2"]
-        print(f"{r['mode']:<10} {p1['rss_growth_mib']:>+9.1f}Mi {p1['lengths_run']:>12} {p2['rss_growth_mib']:>+9.1f}Mi"
-              f" {p2['new_lengths_run']:>12} {p1['prefill_seconds'] + p2['prefill_seconds']:>10.1f}")
+        print(
+            f"{r['mode']:<10} {p1['rss_growth_mib']:>+9.1f}Mi {p1['lengths_run']:>12} {p2['rss_growth_mib']:>+9.1f}Mi"
+            f" {p2['new_lengths_run']:>12} {p1['prefill_seconds'] + p2['prefill_seconds']:>10.1f}"
+        )
     document = {"lengths_per_pass": args.lengths, "cpus": os.cpu_count(), "results": results}
     print(json.dumps(document, indent=2))
     if args.json_out:

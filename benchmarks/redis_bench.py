@@ -74,8 +74,9 @@ class Row:
         return self.tier_get / max(self.plain_get_seq, self.plain_get_pipe)
 
 
-def interleaved_gbps(work: Workload, variants: dict[str, Callable[[int, int], None]], repeats: int,
-                     reset: Callable[[], None]) -> dict[str, float]:
+def interleaved_gbps(
+    work: Workload, variants: dict[str, Callable[[int, int], None]], repeats: int, reset: Callable[[], None]
+) -> dict[str, float]:
     """Payload GB/s of each variant, interleaved chunk by chunk (rotating which goes first).
 
     Fine-grained interleaving matters on a shared machine: load from elsewhere then
@@ -87,7 +88,7 @@ def interleaved_gbps(work: Workload, variants: dict[str, Callable[[int, int], No
         reset()
         for index, start in enumerate(range(0, work.n, work.chunk)):
             stop = min(work.n, start + work.chunk)
-            for name in names[index % len(names):] + names[:index % len(names)]:
+            for name in names[index % len(names) :] + names[: index % len(names)]:
                 began = time.perf_counter()
                 variants[name](start, stop)
                 seconds[name] += time.perf_counter() - began
@@ -107,16 +108,25 @@ class Workload:
         rng = np.random.default_rng(0)
         self.layout, self.n, self.batch = layout, n, batch
         self.chunk = max(1, min(n, chunk_bytes // layout.block_bytes))
-        self.payloads = [rng.integers(0, 256, layout.block_bytes, dtype=np.uint8).tobytes()
-                         for _ in range(DISTINCT_PAYLOADS)]
+        self.payloads = [
+            rng.integers(0, 256, layout.block_bytes, dtype=np.uint8).tobytes() for _ in range(DISTINCT_PAYLOADS)
+        ]
         self.hashes = [i.to_bytes(16, "big") for i in range(n)]
         self.tokens = [np.full(layout.block_size, i % 50_000, dtype="<u4") for i in range(n)]
         self.plain = redis.Redis.from_url(url, socket_timeout=10)
         self.seq_keys = [f"plain-seq:{h.hex()}" for h in self.hashes]
         self.pipe_keys = [f"plain-pipe:{h.hex()}" for h in self.hashes]
         nbytes = n * layout.block_bytes
-        self.tier = RedisTier(RedisOptions(url=url, key_prefix="bench", max_batch=batch, socket_timeout_s=10,
-                                           write_timeout_s=10, max_queue_bytes=2 * nbytes + (64 << 20)))
+        self.tier = RedisTier(
+            RedisOptions(
+                url=url,
+                key_prefix="bench",
+                max_batch=batch,
+                socket_timeout_s=10,
+                write_timeout_s=10,
+                max_queue_bytes=2 * nbytes + (64 << 20),
+            )
+        )
         self.frames = [self.encode(i) for i in range(n)]
 
     def payload(self, i: int) -> bytes:
@@ -156,14 +166,14 @@ class Workload:
     def plain_get_pipe(self, start: int, stop: int) -> None:
         for first in range(start, stop, self.batch):
             pipe = self.plain.pipeline(transaction=False)
-            for key in self.pipe_keys[first:min(stop, first + self.batch)]:
+            for key in self.pipe_keys[first : min(stop, first + self.batch)]:
                 pipe.get(key)
             if any(value is None for value in pipe.execute()):
                 raise RuntimeError("plain pipelined GET missed")
 
     def tier_get(self, start: int, stop: int) -> None:
         for first in range(start, stop, self.batch):
-            chunk = self.hashes[first:min(stop, first + self.batch)]
+            chunk = self.hashes[first : min(stop, first + self.batch)]
             for offset, frame in enumerate(self.tier.fetch(NS, chunk, frame_bytes=self.layout.block_bytes)):
                 if frame is None:
                     raise RuntimeError("tier fetch missed")
@@ -181,16 +191,28 @@ class Workload:
         self.plain.close()
 
 
-def bench_block(name: str, layout: KVLayout, url: str, total_bytes: int, batch: int, repeats: int,
-                chunk_bytes: int) -> Row:
+def bench_block(
+    name: str, layout: KVLayout, url: str, total_bytes: int, batch: int, repeats: int, chunk_bytes: int
+) -> Row:
     work = Workload(layout, url, max(batch, total_bytes // layout.block_bytes), batch, chunk_bytes)
     try:
-        figures = interleaved_gbps(work, {"plain_put_seq": work.plain_put_seq, "plain_put_pipe": work.plain_put_pipe,
-                                          "tier_put": work.tier_put, "tier_writer": work.tier_writer},
-                                   repeats, reset=work.plain.flushall)
-        figures |= interleaved_gbps(work, {"plain_get_seq": work.plain_get_seq,
-                                           "plain_get_pipe": work.plain_get_pipe, "tier_get": work.tier_get},
-                                    repeats, reset=lambda: None)
+        figures = interleaved_gbps(
+            work,
+            {
+                "plain_put_seq": work.plain_put_seq,
+                "plain_put_pipe": work.plain_put_pipe,
+                "tier_put": work.tier_put,
+                "tier_writer": work.tier_writer,
+            },
+            repeats,
+            reset=work.plain.flushall,
+        )
+        figures |= interleaved_gbps(
+            work,
+            {"plain_get_seq": work.plain_get_seq, "plain_get_pipe": work.plain_get_pipe, "tier_get": work.tier_get},
+            repeats,
+            reset=lambda: None,
+        )
         stats = work.tier.stats()
         if stats.spills_dropped or stats.writes_failed or stats.read_errors:
             raise RuntimeError(f"the tier dropped or failed operations: {stats}")
@@ -200,12 +222,16 @@ def bench_block(name: str, layout: KVLayout, url: str, total_bytes: int, batch: 
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'block':>6} | {'put GB/s: plain seq':>19} {'pipe':>5} {'tier':>5} {'ratio':>5} {'writer':>6} {'ratio':>5}"
-          f" | {'get GB/s: plain seq':>19} {'pipe':>5} {'tier':>5} {'ratio':>5} | {'encode us/block':>15}")
+    print(
+        f"{'block':>6} | {'put GB/s: plain seq':>19} {'pipe':>5} {'tier':>5} {'ratio':>5} {'writer':>6} {'ratio':>5}"
+        f" | {'get GB/s: plain seq':>19} {'pipe':>5} {'tier':>5} {'ratio':>5} | {'encode us/block':>15}"
+    )
     for r in rows:
-        print(f"{r.block:>6} | {r.plain_put_seq:19.2f} {r.plain_put_pipe:5.2f} {r.tier_put:5.2f} {r.put_ratio:5.0%}"
-              f" {r.tier_writer:6.2f} {r.writer_ratio:5.0%} | {r.plain_get_seq:19.2f} {r.plain_get_pipe:5.2f}"
-              f" {r.tier_get:5.2f} {r.get_ratio:5.0%} | {r.encode_us_per_block:15.1f}")
+        print(
+            f"{r.block:>6} | {r.plain_put_seq:19.2f} {r.plain_put_pipe:5.2f} {r.tier_put:5.2f} {r.put_ratio:5.0%}"
+            f" {r.tier_writer:6.2f} {r.writer_ratio:5.0%} | {r.plain_get_seq:19.2f} {r.plain_get_pipe:5.2f}"
+            f" {r.tier_get:5.2f} {r.get_ratio:5.0%} | {r.encode_us_per_block:15.1f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64, help="blocks per pipelined round trip")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-mib", type=int, default=8, help="interleaving grain: MiB per variant turn")
-    parser.add_argument("--switch-interval", type=float,
-                        help="sys.setswitchinterval for this process (default: Python's 5 ms)")
+    parser.add_argument(
+        "--switch-interval", type=float, help="sys.setswitchinterval for this process (default: Python's 5 ms)"
+    )
     parser.add_argument("--json-out", help="also write the JSON report here")
     args = parser.parse_args(argv)
     if args.switch_interval:
@@ -230,17 +257,30 @@ def main(argv: list[str] | None = None) -> int:
         server = RedisServer(tempfile.mkdtemp(prefix="redis-bench-")).start()
         url = server.url
     try:
-        rows = [bench_block(name, layout, url, args.total_mib << 20, args.batch, args.repeats, args.chunk_mib << 20)
-                for name, layout in LAYOUTS.items()]
+        rows = [
+            bench_block(name, layout, url, args.total_mib << 20, args.batch, args.repeats, args.chunk_mib << 20)
+            for name, layout in LAYOUTS.items()
+        ]
     finally:
         if server is not None:
             server.stop()
     print_table(rows)
-    report = {"unit": "GB/s of payload (1e9 bytes/s)", "batch": args.batch, "repeats": args.repeats,
-              "chunk_mib": args.chunk_mib,
-              "switch_interval_s": sys.getswitchinterval(),
-              "rows": [asdict(r) | {"put_ratio": round(r.put_ratio, 3), "writer_ratio": round(r.writer_ratio, 3),
-                                    "get_ratio": round(r.get_ratio, 3)} for r in rows]}
+    report = {
+        "unit": "GB/s of payload (1e9 bytes/s)",
+        "batch": args.batch,
+        "repeats": args.repeats,
+        "chunk_mib": args.chunk_mib,
+        "switch_interval_s": sys.getswitchinterval(),
+        "rows": [
+            asdict(r)
+            | {
+                "put_ratio": round(r.put_ratio, 3),
+                "writer_ratio": round(r.writer_ratio, 3),
+                "get_ratio": round(r.get_ratio, 3),
+            }
+            for r in rows
+        ],
+    }
     text = json.dumps(report, indent=2)
     print(text)
     if args.json_out:

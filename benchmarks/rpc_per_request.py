@@ -49,8 +49,14 @@ def main() -> None:
         prefix = list(range(args.prompt_tokens))
         client.store(prefix, torch.zeros((args.prompt_tokens // size, *LAYOUT.block_shape), dtype=torch.float16))
         kv = torch.ones((suffix_blocks, *LAYOUT.block_shape), dtype=torch.float16)
-        stages: dict[str, list[float]] = {"lookup": [], "read": [], "reserve": [], "write": [], "commit": [],
-                                          "release": []}
+        stages: dict[str, list[float]] = {
+            "lookup": [],
+            "read": [],
+            "reserve": [],
+            "write": [],
+            "commit": [],
+            "release": [],
+        }
         ns_id = client.attachment.namespace_id
         for request in range(args.requests):
             tokens = prefix + [100_000 + request * args.suffix + i for i in range(args.suffix)]
@@ -64,8 +70,11 @@ def main() -> None:
             t3 = time.perf_counter()
             client._pools.scatter(list(reservation.slots), kv[: len(reservation.slots)])
             t4 = time.perf_counter()
-            client._stub.Commit(pb.CommitRequest(namespace_id=ns_id, tokens=tokens, start_block=hit.blocks,
-                                                 reservation_id=reservation.reservation_id))
+            client._stub.Commit(
+                pb.CommitRequest(
+                    namespace_id=ns_id, tokens=tokens, start_block=hit.blocks, reservation_id=reservation.reservation_id
+                )
+            )
             t5 = time.perf_counter()
             client.release(hit)
             t6 = time.perf_counter()

@@ -36,9 +36,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from service_process import start_service as start_process  # noqa: E402
+
 from prefixcache.client import CacheClient  # noqa: E402
 from prefixcache.config import KVLayout  # noqa: E402
-from service_process import start_service as start_process  # noqa: E402
 
 LAYOUT = KVLayout(layers=32, kv_heads=8, head_dim=128, block_size=16, dtype="float16")
 
@@ -55,8 +56,11 @@ def cpu_seconds(pid: int) -> float:
 
 def percentiles(samples: list[float]) -> dict[str, float]:
     values = np.array(samples) * 1e3
-    return {"p50_ms": float(np.percentile(values, 50)), "p99_ms": float(np.percentile(values, 99)),
-            "mean_ms": float(values.mean())}
+    return {
+        "p50_ms": float(np.percentile(values, 50)),
+        "p99_ms": float(np.percentile(values, 99)),
+        "mean_ms": float(values.mean()),
+    }
 
 
 def lookup_latency(client: CacheClient, tokens: list[int], calls: int) -> dict[str, float]:
@@ -71,8 +75,9 @@ def lookup_latency(client: CacheClient, tokens: list[int], calls: int) -> dict[s
     return percentiles(samples)
 
 
-def _load_process(address: str, namespace_id: str, tokens: list[int], in_flight: int, seconds: float,
-                  start_at: float, results) -> None:
+def _load_process(
+    address: str, namespace_id: str, tokens: list[int], in_flight: int, seconds: float, start_at: float, results
+) -> None:
     import grpc
 
     from prefixcache.rpc import cache_pb2 as pb
@@ -91,19 +96,25 @@ def _load_process(address: str, namespace_id: str, tokens: list[int], in_flight:
                 while time.time() < stop:
                     await stub.Lookup(request)
                     done += 1
+
             await asyncio.gather(*(worker() for _ in range(in_flight)))
             return done
 
     results.put(asyncio.run(run()))
 
 
-def lookup_throughput(address: str, pid: int, namespace_id: str, tokens: list[int], processes: int,
-                      in_flight: int, seconds: float) -> dict[str, float]:
+def lookup_throughput(
+    address: str, pid: int, namespace_id: str, tokens: list[int], processes: int, in_flight: int, seconds: float
+) -> dict[str, float]:
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     start_at = time.time() + 3.0  # after every process has imported grpc
-    workers = [context.Process(target=_load_process, args=(address, namespace_id, tokens, in_flight, seconds,
-                                                           start_at, results)) for _ in range(processes)]
+    workers = [
+        context.Process(
+            target=_load_process, args=(address, namespace_id, tokens, in_flight, seconds, start_at, results)
+        )
+        for _ in range(processes)
+    ]
     for worker in workers:
         worker.start()
     while time.time() < start_at:
@@ -113,8 +124,13 @@ def lookup_throughput(address: str, pid: int, namespace_id: str, tokens: list[in
     cpu_used = cpu_seconds(pid) - cpu_before
     for worker in workers:
         worker.join()
-    return {"clients": processes * in_flight, "processes": processes, "rpc_per_s": calls / seconds,
-            "service_cpu_us_per_call": cpu_used / calls * 1e6, "service_cores_used": cpu_used / seconds}
+    return {
+        "clients": processes * in_flight,
+        "processes": processes,
+        "rpc_per_s": calls / seconds,
+        "service_cpu_us_per_call": cpu_used / calls * 1e6,
+        "service_cores_used": cpu_used / seconds,
+    }
 
 
 def bandwidth(fn, nbytes: int, repeats: int) -> float:
@@ -133,7 +149,7 @@ def fetch_bandwidth(local: CacheClient, remote: CacheClient, tokens: list[int], 
     pool = local._pools.host  # the same mapped bytes the client reads, for the memcpy baseline
     first = int(hit.locations.slots[0])
     assert np.array_equal(hit.locations.slots, np.arange(first, first + hit.blocks)), "benchmark wants one run"
-    source = pool[first:first + hit.blocks]
+    source = pool[first : first + hit.blocks]
     nbytes = out.numel() * out.element_size()
     shm = bandwidth(lambda: local.read(hit, out=out), nbytes, repeats)
     memcpy = bandwidth(lambda: out.copy_(source), nbytes, repeats)
@@ -142,8 +158,13 @@ def fetch_bandwidth(local: CacheClient, remote: CacheClient, tokens: list[int], 
     assert torch.equal(out.view(torch.int16), source.view(torch.int16))
     local.release(hit)
     remote.release(remote_hit)
-    return {"bytes": nbytes, "shm_GBps": shm, "memcpy_GBps": memcpy, "shm_vs_memcpy": shm / memcpy,
-            "stream_GBps": stream}
+    return {
+        "bytes": nbytes,
+        "shm_GBps": shm,
+        "memcpy_GBps": memcpy,
+        "shm_vs_memcpy": shm / memcpy,
+        "stream_GBps": stream,
+    }
 
 
 def main() -> None:
@@ -168,17 +189,25 @@ def main() -> None:
         assert local.store(tokens, kv).stored == prompt_tokens // 16
         del kv
         results = {
-            "layout": {"layers": LAYOUT.layers, "kv_heads": LAYOUT.kv_heads, "head_dim": LAYOUT.head_dim,
-                       "block_size": LAYOUT.block_size, "dtype": LAYOUT.dtype.value, "block_bytes": LAYOUT.block_bytes},
+            "layout": {
+                "layers": LAYOUT.layers,
+                "kv_heads": LAYOUT.kv_heads,
+                "head_dim": LAYOUT.head_dim,
+                "block_size": LAYOUT.block_size,
+                "dtype": LAYOUT.dtype.value,
+                "block_bytes": LAYOUT.block_bytes,
+            },
             "cpus": os.cpu_count(),
             "load_average_1m_at_start": os.getloadavg()[0],
             "service_workers": args.workers if args.workers is not None else "serve default",
             "lookup_latency_2k": lookup_latency(local, tokens[:2048], args.calls),
             "lookup_latency_8k": lookup_latency(local, tokens, args.calls // 2),
-            "lookup_throughput_2k": lookup_throughput(address, process.pid, namespace_id, tokens[:2048],
-                                                      args.processes, args.in_flight, args.seconds),
-            "fetch": fetch_bandwidth(local, remote, tokens[: args.fetch_mib * 1024 * 1024 // LAYOUT.bytes_per_token],
-                                     repeats=7),
+            "lookup_throughput_2k": lookup_throughput(
+                address, process.pid, namespace_id, tokens[:2048], args.processes, args.in_flight, args.seconds
+            ),
+            "fetch": fetch_bandwidth(
+                local, remote, tokens[: args.fetch_mib * 1024 * 1024 // LAYOUT.bytes_per_token], repeats=7
+            ),
         }
         local.close()
         remote.close()
@@ -198,8 +227,11 @@ def print_table(r: dict) -> None:
         ("Lookup 2k tokens, p50 / p99", f"{short['p50_ms']:.3f} / {short['p99_ms']:.3f} ms", ""),
         ("Lookup 8k tokens, p50 / p99", f"{long['p50_ms']:.3f} / {long['p99_ms']:.3f} ms", ""),
         (f"Lookup 2k throughput, {t['clients']} clients", f"{t['rpc_per_s']:,.0f} RPC/s", ">= 3,000 RPC/s"),
-        ("  service CPU per Lookup",
-         f"{t['service_cpu_us_per_call']:.0f} us ({t['service_cores_used']:.2f} cores)", ""),
+        (
+            "  service CPU per Lookup",
+            f"{t['service_cpu_us_per_call']:.0f} us ({t['service_cores_used']:.2f} cores)",
+            "",
+        ),
         (f"Read {f['bytes'] / 2**20:.0f} MiB via shared memory", f"{f['shm_GBps']:.2f} GB/s", ""),
         ("  plain memcpy, same bytes", f"{f['memcpy_GBps']:.2f} GB/s", ""),
         ("  shared memory / memcpy", f"{f['shm_vs_memcpy']:.0%}", ">= 80%"),

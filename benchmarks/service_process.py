@@ -15,16 +15,30 @@ READY = "prefixcache serve: listening on "
 
 def start_service(*flags: str, grace: str = "2s", timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
     """The running process and its `HOST:PORT`, once it printed its ready line."""
-    command = [sys.executable, "-m", "prefixcache_services", "--log-level", "WARNING", "serve", "--listen", "127.0.0.1:0",
-               "--shm-name", f"pfx-bench-{secrets.token_hex(4)}", "--grace", grace, *flags]
-    process = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                               stdout=subprocess.PIPE, text=True)
+    command = [
+        sys.executable,
+        "-m",
+        "prefixcache_services",
+        "--log-level",
+        "WARNING",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--shm-name",
+        f"pfx-bench-{secrets.token_hex(4)}",
+        "--grace",
+        grace,
+        *flags,
+    ]
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         line = process.stdout.readline()
         if not line:
             break
         if line.startswith(READY):
-            return process, line[len(READY):].strip()
+            return process, line[len(READY) :].strip()
     process.kill()
     raise SystemExit("the cache service did not start")

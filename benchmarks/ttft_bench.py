@@ -49,10 +49,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from service_process import start_service as start_process  # noqa: E402
+
 from prefixcache.client import CacheClient  # noqa: E402
 from prefixcache_services.cli import build_parser  # noqa: E402
 from prefixcache_services.worker.command import build_backend  # noqa: E402
-from service_process import start_service as start_process  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Time to first token (benchmarks/ttft_bench.py)"
@@ -82,8 +83,9 @@ class Case:
         result = self.engine.prefill(warm)
         count = self.link.blocks_to_store(warm, 0)  # what the worker commits
         self.link.store(warm, self.engine.extract_blocks(result.cache, 0, count, self.block_size), 0, None)
-        self.ideal_blocks = self.engine.extract_blocks(result.cache, 0, len(self.prefix) // self.block_size,
-                                                       self.block_size)
+        self.ideal_blocks = self.engine.extract_blocks(
+            result.cache, 0, len(self.prefix) // self.block_size, self.block_size
+        )
 
     def _tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(100, 100_000) for _ in range(n)]
@@ -153,11 +155,21 @@ def measure(backend, client: CacheClient, size: int, suffix: int, repeats: int) 
                     compute.append(result.compute_seconds)
     best = {name: min(values) * 1e3 for name, values in times.items()}
     median = {name: statistics.median(values) * 1e3 for name, values in times.items()}
-    return {"prompt_tokens": size, "cached_tokens": len(case.prefix), "computed_tokens": suffix,
-            "ttft_ms": best, "saving_ratio": _saving(best), "speedup": best["no_cache"] / best["cached"],
-            "ttft_ms_median": median, "saving_ratio_median": _saving(median),
-            "cached_breakdown_ms": {**breakdown(client, case, repeats), "kv_install": min(load) * 1e3,
-                                    "suffix_prefill": min(compute) * 1e3}}
+    return {
+        "prompt_tokens": size,
+        "cached_tokens": len(case.prefix),
+        "computed_tokens": suffix,
+        "ttft_ms": best,
+        "saving_ratio": _saving(best),
+        "speedup": best["no_cache"] / best["cached"],
+        "ttft_ms_median": median,
+        "saving_ratio_median": _saving(median),
+        "cached_breakdown_ms": {
+            **breakdown(client, case, repeats),
+            "kv_install": min(load) * 1e3,
+            "suffix_prefill": min(compute) * 1e3,
+        },
+    }
 
 
 def _saving(ms: dict[str, float]) -> float:
@@ -165,22 +177,38 @@ def _saving(ms: dict[str, float]) -> float:
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cpus_available": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version(), "kernel": platform.release(),
-            "load_average_at_start": os.getloadavg()}
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "cpu": cpu,
+        "cpus_available": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "load_average_at_start": os.getloadavg(),
+    }
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| prompt tokens | cached tokens | no cache (ms) | cached (ms) | ideal (ms) | speedup | saving vs ideal |"
-             " lookup | shm read | KV install | suffix prefill |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| prompt tokens | cached tokens | no cache (ms) | cached (ms) | ideal (ms) | speedup | saving vs ideal |"
+        " lookup | shm read | KV install | suffix prefill |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         t, b = r["ttft_ms"], r["cached_breakdown_ms"]
-        lines.append(f"| {r['prompt_tokens']} | {r['cached_tokens']} | {t['no_cache']:.1f} | {t['cached']:.1f} | "
-                     f"{t['ideal']:.1f} | {r['speedup']:.1f}x | {r['saving_ratio']:.1%} | {b['lookup']:.2f} | "
-                     f"{b['shm_read']:.2f} | {b['kv_install']:.2f} | {b['suffix_prefill']:.1f} |")
+        lines.append(
+            f"| {r['prompt_tokens']} | {r['cached_tokens']} | {t['no_cache']:.1f} | {t['cached']:.1f} | "
+            f"{t['ideal']:.1f} | {r['speedup']:.1f}x | {r['saving_ratio']:.1%} | {b['lookup']:.2f} | "
+            f"{b['shm_read']:.2f} | {b['kv_install']:.2f} | {b['suffix_prefill']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -195,7 +223,7 @@ def write_docs(report: dict, command: str) -> None:
     paragraphs = [
         f"""Time to first token of the worker's own code path (`Engine`, `CacheLink`) on the built-in
         tiny model (4 layers, hidden 256, GQA 8/2 heads, bfloat16, prefix-exact attention), for prompts
-        that share all but their last {report['suffix']} tokens with a prompt committed before. "cached":
+        that share all but their last {report["suffix"]} tokens with a prompt committed before. "cached":
         a Lookup RPC with a lease to a real `prefixcache serve` process, the worker's hit policy, the
         blocks read through the mapped shared memory, then the suffix prefilled from them. "ideal": the
         same model reusing KV kept in its own memory. "saving vs ideal" = (no cache - cached) / (no
@@ -204,10 +232,10 @@ def write_docs(report: dict, command: str) -> None:
         logits of all three are checked bitwise equal. The breakdown columns (ms, best of {runs}) time
         the cached path's parts separately: lookup = the Lookup RPC, shm read = the copy out of shared
         memory, KV install = copying the blocks into the model's KV cache (the ideal case pays it too),
-        suffix prefill = the forward pass over the {report['suffix']} new tokens.""",
-        f"""Machine: {m['cpu']}, {m['cpus_available']} CPUs available, torch {m['torch']} with
-        {m['torch_threads']} threads, Python {m['python']}, kernel {m['kernel']}; load average at start
-        {', '.join(f'{x:.1f}' for x in m['load_average_at_start'])} (other jobs share the machine:
+        suffix prefill = the forward pass over the {report["suffix"]} new tokens.""",
+        f"""Machine: {m["cpu"]}, {m["cpus_available"]} CPUs available, torch {m["torch"]} with
+        {m["torch_threads"]} threads, Python {m["python"]}, kernel {m["kernel"]}; load average at start
+        {", ".join(f"{x:.1f}" for x in m["load_average_at_start"])} (other jobs share the machine:
         absolute times move between runs, the ratios much less). Command: `{command}`""",
     ]
     closing = """The cached path's extra time over the ideal is the Lookup RPC (the service hashes the
@@ -241,8 +269,9 @@ def main() -> int:
     try:
         # A generous deadline: on a loaded machine a Lookup may exceed the default 500 ms, and the
         # worker would (rightly) prefill in full; here we measure the hit path itself.
-        worker_args = build_parser().parse_args(["--log-level", "WARNING", "worker", "--cache", address,
-                                                 "--cache-deadline-ms", "5000"])
+        worker_args = build_parser().parse_args(
+            ["--log-level", "WARNING", "worker", "--cache", address, "--cache-deadline-ms", "5000"]
+        )
         backend = build_backend(worker_args)
         link = backend.cache
         if link is None or not link.up:
@@ -254,15 +283,24 @@ def main() -> int:
     finally:
         service.terminate()
         service.wait(30)
-    report = {"benchmark": "ttft", "suffix": args.suffix, "repeats": args.repeats, "target_saving_ratio": TARGET,
-              "machine": report_machine, "results": results}
+    report = {
+        "benchmark": "ttft",
+        "suffix": args.suffix,
+        "repeats": args.repeats,
+        "target_saving_ratio": TARGET,
+        "machine": report_machine,
+        "results": results,
+    }
     print(table(results))
     print(json.dumps(report, indent=2))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
     if args.write_docs:
-        write_docs(report, f"PYTHONPATH=. python benchmarks/ttft_bench.py --sizes {args.sizes} "
-                           f"--suffix {args.suffix} --repeats {args.repeats} --write-docs")
+        write_docs(
+            report,
+            f"PYTHONPATH=. python benchmarks/ttft_bench.py --sizes {args.sizes} "
+            f"--suffix {args.suffix} --repeats {args.repeats} --write-docs",
+        )
     return 0 if all(r["saving_ratio"] >= TARGET for r in results) else 1
 
 

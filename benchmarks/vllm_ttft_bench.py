@@ -57,14 +57,24 @@ def build_model(directory: Path, layers: int, hidden: int, vocab: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                         num_key_value_heads=max(1, hidden // 256), max_position_embeddings=8192,
-                         torch_dtype="bfloat16", tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
+        max_position_embeddings=8192,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(directory)
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M parameters, "
-          f"{layers} layers, hidden {hidden}, {config.num_key_value_heads} KV heads", flush=True)
+    print(
+        f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M parameters, "
+        f"{layers} layers, hidden {hidden}, {config.num_key_value_heads} KV heads",
+        flush=True,
+    )
 
 
 def workload(prefix_tokens: int, prompts: int, vocab: int) -> dict[str, dict[str, list[list[int]]]]:
@@ -90,6 +100,7 @@ def workload(prefix_tokens: int, prompts: int, vocab: int) -> dict[str, dict[str
 
 # --- one vLLM process -----------------------------------------------------------------------
 
+
 def serve_prompts(args: argparse.Namespace) -> None:
     """Child mode: one vLLM instance runs the given phases and prints one JSON line per prompt."""
     from vllm import LLM, SamplingParams
@@ -98,33 +109,84 @@ def serve_prompts(args: argparse.Namespace) -> None:
 
     transfer = None
     if args.connector == "example":
-        transfer = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
-                                    kv_connector_extra_config={"shared_storage_path": args.storage})
+        transfer = KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": args.storage},
+        )
     elif args.connector == "prefixcache":
-        transfer = KVTransferConfig(kv_connector="PrefixCacheConnector",
-                                    kv_connector_module_path="prefixcache.integrations.vllm",
-                                    kv_role="kv_both", kv_connector_extra_config={"cache": args.cache})
-    llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="bfloat16", block_size=BLOCK,
-              enforce_eager=True, enable_prefix_caching=args.apc, max_model_len=8192,
-              kv_transfer_config=transfer, seed=0)
+        transfer = KVTransferConfig(
+            kv_connector="PrefixCacheConnector",
+            kv_connector_module_path="prefixcache.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"cache": args.cache},
+        )
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        block_size=BLOCK,
+        enforce_eager=True,
+        enable_prefix_caching=args.apc,
+        max_model_len=8192,
+        kv_transfer_config=transfer,
+        seed=0,
+    )
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     load = json.loads(Path(args.prompt_file).read_text())
-    llm.generate([TokensPrompt(prompt_token_ids=load["long"]["warm"][0][:64])], params, use_tqdm=False)  # compile/warm-up
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=load["long"]["warm"][0][:64])], params, use_tqdm=False
+    )  # compile/warm-up
     for phase in args.phases.split(","):
         for klass, sets in load.items():
             for i, prompt in enumerate(sets[phase]):
                 start = time.perf_counter()
                 out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
                 seconds = time.perf_counter() - start
-                print("ROW " + json.dumps({"phase": phase, "class": klass, "i": i, "tokens": len(prompt),
-                                           "seconds": seconds, "cached": out.num_cached_tokens or 0,
-                                           "first": out.outputs[0].token_ids[0]}), flush=True)
+                print(
+                    "ROW "
+                    + json.dumps(
+                        {
+                            "phase": phase,
+                            "class": klass,
+                            "i": i,
+                            "tokens": len(prompt),
+                            "seconds": seconds,
+                            "cached": out.num_cached_tokens or 0,
+                            "first": out.outputs[0].token_ids[0],
+                        }
+                    ),
+                    flush=True,
+                )
 
 
-def run_child(model: Path, prompts: Path, phases: str, *, apc: bool = False, connector: str = "",
-              cache: str = "", storage: str = "") -> list[dict]:
-    command = [sys.executable, __file__, "--child", "--model", str(model), "--prompt-file", str(prompts),
-               "--phases", phases, "--connector", connector, "--cache", cache, "--storage", storage]
+def run_child(
+    model: Path,
+    prompts: Path,
+    phases: str,
+    *,
+    apc: bool = False,
+    connector: str = "",
+    cache: str = "",
+    storage: str = "",
+) -> list[dict]:
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--model",
+        str(model),
+        "--prompt-file",
+        str(prompts),
+        "--phases",
+        phases,
+        "--connector",
+        connector,
+        "--cache",
+        cache,
+        "--storage",
+        storage,
+    ]
     if apc:
         command.append("--apc")
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
@@ -138,8 +200,10 @@ def run_child(model: Path, prompts: Path, phases: str, *, apc: bool = False, con
 
 # --- the side-by-side run --------------------------------------------------------------------
 
+
 def measure(args: argparse.Namespace, work: Path) -> dict:
     from service_process import start_service
+
     from tests.redis_server import RedisServer
 
     model = work / "model"
@@ -163,14 +227,20 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     (work / "redis").mkdir()
     redis = RedisServer(work / "redis").start()
     try:
-        first, first_address = start_service("--host-capacity", "2GiB", "--block-size", str(BLOCK), "--redis-url", redis.url)
-        second, second_address = start_service("--host-capacity", "2GiB", "--block-size", str(BLOCK), "--redis-url", redis.url)
+        first, first_address = start_service(
+            "--host-capacity", "2GiB", "--block-size", str(BLOCK), "--redis-url", redis.url
+        )
+        second, second_address = start_service(
+            "--host-capacity", "2GiB", "--block-size", str(BLOCK), "--redis-url", redis.url
+        )
         try:
-            results["prefixcache redis warm"] = run_child(model, prompts, "warm", connector="prefixcache",
-                                                          cache=first_address)
+            results["prefixcache redis warm"] = run_child(
+                model, prompts, "warm", connector="prefixcache", cache=first_address
+            )
             time.sleep(1.0)  # let service 1's bounded write queue reach Redis
-            results["prefixcache redis"] = run_child(model, prompts, "measure", connector="prefixcache",
-                                                     cache=second_address)
+            results["prefixcache redis"] = run_child(
+                model, prompts, "measure", connector="prefixcache", cache=second_address
+            )
         finally:
             for process in (first, second):
                 process.terminate()
@@ -208,19 +278,27 @@ def summarise(results: dict[str, list[dict]], args: argparse.Namespace) -> dict:
         warm[name] = statistics.median(r["seconds"] / r["tokens"] for r in rows) * 1e3 * BLOCK
     apc_warm = [r for r in results["vLLM APC"] if r["phase"] == "warm"]
     warm["vLLM APC (no save)"] = statistics.median(r["seconds"] / r["tokens"] for r in apc_warm) * 1e3 * BLOCK
-    return {"config": vars(args), "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-            "table": table, "warm_ms_per_block": warm}
+    return {
+        "config": vars(args),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "table": table,
+        "warm_ms_per_block": warm,
+    }
 
 
 def render(summary: dict) -> str:
-    lines = ["| configuration | class | TTFT median ms | cached / prompt tokens | saving vs APC | "
-             "first-token mismatches |", "|---|---|---:|---:|---:|---:|"]
+    lines = [
+        "| configuration | class | TTFT median ms | cached / prompt tokens | saving vs APC | first-token mismatches |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for name, per_class in summary["table"].items():
         for klass, c in per_class.items():
             saving = "–" if c["saving_vs_ideal"] is None else f"{100 * c['saving_vs_ideal']:.0f}%"
-            lines.append(f"| {name} | {klass} | {1e3 * c['ttft_median_s']:.1f} | "
-                         f"{c['cached_tokens']:,} / {c['prompt_tokens']:,} | {saving} | "
-                         f"{c['first_token_mismatches']}/{c['prompts']} |")
+            lines.append(
+                f"| {name} | {klass} | {1e3 * c['ttft_median_s']:.1f} | "
+                f"{c['cached_tokens']:,} / {c['prompt_tokens']:,} | {saving} | "
+                f"{c['first_token_mismatches']}/{c['prompts']} |"
+            )
     lines += ["", "Warm pass (prefill + save), ms per 32-token block of prompt:", ""]
     lines += [f"- {name}: {ms:.2f}" for name, ms in summary["warm_ms_per_block"].items()]
     return "\n".join(lines)
@@ -228,12 +306,14 @@ def render(summary: dict) -> str:
 
 def write_docs(summary: dict, command: str) -> None:
     text = DOC.read_text()
-    body = (f"{SECTION}\n\n`{command}` on {summary['machine']['cpus']} CPUs "
-            f"({time.strftime('%Y-%m-%d')}):\n\n{render(summary)}\n")
+    body = (
+        f"{SECTION}\n\n`{command}` on {summary['machine']['cpus']} CPUs "
+        f"({time.strftime('%Y-%m-%d')}):\n\n{render(summary)}\n"
+    )
     if SECTION in text:
         start = text.index(SECTION)
         end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + body + (text[end + 1:] if end != -1 else "")
+        text = text[:start] + body + (text[end + 1 :] if end != -1 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + body
     DOC.write_text(text)

@@ -61,8 +61,10 @@ class BlockMap:
         self._words = array.array("Q", [0]) * (capacity * self.word_count)  # word k of row r: [k * capacity + r]
         self.cells = np.frombuffer(self._cells, dtype=np.int32).reshape(buckets, BUCKET)
         self.cell_of = np.frombuffer(self._cell_of, dtype=np.int32)
-        self.columns = [np.frombuffer(self._words, dtype=np.uint64, count=capacity, offset=8 * k * capacity)
-                        for k in range(self.word_count)]
+        self.columns = [
+            np.frombuffer(self._words, dtype=np.uint64, count=capacity, offset=8 * k * capacity)
+            for k in range(self.word_count)
+        ]
         self._count = 0
         self._empty = buckets * BUCKET  # cells holding EMPTY
         self._min_empty = buckets * BUCKET // 3  # fewer: rebuild
@@ -96,7 +98,8 @@ class BlockMap:
                         free = cell
                     has_empty = has_empty or row == EMPTY
                 elif table[row] == words[0] and all(
-                        table[k * capacity + row] == words[k] for k in range(1, self.word_count)):
+                    table[k * capacity + row] == words[k] for k in range(1, self.word_count)
+                ):
                     return cell
             if has_empty:  # nothing on this path overflowed past a bucket with an empty cell
                 return -1 - free

@@ -46,26 +46,39 @@ log = logging.getLogger(__name__)
 class PrefixCache:
     """One layout, many namespaces; see the module docstring for the tiers."""
 
-    def __init__(self, config: CacheConfig, layout: KVLayout, host: SlotTier,
-                 device: SlotTier | None = None, remote: RemoteTier | None = None,
-                 clock: Callable[[], float] = time.monotonic, hasher: Hasher | None = None) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        layout: KVLayout,
+        host: SlotTier,
+        device: SlotTier | None = None,
+        remote: RemoteTier | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        hasher: Hasher | None = None,
+    ) -> None:
         self.config = config
         self.layout = layout
         self.tiers: dict[TierKind, SlotTier] = {t.kind: t for t in (device, host) if t is not None}
         self.clock = clock
         self.hasher = hasher or Hasher(config.hash_algorithm)
-        self.index = RadixIndex(sum(t.num_slots for t in self.tiers.values()), layout.block_size,
-                                self.hasher.digest_size)
-        self.remote_link = None if remote is None else RemoteLink(
-            remote, layout, self.index, self.tiers, self._namespace_of_row)
+        self.index = RadixIndex(
+            sum(t.num_slots for t in self.tiers.values()), layout.block_size, self.hasher.digest_size
+        )
+        self.remote_link = (
+            None if remote is None else RemoteLink(remote, layout, self.index, self.tiers, self._namespace_of_row)
+        )
         self.namespaces = NamespaceRegistry(layout, self.hasher, config.max_prompt_tokens)
         self.leases = LeaseTable(config.max_leases)
         self.counters = Counters()
         self.ledger = TenantLedger(self.index, config.tenant_quotas, layout.block_bytes, self.leases)  # quota.py
-        self.placement = Placement(self.index, self.tiers, self.counters,
-                                   reclaim=lambda: self._reclaim_expired(self.clock()),
-                                   on_drop=self._on_drop if remote is not None else None,
-                                   owner_counters=self.ledger.counters_of_node)
+        self.placement = Placement(
+            self.index,
+            self.tiers,
+            self.counters,
+            reclaim=lambda: self._reclaim_expired(self.clock()),
+            on_drop=self._on_drop if remote is not None else None,
+            owner_counters=self.ledger.counters_of_node,
+        )
         self._lock = threading.RLock()
         self._started = clock()
         self._dtype = layout.dtype.torch
@@ -83,8 +96,9 @@ class PrefixCache:
         return self.namespaces.get(ns_id).namespace
 
     # -- lookup -------------------------------------------------------------
-    def lookup(self, ns_id: str, tokens: Tokens, take_lease: bool = False,
-               recompute_s_per_token: float | None = None) -> LookupResult:
+    def lookup(
+        self, ns_id: str, tokens: Tokens, take_lease: bool = False, recompute_s_per_token: float | None = None
+    ) -> LookupResult:
         """Longest cached prefix of `tokens`; with a lease its blocks stay put until release.
 
         `recompute_s_per_token` is the asking worker's prefill cost: given, Redis is asked only
@@ -100,11 +114,13 @@ class PrefixCache:
             if link is None or stop is not MissReason.NOT_CACHED:
                 return self._finish_lookup(prompt, path, stop, take_lease)
             self.index.pin(path)  # the local prefix stays put while Redis is asked without the lock
-        budget = None if budget_s is None else ProbeBudget(len(prompt.hashes) - len(path),
-                                                           budget_s * self.layout.block_size)
+        budget = (
+            None if budget_s is None else ProbeBudget(len(prompt.hashes) - len(path), budget_s * self.layout.block_size)
+        )
         try:
-            payloads, corrupt = link.fetch(prompt.entry.id, prompt.entry.root, prompt.hashes,
-                                                       prompt.blocks, len(path), budget)
+            payloads, corrupt = link.fetch(
+                prompt.entry.id, prompt.entry.root, prompt.hashes, prompt.blocks, len(path), budget
+            )
         except BaseException:
             with self._lock:
                 self.index.unpin(path)
@@ -121,8 +137,9 @@ class PrefixCache:
                 stop = MissReason.VERIFICATION_FAILED  # the hit ends at the block Redis held corrupt
             return self._finish_lookup(prompt, extended, stop, take_lease, budget.declined if budget else 0)
 
-    def _finish_lookup(self, prompt: Prompt, path: np.ndarray, stop: MissReason | None,
-                       take_lease: bool, declined: int = 0) -> LookupResult:
+    def _finish_lookup(
+        self, prompt: Prompt, path: np.ndarray, stop: MissReason | None, take_lease: bool, declined: int = 0
+    ) -> LookupResult:
         """Touch, promote, count and (optionally) lease an unpinned, verified path."""
         now = self.clock()
         full, hit = len(prompt.hashes), len(path)
@@ -142,8 +159,16 @@ class PrefixCache:
             self.index.pin(path)
             lease_id = self.leases.add_lease(prompt.entry.index, tuple(path.tolist()), expires).id
         self._count_lookup(prompt, hit, stop)
-        return LookupResult(prompt.entry.id, len(prompt.tokens), hit * self.layout.block_size,
-                            self._locations(path), stop, lease_id, expires, declined)
+        return LookupResult(
+            prompt.entry.id,
+            len(prompt.tokens),
+            hit * self.layout.block_size,
+            self._locations(path),
+            stop,
+            lease_id,
+            expires,
+            declined,
+        )
 
     def _promote(self, prompt: Prompt, path: np.ndarray) -> None:
         """Promote a hit path to the device tier, within its tenant's device quota (quota.py)."""
@@ -182,8 +207,9 @@ class PrefixCache:
         """
         path: list[int] = pinned.tolist()
         free = self.placement.free[TierKind.HOST]
-        payloads = payloads[: self.ledger.room(self.placement, prompt.entry.index, TierKind.HOST,
-                                               len(payloads))]  # the tenant's quota
+        payloads = payloads[
+            : self.ledger.room(self.placement, prompt.entry.index, TierKind.HOST, len(payloads))
+        ]  # the tenant's quota
         if not payloads or not self.placement.make_room(TierKind.HOST, len(payloads)):
             payloads = payloads[: len(free)]
         now = self.clock()
@@ -201,8 +227,15 @@ class PrefixCache:
             if slot is None:
                 break
             self.tiers[TierKind.HOST].write_bytes(slot, payload)
-            node = self.index.add(prompt.entry.index, path[-1] if path else ROOT, prompt.hashes[i],
-                                  prompt.blocks[i], TierKind.HOST, slot, now)
+            node = self.index.add(
+                prompt.entry.index,
+                path[-1] if path else ROOT,
+                prompt.hashes[i],
+                prompt.blocks[i],
+                TierKind.HOST,
+                slot,
+                now,
+            )
             link.fetched(node, now)
             path.append(node)
             self.counters.promotions[TierKind.HOST] += 1
@@ -211,17 +244,26 @@ class PrefixCache:
     def _continues(self, node: int, parent: int, prompt: Prompt, i: int) -> bool:
         """Whether indexed `node` is block `i` of the prompt right below `parent` (tokens verified)."""
         index = self.index
-        return (int(index.parent[node]) == parent and int(index.namespace[node]) == prompt.entry.index
-                and bool(np.array_equal(index.tokens[node], prompt.blocks[i])))
+        return (
+            int(index.parent[node]) == parent
+            and int(index.namespace[node]) == prompt.entry.index
+            and bool(np.array_equal(index.tokens[node], prompt.blocks[i]))
+        )
 
     # -- leases ----------------------------------------------------------------
     def lease(self, lease_id: int) -> LookupResult:
         """Where the blocks of a live lease are (pinned blocks never move, so: where they were)."""
         with self._lock:
             lease = self._live_lease(lease_id)
-            return LookupResult(self.namespaces.by_row(lease.namespace).id, 0,
-                                len(lease.nodes) * self.layout.block_size, self._locations(list(lease.nodes)),
-                                None, lease.id, lease.expires_at)
+            return LookupResult(
+                self.namespaces.by_row(lease.namespace).id,
+                0,
+                len(lease.nodes) * self.layout.block_size,
+                self._locations(list(lease.nodes)),
+                None,
+                lease.id,
+                lease.expires_at,
+            )
 
     def release(self, lease_id: int) -> None:
         with self._lock:
@@ -278,28 +320,34 @@ class PrefixCache:
         with self._lock:
             return self._commit(prompt, reservation_id, start_block)
 
-    def _commit(self, prompt: Prompt, reservation_id: int, start_block: int,
-                match: Match | None = None) -> CommitResult:
+    def _commit(
+        self, prompt: Prompt, reservation_id: int, start_block: int, match: Match | None = None
+    ) -> CommitResult:
         reservation = self.leases.reservation(reservation_id)
-        if reservation is None or (reservation.namespace >= 0  # another tenant's stays theirs, untouched
-                                   and self.ledger.tenant(reservation.namespace) != prompt.entry.namespace.tenant):
+        if reservation is None or (
+            reservation.namespace >= 0  # another tenant's stays theirs, untouched
+            and self.ledger.tenant(reservation.namespace) != prompt.entry.namespace.tenant
+        ):
             raise InvalidArgument("reservation_id", f"reservation {reservation_id} is unknown or has expired")
         self.leases.take_reservation(reservation_id)
         end = start_block + len(reservation.slots)
         if end > len(prompt.hashes):
             self._free_slots(reservation)
-            raise InvalidArgument("start_block", f"blocks {start_block}..{end} exceed the prompt's "
-                                  f"{len(prompt.hashes)} full blocks")
+            raise InvalidArgument(
+                "start_block", f"blocks {start_block}..{end} exceed the prompt's {len(prompt.hashes)} full blocks"
+            )
         return self._publish(prompt, reservation, start_block, end, match)
 
     def _match_for_commit(self, prompt: Prompt, end: int) -> Match:
         # No TTL here: an expired block of this very prefix (tokens verified) holds the same KV
         # the writer just computed, so it counts as a duplicate and the commit's touch revives it.
-        return self.index.match(prompt.entry.index, prompt.hashes[:end], prompt.blocks[:end], self.clock(),
-                                float("inf"))
+        return self.index.match(
+            prompt.entry.index, prompt.hashes[:end], prompt.blocks[:end], self.clock(), float("inf")
+        )
 
-    def _publish(self, prompt: Prompt, reservation: Reservation, start: int, end: int,
-                 match: Match | None) -> CommitResult:
+    def _publish(
+        self, prompt: Prompt, reservation: Reservation, start: int, end: int, match: Match | None
+    ) -> CommitResult:
         """Index the reserved slots' blocks after the cached prefix; `match` (of hashes[:end]) may
         come from the caller when its matched rows have stayed pinned since."""
         now = self.clock()
@@ -311,14 +359,20 @@ class PrefixCache:
         nodes: list[int] = []
         first = cached - start  # block `cached` was written to the reservation's slot `cached - start`
         if new:
-            nodes = self.index.add_chain(prompt.entry.index, path[-1] if path else ROOT,
-                                         prompt.hashes[cached:cached + new], prompt.blocks[cached:cached + new],
-                                         tier, reservation.slots[first:first + new], now,
-                                         match.found[cached:cached + new])
+            nodes = self.index.add_chain(
+                prompt.entry.index,
+                path[-1] if path else ROOT,
+                prompt.hashes[cached : cached + new],
+                prompt.blocks[cached : cached + new],
+                tier,
+                reservation.slots[first : first + new],
+                now,
+                match.found[cached : cached + new],
+            )
             if self.remote_link is not None:
                 for node in nodes:
                     self._write_through(node)
-        unused = reservation.slots[:first] + reservation.slots[first + new:] if new else reservation.slots
+        unused = reservation.slots[:first] + reservation.slots[first + new :] if new else reservation.slots
         self.placement.free[tier].give_many(np.asarray(unused, dtype=np.int64))
         self.index.touch(path + nodes, now)
         deduplicated = max(0, min(cached, end) - start)
@@ -363,10 +417,17 @@ class PrefixCache:
             raise LayoutMismatch(f"kv must be [blocks, *{self.layout.block_shape}], got {shape}")
         self._check_block(kv[0] if len(kv) else torch.empty(self.layout.block_shape, dtype=kv.dtype))
         prompt = self.namespaces.prompt(ns_id, tokens)  # validate before taking slots
-        if not isinstance(start_block, int) or isinstance(start_block, bool) or start_block < 0 \
-                or start_block + len(kv) > len(prompt.hashes):
-            raise InvalidArgument("kv", f"{len(kv)} blocks from start_block {start_block!r} exceed the prompt's "
-                                        f"{len(prompt.hashes)} full blocks")
+        if (
+            not isinstance(start_block, int)
+            or isinstance(start_block, bool)
+            or start_block < 0
+            or start_block + len(kv) > len(prompt.hashes)
+        ):
+            raise InvalidArgument(
+                "kv",
+                f"{len(kv)} blocks from start_block {start_block!r} exceed the prompt's "
+                f"{len(prompt.hashes)} full blocks",
+            )
         end = start_block + len(kv)
         with self._lock:
             match = self._match_for_commit(prompt, end)
@@ -377,8 +438,7 @@ class PrefixCache:
                 reservation = self.reserve(len(kv) - skip, ns_id)
             finally:
                 self.index.unpin(cached)
-            self.tiers[reservation.tier].write_many(list(reservation.slots),
-                                                              kv[skip:skip + len(reservation.slots)])
+            self.tiers[reservation.tier].write_many(list(reservation.slots), kv[skip : skip + len(reservation.slots)])
             result = self._commit(prompt, reservation.id, start_block + skip, match)
             self.counters.blocks_deduplicated += skip
             self.ledger.counters(prompt.entry.index).blocks_deduplicated += skip
@@ -418,11 +478,13 @@ class PrefixCache:
             stale = index.select(index.last_access + self.config.ttl_s < now)
             return self.placement.drop_all(stale, EvictionReason.TTL)
 
-    def evict(self, ns_id: str | None = None, older_than_s: float | None = None,
-              prefix_tokens: Tokens | None = None) -> int:
+    def evict(
+        self, ns_id: str | None = None, older_than_s: float | None = None, prefix_tokens: Tokens | None = None
+    ) -> int:
         """Manual eviction by namespace, by age, or of every prompt that starts with `prefix_tokens`."""
-        if older_than_s is not None and (isinstance(older_than_s, bool) or not isinstance(older_than_s, (int, float))
-                                         or not older_than_s >= 0):
+        if older_than_s is not None and (
+            isinstance(older_than_s, bool) or not isinstance(older_than_s, (int, float)) or not older_than_s >= 0
+        ):
             raise InvalidArgument("older_than_s", f"must be a number >= 0, got {older_than_s!r}")
         with self._lock:
             index, live = self.index, self.index.live()
@@ -457,8 +519,11 @@ class PrefixCache:
         """Per namespace id, the blocks resident in each local tier (namespaces holding none: absent)."""
         with self._lock:
             live = self.index.live()
-            pairs, counts = np.unique(np.stack([self.index.namespace[live], self.index.tier[live]]).astype(np.int64),
-                                      axis=1, return_counts=True)
+            pairs, counts = np.unique(
+                np.stack([self.index.namespace[live], self.index.tier[live]]).astype(np.int64),
+                axis=1,
+                return_counts=True,
+            )
             resident: dict[str, dict[TierKind, int]] = {}
             for (row, tier), count in zip(pairs.T.tolist(), counts.tolist()):
                 resident.setdefault(self.namespaces.by_row(row).id, {})[TierKind(tier)] = count
@@ -468,8 +533,12 @@ class PrefixCache:
         """Service-wide figures, or with `tenant` only that tenant's own (see `TenantLedger.snapshot`)."""
         with self._lock:
             if tenant is not None:
-                return self.ledger.snapshot(tenant, self.tiers, self.clock() - self._started,
-                                            self.remote_link.is_up() if self.remote_link is not None else None)
+                return self.ledger.snapshot(
+                    tenant,
+                    self.tiers,
+                    self.clock() - self._started,
+                    self.remote_link.is_up() if self.remote_link is not None else None,
+                )
             c = self.counters
             tiers = []
             for kind, tier in self.tiers.items():
@@ -480,12 +549,24 @@ class PrefixCache:
             if self.remote_link is not None:
                 remote_up, remote = self.remote_link.is_up(), self.remote_link.figures()
             return StatsSnapshot(
-                uptime_s=self.clock() - self._started, lookups=c.lookups, request_hits=c.request_hits,
-                request_misses=c.request_misses, block_hits=c.block_hits, block_misses=c.block_misses,
-                token_hits=c.token_hits, tokens_looked_up=c.tokens_looked_up, tokens_saved=c.token_hits,
-                blocks_committed=c.blocks_committed, blocks_deduplicated=c.blocks_deduplicated,
-                active_leases=self.leases.lease_count(), tiers=tuple(tiers), spills_dropped=c.spills_dropped,
-                remote_up=remote_up, remote=remote, **snapshot_dicts(c))
+                uptime_s=self.clock() - self._started,
+                lookups=c.lookups,
+                request_hits=c.request_hits,
+                request_misses=c.request_misses,
+                block_hits=c.block_hits,
+                block_misses=c.block_misses,
+                token_hits=c.token_hits,
+                tokens_looked_up=c.tokens_looked_up,
+                tokens_saved=c.token_hits,
+                blocks_committed=c.blocks_committed,
+                blocks_deduplicated=c.blocks_deduplicated,
+                active_leases=self.leases.lease_count(),
+                tiers=tuple(tiers),
+                spills_dropped=c.spills_dropped,
+                remote_up=remote_up,
+                remote=remote,
+                **snapshot_dicts(c),
+            )
 
     def close(self) -> None:
         with self._lock:  # every write into a tier holds it: none is half done when the tiers go
@@ -498,7 +579,10 @@ class PrefixCache:
 def _recompute_cost(seconds_per_token: float | None) -> float | None:
     if seconds_per_token is None:
         return None
-    if isinstance(seconds_per_token, bool) or not isinstance(seconds_per_token, (int, float)) \
-            or not 0 <= seconds_per_token < float("inf"):
+    if (
+        isinstance(seconds_per_token, bool)
+        or not isinstance(seconds_per_token, (int, float))
+        or not 0 <= seconds_per_token < float("inf")
+    ):
         raise InvalidArgument("recompute_seconds_per_token", f"must be a finite number >= 0, got {seconds_per_token!r}")
     return float(seconds_per_token)

@@ -53,7 +53,7 @@ from .hashing import token_array
 
 MAGIC = b"PFXB"
 VERSION = 1
-KEYED_FLAG = 0x8000                     # high bit of the version: this frame ends with a MAC
+KEYED_FLAG = 0x8000  # high bit of the version: this frame ends with a MAC
 KEYED_VERSION = VERSION | KEYED_FLAG
 MIN_MAC_KEY_BYTES = 32
 # HMAC-SHA256 rather than keyed BLAKE2b: measured on a 2 MiB payload (Python 3.11,
@@ -62,9 +62,9 @@ MIN_MAC_KEY_BYTES = 32
 _MAC_DIGEST = "sha256"
 MAC_BYTES = hashlib.sha256().digest_size
 
-_PREFIX = struct.Struct("<4sHI")        # magic, version, header length
+_PREFIX = struct.Struct("<4sHI")  # magic, version, header length
 _SHAPE = struct.Struct("<5I")
-_TAIL = struct.Struct("<QQ")            # payload length, payload checksum
+_TAIL = struct.Struct("<QQ")  # payload length, payload checksum
 _MAX_ID_BYTES = 0xFFFF
 _MAX_HASH_BYTES = 0xFF
 
@@ -76,8 +76,9 @@ def _checked_tokens(tokens: np.ndarray, layout: KVLayout) -> bytes:
     return array.tobytes()
 
 
-def _header_body(layout: KVLayout, namespace_id: str, block_hash: bytes, parent_hash: bytes,
-                 token_bytes: bytes) -> bytes:
+def _header_body(
+    layout: KVLayout, namespace_id: str, block_hash: bytes, parent_hash: bytes, token_bytes: bytes
+) -> bytes:
     """The header up to (not including) payload length and checksum."""
     ns = namespace_id.encode("utf-8")
     if len(ns) > _MAX_ID_BYTES:
@@ -85,14 +86,20 @@ def _header_body(layout: KVLayout, namespace_id: str, block_hash: bytes, parent_
     for name, value in (("block_hash", block_hash), ("parent_hash", parent_hash)):
         if len(value) > _MAX_HASH_BYTES:
             raise InvalidArgument(name, f"at most {_MAX_HASH_BYTES} bytes, got {len(value)}")
-    return b"".join((
-        struct.pack("<H", len(ns)), ns,
-        struct.pack("<B", len(block_hash)), bytes(block_hash),
-        struct.pack("<B", len(parent_hash)), bytes(parent_hash),
-        struct.pack("<B", layout.dtype.code),
-        _SHAPE.pack(*layout.block_shape),
-        struct.pack("<I", len(token_bytes) // 4), token_bytes,
-    ))
+    return b"".join(
+        (
+            struct.pack("<H", len(ns)),
+            ns,
+            struct.pack("<B", len(block_hash)),
+            bytes(block_hash),
+            struct.pack("<B", len(parent_hash)),
+            bytes(parent_hash),
+            struct.pack("<B", layout.dtype.code),
+            _SHAPE.pack(*layout.block_shape),
+            struct.pack("<I", len(token_bytes) // 4),
+            token_bytes,
+        )
+    )
 
 
 def _new_mac(mac_key: bytes, storage_key: str | None) -> hmac.HMAC:
@@ -105,9 +112,17 @@ def _new_mac(mac_key: bytes, storage_key: str | None) -> hmac.HMAC:
     return hmac.new(mac_key, struct.pack("<I", len(bound)) + bound, _MAC_DIGEST)
 
 
-def encode_block(layout: KVLayout, namespace_id: str, block_hash: bytes, parent_hash: bytes,
-                 tokens: np.ndarray, payload: memoryview | bytes, *, mac_key: bytes | None = None,
-                 storage_key: str | None = None) -> bytes:
+def encode_block(
+    layout: KVLayout,
+    namespace_id: str,
+    block_hash: bytes,
+    parent_hash: bytes,
+    tokens: np.ndarray,
+    payload: memoryview | bytes,
+    *,
+    mac_key: bytes | None = None,
+    storage_key: str | None = None,
+) -> bytes:
     """One frame holding `payload` (exactly `layout.block_bytes` bytes) and its identity;
     with `mac_key`, a keyed frame bound to `storage_key` (the Redis key it goes under)."""
     view = memoryview(payload).cast("B")
@@ -124,9 +139,17 @@ def encode_block(layout: KVLayout, namespace_id: str, block_hash: bytes, parent_
     return b"".join((prefix, body, tail, view, mac.digest()))
 
 
-def decode_block(frame: bytes | memoryview, layout: KVLayout, namespace_id: str, block_hash: bytes,
-                 parent_hash: bytes, tokens: np.ndarray, *, mac_key: bytes | None = None,
-                 storage_key: str | None = None) -> memoryview:
+def decode_block(
+    frame: bytes | memoryview,
+    layout: KVLayout,
+    namespace_id: str,
+    block_hash: bytes,
+    parent_hash: bytes,
+    tokens: np.ndarray,
+    *,
+    mac_key: bytes | None = None,
+    storage_key: str | None = None,
+) -> memoryview:
     """The payload of `frame` (a zero-copy view) after checking framing, binding and checksum,
     and with `mac_key` the MAC over `storage_key`, header and payload.
 
@@ -154,7 +177,7 @@ def decode_block(frame: bytes | memoryview, layout: KVLayout, namespace_id: str,
         mac.update(view[:payload_end])
         if not hmac.compare_digest(mac.digest(), view[payload_end:]):
             raise CorruptBlock("MAC mismatch (forged, moved to another key, or written with another key)")
-    stored_body = view[_PREFIX.size:_PREFIX.size + len(body)]
+    stored_body = view[_PREFIX.size : _PREFIX.size + len(body)]
     if stored_body != body:
         raise CorruptBlock(_first_difference(stored_body.tobytes(), body))
     payload_len, checksum = _TAIL.unpack_from(view, _PREFIX.size + len(body))
@@ -182,8 +205,14 @@ def _first_difference(stored: bytes, expected: bytes) -> str:
     ns_end = 2 + struct.unpack_from("<H", expected)[0]
     hash_end = ns_end + 1 + expected[ns_end]
     parent_end = hash_end + 1 + expected[hash_end]
-    bounds = (("namespace id", ns_end), ("block hash", hash_end), ("parent hash", parent_end),
-              ("dtype", parent_end + 1), ("shape", parent_end + 1 + _SHAPE.size), ("tokens", len(expected)))
+    bounds = (
+        ("namespace id", ns_end),
+        ("block hash", hash_end),
+        ("parent hash", parent_end),
+        ("dtype", parent_end + 1),
+        ("shape", parent_end + 1 + _SHAPE.size),
+        ("tokens", len(expected)),
+    )
     start = 0
     for name, end in bounds:
         if stored[start:end] != expected[start:end]:

@@ -20,11 +20,23 @@ if TYPE_CHECKING:
     import torch  # for annotations only: importing config must not load torch
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30,
-    "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40,  # Kubernetes quantities
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,  # Kubernetes quantities
 }
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
@@ -79,7 +91,7 @@ class DType(enum.Enum):
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
     FLOAT8_E4M3FN = "float8_e4m3fn"  # vLLM --kv-cache-dtype fp8 / fp8_e4m3
-    FLOAT8_E5M2 = "float8_e5m2"      # vLLM --kv-cache-dtype fp8_e5m2
+    FLOAT8_E5M2 = "float8_e5m2"  # vLLM --kv-cache-dtype fp8_e5m2
 
     @property
     def code(self) -> int:
@@ -217,8 +229,9 @@ class TenantQuota:
             tier, sep, size = item.partition("=")
             tier = tier.strip().lower()
             if not sep or tier not in QUOTA_TIERS:
-                raise ConfigError(field_name, f"expected TIER=SIZE with TIER one of {', '.join(QUOTA_TIERS)}, "
-                                              f"got {item!r}")
+                raise ConfigError(
+                    field_name, f"expected TIER=SIZE with TIER one of {', '.join(QUOTA_TIERS)}, got {item!r}"
+                )
             size = size.strip()
             values[tier] = None if size.lower() in _UNLIMITED else parse_size(size, f"{field_name}.{tier}")
         return TenantQuota(**values)

@@ -119,7 +119,7 @@ class Hasher:
         # The raw function skips a Python frame per block; a subclass's own `digest` still wins.
         digest: Callable[[bytes], bytes] = self._digest if type(self).digest is Hasher.digest else self.digest
         for start in range(0, (len(tokens) // block_size) * stride, stride):
-            parent = digest(parent + raw[start:start + stride])
+            parent = digest(parent + raw[start : start + stride])
             hashes.append(parent)
         return cast(list[BlockHash], hashes)  # one cast, not a NewType call per block
 

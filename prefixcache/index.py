@@ -95,8 +95,7 @@ class RadixIndex:
         return self.map.get(block_hash)
 
     # -- matching ---------------------------------------------------------
-    def match(self, namespace: int, hashes: list[BlockHash], blocks: np.ndarray,
-              now: float, ttl_s: float) -> Match:
+    def match(self, namespace: int, hashes: list[BlockHash], blocks: np.ndarray, now: float, ttl_s: float) -> Match:
         """Longest verified, unexpired chain for `hashes` (blocks: `[n, block_size]` u32)."""
         if not hashes:
             return Match(_NO_ROWS, None, _NO_ROWS)
@@ -110,8 +109,9 @@ class RadixIndex:
             return Match(rows, stop, found)
         return Match(*self._verify(rows, stop, namespace, blocks, now - ttl_s), found)
 
-    def _verify(self, rows: np.ndarray, stop: MissReason | None, namespace: int, blocks: np.ndarray,
-                oldest: float) -> tuple[np.ndarray, MissReason | None]:
+    def _verify(
+        self, rows: np.ndarray, stop: MissReason | None, namespace: int, blocks: np.ndarray, oldest: float
+    ) -> tuple[np.ndarray, MissReason | None]:
         """Cut `rows` at the first block whose chain, tokens or age fail (verification wins ties).
 
         Only the first row's namespace needs checking: every later row must be the child of
@@ -137,13 +137,23 @@ class RadixIndex:
         return rows, stop
 
     # -- mutation -----------------------------------------------------------
-    def add(self, namespace: int, parent: int, block_hash: BlockHash, tokens: np.ndarray,
-            tier: int, slot: int, now: float) -> int:
+    def add(
+        self, namespace: int, parent: int, block_hash: BlockHash, tokens: np.ndarray, tier: int, slot: int, now: float
+    ) -> int:
         """Insert one block under `parent`; the caller touches the path afterwards."""
         return self.add_chain(namespace, parent, [block_hash], np.asarray(tokens)[None], tier, [slot], now)[0]
 
-    def add_chain(self, namespace: int, parent: int, hashes: list[BlockHash], tokens: np.ndarray,
-                  tier: int, slots: Sequence[int], now: float, found: np.ndarray | None = None) -> list[int]:
+    def add_chain(
+        self,
+        namespace: int,
+        parent: int,
+        hashes: list[BlockHash],
+        tokens: np.ndarray,
+        tier: int,
+        slots: Sequence[int],
+        now: float,
+        found: np.ndarray | None = None,
+    ) -> list[int]:
         """Insert consecutive blocks under `parent` (block i+1 the child of block i), vectorised.
 
         Raises KeyError, changing nothing, if any hash is already indexed or repeats in `hashes`.
@@ -155,9 +165,9 @@ class RadixIndex:
             return []
         if count > len(self._free_rows):
             raise RuntimeError("index is full (more blocks than tier slots)")
-        nodes = self._free_rows[len(self._free_rows) - count:][::-1].tolist()
+        nodes = self._free_rows[len(self._free_rows) - count :][::-1].tolist()
         self.map.insert_many(hashes, nodes, found)  # all or nothing
-        del self._free_rows[len(self._free_rows) - count:]
+        del self._free_rows[len(self._free_rows) - count :]
         rows = np.asarray(nodes, dtype=np.int64)
         self.parent[rows[0]] = parent
         self.parent[rows[1:]] = rows[:-1]

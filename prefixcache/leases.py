@@ -73,8 +73,7 @@ class LeaseTable:
     def reservations(self) -> Iterable[Reservation]:
         return self._reservations.values()
 
-    def add_reservation(self, tier: TierKind, slots: tuple[int, ...], expires_at: float,
-                        namespace: int) -> Reservation:
+    def add_reservation(self, tier: TierKind, slots: tuple[int, ...], expires_at: float, namespace: int) -> Reservation:
         reservation = Reservation(self._new_id(), tier, slots, expires_at, namespace)
         self._reservations[reservation.id] = reservation
         return reservation

@@ -32,8 +32,8 @@ class Prompt:
     """Tokens checked and hashed for one namespace (only full blocks are hashed)."""
 
     entry: NamespaceEntry
-    tokens: np.ndarray     # u32
-    blocks: np.ndarray     # [full blocks, block_size] u32
+    tokens: np.ndarray  # u32
+    blocks: np.ndarray  # [full blocks, block_size] u32
     hashes: list[BlockHash]
 
 
@@ -76,8 +76,9 @@ class NamespaceRegistry:
         entry = self.get(ns_id)
         array = token_array(tokens)
         if len(array) > self.max_prompt_tokens:
-            raise ResourceExhausted(f"tokens: {len(array)} tokens exceed the limit of {self.max_prompt_tokens}",
-                                    "tokens")
+            raise ResourceExhausted(
+                f"tokens: {len(array)} tokens exceed the limit of {self.max_prompt_tokens}", "tokens"
+            )
         size = self.layout.block_size
         full = len(array) // size
         blocks = array[: full * size].reshape(full, size)

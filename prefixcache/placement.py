@@ -29,9 +29,15 @@ log = logging.getLogger(__name__)
 
 
 class Placement:
-    def __init__(self, index: RadixIndex, tiers: dict[TierKind, SlotTier], counters: Counters,
-                 reclaim: Callable[[], None], on_drop: Callable[[int, bool], bool] | None,
-                 owner_counters: Callable[[int], Counters] | None = None) -> None:
+    def __init__(
+        self,
+        index: RadixIndex,
+        tiers: dict[TierKind, SlotTier],
+        counters: Counters,
+        reclaim: Callable[[], None],
+        on_drop: Callable[[int, bool], bool] | None,
+        owner_counters: Callable[[int], Counters] | None = None,
+    ) -> None:
         self.index = index
         self.tiers = tiers
         self.counters = counters
@@ -82,8 +88,13 @@ class Placement:
                 return True
         return len(free) >= count
 
-    def _drop_leaves(self, kind: TierKind, wanted: int, reason: EvictionReason,
-                     members: Callable[[np.ndarray], np.ndarray] | None = None) -> int:
+    def _drop_leaves(
+        self,
+        kind: TierKind,
+        wanted: int,
+        reason: EvictionReason,
+        members: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> int:
         """Drop up to `wanted` unpinned blocks (among `members`) from `kind`, the last slot tier, in
         LRU order and leaf-first: the blocks `evict` of each LRU node in turn would drop (a block goes
         once its children have), picked from the touch log and removed in one batch. Picking changes
@@ -130,8 +141,9 @@ class Placement:
         self._count_eviction(node, kind, reason)
         return True
 
-    def trim(self, kind: TierKind, members: Callable[[np.ndarray], np.ndarray], excess: int,
-             reason: EvictionReason) -> int:
+    def trim(
+        self, kind: TierKind, members: Callable[[np.ndarray], np.ndarray], excess: int, reason: EvictionReason
+    ) -> int:
         """Evict up to `excess` unpinned blocks of `kind` among `members` (a mask over node rows),
         least recent first and leaf-first as in `make_room`; returns how many left `kind`."""
         index, evicted = self.index, 0
@@ -183,8 +195,9 @@ class Placement:
         index.remove_many(rows)
         self.free[kind].give_many(slots)
 
-    def drop_all(self, nodes: Iterable[int], reason: EvictionReason,
-                 before: Callable[[int], None] | None = None) -> int:
+    def drop_all(
+        self, nodes: Iterable[int], reason: EvictionReason, before: Callable[[int], None] | None = None
+    ) -> int:
         """Drop the unpinned leaves among `nodes` (given descendants first); returns how many."""
         dropped = 0
         for node in nodes:
@@ -211,8 +224,11 @@ class Placement:
             for node in path.tolist():
                 if index.tier[node] != TierKind.HOST:
                     continue
-                if (limit is not None and moved >= limit) or index.pins[node] > 1 \
-                        or not self.make_room(TierKind.DEVICE, 1):
+                if (
+                    (limit is not None and moved >= limit)
+                    or index.pins[node] > 1
+                    or not self.make_room(TierKind.DEVICE, 1)
+                ):
                     break
                 moved += 1
                 self.move(node, TierKind.DEVICE)

@@ -43,8 +43,14 @@ Members = Callable[[np.ndarray], np.ndarray]
 class TenantLedger:
     """Tenant of every namespace row, counters per tenant, quota room per tier."""
 
-    def __init__(self, index: RadixIndex, quotas: TenantQuotas, block_bytes: int, leases: LeaseTable,
-                 max_namespaces: int = int(np.iinfo(np.int16).max) + 1) -> None:
+    def __init__(
+        self,
+        index: RadixIndex,
+        quotas: TenantQuotas,
+        block_bytes: int,
+        leases: LeaseTable,
+        max_namespaces: int = int(np.iinfo(np.int16).max) + 1,
+    ) -> None:
         self._index = index
         self._leases = leases
         self._quotas = quotas
@@ -102,8 +108,11 @@ class TenantLedger:
         return None if limit is None else limit // self._block_bytes
 
     def usage(self, tenant: str, kind: TierKind) -> int:
-        reserved = sum(len(r.slots) for r in self._leases.reservations()
-                       if r.tier == kind and r.namespace >= 0 and self.tenant(r.namespace) == tenant)
+        reserved = sum(
+            len(r.slots)
+            for r in self._leases.reservations()
+            if r.tier == kind and r.namespace >= 0 and self.tenant(r.namespace) == tenant
+        )
         return self.resident(tenant, kind) + reserved
 
     def room(self, placement: Placement, ns_row: int, kind: TierKind, count: int) -> int:
@@ -122,8 +131,9 @@ class TenantLedger:
             used -= placement.trim(kind, self.members(tenant), excess, EvictionReason.CAPACITY)
         return max(0, min(count, limit - used))
 
-    def snapshot(self, tenant: str, tiers: Mapping[TierKind, SlotTier], uptime_s: float,
-                 remote_up: bool | None) -> StatsSnapshot:
+    def snapshot(
+        self, tenant: str, tiers: Mapping[TierKind, SlotTier], uptime_s: float, remote_up: bool | None
+    ) -> StatsSnapshot:
         """The figures `tenant` may see: its own lookups, commits, evictions, residency and leases.
 
         Service-wide figures (spills, promotions, Redis counters) are left out: they describe
@@ -140,8 +150,21 @@ class TenantLedger:
         figures = snapshot_dicts(c)
         figures.update(spills={}, promotions={})
         return StatsSnapshot(
-            uptime_s=uptime_s, lookups=c.lookups, request_hits=c.request_hits, request_misses=c.request_misses,
-            block_hits=c.block_hits, block_misses=c.block_misses, token_hits=c.token_hits,
-            tokens_looked_up=c.tokens_looked_up, tokens_saved=c.token_hits, blocks_committed=c.blocks_committed,
-            blocks_deduplicated=c.blocks_deduplicated, active_leases=own, tiers=tuple(snapshots), spills_dropped=0,
-            remote_up=remote_up, remote={}, **figures)
+            uptime_s=uptime_s,
+            lookups=c.lookups,
+            request_hits=c.request_hits,
+            request_misses=c.request_misses,
+            block_hits=c.block_hits,
+            block_misses=c.block_misses,
+            token_hits=c.token_hits,
+            tokens_looked_up=c.tokens_looked_up,
+            tokens_saved=c.token_hits,
+            blocks_committed=c.blocks_committed,
+            blocks_deduplicated=c.blocks_deduplicated,
+            active_leases=own,
+            tiers=tuple(snapshots),
+            spills_dropped=0,
+            remote_up=remote_up,
+            remote={},
+            **figures,
+        )

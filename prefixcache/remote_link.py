@@ -49,8 +49,14 @@ NamespaceOf = Callable[[int], tuple[str, BlockHash]]
 
 
 class RemoteLink:
-    def __init__(self, remote: RemoteTier, layout: KVLayout, index: RadixIndex, tiers: dict[TierKind, SlotTier],
-                 namespace_of: NamespaceOf) -> None:
+    def __init__(
+        self,
+        remote: RemoteTier,
+        layout: KVLayout,
+        index: RadixIndex,
+        tiers: dict[TierKind, SlotTier],
+        namespace_of: NamespaceOf,
+    ) -> None:
         self.tier = remote
         self.layout = layout
         self.index = index
@@ -64,16 +70,24 @@ class RemoteLink:
         self._verify_lock = threading.Lock()  # lookups fetch concurrently, without the cache lock
 
     # -- reading (no cache lock held) ------------------------------------------------
-    def fetch(self, ns_id: str, root: BlockHash, hashes: list[BlockHash], blocks: np.ndarray, start: int,
-              budget: ProbeBudget | None = None) -> tuple[list[memoryview], bool]:
+    def fetch(
+        self,
+        ns_id: str,
+        root: BlockHash,
+        hashes: list[BlockHash],
+        blocks: np.ndarray,
+        start: int,
+        budget: ProbeBudget | None = None,
+    ) -> tuple[list[memoryview], bool]:
         """Verified payloads of the blocks after `start` that Redis holds, in order, and
         whether they end at a block that failed verification (its key is then deleted)."""
         payloads: list[memoryview] = []
         verify = self.verify_estimate() if budget is not None else None
         for batch_start in range(start, len(hashes), PROBE_BATCH):
-            batch = hashes[batch_start: batch_start + PROBE_BATCH]
-            frames = self.tier.fetch(ns_id, batch, frame_bytes=self.layout.block_bytes, prefix_only=True,
-                                     budget=budget, verify=verify)
+            batch = hashes[batch_start : batch_start + PROBE_BATCH]
+            frames = self.tier.fetch(
+                ns_id, batch, frame_bytes=self.layout.block_bytes, prefix_only=True, budget=budget, verify=verify
+            )
             checked, started = len(payloads), time.perf_counter()
             try:
                 for i, frame in enumerate(frames, start=batch_start):
@@ -82,16 +96,25 @@ class RemoteLink:
                     parent = hashes[i - 1] if i else root
                     mac_key, storage_key = self._mac(ns_id, hashes[i])
                     try:
-                        payloads.append(decode_block(frame, self.layout, ns_id, hashes[i], parent, blocks[i],
-                                                     mac_key=mac_key, storage_key=storage_key))
+                        payloads.append(
+                            decode_block(
+                                frame,
+                                self.layout,
+                                ns_id,
+                                hashes[i],
+                                parent,
+                                blocks[i],
+                                mac_key=mac_key,
+                                storage_key=storage_key,
+                            )
+                        )
                     except CorruptBlock as error:
                         log.debug("remote block failed verification: %s", error)
                         self.tier.record_integrity_failure()
                         self.tier.delete(ns_id, hashes[i])
                         return payloads, True
             finally:
-                self._observe_verify((len(payloads) - checked) * self.layout.block_bytes,
-                                     time.perf_counter() - started)
+                self._observe_verify((len(payloads) - checked) * self.layout.block_bytes, time.perf_counter() - started)
         return payloads, False
 
     def verify_estimate(self) -> TransferEstimate:
@@ -133,8 +156,16 @@ class RemoteLink:
         payload = tier.block_bytes(int(index.slot[node]))
         block_hash = index.hash_of(node)
         mac_key, storage_key = self._mac(ns_id, block_hash)
-        frame = encode_block(self.layout, ns_id, block_hash, parent_hash, index.tokens[node], payload,
-                             mac_key=mac_key, storage_key=storage_key)
+        frame = encode_block(
+            self.layout,
+            ns_id,
+            block_hash,
+            parent_hash,
+            index.tokens[node],
+            payload,
+            mac_key=mac_key,
+            storage_key=storage_key,
+        )
         return self.tier.submit(ns_id, block_hash, frame)
 
     def _mac(self, ns_id: str, block_hash: BlockHash) -> tuple[bytes | None, str | None]:

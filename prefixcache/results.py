@@ -103,6 +103,6 @@ class LookupResult:
 
 @dataclass(frozen=True)
 class CommitResult:
-    stored: int        # new blocks now in the cache
+    stored: int  # new blocks now in the cache
     deduplicated: int  # blocks someone had already stored (their slots were freed)
-    rejected: int      # blocks not stored: their prefix is no longer cached, or a collision
+    rejected: int  # blocks not stored: their prefix is no longer cached, or a collision

@@ -17,10 +17,10 @@ from .tiers.base import TierKind
 
 
 class EvictionReason(enum.Enum):
-    LRU = "lru"            # chosen by LRU order to make room in a full tier
-    TTL = "ttl"            # its sliding time-to-live ran out
+    LRU = "lru"  # chosen by LRU order to make room in a full tier
+    TTL = "ttl"  # its sliding time-to-live ran out
     CAPACITY = "capacity"  # dropped because the tenant's quota in that tier was full
-    MANUAL = "manual"      # an Evict or Flush call
+    MANUAL = "manual"  # an Evict or Flush call
 
 
 @dataclass
@@ -36,10 +36,12 @@ class Counters:
     tokens_looked_up: int = 0
     blocks_committed: int = 0
     blocks_deduplicated: int = 0
-    spills: Counter[TierKind] = field(default_factory=Counter)       # TierKind -> blocks moved down
+    spills: Counter[TierKind] = field(default_factory=Counter)  # TierKind -> blocks moved down
     spills_dropped: int = 0
-    promotions: Counter[TierKind] = field(default_factory=Counter)   # TierKind (destination) -> blocks
-    evictions: Counter[tuple[TierKind, EvictionReason]] = field(default_factory=Counter)    # (TierKind, EvictionReason) -> blocks
+    promotions: Counter[TierKind] = field(default_factory=Counter)  # TierKind (destination) -> blocks
+    evictions: Counter[tuple[TierKind, EvictionReason]] = field(
+        default_factory=Counter
+    )  # (TierKind, EvictionReason) -> blocks
     miss_reasons: Counter[MissReason] = field(default_factory=Counter)  # MissReason -> requests
     remote_integrity_failures: int = 0
 

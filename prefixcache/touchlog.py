@@ -42,7 +42,7 @@ class TouchLog:
         count = len(nodes)
         if self.end + count > len(self.rows):
             self.compact()
-        self.rows[self.end:self.end + count] = nodes
+        self.rows[self.end : self.end + count] = nodes
         self.tick[nodes] = self.base + np.arange(self.end, self.end + count)
         self.end += count
 
@@ -52,7 +52,7 @@ class TouchLog:
         ordered = nodes[np.argsort(self.tick[nodes], kind="stable")]
         self.base += self.end
         self.rows[: len(ordered)] = ordered
-        self.rows[len(ordered):] = -1
+        self.rows[len(ordered) :] = -1
         self.tick[ordered] = self.base + np.arange(len(ordered))
         self.end, self.head = len(ordered), 0
 

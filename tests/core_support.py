@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -57,15 +57,23 @@ class ManualClock:
 
 
 @contextmanager
-def make_cache(host_slots: int, device_slots: int = 0, layout: KVLayout = TINY,
-               clock: ManualClock | None = None, **config) -> Iterator[PrefixCache]:
+def make_cache(
+    host_slots: int, device_slots: int = 0, layout: KVLayout = TINY, clock: ManualClock | None = None, **config
+) -> Iterator[PrefixCache]:
     """A cache over a real shared-memory host tier (and a cpu device tier), closed afterwards."""
     hasher = config.pop("hasher", None)
     host = HostTier(layout, host_slots * layout.block_bytes)
     device = DeviceTier(layout, device_slots * layout.block_bytes, device="cpu") if device_slots else None
-    cache = PrefixCache(CacheConfig(host_capacity=host_slots * layout.block_bytes,
-                                    device_capacity=device_slots * layout.block_bytes, **config),
-                        layout, host, device, clock=clock or ManualClock(), hasher=hasher)
+    cache = PrefixCache(
+        CacheConfig(
+            host_capacity=host_slots * layout.block_bytes, device_capacity=device_slots * layout.block_bytes, **config
+        ),
+        layout,
+        host,
+        device,
+        clock=clock or ManualClock(),
+        hasher=hasher,
+    )
     try:
         yield cache
     finally:
@@ -97,8 +105,11 @@ def kv_for(tokens, layout: KVLayout = TINY, start_block: int = 0, salt: int = 0)
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN payloads included)."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 def live_nodes(cache: PrefixCache) -> list[int]:

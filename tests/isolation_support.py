@@ -13,9 +13,9 @@ import math
 import os
 import random
 import secrets
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -45,8 +45,10 @@ def write_credentials(directory: Path, extra: str = "", local: Sequence[str] = (
     acme_digest = hashlib.sha256(tokens.acme.encode()).hexdigest()
     flags = {name: f"{'local ' if name in local else ''}{extra}" for name in ("acme", "globex")}
     path = directory / "credentials"
-    path.write_text(f"# test tenants\nsha256:{acme_digest} acme {flags['acme']}\n{tokens.globex} globex "
-                    f"{flags['globex']}\n{tokens.ops} ops admin\n")
+    path.write_text(
+        f"# test tenants\nsha256:{acme_digest} acme {flags['acme']}\n{tokens.globex} globex "
+        f"{flags['globex']}\n{tokens.ops} ops admin\n"
+    )
     os.chmod(path, 0o600)
     return path, tokens
 
@@ -84,7 +86,7 @@ def prompt(blocks: int, rng: random.Random, extra: int = 3) -> list[int]:
 
 def random_kv(blocks: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    bits = torch.randint(-(2 ** 15), 2 ** 15, (blocks, *LAYOUT.block_shape), dtype=torch.int16, generator=generator)
+    bits = torch.randint(-(2**15), 2**15, (blocks, *LAYOUT.block_shape), dtype=torch.int16, generator=generator)
     return bits.view(torch.float16)
 
 
@@ -107,7 +109,7 @@ def mann_whitney_p(x: Sequence[float], y: Sequence[float]) -> float:
     ranks = np.bincount(inverse, weights=ranks)[inverse] / counts[inverse]  # ties share their mean rank
     u = ranks[:n1].sum() - n1 * (n1 + 1) / 2
     n = n1 + n2
-    variance = n1 * n2 / 12 * ((n + 1) - (counts ** 3 - counts).sum() / (n * (n - 1)))
+    variance = n1 * n2 / 12 * ((n + 1) - (counts**3 - counts).sum() / (n * (n - 1)))
     if variance <= 0:
         return 1.0
     z = (abs(u - n1 * n2 / 2) - 0.5) / math.sqrt(variance)  # with continuity correction

@@ -59,8 +59,13 @@ def start_janitor(session_pid: int | None = None) -> subprocess.Popen:
     """The janitor of this session; it outlives a SIGKILL of this process (and of its group)."""
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=str(root))
-    return subprocess.Popen([sys.executable, "-m", "tests.lifetime", str(session_pid or os.getpid())],
-                            stdin=subprocess.PIPE, cwd=root, env=env, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.lifetime", str(session_pid or os.getpid())],
+        stdin=subprocess.PIPE,
+        cwd=root,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def _janitor(session_pid: int) -> int:

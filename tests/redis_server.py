@@ -95,12 +95,50 @@ def make_tls_files(directory: Path) -> TlsFiles:
     files = TlsFiles(directory / "ca.crt", directory / "server.crt", directory / "server.key")
     (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     for args in (
-        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
-         "-subj", "/CN=prefixcache-test-ca"],
-        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
-         "-subj", "/CN=127.0.0.1"],
-        ["x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-         "-out", "server.crt", "-days", "1", "-extfile", "san.cnf"],
+        [
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=prefixcache-test-ca",
+        ],
+        [
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=127.0.0.1",
+        ],
+        [
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.crt",
+            "-days",
+            "1",
+            "-extfile",
+            "san.cnf",
+        ],
     ):
         subprocess.run([openssl, *args], cwd=directory, check=True, capture_output=True, timeout=30)
     return files
@@ -115,8 +153,9 @@ def _kill_process(process: subprocess.Popen) -> None:
 class RedisServer:
     """One redis-server process on a fixed loopback port; restartable on that port."""
 
-    def __init__(self, workdir: Path, port: int | None = None, extra_args: Sequence[str] = (),
-                 tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self, workdir: Path, port: int | None = None, extra_args: Sequence[str] = (), tls: TlsFiles | None = None
+    ) -> None:
         self.binary = _require("redis-server")
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -132,17 +171,43 @@ class RedisServer:
     def _listen_args(self) -> list[str]:
         if self.tls is None:
             return ["--port", str(self.port)]
-        return ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert),
-                "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "no"]
+        return [
+            "--port",
+            "0",
+            "--tls-port",
+            str(self.port),
+            "--tls-cert-file",
+            str(self.tls.cert),
+            "--tls-key-file",
+            str(self.tls.key),
+            "--tls-ca-cert-file",
+            str(self.tls.ca),
+            "--tls-auth-clients",
+            "no",
+        ]
 
     @property
     def log_path(self) -> Path:
         return self.workdir / f"redis-{self.port}.log"
 
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> RedisServer:
-        args = [self.binary, *self._listen_args(), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-                "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(self.log_path),
-                *self.extra_args]
+        args = [
+            self.binary,
+            *self._listen_args(),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.log_path),
+            *self.extra_args,
+        ]
         self.process = lifetime.popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         # Killed at interpreter exit too, should a test die before its teardown; and by the kernel
         # should this process die without running finalizers (lifetime.popen).
@@ -209,8 +274,14 @@ class RedisClusterProcesses:
         self.nodes = []
         for _ in range(masters):
             port = free_port(cluster_bus=True)
-            args = ("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                    "--cluster-node-timeout", "2000")
+            args = (
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                f"nodes-{port}.conf",
+                "--cluster-node-timeout",
+                "2000",
+            )
             self.nodes.append(RedisServer(self.workdir / f"node-{port}", port, args))
 
     @property
@@ -221,8 +292,12 @@ class RedisClusterProcesses:
         for node in self.nodes:
             node.start()
         addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
-        subprocess.run([_require("redis-cli"), "--cluster", "create", *addresses, "--cluster-replicas", "0",
-                        "--cluster-yes"], check=True, timeout=timeout_s, capture_output=True)
+        subprocess.run(
+            [_require("redis-cli"), "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            timeout=timeout_s,
+            capture_output=True,
+        )
         self.wait_ok(timeout_s)
         return self
 

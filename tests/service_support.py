@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 import torch
@@ -63,8 +63,9 @@ def running_servers() -> Iterator:
     def make_server(host_capacity: str | int = "4MiB", authenticator: Authenticator | None = None, **kwargs):
         cache_kwargs = {key: kwargs.pop(key) for key in list(kwargs) if key in CACHE_FIELDS}
         backend = BackendOptions(cache=CacheConfig(host_capacity=host_capacity, **cache_kwargs), block_size=BLOCK)
-        options = ServerOptions(backend=backend, listen="127.0.0.1:0",
-                                authenticator=authenticator or Authenticator.open(), **kwargs)
+        options = ServerOptions(
+            backend=backend, listen="127.0.0.1:0", authenticator=authenticator or Authenticator.open(), **kwargs
+        )
         server = build_server(options)
         servers.append(server)
         return server
@@ -121,115 +122,286 @@ def _reserve(stub, ns) -> int:
 
 
 def store_header(ns, **overrides) -> pb.StoreRequest:
-    fields = dict(namespace_id=ns, tokens=prompt(2), block_count=2, dtype=pb.DTYPE_FLOAT16,
-                  block_shape=list(layout_of().block_shape))
+    fields = dict(
+        namespace_id=ns,
+        tokens=prompt(2),
+        block_count=2,
+        dtype=pb.DTYPE_FLOAT16,
+        block_shape=list(layout_of().block_shape),
+    )
     fields.update(overrides)
     return pb.StoreRequest(header=pb.StoreHeader(**fields))
 
 
 BLOCK_BYTES = layout_of().block_bytes
 MATRIX = {
-    "negative token": ("Lookup", CODE.INVALID_ARGUMENT, "tokens",
-        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[1, -1]))),
-    "token >= 2^32": ("Lookup", CODE.INVALID_ARGUMENT, "tokens",
-        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[2 ** 32]))),
-    "too many tokens": ("Lookup", CODE.INVALID_ARGUMENT, "tokens",
-        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[1] * 5000))),
-    "unknown namespace": ("Lookup", CODE.INVALID_ARGUMENT, "namespace_id",
-        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id="0123456789abcdef"))),
-    "malformed namespace": ("Lookup", CODE.INVALID_ARGUMENT, "namespace_id",
-        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id="../x"))),
-    "empty salt": ("Lookup", CODE.INVALID_ARGUMENT, "cache_salt",
-        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt=""))),
-    "long salt": ("Lookup", CODE.INVALID_ARGUMENT, "cache_salt",
-        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt="s" * 129))),
-    "unprintable salt": ("Lookup", CODE.INVALID_ARGUMENT, "cache_salt",
-        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt="a\x00b"))),
-    "block size mismatch": ("Attach", CODE.INVALID_ARGUMENT, "layout.block_size",
-        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(block_size=32)))),
-    "no dtype": ("Attach", CODE.INVALID_ARGUMENT, "layout.dtype",
-        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(dtype=0)))),
-    "unknown dtype enum": ("Attach", CODE.INVALID_ARGUMENT, "layout.dtype",
-        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(dtype=99)))),
-    "zero layers": ("Attach", CODE.INVALID_ARGUMENT, "layout.layers",
-        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(layers=0)))),
-    "no model": ("Attach", CODE.INVALID_ARGUMENT, "model",
-        lambda s, ns: s.Attach(pb.AttachRequest(layout=_layout_msg()))),
-    "no layout": ("Attach", CODE.INVALID_ARGUMENT, "layout",
-        lambda s, ns: s.Attach(pb.AttachRequest(model="m"))),
-    "salt on attach": ("Attach", CODE.INVALID_ARGUMENT, "cache_salt",
-        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(), cache_salt="\n"))),
-    "layout mismatch": ("Attach", CODE.FAILED_PRECONDITION, None,
-        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(head_dim=64)))),
-    "fetch without lease": ("Fetch", CODE.INVALID_ARGUMENT, "lease_id",
-        lambda s, ns: s.Fetch(pb.FetchRequest())),
-    "fetch unknown lease": ("Fetch", CODE.NOT_FOUND, "lease_id",
-        lambda s, ns: s.Fetch(pb.FetchRequest(lease_id=12345))),
-    "fetch tiny chunks": ("Fetch", CODE.INVALID_ARGUMENT, "max_chunk_bytes",
-        lambda s, ns: s.Fetch(pb.FetchRequest(lease_id=1, max_chunk_bytes=100))),
-    "release unknown lease": ("Release", CODE.NOT_FOUND, "lease_id",
-        lambda s, ns: s.Release(pb.ReleaseRequest(lease_id=2 ** 64 - 1))),
-    "reserve nothing": ("Reserve", CODE.INVALID_ARGUMENT, "block_count",
-        lambda s, ns: s.Reserve(pb.ReserveRequest(namespace_id=ns))),
-    "reserve too much": ("Reserve", CODE.RESOURCE_EXHAUSTED, "block_count",
-        lambda s, ns: s.Reserve(pb.ReserveRequest(namespace_id=ns, block_count=2 ** 32 - 1))),
-    "commit no reservation": ("Commit", CODE.INVALID_ARGUMENT, "reservation_id",
-        lambda s, ns: s.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1)))),
-    "commit unknown reservation": ("Commit", CODE.INVALID_ARGUMENT, "reservation_id",
-        lambda s, ns: s.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1), reservation_id=7))),
-    "commit past the prompt": ("Commit", CODE.INVALID_ARGUMENT, "start_block",
-        lambda s, ns: s.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1), start_block=3,
-                                                reservation_id=_reserve(s, ns)))),
-    "store empty stream": ("Store", CODE.INVALID_ARGUMENT, "header",
-        lambda s, ns: _store(s, ns)),
-    "store data first": ("Store", CODE.INVALID_ARGUMENT, "header",
-        lambda s, ns: _store(s, ns, pb.StoreRequest(data=b"x"))),
-    "store wrong dtype": ("Store", CODE.INVALID_ARGUMENT, "header.dtype",
-        lambda s, ns: _store(s, ns, store_header(ns, dtype=pb.DTYPE_BFLOAT16))),
-    "store wrong shape": ("Store", CODE.INVALID_ARGUMENT, "header.block_shape",
-        lambda s, ns: _store(s, ns, store_header(ns, block_shape=[3, 2, 1, 16, 21]))),
-    "store too few bytes": ("Store", CODE.INVALID_ARGUMENT, "data",
-        lambda s, ns: _store(s, ns, store_header(ns), pb.StoreRequest(data=b"x" * BLOCK_BYTES))),
-    "store too many bytes": ("Store", CODE.INVALID_ARGUMENT, "data",
-        lambda s, ns: _store(s, ns, store_header(ns), pb.StoreRequest(data=b"x" * (2 * BLOCK_BYTES + 1)))),
-    "store two headers": ("Store", CODE.INVALID_ARGUMENT, "header",
-        lambda s, ns: _store(s, ns, store_header(ns), store_header(ns))),
-    "store too large": ("Store", CODE.RESOURCE_EXHAUSTED, "header.block_count",
-        lambda s, ns: _store(s, ns, store_header(ns, block_count=2 ** 32 - 1))),
-    "store bad tokens": ("Store", CODE.INVALID_ARGUMENT, "header.tokens",
-        lambda s, ns: _store(s, ns, store_header(ns, tokens=[-5]))),
-    "evict nothing": ("Evict", CODE.INVALID_ARGUMENT, "request",
-        lambda s, ns: s.Evict(pb.EvictRequest())),
-    "evict NaN age": ("Evict", CODE.INVALID_ARGUMENT, "older_than_seconds",
-        lambda s, ns: s.Evict(pb.EvictRequest(older_than_seconds=math.nan))),
-    "evict negative age": ("Evict", CODE.INVALID_ARGUMENT, "older_than_seconds",
-        lambda s, ns: s.Evict(pb.EvictRequest(older_than_seconds=-1))),
-    "evict prefix without namespace": ("Evict", CODE.INVALID_ARGUMENT, "namespace_id",
-        lambda s, ns: s.Evict(pb.EvictRequest(prefix=pb.TokenPrefix(tokens=[1])))),
-    "evict bad prefix": ("Evict", CODE.INVALID_ARGUMENT, "prefix.tokens",
-        lambda s, ns: s.Evict(pb.EvictRequest(namespace_id=ns, prefix=pb.TokenPrefix(tokens=[-1])))),
-    "reserve unknown namespace": ("Reserve", CODE.INVALID_ARGUMENT, "namespace_id",
-        lambda s, ns: s.Reserve(pb.ReserveRequest(namespace_id="0123456789abcdef", block_count=1))),
-    "reserve 10^9 blocks": ("Reserve", CODE.RESOURCE_EXHAUSTED, "block_count",
-        lambda s, ns: s.Reserve(pb.ReserveRequest(namespace_id=ns, block_count=10 ** 9))),
-    "commit unknown namespace": ("Commit", CODE.INVALID_ARGUMENT, "namespace_id",
-        lambda s, ns: s.Commit(pb.CommitRequest(namespace_id="0123456789abcdef", tokens=prompt(1),
-                                                reservation_id=1))),
-    "store unknown namespace": ("Store", CODE.INVALID_ARGUMENT, "header.namespace_id",
-        lambda s, ns: _store(s, ns, store_header("0123456789abcdef"))),
-    "inspect unknown namespace": ("Inspect", CODE.INVALID_ARGUMENT, "namespace_id",
-        lambda s, ns: s.Inspect(pb.InspectRequest(namespace_id="0123456789abcdef", tokens=prompt(1)))),
-    "evict unknown namespace": ("Evict", CODE.INVALID_ARGUMENT, "namespace_id",
-        lambda s, ns: s.Evict(pb.EvictRequest(namespace_id="0123456789abcdef"))),
-    "inspect bad tokens": ("Inspect", CODE.INVALID_ARGUMENT, "tokens",
-        lambda s, ns: s.Inspect(pb.InspectRequest(namespace_id=ns, tokens=[2 ** 40]))),
+    "negative token": (
+        "Lookup",
+        CODE.INVALID_ARGUMENT,
+        "tokens",
+        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[1, -1])),
+    ),
+    "token >= 2^32": (
+        "Lookup",
+        CODE.INVALID_ARGUMENT,
+        "tokens",
+        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[2**32])),
+    ),
+    "too many tokens": (
+        "Lookup",
+        CODE.INVALID_ARGUMENT,
+        "tokens",
+        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[1] * 5000)),
+    ),
+    "unknown namespace": (
+        "Lookup",
+        CODE.INVALID_ARGUMENT,
+        "namespace_id",
+        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id="0123456789abcdef")),
+    ),
+    "malformed namespace": (
+        "Lookup",
+        CODE.INVALID_ARGUMENT,
+        "namespace_id",
+        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id="../x")),
+    ),
+    "empty salt": (
+        "Lookup",
+        CODE.INVALID_ARGUMENT,
+        "cache_salt",
+        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt="")),
+    ),
+    "long salt": (
+        "Lookup",
+        CODE.INVALID_ARGUMENT,
+        "cache_salt",
+        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt="s" * 129)),
+    ),
+    "unprintable salt": (
+        "Lookup",
+        CODE.INVALID_ARGUMENT,
+        "cache_salt",
+        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt="a\x00b")),
+    ),
+    "block size mismatch": (
+        "Attach",
+        CODE.INVALID_ARGUMENT,
+        "layout.block_size",
+        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(block_size=32))),
+    ),
+    "no dtype": (
+        "Attach",
+        CODE.INVALID_ARGUMENT,
+        "layout.dtype",
+        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(dtype=0))),
+    ),
+    "unknown dtype enum": (
+        "Attach",
+        CODE.INVALID_ARGUMENT,
+        "layout.dtype",
+        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(dtype=99))),
+    ),
+    "zero layers": (
+        "Attach",
+        CODE.INVALID_ARGUMENT,
+        "layout.layers",
+        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(layers=0))),
+    ),
+    "no model": (
+        "Attach",
+        CODE.INVALID_ARGUMENT,
+        "model",
+        lambda s, ns: s.Attach(pb.AttachRequest(layout=_layout_msg())),
+    ),
+    "no layout": ("Attach", CODE.INVALID_ARGUMENT, "layout", lambda s, ns: s.Attach(pb.AttachRequest(model="m"))),
+    "salt on attach": (
+        "Attach",
+        CODE.INVALID_ARGUMENT,
+        "cache_salt",
+        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(), cache_salt="\n")),
+    ),
+    "layout mismatch": (
+        "Attach",
+        CODE.FAILED_PRECONDITION,
+        None,
+        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(head_dim=64))),
+    ),
+    "fetch without lease": ("Fetch", CODE.INVALID_ARGUMENT, "lease_id", lambda s, ns: s.Fetch(pb.FetchRequest())),
+    "fetch unknown lease": (
+        "Fetch",
+        CODE.NOT_FOUND,
+        "lease_id",
+        lambda s, ns: s.Fetch(pb.FetchRequest(lease_id=12345)),
+    ),
+    "fetch tiny chunks": (
+        "Fetch",
+        CODE.INVALID_ARGUMENT,
+        "max_chunk_bytes",
+        lambda s, ns: s.Fetch(pb.FetchRequest(lease_id=1, max_chunk_bytes=100)),
+    ),
+    "release unknown lease": (
+        "Release",
+        CODE.NOT_FOUND,
+        "lease_id",
+        lambda s, ns: s.Release(pb.ReleaseRequest(lease_id=2**64 - 1)),
+    ),
+    "reserve nothing": (
+        "Reserve",
+        CODE.INVALID_ARGUMENT,
+        "block_count",
+        lambda s, ns: s.Reserve(pb.ReserveRequest(namespace_id=ns)),
+    ),
+    "reserve too much": (
+        "Reserve",
+        CODE.RESOURCE_EXHAUSTED,
+        "block_count",
+        lambda s, ns: s.Reserve(pb.ReserveRequest(namespace_id=ns, block_count=2**32 - 1)),
+    ),
+    "commit no reservation": (
+        "Commit",
+        CODE.INVALID_ARGUMENT,
+        "reservation_id",
+        lambda s, ns: s.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1))),
+    ),
+    "commit unknown reservation": (
+        "Commit",
+        CODE.INVALID_ARGUMENT,
+        "reservation_id",
+        lambda s, ns: s.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1), reservation_id=7)),
+    ),
+    "commit past the prompt": (
+        "Commit",
+        CODE.INVALID_ARGUMENT,
+        "start_block",
+        lambda s, ns: s.Commit(
+            pb.CommitRequest(namespace_id=ns, tokens=prompt(1), start_block=3, reservation_id=_reserve(s, ns))
+        ),
+    ),
+    "store empty stream": ("Store", CODE.INVALID_ARGUMENT, "header", lambda s, ns: _store(s, ns)),
+    "store data first": (
+        "Store",
+        CODE.INVALID_ARGUMENT,
+        "header",
+        lambda s, ns: _store(s, ns, pb.StoreRequest(data=b"x")),
+    ),
+    "store wrong dtype": (
+        "Store",
+        CODE.INVALID_ARGUMENT,
+        "header.dtype",
+        lambda s, ns: _store(s, ns, store_header(ns, dtype=pb.DTYPE_BFLOAT16)),
+    ),
+    "store wrong shape": (
+        "Store",
+        CODE.INVALID_ARGUMENT,
+        "header.block_shape",
+        lambda s, ns: _store(s, ns, store_header(ns, block_shape=[3, 2, 1, 16, 21])),
+    ),
+    "store too few bytes": (
+        "Store",
+        CODE.INVALID_ARGUMENT,
+        "data",
+        lambda s, ns: _store(s, ns, store_header(ns), pb.StoreRequest(data=b"x" * BLOCK_BYTES)),
+    ),
+    "store too many bytes": (
+        "Store",
+        CODE.INVALID_ARGUMENT,
+        "data",
+        lambda s, ns: _store(s, ns, store_header(ns), pb.StoreRequest(data=b"x" * (2 * BLOCK_BYTES + 1))),
+    ),
+    "store two headers": (
+        "Store",
+        CODE.INVALID_ARGUMENT,
+        "header",
+        lambda s, ns: _store(s, ns, store_header(ns), store_header(ns)),
+    ),
+    "store too large": (
+        "Store",
+        CODE.RESOURCE_EXHAUSTED,
+        "header.block_count",
+        lambda s, ns: _store(s, ns, store_header(ns, block_count=2**32 - 1)),
+    ),
+    "store bad tokens": (
+        "Store",
+        CODE.INVALID_ARGUMENT,
+        "header.tokens",
+        lambda s, ns: _store(s, ns, store_header(ns, tokens=[-5])),
+    ),
+    "evict nothing": ("Evict", CODE.INVALID_ARGUMENT, "request", lambda s, ns: s.Evict(pb.EvictRequest())),
+    "evict NaN age": (
+        "Evict",
+        CODE.INVALID_ARGUMENT,
+        "older_than_seconds",
+        lambda s, ns: s.Evict(pb.EvictRequest(older_than_seconds=math.nan)),
+    ),
+    "evict negative age": (
+        "Evict",
+        CODE.INVALID_ARGUMENT,
+        "older_than_seconds",
+        lambda s, ns: s.Evict(pb.EvictRequest(older_than_seconds=-1)),
+    ),
+    "evict prefix without namespace": (
+        "Evict",
+        CODE.INVALID_ARGUMENT,
+        "namespace_id",
+        lambda s, ns: s.Evict(pb.EvictRequest(prefix=pb.TokenPrefix(tokens=[1]))),
+    ),
+    "evict bad prefix": (
+        "Evict",
+        CODE.INVALID_ARGUMENT,
+        "prefix.tokens",
+        lambda s, ns: s.Evict(pb.EvictRequest(namespace_id=ns, prefix=pb.TokenPrefix(tokens=[-1]))),
+    ),
+    "reserve unknown namespace": (
+        "Reserve",
+        CODE.INVALID_ARGUMENT,
+        "namespace_id",
+        lambda s, ns: s.Reserve(pb.ReserveRequest(namespace_id="0123456789abcdef", block_count=1)),
+    ),
+    "reserve 10^9 blocks": (
+        "Reserve",
+        CODE.RESOURCE_EXHAUSTED,
+        "block_count",
+        lambda s, ns: s.Reserve(pb.ReserveRequest(namespace_id=ns, block_count=10**9)),
+    ),
+    "commit unknown namespace": (
+        "Commit",
+        CODE.INVALID_ARGUMENT,
+        "namespace_id",
+        lambda s, ns: s.Commit(pb.CommitRequest(namespace_id="0123456789abcdef", tokens=prompt(1), reservation_id=1)),
+    ),
+    "store unknown namespace": (
+        "Store",
+        CODE.INVALID_ARGUMENT,
+        "header.namespace_id",
+        lambda s, ns: _store(s, ns, store_header("0123456789abcdef")),
+    ),
+    "inspect unknown namespace": (
+        "Inspect",
+        CODE.INVALID_ARGUMENT,
+        "namespace_id",
+        lambda s, ns: s.Inspect(pb.InspectRequest(namespace_id="0123456789abcdef", tokens=prompt(1))),
+    ),
+    "evict unknown namespace": (
+        "Evict",
+        CODE.INVALID_ARGUMENT,
+        "namespace_id",
+        lambda s, ns: s.Evict(pb.EvictRequest(namespace_id="0123456789abcdef")),
+    ),
+    "inspect bad tokens": (
+        "Inspect",
+        CODE.INVALID_ARGUMENT,
+        "tokens",
+        lambda s, ns: s.Inspect(pb.InspectRequest(namespace_id=ns, tokens=[2**40])),
+    ),
 }
 
 
 # -- fuzzing: one valid request per method ----------------------------------------------
 FUZZ_METHODS = {
-    "Attach": ("unary", pb.AttachRequest(model="m", revision="r", layout=_layout_msg(), cache_salt="s",
-                                         same_host=True)),
+    "Attach": (
+        "unary",
+        pb.AttachRequest(model="m", revision="r", layout=_layout_msg(), cache_salt="s", same_host=True),
+    ),
     "Lookup": ("unary", pb.LookupRequest(namespace_id="0" * 16, tokens=prompt(3), cache_salt="s", take_lease=True)),
     "Reserve": ("unary", pb.ReserveRequest(namespace_id="0" * 16, block_count=2)),
     "Commit": ("unary", pb.CommitRequest(namespace_id="0" * 16, tokens=prompt(2), reservation_id=9, start_block=1)),

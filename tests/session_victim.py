@@ -19,9 +19,11 @@ def test_hold_processes_and_segments_until_killed(redis_server, cache_service, r
     host = HostTier(KVLayout(2, 2, 8, 4, DType.FLOAT32), 1 << 20)  # owned by the pytest process itself
     request.addfinalizer(host.close)
     janitor = conftest._session["janitor"]
-    report = {"pids": {"redis-server": redis_server.process.pid, "service": cache_service.process.pid},
-              "janitor": janitor.pid,
-              "segments": [cache_service.shm_name, host.segment_name]}
+    report = {
+        "pids": {"redis-server": redis_server.process.pid, "service": cache_service.process.pid},
+        "janitor": janitor.pid,
+        "segments": [cache_service.shm_name, host.segment_name],
+    }
     path = Path(os.environ["PFX_VICTIM_REPORT"])
     path.with_suffix(".tmp").write_text(json.dumps(report))
     path.with_suffix(".tmp").rename(path)

@@ -22,8 +22,9 @@ READY_TIMEOUT_S = 10.0
 
 
 class SlowProxy:
-    def __init__(self, target_port: int, latency_s: float = 0.02, bytes_per_s: float = 4e6,
-                 target_host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, target_port: int, latency_s: float = 0.02, bytes_per_s: float = 4e6, target_host: str = "127.0.0.1"
+    ) -> None:
         if latency_s < 0 or bytes_per_s <= 0:
             raise ValueError(f"latency_s must be >= 0 and bytes_per_s > 0, got {latency_s}, {bytes_per_s}")
         self.target = (target_host, target_port)
@@ -63,8 +64,7 @@ class SlowProxy:
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
-            self._server = self._loop.run_until_complete(
-                asyncio.start_server(self._relay, "127.0.0.1", self.port))
+            self._server = self._loop.run_until_complete(asyncio.start_server(self._relay, "127.0.0.1", self.port))
         except OSError as error:
             self._error = error
             self._ready.set()
@@ -91,8 +91,7 @@ class SlowProxy:
             self._tasks.discard(task)
             return
         try:
-            await asyncio.gather(self._link(client_reader, upstream_writer),
-                                 self._link(upstream_reader, client_writer))
+            await asyncio.gather(self._link(client_reader, upstream_writer), self._link(upstream_reader, client_writer))
         except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass  # a peer went away, or `stop()`: either way this connection is over
         finally:

@@ -17,8 +17,19 @@ from prefixcache.errors import InvalidArgument, LayoutMismatch, ResourceExhauste
 from prefixcache.hashing import BlockHash, Hasher
 from prefixcache.index import MissReason
 from prefixcache.tiers.base import TierKind
-from tests.core_support import (TINY, ManualClock, assert_consistent, block_hashes, kv_for, live_hashes, make_cache,
-                                namespace, read_blocks, same_bytes, write_reserved)
+from tests.core_support import (
+    TINY,
+    ManualClock,
+    assert_consistent,
+    block_hashes,
+    kv_for,
+    live_hashes,
+    make_cache,
+    namespace,
+    read_blocks,
+    same_bytes,
+    write_reserved,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -64,13 +75,13 @@ def test_eviction_is_leaf_first_lru_and_deeper_first_on_ties() -> None:
         a, b, c = prompt(1, 2, 3), prompt(1, 2, 4), prompt(5, 6)
         for name, tokens in (("a", a), ("b", b), ("c", c)):
             names.add(name, tokens)
-        store(cache, ns, a)                       # t0: a0 a1 a2
+        store(cache, ns, a)  # t0: a0 a1 a2
         clock.advance(1)
         assert store(cache, ns, b, 2).stored == 1  # t1: a0 a1 b2 (a0 a1 refreshed)
         clock.advance(1)
-        store(cache, ns, c)                       # t2: c0 c1
+        store(cache, ns, c)  # t2: c0 c1
         clock.advance(1)
-        cache.lookup(ns, a[:BS])                  # t3: a hit on a0 alone
+        cache.lookup(ns, a[:BS])  # t3: a hit on a0 alone
         order = []
         for k in range(6):
             clock.advance(1)
@@ -129,13 +140,13 @@ def test_sliding_ttl_refreshes_on_hit_and_never_serves_expired_blocks() -> None:
         a = prompt(1, 2)
         store(cache, ns, a)
         clock.advance(9)
-        assert cache.lookup(ns, a[:BS]).hit_tokens == BS      # refreshes a0 only
-        clock.advance(9)                                      # a0 is 9 s old, a1 18 s
+        assert cache.lookup(ns, a[:BS]).hit_tokens == BS  # refreshes a0 only
+        clock.advance(9)  # a0 is 9 s old, a1 18 s
         result = cache.lookup(ns, a)
         assert result.hit_tokens == BS and result.miss_reason is MissReason.EXPIRED
         assert same_bytes(read_blocks(cache, result.locations), kv_for(a)[:1])
-        assert len(cache.index) == 2                          # expired, not yet reclaimed
-        assert cache.expire() == 1                            # a1 goes, a0 (just hit) stays
+        assert len(cache.index) == 2  # expired, not yet reclaimed
+        assert cache.expire() == 1  # a1 goes, a0 (just hit) stays
         assert cache.stats().evictions == {"host": {"ttl": 1}}
         clock.advance(10.5)
         miss = cache.lookup(ns, a)
@@ -252,7 +263,7 @@ def test_leases_expire_and_stop_pinning() -> None:
         clock.advance(5)
         with pytest.raises(UnknownLease):
             cache.lease(lease_id)
-        assert store(cache, ns, q).stored == 4   # the expired lease is reclaimed to make room
+        assert store(cache, ns, q).stored == 4  # the expired lease is reclaimed to make room
         with pytest.raises(UnknownLease) as caught:
             cache.release(lease_id)
         assert caught.value.field == "lease_id"
@@ -283,12 +294,12 @@ def test_reservations_expire_and_return_their_slots() -> None:
         clock.advance(6)
         cache.expire()
         assert cache.stats().tiers[0].blocks == 0
-        assert reservation.id not in cache.leases   # expired: its slots went back
+        assert reservation.id not in cache.leases  # expired: its slots went back
         with pytest.raises(InvalidArgument):
             cache.commit(ns, prompt(1, 2, 3), reservation.id, 0)
         stale = cache.reserve(3)
         clock.advance(6)
-        assert len(cache.reserve(4).slots) == 4   # reclaimed under pressure, no expire() needed
+        assert len(cache.reserve(4).slots) == 4  # reclaimed under pressure, no expire() needed
         assert stale.id not in cache.leases
         assert_consistent(cache)
 
@@ -345,11 +356,11 @@ def test_store_never_evicts_its_own_cached_prefix_to_make_room() -> None:
     with make_cache(host_slots=4, clock=clock) as cache:
         ns = cache.attach(namespace())
         a, b = prompt(1, 2), prompt(3, 4)
-        store(cache, ns, a)                      # the least recently used blocks...
+        store(cache, ns, a)  # the least recently used blocks...
         clock.advance(1)
         store(cache, ns, b)
         clock.advance(1)
-        longer = prompt(1, 2, 5, 6)              # ...are the prefix of the next store
+        longer = prompt(1, 2, 5, 6)  # ...are the prefix of the next store
         result = store(cache, ns, longer)
         assert (result.stored, result.deduplicated, result.rejected) == (2, 2, 0)
         assert cache.lookup(ns, longer).hit_tokens == 4 * BS and cache.lookup(ns, b).hit_tokens == 0
@@ -422,11 +433,11 @@ def test_stats_count_requests_blocks_tokens_and_reasons() -> None:
         ns = cache.attach(namespace())
         p = prompt(1, 2, 3, tail=2)
         store(cache, ns, p)
-        cache.lookup(ns, p)                      # hit: 3 blocks of 3
-        cache.lookup(ns, prompt(1, 2, 3, 4))     # partial hit: 3 of 4
-        cache.lookup(ns, prompt(7, 8))           # miss: 0 of 2
-        cache.lookup(ns, [1, 2])                 # shorter than a block
-        cache.lookup(ns, [])                     # empty: a miss, not an error
+        cache.lookup(ns, p)  # hit: 3 blocks of 3
+        cache.lookup(ns, prompt(1, 2, 3, 4))  # partial hit: 3 of 4
+        cache.lookup(ns, prompt(7, 8))  # miss: 0 of 2
+        cache.lookup(ns, [1, 2])  # shorter than a block
+        cache.lookup(ns, [])  # empty: a miss, not an error
         s = cache.stats()
         assert (s.lookups, s.request_hits, s.request_misses) == (5, 2, 3)
         assert (s.block_hits, s.block_misses) == (6, 3)
@@ -434,7 +445,8 @@ def test_stats_count_requests_blocks_tokens_and_reasons() -> None:
         assert (s.blocks_committed, s.blocks_deduplicated, s.active_leases) == (3, 0, 0)
         assert s.miss_reasons == {"not_cached": 2, "shorter_than_block": 2}
         assert [(t.kind, t.blocks, t.bytes_used, t.capacity_bytes) for t in s.tiers] == [
-            (TierKind.HOST, 3, 3 * TINY.block_bytes, 8 * TINY.block_bytes)]
+            (TierKind.HOST, 3, 3 * TINY.block_bytes, 8 * TINY.block_bytes)
+        ]
         assert s.remote_up is None and s.spills == {} and s.promotions == {}
         assert s.request_hit_rate == pytest.approx(2 / 5)
         assert s.token_hit_rate == pytest.approx(24 / 40)
@@ -457,8 +469,11 @@ def test_empty_and_short_prompts_are_misses_not_errors() -> None:
 def test_bad_token_ids_name_the_tokens_field(tokens) -> None:
     with make_cache(host_slots=2) as cache:
         ns = cache.attach(namespace())
-        for call in (lambda: cache.lookup(ns, tokens), lambda: cache.store(ns, tokens, kv_for(prompt(1))),
-                     lambda: cache.evict(ns, prefix_tokens=tokens)):
+        for call in (
+            lambda: cache.lookup(ns, tokens),
+            lambda: cache.store(ns, tokens, kv_for(prompt(1))),
+            lambda: cache.evict(ns, prefix_tokens=tokens),
+        ):
             with pytest.raises(InvalidArgument) as caught:
                 call()
             assert caught.value.field == "tokens"
@@ -475,7 +490,7 @@ def test_kv_of_the_wrong_shape_or_dtype_is_a_layout_mismatch() -> None:
             with pytest.raises(LayoutMismatch):
                 cache.store(ns, p, kv)
         with pytest.raises(InvalidArgument) as caught:
-            cache.store(ns, p[:BS], good)   # two blocks of KV for a one-block prompt
+            cache.store(ns, p[:BS], good)  # two blocks of KV for a one-block prompt
         assert caught.value.field == "kv"
         assert len(cache.index) == 0
         assert_consistent(cache)
@@ -491,9 +506,10 @@ def test_unknown_namespace_and_foreign_layout_are_refused() -> None:
         with pytest.raises(UnknownNamespace):
             cache.evict("nope")
         from dataclasses import replace
+
         with pytest.raises(LayoutMismatch):
             cache.attach(namespace(layout=replace(TINY, head_dim=4)))
-        assert cache.attach(namespace()) == cache.attach(namespace())   # idempotent
+        assert cache.attach(namespace()) == cache.attach(namespace())  # idempotent
         assert_consistent(cache)
 
 

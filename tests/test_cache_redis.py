@@ -31,7 +31,7 @@ from prefixcache.index import MissReason
 from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.host import HostTier
 from prefixcache.tiers.redis import RedisOptions, RedisTier
-from tests.core_support import read_blocks, ManualClock, block_hashes, kv_for, namespace, same_bytes
+from tests.core_support import ManualClock, block_hashes, kv_for, namespace, read_blocks, same_bytes
 from tests.redis_server import RedisClusterProcesses, RedisServer, poll
 
 pytestmark = pytest.mark.redis
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.redis
 LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=8, block_size=4, dtype=DType.FLOAT16)  # 512-byte blocks
 BS = LAYOUT.block_size
 CACHE_TTL_S = 300.0
-REDIS_TTL_S = 900.0   # deliberately not the cache's TTL: the Redis copy follows RedisOptions.ttl_s
+REDIS_TTL_S = 900.0  # deliberately not the cache's TTL: the Redis copy follows RedisOptions.ttl_s
 
 
 @pytest.fixture
@@ -49,14 +49,33 @@ def prefix() -> str:
 
 
 @contextmanager
-def redis_cache(url: str, key_prefix: str, host_slots: int = 16, clock: ManualClock | None = None,
-                cache_ttl_s: float = CACHE_TTL_S, **redis_options) -> Iterator[tuple[PrefixCache, str]]:
+def redis_cache(
+    url: str,
+    key_prefix: str,
+    host_slots: int = 16,
+    clock: ManualClock | None = None,
+    cache_ttl_s: float = CACHE_TTL_S,
+    **redis_options,
+) -> Iterator[tuple[PrefixCache, str]]:
     """A cache over a shared-memory host tier and a Redis tier with short breaker backoffs."""
-    options = RedisOptions(**{"url": url, "key_prefix": key_prefix, "ttl_s": REDIS_TTL_S,
-                              "breaker_backoff_min_s": 0.05, "breaker_backoff_max_s": 0.4, **redis_options})
+    options = RedisOptions(
+        **{
+            "url": url,
+            "key_prefix": key_prefix,
+            "ttl_s": REDIS_TTL_S,
+            "breaker_backoff_min_s": 0.05,
+            "breaker_backoff_max_s": 0.4,
+            **redis_options,
+        }
+    )
     host = HostTier(LAYOUT, host_slots * LAYOUT.block_bytes)
-    cache = PrefixCache(CacheConfig(host_capacity=host_slots * LAYOUT.block_bytes, ttl_s=cache_ttl_s),
-                        LAYOUT, host, remote=RedisTier(options), clock=clock or ManualClock())
+    cache = PrefixCache(
+        CacheConfig(host_capacity=host_slots * LAYOUT.block_bytes, ttl_s=cache_ttl_s),
+        LAYOUT,
+        host,
+        remote=RedisTier(options),
+        clock=clock or ManualClock(),
+    )
     try:
         yield cache, cache.attach(namespace(LAYOUT))
     finally:
@@ -85,8 +104,6 @@ def keys_of(cache: PrefixCache, ns: str, tokens: list[int]) -> list[str]:
     return [cache.remote_link.tier.key(ns, h) for h in block_hashes(cache, ns, tokens)]
 
 
-
-
 def remote_up(*caches: PrefixCache) -> Callable[[], bool]:
     return lambda: all(c.stats().remote_up is True for c in caches)
 
@@ -97,35 +114,37 @@ def remote_down(*caches: PrefixCache) -> Callable[[], bool]:
 
 # ---- spill and return ---------------------------------------------------------------------------
 
+
 def test_blocks_pushed_out_of_a_tiny_host_tier_come_back_from_redis(redis_server: RedisServer, prefix: str) -> None:
     with redis_cache(redis_server.url, prefix, host_slots=4) as (cache, ns):
         a, b = tokens_for(1, 4), tokens_for(2, 3)
         assert store(cache, ns, a).stored == 4
-        assert store(cache, ns, b).stored == 3            # evicts a3, a2, a1 (leaf first); a0 stays
+        assert store(cache, ns, b).stored == 3  # evicts a3, a2, a1 (leaf first); a0 stays
         assert cache.remote_link.tier.wait_idle(5)
         assert cache.stats().spills == {"host": 3}
-        result = cache.lookup(ns, a)                       # a0 from the host tier, a1..a3 from Redis
+        result = cache.lookup(ns, a)  # a0 from the host tier, a1..a3 from Redis
         assert result.hit_tokens == 4 * BS and result.miss_reason is None
         assert set(result.locations.tiers.tolist()) == {TierKind.HOST}
         assert same_bytes(read_blocks(cache, result.locations), kv_for(a, LAYOUT))
         stats = cache.stats()
         assert stats.promotions == {"host": 3} and stats.remote["hits"] == 3
-        assert stats.spills == {"host": 6}                 # admitting a1..a3 pushed b out in turn
-        assert hit_blocks(cache, ns, b) == 3               # ...and b comes back the same way
+        assert stats.spills == {"host": 6}  # admitting a1..a3 pushed b out in turn
+        assert hit_blocks(cache, ns, b) == 3  # ...and b comes back the same way
         assert cache.stats().promotions == {"host": 6}
 
 
-def test_a_block_whose_write_through_was_dropped_is_spilled_on_eviction(private_redis: RedisServer,
-                                                                      prefix: str) -> None:
+def test_a_block_whose_write_through_was_dropped_is_spilled_on_eviction(
+    private_redis: RedisServer, prefix: str
+) -> None:
     with redis_cache(private_redis.url, prefix, host_slots=4) as (cache, ns):
         private_redis.kill()
         assert poll(lambda: hit_blocks(cache, ns, tokens_for(9, 1)) == 0 and remote_down(cache)(), 3)
         a = tokens_for(1, 4)
         assert store(cache, ns, a).stored == 4
-        assert cache.stats().spills_dropped == 4           # the write-through found Redis down
+        assert cache.stats().spills_dropped == 4  # the write-through found Redis down
         private_redis.start()
         assert poll(remote_up(cache), 5)
-        assert store(cache, ns, tokens_for(2, 3)).stored == 3   # evicts a1..a3: now they are written
+        assert store(cache, ns, tokens_for(2, 3)).stored == 3  # evicts a1..a3: now they are written
         assert cache.remote_link.tier.wait_idle(5)
         with private_redis.client() as raw:
             assert [raw.exists(key) for key in keys_of(cache, ns, a)] == [0, 1, 1, 1]
@@ -133,19 +152,20 @@ def test_a_block_whose_write_through_was_dropped_is_spilled_on_eviction(private_
         assert cache.stats().promotions == {"host": 3}
 
 
-def test_an_evicted_block_whose_redis_copy_has_expired_is_spilled_again(redis_server: RedisServer,
-                                                                       prefix: str) -> None:
+def test_an_evicted_block_whose_redis_copy_has_expired_is_spilled_again(redis_server: RedisServer, prefix: str) -> None:
     """A host tier can keep a hot block longer than Redis keeps its written-through copy."""
     clock = ManualClock()
-    with redis_cache(redis_server.url, prefix, host_slots=4, clock=clock, cache_ttl_s=10 * REDIS_TTL_S) as (a, ns), \
-            redis_cache(redis_server.url, prefix) as (b, _):
+    with (
+        redis_cache(redis_server.url, prefix, host_slots=4, clock=clock, cache_ttl_s=10 * REDIS_TTL_S) as (a, ns),
+        redis_cache(redis_server.url, prefix) as (b, _),
+    ):
         tokens = tokens_for(1, 4)
         assert store(a, ns, tokens).stored == 4 and a.remote_link.tier.wait_idle(5)
         with redis_server.client() as raw:
-            clock.advance(REDIS_TTL_S + 1)                 # past the Redis TTL, and Redis forgot them...
+            clock.advance(REDIS_TTL_S + 1)  # past the Redis TTL, and Redis forgot them...
             raw.unlink(*keys_of(a, ns, tokens))
-            assert hit_blocks(a, ns, tokens) == 4          # ...while local hits kept them warm here
-            assert store(a, ns, tokens_for(2, 4)).stored == 4   # evicts all four
+            assert hit_blocks(a, ns, tokens) == 4  # ...while local hits kept them warm here
+            assert store(a, ns, tokens_for(2, 4)).stored == 4  # evicts all four
             assert a.remote_link.tier.wait_idle(5)
             assert raw.exists(*keys_of(a, ns, tokens)) == 4
         assert hit_blocks(b, ns, tokens) == 4
@@ -153,9 +173,10 @@ def test_an_evicted_block_whose_redis_copy_has_expired_is_spilled_again(redis_se
 
 # ---- sharing across instances and restarts --------------------------------------------------------
 
+
 def test_a_prefix_stored_through_one_instance_is_a_hit_on_another(redis_server: RedisServer, prefix: str) -> None:
     with redis_cache(redis_server.url, prefix) as (a, ns), redis_cache(redis_server.url, prefix) as (b, ns_b):
-        assert ns_b == ns                                   # the namespace id is a hash, the same everywhere
+        assert ns_b == ns  # the namespace id is a hash, the same everywhere
         prompts = [tokens_for(seed, 5) for seed in (1, 2)]
         for tokens in prompts:
             assert store(a, ns, tokens).stored == 5
@@ -163,7 +184,7 @@ def test_a_prefix_stored_through_one_instance_is_a_hit_on_another(redis_server: 
         assert [hit_blocks(b, ns, tokens) for tokens in prompts] == [5, 5]
         stats = b.stats()
         assert (stats.blocks_committed, stats.promotions, stats.remote["hits"]) == (0, {"host": 10}, 10)
-        longer = prompts[0] + tokens_for(3, 2)             # shares five blocks, then diverges
+        longer = prompts[0] + tokens_for(3, 2)  # shares five blocks, then diverges
         assert hit_blocks(b, ns, longer) == 5
         salted = b.attach(namespace(LAYOUT, cache_salt="tenant-b"))
         assert b.lookup(salted, prompts[0]).hit_tokens == 0  # another namespace never shares a block
@@ -172,8 +193,10 @@ def test_a_prefix_stored_through_one_instance_is_a_hit_on_another(redis_server: 
 def test_a_long_prefix_comes_back_in_several_round_trips_in_order(redis_server: RedisServer, prefix: str) -> None:
     """40 blocks: two probe batches (32 + 8), each split into round trips of at most 3 frames."""
     tokens = tokens_for(8, 40)
-    with redis_cache(redis_server.url, prefix, host_slots=48) as (a, ns), \
-            redis_cache(redis_server.url, prefix, host_slots=48, max_fetch_bytes=3 * LAYOUT.block_bytes) as (b, _):
+    with (
+        redis_cache(redis_server.url, prefix, host_slots=48) as (a, ns),
+        redis_cache(redis_server.url, prefix, host_slots=48, max_fetch_bytes=3 * LAYOUT.block_bytes) as (b, _),
+    ):
         assert store(a, ns, tokens).stored == 40 and a.remote_link.tier.wait_idle(5)
         result = b.lookup(ns, tokens, take_lease=True)
         assert result.hit_tokens == 40 * BS and result.lease_id is not None
@@ -197,12 +220,11 @@ def test_concurrent_lookups_of_a_prefix_in_redis_all_hit_it(redis_server: RedisS
         with ThreadPoolExecutor(6) as pool:
             hits = list(pool.map(lambda _: look(), range(6)))
         assert hits == [8] * 6
-        assert b.stats().promotions == {"host": 8}          # each block admitted once
+        assert b.stats().promotions == {"host": 8}  # each block admitted once
         assert hit_blocks(b, ns, tokens) == 8
 
 
-def test_a_restarted_instance_hits_prefixes_stored_before_it_started(redis_server: RedisServer,
-                                                                     prefix: str) -> None:
+def test_a_restarted_instance_hits_prefixes_stored_before_it_started(redis_server: RedisServer, prefix: str) -> None:
     prompts = [tokens_for(seed, 3) for seed in (1, 2, 3)]
     with redis_cache(redis_server.url, prefix) as (first, ns):
         for tokens in prompts:
@@ -214,8 +236,8 @@ def test_a_restarted_instance_hits_prefixes_stored_before_it_started(redis_serve
 
 # ---- faults ------------------------------------------------------------------------------------------
 
-def test_sigkill_mid_stream_degrades_to_the_host_tier_and_recovers(private_redis: RedisServer,
-                                                                   prefix: str) -> None:
+
+def test_sigkill_mid_stream_degrades_to_the_host_tier_and_recovers(private_redis: RedisServer, prefix: str) -> None:
     url, kill_at = private_redis.url, 6
     with redis_cache(url, prefix, host_slots=24) as (a, ns), redis_cache(url, prefix, host_slots=24) as (b, _):
         prompts = [tokens_for(seed, 4) for seed in range(1, 17)]
@@ -223,14 +245,14 @@ def test_sigkill_mid_stream_degrades_to_the_host_tier_and_recovers(private_redis
             if i == kill_at:
                 private_redis.kill()
             assert store(a, ns, tokens).stored == 4
-            assert hit_blocks(a, ns, tokens) == 4           # the host tier keeps serving its own blocks
+            assert hit_blocks(a, ns, tokens) == 4  # the host tier keeps serving its own blocks
             if i < kill_at:
                 assert a.remote_link.tier.wait_idle(5) and hit_blocks(b, ns, tokens) == 4
             else:
-                assert hit_blocks(b, ns, tokens) == 0       # never written: Redis was gone
-        unknown = tokens_for(99, 1)                         # a miss that asks Redis: drives both breakers
+                assert hit_blocks(b, ns, tokens) == 0  # never written: Redis was gone
+        unknown = tokens_for(99, 1)  # a miss that asks Redis: drives both breakers
         assert poll(lambda: hit_blocks(a, ns, unknown) + hit_blocks(b, ns, unknown) == 0 and remote_down(a, b)(), 3)
-        assert hit_blocks(a, ns, prompts[0]) == 0           # pushed out of a's host tier, Redis unreachable
+        assert hit_blocks(a, ns, prompts[0]) == 0  # pushed out of a's host tier, Redis unreachable
         assert hit_blocks(a, ns, prompts[-1]) == 4
         dropped = a.stats().spills_dropped
         assert store(a, ns, tokens_for(50, 2)).stored == 2
@@ -238,7 +260,7 @@ def test_sigkill_mid_stream_degrades_to_the_host_tier_and_recovers(private_redis
         # evicts, if their own write-through had found the breaker already down
         assert dropped + 2 <= a.stats().spills_dropped <= dropped + 4
 
-        private_redis.start()                               # empty: persistence is off
+        private_redis.start()  # empty: persistence is off
         began = time.monotonic()
         assert poll(remote_up(a, b), 5), "the tier must recover without recreating the cache"
         recovered_s = time.monotonic() - began
@@ -251,18 +273,20 @@ def test_sigkill_mid_stream_degrades_to_the_host_tier_and_recovers(private_redis
 def test_a_paused_redis_costs_a_lookup_at_most_the_read_timeout(private_redis: RedisServer, prefix: str) -> None:
     timeout_s = 0.05
     url = private_redis.url
-    with redis_cache(url, prefix, socket_timeout_s=timeout_s) as (a, ns), \
-            redis_cache(url, prefix, socket_timeout_s=timeout_s) as (b, _):
+    with (
+        redis_cache(url, prefix, socket_timeout_s=timeout_s) as (a, ns),
+        redis_cache(url, prefix, socket_timeout_s=timeout_s) as (b, _),
+    ):
         tokens = tokens_for(1, 4)
         assert store(a, ns, tokens).stored == 4 and a.remote_link.tier.wait_idle(5)
         private_redis.pause(1000)
         for _ in range(5):
             began = time.perf_counter()
-            assert b.lookup(ns, tokens).hit_tokens == 0      # Redis holds it, but does not answer
+            assert b.lookup(ns, tokens).hit_tokens == 0  # Redis holds it, but does not answer
             assert time.perf_counter() - began < timeout_s + 0.15
         assert b.stats().remote_up is False
-        assert hit_blocks(a, ns, tokens) == 4               # local hits never wait on Redis
-        assert poll(remote_up(b), 5)                        # the pause ends; a probe brings it back
+        assert hit_blocks(a, ns, tokens) == 4  # local hits never wait on Redis
+        assert poll(remote_up(b), 5)  # the pause ends; a probe brings it back
         assert hit_blocks(b, ns, tokens) == 4
 
 
@@ -282,12 +306,13 @@ def test_a_cache_created_while_redis_is_down_starts_promptly_and_picks_it_up(tmp
             assert store(a, ns, late).stored == 3 and a.remote_link.tier.wait_idle(5)
             with redis_cache(server.url, prefix) as (b, _):
                 assert hit_blocks(b, ns, late) == 3
-                assert hit_blocks(b, ns, early) == 0        # its write-through was dropped while down
+                assert hit_blocks(b, ns, early) == 0  # its write-through was dropped while down
     finally:
         server.kill()
 
 
 # ---- integrity -----------------------------------------------------------------------------------------
+
 
 class _TouchesFile:
     """Unpickling this creates a file: its absence proves nothing was unpickled."""
@@ -316,7 +341,8 @@ CORRUPTIONS: dict[str, Callable[[list[bytes], int, Path], bytes]] = {
 
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
 def test_a_bad_value_under_a_block_key_is_a_counted_miss_and_is_deleted(
-        redis_server: RedisServer, prefix: str, tmp_path: Path, corruption: str) -> None:
+    redis_server: RedisServer, prefix: str, tmp_path: Path, corruption: str
+) -> None:
     tokens = tokens_for(5, 4)
     with redis_cache(redis_server.url, prefix) as (writer, ns), redis_cache(redis_server.url, prefix) as (reader, _):
         assert store(writer, ns, tokens).stored == 4 and writer.remote_link.tier.wait_idle(5)
@@ -325,23 +351,23 @@ def test_a_bad_value_under_a_block_key_is_a_counted_miss_and_is_deleted(
             frames = [raw.get(key) for key in keys]
             raw.set(keys[2], CORRUPTIONS[corruption](frames, 2, tmp_path), px=60_000)
             result = reader.lookup(ns, tokens)
-            assert result.hit_tokens == 2 * BS                 # stops before the bad block
+            assert result.hit_tokens == 2 * BS  # stops before the bad block
             assert result.miss_reason is MissReason.VERIFICATION_FAILED
             assert same_bytes(read_blocks(reader, result.locations), kv_for(tokens, LAYOUT)[:2])
             stats = reader.stats()
             assert (stats.remote["integrity_failures"], reader.counters.remote_integrity_failures) == (1, 1)
             assert (stats.block_hits, stats.block_misses, stats.miss_reasons) == (2, 2, {"verification_failed": 1})
             assert reader.remote_link.tier.wait_idle(5)
-            assert [raw.exists(key) for key in keys] == [1, 1, 0, 1]   # only the bad key is gone
-            assert hit_blocks(reader, ns, tokens) == 2          # now a plain miss, not counted again
+            assert [raw.exists(key) for key in keys] == [1, 1, 0, 1]  # only the bad key is gone
+            assert hit_blocks(reader, ns, tokens) == 2  # now a plain miss, not counted again
             assert reader.stats().remote["integrity_failures"] == 1
     assert not (tmp_path / "pwned").exists()
 
 
 # ---- TTL -------------------------------------------------------------------------------------------------
 
-def test_a_redis_hit_lengthens_the_key_ttl_and_a_local_hit_does_not(redis_server: RedisServer,
-                                                                   prefix: str) -> None:
+
+def test_a_redis_hit_lengthens_the_key_ttl_and_a_local_hit_does_not(redis_server: RedisServer, prefix: str) -> None:
     full_ms = REDIS_TTL_S * 1000
     with redis_cache(redis_server.url, prefix) as (a, ns), redis_cache(redis_server.url, prefix) as (b, _):
         tokens = tokens_for(3, 3)
@@ -350,10 +376,10 @@ def test_a_redis_hit_lengthens_the_key_ttl_and_a_local_hit_does_not(redis_server
         with redis_server.client() as raw:
             assert all(full_ms - 10_000 < raw.pttl(key) <= full_ms for key in keys)  # RedisOptions.ttl_s
             for key in keys:
-                raw.pexpire(key, 2000)                        # as if the keys had aged
-            assert hit_blocks(a, ns, tokens) == 3             # local hit: Redis is not asked
+                raw.pexpire(key, 2000)  # as if the keys had aged
+            assert hit_blocks(a, ns, tokens) == 3  # local hit: Redis is not asked
             assert all(raw.pttl(key) <= 2000 for key in keys)
-            assert hit_blocks(b, ns, tokens) == 3             # Redis hit: GETEX ... PX slides the TTL
+            assert hit_blocks(b, ns, tokens) == 3  # Redis hit: GETEX ... PX slides the TTL
             assert all(raw.pttl(key) > full_ms - 10_000 for key in keys)
 
 
@@ -371,11 +397,14 @@ def test_an_expired_redis_key_is_never_served(redis_server: RedisServer, prefix:
 
 # ---- Redis Cluster ---------------------------------------------------------------------------------------
 
+
 def test_two_caches_share_prefixes_across_every_cluster_node(redis_cluster, prefix: str) -> None:
     url = redis_cluster.url
-    with redis_cache(url, prefix, host_slots=64, socket_timeout_s=0.5) as (a, ns), \
-            redis_cache(url, prefix, host_slots=64, socket_timeout_s=0.5) as (b, _):
-        assert poll(remote_up(a, b), 10)                     # the cluster client connects in the background
+    with (
+        redis_cache(url, prefix, host_slots=64, socket_timeout_s=0.5) as (a, ns),
+        redis_cache(url, prefix, host_slots=64, socket_timeout_s=0.5) as (b, _),
+    ):
+        assert poll(remote_up(a, b), 10)  # the cluster client connects in the background
         prompts = [tokens_for(seed, 4) for seed in range(1, 13)]
         for tokens in prompts:
             assert store(a, ns, tokens).stored == 4
@@ -389,16 +418,17 @@ def test_two_caches_share_prefixes_across_every_cluster_node(redis_cluster, pref
         assert sum(per_node) == 48 and all(count > 0 for count in per_node), per_node
 
 
-def test_a_killed_cluster_node_degrades_to_the_host_tier_and_the_cluster_recovers(tmp_path: Path,
-                                                                                  prefix: str) -> None:
+def test_a_killed_cluster_node_degrades_to_the_host_tier_and_the_cluster_recovers(tmp_path: Path, prefix: str) -> None:
     """A private 3-master cluster (no replicas); one master is SIGKILLed. Every lookup still
     answers, in bounded time, with only verified bytes; local hits never stop; once the node
     is back (its slots, not its data: persistence is off) the tier recovers by itself."""
     cluster = RedisClusterProcesses(tmp_path / "cluster").start()
     try:
         url = cluster.url
-        with redis_cache(url, prefix, host_slots=64, socket_timeout_s=0.5) as (a, ns), \
-                redis_cache(url, prefix, host_slots=64, socket_timeout_s=0.5) as (b, _):
+        with (
+            redis_cache(url, prefix, host_slots=64, socket_timeout_s=0.5) as (a, ns),
+            redis_cache(url, prefix, host_slots=64, socket_timeout_s=0.5) as (b, _),
+        ):
             assert poll(remote_up(a, b), 10)
             prompts = [tokens_for(seed, 4) for seed in range(1, 13)]
             for tokens in prompts:
@@ -409,14 +439,14 @@ def test_a_killed_cluster_node_degrades_to_the_host_tier_and_the_cluster_recover
                 on_victim = sum(1 for _ in raw.scan_iter(match=f"{prefix}:*"))
             assert on_victim > 0
             victim.kill()
-            for tokens in prompts:                          # b holds nothing locally: every block is Redis's
+            for tokens in prompts:  # b holds nothing locally: every block is Redis's
                 began = time.monotonic()
-                hit = hit_blocks(b, ns, tokens)             # byte-checked when it hits
+                hit = hit_blocks(b, ns, tokens)  # byte-checked when it hits
                 assert 0 <= hit <= 4 and time.monotonic() - began < 3.0
-                assert hit_blocks(a, ns, tokens) == 4       # a's own blocks never wait on Redis
+                assert hit_blocks(a, ns, tokens) == 4  # a's own blocks never wait on Redis
             assert poll(lambda: hit_blocks(b, ns, tokens_for(99, 1)) == 0 and remote_down(b)(), 10)
 
-            victim.restart()                                # same port and nodes.conf: it rejoins, empty
+            victim.restart()  # same port and nodes.conf: it rejoins, empty
             cluster.wait_ok(30)
             assert poll(remote_up(a, b), 10), "the tier must recover without recreating the cache"
             fresh = [tokens_for(seed, 4) for seed in range(20, 32)]

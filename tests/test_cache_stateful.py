@@ -17,10 +17,10 @@ stateful-long for a deeper search.
 
 from __future__ import annotations
 
-import pytest
 import os
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -32,17 +32,27 @@ from prefixcache.errors import ResourceExhausted, UnknownLease
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier
 from prefixcache.touchlog import TouchLog
-from tests.core_support import read_blocks, ManualClock, assert_consistent, block_hashes, kv_for, namespace, same_bytes
+from tests.core_support import ManualClock, assert_consistent, block_hashes, kv_for, namespace, read_blocks, same_bytes
 
 pytestmark = pytest.mark.slow
 
 TTL_S = 10.0
 LEASE_TTL_S = 4.0
 
-settings.register_profile("stateful-ci", max_examples=120, stateful_step_count=40, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("stateful-long", max_examples=1500, stateful_step_count=60, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "stateful-ci",
+    max_examples=120,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "stateful-long",
+    max_examples=1500,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 # A tiny alphabet, so fresh prompts share prefixes too; at least one block (block_size <= 4).
 FRESH = st.lists(st.integers(0, 2), min_size=4, max_size=9)
@@ -64,21 +74,29 @@ class CacheMachine(RuleBasedStateMachine):
     cache: PrefixCache | None = None
     prompts = Bundle("prompts")
 
-    @initialize(block_size=st.integers(2, 4), host_slots=st.integers(3, 6), device_slots=st.integers(0, 2),
-                dtype=st.sampled_from(list(DType)))
+    @initialize(
+        block_size=st.integers(2, 4),
+        host_slots=st.integers(3, 6),
+        device_slots=st.integers(0, 2),
+        dtype=st.sampled_from(list(DType)),
+    )
     def build(self, block_size: int, host_slots: int, device_slots: int, dtype: DType) -> None:
         self.layout = KVLayout(layers=1, kv_heads=1, head_dim=2, block_size=block_size, dtype=dtype)
         self.clock = ManualClock()
         bytes_per = self.layout.block_bytes
         host = HostTier(self.layout, host_slots * bytes_per)
         device = DeviceTier(self.layout, device_slots * bytes_per, device="cpu") if device_slots else None
-        config = CacheConfig(host_capacity=host_slots * bytes_per, device_capacity=device_slots * bytes_per,
-                             ttl_s=TTL_S, lease_ttl_s=LEASE_TTL_S)
+        config = CacheConfig(
+            host_capacity=host_slots * bytes_per,
+            device_capacity=device_slots * bytes_per,
+            ttl_s=TTL_S,
+            lease_ttl_s=LEASE_TTL_S,
+        )
         self.cache = PrefixCache(config, self.layout, host, device, clock=self.clock)
         index = self.cache.index  # a log with almost no slack compacts every few steps: exercise that too
         index.log = TouchLog(index.capacity, index.tick, index.tier, slack=1)
         self.ns = [self.cache.attach(namespace(self.layout, tenant=f"t{i}")) for i in range(2)]
-        self.stored: set[tuple[int, tuple[int, ...]]] = set()   # (namespace, full-block prefix) ever accepted
+        self.stored: set[tuple[int, tuple[int, ...]]] = set()  # (namespace, full-block prefix) ever accepted
         self.leases: dict[int, HeldLease] = {}
         self.last_stored: tuple[int, list[int]] | None = None
 
@@ -114,8 +132,12 @@ class CacheMachine(RuleBasedStateMachine):
     def extend(self, base: list[int], more: list[int]) -> list[int]:
         return base + more
 
-    @rule(ns=NAMESPACE, tokens=prompts, start=st.sampled_from([0, 0, 1, 2]),
-          then=st.sampled_from(["nothing", "lookup", "lease"]))
+    @rule(
+        ns=NAMESPACE,
+        tokens=prompts,
+        start=st.sampled_from([0, 0, 1, 2]),
+        then=st.sampled_from(["nothing", "lookup", "lease"]),
+    )
     def store(self, ns: int, tokens: list[int], start: int, then: str) -> None:
         full = len(tokens) // self.layout.block_size
         start = min(start, full)
@@ -167,8 +189,12 @@ class CacheMachine(RuleBasedStateMachine):
         except UnknownLease:
             assert held.expires_at <= self.clock(), "a live lease was unknown"
 
-    @rule(ns=NAMESPACE, tokens=prompts, how=st.sampled_from(["namespace", "older", "prefix"]),
-          seconds=st.sampled_from([0.0, 2.0, 5.0, 11.0]))
+    @rule(
+        ns=NAMESPACE,
+        tokens=prompts,
+        how=st.sampled_from(["namespace", "older", "prefix"]),
+        seconds=st.sampled_from([0.0, 2.0, 5.0, 11.0]),
+    )
     def evict(self, ns: int, tokens: list[int], how: str, seconds: float) -> None:
         if how == "namespace":
             self.cache.evict(self.ns[ns])
@@ -177,8 +203,13 @@ class CacheMachine(RuleBasedStateMachine):
         else:
             self.cache.evict(self.ns[ns], prefix_tokens=tokens)
 
-    @rule(seconds=st.sampled_from([0.5, 3.0, 4.0, 6.0, 10.0, 10.5, 12.0]), reclaim=st.booleans(),
-          look=st.sampled_from(["nothing", "last stored", "last stored", "drawn"]), ns=NAMESPACE, tokens=prompts)
+    @rule(
+        seconds=st.sampled_from([0.5, 3.0, 4.0, 6.0, 10.0, 10.5, 12.0]),
+        reclaim=st.booleans(),
+        look=st.sampled_from(["nothing", "last stored", "last stored", "drawn"]),
+        ns=NAMESPACE,
+        tokens=prompts,
+    )
     def advance_clock(self, seconds: float, reclaim: bool, look: str, ns: int, tokens: list[int]) -> None:
         """Time passes; then maybe reclaim, and maybe look a prompt up (expired blocks must miss)."""
         self.clock.advance(seconds)

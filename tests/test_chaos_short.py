@@ -10,15 +10,24 @@ soak that passes is known to be judged by checks that can fail.
 
 from __future__ import annotations
 
-import pytest
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.chaos_checks import (Fault, Request, Sample, check_memory, check_outputs, check_queue,
-                                     check_recovery, hit_rate)
+import pytest
+
+from benchmarks.chaos_checks import (
+    Fault,
+    Request,
+    Sample,
+    check_memory,
+    check_outputs,
+    check_queue,
+    check_recovery,
+    hit_rate,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 
@@ -31,8 +40,13 @@ def _request(start: float, turn: int = 1, cached: int = 50, text: str = "x", err
 
 
 def test_hit_rate_counts_only_later_turns_that_succeeded():
-    requests = [_request(1.0, cached=80), _request(2.0, turn=0, cached=0), _request(3.0, cached=20),
-                _request(4.0, cached=100, error="boom"), _request(9.0, cached=100)]
+    requests = [
+        _request(1.0, cached=80),
+        _request(2.0, turn=0, cached=0),
+        _request(3.0, cached=20),
+        _request(4.0, cached=100, error="boom"),
+        _request(9.0, cached=100),
+    ]
     assert hit_rate(requests, 0.0, 5.0) == (0.5, 2)
 
 
@@ -63,16 +77,31 @@ def test_queue_and_output_checks_fail_when_they_should():
     assert not check_queue([Sample(1.0, None, None, 10.0, 0)], bound_bytes=5, final_bytes=0.0).ok
     assert not check_queue([Sample(1.0, None, None, 1.0, 0)], bound_bytes=5, final_bytes=3.0).ok
     assert check_queue([Sample(1.0, None, None, 1.0, 0)], bound_bytes=5, final_bytes=0.0).ok
-    a, b = [_request(1.0, text="same"), _request(2.0, text="one")], [_request(1.0, text="same"), _request(2.0, text="two")]
+    a, b = (
+        [_request(1.0, text="same"), _request(2.0, text="one")],
+        [_request(1.0, text="same"), _request(2.0, text="two")],
+    )
     assert not check_outputs(a, b).ok and check_outputs(a[:1], b[:1]).ok
 
 
 def test_short_chaos_soak(tmp_path: Path):
     report = tmp_path / "soak.json"
-    command = [sys.executable, str(ROOT / "benchmarks" / "chaos_soak.py"), "--workdir", str(tmp_path / "work"),
-               "--json-out", str(report)]
-    done = subprocess.run(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
-                          text=True, timeout=SOAK_TIMEOUT_S)
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "chaos_soak.py"),
+        "--workdir",
+        str(tmp_path / "work"),
+        "--json-out",
+        str(report),
+    ]
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=SOAK_TIMEOUT_S,
+    )
     print(done.stdout[-4000:])
     assert report.exists(), done.stdout[-4000:] + done.stderr[-4000:]
     result = json.loads(report.read_text())

@@ -47,7 +47,7 @@ TOKEN = "cli-test-token-0123456789abcdef"
 SALT = "salt-SECRET-4242"
 LAYOUT = KVLayout(4, 2, 32, 16, "bfloat16")  # the tiny worker's layout: the first Attach fixes it
 BLOCK = LAYOUT.block_size
-PROMPT_A = list(range(1000, 1000 + 8 * BLOCK + 5))   # 8 full blocks + 5 trailing tokens
+PROMPT_A = list(range(1000, 1000 + 8 * BLOCK + 5))  # 8 full blocks + 5 trailing tokens
 PROMPT_B = list(range(3000, 3000 + 6 * BLOCK))
 UNCACHED = list(range(7000, 7000 + 4 * BLOCK))
 CHAT_MESSAGE = "Summarise the plot of a long novel about a prefix cache that remembers every prompt it saw."
@@ -87,10 +87,18 @@ def _env(**extra: str) -> dict[str, str]:
 
 def run_many(*commands: list[str], env: dict | None = None, stdin: str | None = None) -> list[Result]:
     """Run `python -m prefixcache_services ARGS...` for each command at once; results in order."""
-    processes = [subprocess.Popen([sys.executable, "-m", "prefixcache_services", *args], cwd=ROOT, env=env or _env(),
-                                  stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for args in commands]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "prefixcache_services", *args],
+            cwd=ROOT,
+            env=env or _env(),
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in commands
+    ]
     results = []
     for process in processes:
         out, err = process.communicate(stdin, timeout=DEADLINE_S)
@@ -129,10 +137,36 @@ def _read_until(stream, sink: queue.Queue) -> None:
 
 def _start_service(redis_url: str) -> tuple[subprocess.Popen, str, int]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "prefixcache_services", "--log-level", "WARNING", "serve", "--listen", "127.0.0.1:0",
-         "--host-capacity", "2MiB", "--metrics-port", "0", "--auth-token", TOKEN, "--redis-url", redis_url,
-         "--redis-key-prefix", f"clitest{os.getpid()}", "--workers", "8", "--grace", "2s"],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        [
+            sys.executable,
+            "-m",
+            "prefixcache_services",
+            "--log-level",
+            "WARNING",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--host-capacity",
+            "2MiB",
+            "--metrics-port",
+            "0",
+            "--auth-token",
+            TOKEN,
+            "--redis-url",
+            redis_url,
+            "--redis-key-prefix",
+            f"clitest{os.getpid()}",
+            "--workers",
+            "8",
+            "--grace",
+            "2s",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_read_until, args=(process.stdout, lines), daemon=True).start()
     address = metrics = None
@@ -167,9 +201,27 @@ def stack(redis_server):
     worker_port = free_port()
     # Started now, waited for later: it loads the model while the first tests run.
     worker = subprocess.Popen(
-        [sys.executable, "-m", "prefixcache_services", "--log-level", "WARNING", "worker", "--cache", address,
-         "--listen", f"127.0.0.1:{worker_port}", "--threads", "1", "--cache-deadline-ms", "5000"],
-        cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "prefixcache_services",
+            "--log-level",
+            "WARNING",
+            "worker",
+            "--cache",
+            address,
+            "--listen",
+            f"127.0.0.1:{worker_port}",
+            "--threads",
+            "1",
+            "--cache-deadline-ms",
+            "5000",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     yield Stack(address, metrics_port, worker_port, worker)
     worker.kill()  # its shutdown is not under test here; the service's is (it unlinks shared memory)
     worker.wait(10)
@@ -188,7 +240,7 @@ def populated(stack):
     assert client.store(PROMPT_A, _kv(8)).stored == 8
     assert client.store(PROMPT_B, _kv(6)).stored == 6
     assert client.lookup(PROMPT_A, take_lease=False).hit_tokens == 8 * BLOCK
-    changed = PROMPT_A[:3 * BLOCK + 2] + [5] + PROMPT_A[3 * BLOCK + 3:]
+    changed = PROMPT_A[: 3 * BLOCK + 2] + [5] + PROMPT_A[3 * BLOCK + 3 :]
     assert client.lookup(changed, take_lease=False).hit_tokens == 3 * BLOCK
     assert client.lookup(UNCACHED, take_lease=False).hit_tokens == 0
     assert client.lookup(PROMPT_A, cache_salt=SALT, take_lease=False).hit_tokens == 0
@@ -219,19 +271,33 @@ def test_stats_json_reports_exactly_what_was_done(stack, populated, cli):
     assert result.returncode == 0, result.stderr
     doc = result.json()
     assert doc["schema_version"] == 1 and doc["ready"] and doc["address"] == stack.address
-    assert doc["layout"] == {"layers": 4, "kv_heads": 2, "head_dim": 32, "block_size": 16, "dtype": "bfloat16",
-                             "block_bytes": LAYOUT.block_bytes, "bytes_per_token": LAYOUT.bytes_per_token}
+    assert doc["layout"] == {
+        "layers": 4,
+        "kv_heads": 2,
+        "head_dim": 32,
+        "block_size": 16,
+        "dtype": "bfloat16",
+        "block_bytes": LAYOUT.block_bytes,
+        "bytes_per_token": LAYOUT.bytes_per_token,
+    }
     assert doc["requests"] == {"lookups": 5, "hits": 3, "misses": 2, "hit_rate": 3 / 5}
     hit_blocks = 8 + 3 + 6
     assert doc["blocks"]["hits"] == hit_blocks and doc["blocks"]["committed"] == 14
     assert doc["tokens"]["saved"] == doc["tokens"]["hits"] == hit_blocks * BLOCK
     assert doc["tokens"]["looked_up"] == 3 * len(PROMPT_A) + len(UNCACHED) + len(PROMPT_B)
-    assert doc["tiers"]["host"] == {"blocks": 14, "bytes_used": 14 * LAYOUT.block_bytes,
-                                    "capacity_bytes": 2 << 20, "utilization": 14 * LAYOUT.block_bytes / (2 << 20)}
+    assert doc["tiers"]["host"] == {
+        "blocks": 14,
+        "bytes_used": 14 * LAYOUT.block_bytes,
+        "capacity_bytes": 2 << 20,
+        "utilization": 14 * LAYOUT.block_bytes / (2 << 20),
+    }
     assert set(doc["tiers"]) == {"host"}  # no device tier on this machine; Redis is reported apart
     assert doc["miss_reasons"] == {"shorter_than_block": 0, "not_cached": 3, "expired": 0, "verification_failed": 0}
-    assert doc["evictions"] == {"total": 0, "by_reason": {"lru": 0, "ttl": 0, "capacity": 0, "manual": 0},
-                                "by_tier": {}}
+    assert doc["evictions"] == {
+        "total": 0,
+        "by_reason": {"lru": 0, "ttl": 0, "capacity": 0, "manual": 0},
+        "by_tier": {},
+    }
     assert doc["redis"]["configured"] and doc["redis"]["state"] == "up" and doc["redis"]["up"] is True
     assert doc["active_leases"] == 1 and doc["uptime_seconds"] > 0
     table = cli("stats", "--cache", stack.address)
@@ -248,9 +314,16 @@ def test_namespaces_lists_ids_models_and_resident_blocks(stack, populated, cli):
     assert doc["schema_version"] == 1 and doc["block_bytes"] == LAYOUT.block_bytes
     listed = {entry["namespace_id"]: entry for entry in doc["namespaces"]}
     mine = listed[populated.namespace_id]
-    assert mine == {"namespace_id": populated.namespace_id, "model": "cli-test-model", "revision": "r1",
-                    "salted": False, "tenant": None, "kv_scale": "", "blocks": {"host": 14},
-                    "bytes": 14 * LAYOUT.block_bytes}
+    assert mine == {
+        "namespace_id": populated.namespace_id,
+        "model": "cli-test-model",
+        "revision": "r1",
+        "salted": False,
+        "tenant": None,
+        "kv_scale": "",
+        "blocks": {"host": 14},
+        "bytes": 14 * LAYOUT.block_bytes,
+    }
     salted = [entry for entry in doc["namespaces"] if entry["salted"]]
     assert len(salted) == 1 and salted[0]["model"] == "cli-test-model" and salted[0]["blocks"] == {}
     assert SALT not in result.stdout
@@ -263,7 +336,7 @@ def test_namespaces_lists_ids_models_and_resident_blocks(stack, populated, cli):
 # -- inspect ----------------------------------------------------------------------------------------
 def test_inspect_shows_each_cached_block_and_why_the_next_one_missed(stack, populated, tmp_path, cli):
     as_json = tmp_path / "a.json"
-    as_json.write_text(json.dumps(PROMPT_A[:6 * BLOCK] + [9, 9] + PROMPT_A[6 * BLOCK + 2:]))
+    as_json.write_text(json.dumps(PROMPT_A[: 6 * BLOCK] + [9, 9] + PROMPT_A[6 * BLOCK + 2 :]))
     ns = ["--namespace", populated.namespace_id, "--cache", stack.address]
     result = run("inspect", *ns, "--tokens-file", str(as_json), "--json")
     assert result.returncode == 0, result.stderr
@@ -280,7 +353,9 @@ def test_inspect_shows_each_cached_block_and_why_the_next_one_missed(stack, popu
     table = cli("inspect", *ns, "--tokens-file", str(as_json))
     assert "first miss: block 6 (tokens 96-111): not_cached" in table.stdout, table.stdout
     for row in range(6):
-        assert re.search(rf"\b{row}[\s│]+{row * BLOCK}-{row * BLOCK + BLOCK - 1}[\s│]+host\b", table.stdout), table.stdout
+        assert re.search(rf"\b{row}[\s│]+{row * BLOCK}-{row * BLOCK + BLOCK - 1}[\s│]+host\b", table.stdout), (
+            table.stdout
+        )
     as_text = tmp_path / "a.txt"
     as_text.write_text(" ".join(map(str, PROMPT_A)))
     full = json.loads(cli("inspect", *ns, "--tokens-file", str(as_text), "--json").stdout)
@@ -295,7 +370,8 @@ def test_connection_errors_are_one_line_with_exit_code_2(stack):
     bad_address, unreachable, wrong_token = run_many(
         ["stats", "--cache", "no-port-here"],
         ["stats", "--cache", dead, "--timeout", "3s"],
-        ["evict", "--cache", stack.address, "--older-than", "1m", "--auth-token", "wrong-token-0123456789"])
+        ["evict", "--cache", stack.address, "--older-than", "1m", "--auth-token", "wrong-token-0123456789"],
+    )
     _one_line_error(bad_address, "--cache: expected HOST:PORT", "'no-port-here'")
     _one_line_error(unreachable, f"cannot reach the cache service at {dead}")
     _one_line_error(wrong_token, "refused the call", "the token given was not accepted")
@@ -320,10 +396,14 @@ def test_bad_arguments_name_the_problem(stack, populated, cli, tmp_path):
         (["evict", "--cache", stack.address, "--older-than", "5m", "--prefix-text", "x"], "cannot be combined"),
         (["evict", "--cache", stack.address, "--older-than", "soon"], "cannot parse duration 'soon'"),
         (["top", "--cache", stack.address, "--interval", "0"], "--interval: must be > 0"),
-        (["inspect", "--cache", stack.address, "--namespace", "feedfacefeedface", "--text", "hi"],
-         "unknown namespace id 'feedfacefeedface'"),
-        (["inspect", "--cache", stack.address, "--namespace", populated.namespace_id, "--tokens-file", str(bad)],
-         "item 2 is 'three'"),
+        (
+            ["inspect", "--cache", stack.address, "--namespace", "feedfacefeedface", "--text", "hi"],
+            "unknown namespace id 'feedfacefeedface'",
+        ),
+        (
+            ["inspect", "--cache", stack.address, "--namespace", populated.namespace_id, "--tokens-file", str(bad)],
+            "item 2 is 'three'",
+        ),
         (["inspect", "--cache", stack.address, "--tokens-file", str(tmp_path / "absent.json")], "cannot read it"),
         (["stats", "--cache", stack.address, "--tls-ca", str(tmp_path / "absent.pem")], "--tls-ca: no such file"),
     ]
@@ -347,7 +427,7 @@ def _pty_read(fd: int, buffer: bytearray, until: bytes | re.Pattern, deadline_s:
     """Append the child's output to `buffer` until `until` appears (True) or EOF/deadline (False)."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
-        if (until.search(buffer) if isinstance(until, re.Pattern) else until in buffer):
+        if until.search(buffer) if isinstance(until, re.Pattern) else until in buffer:
             return True
         ready, _, _ = select.select([fd], [], [], 0.2)
         if ready:
@@ -377,14 +457,20 @@ def _wait_exit(pid: int, fd: int, buffer: bytearray, timeout_s: float = 20.0) ->
 
 def test_top_refreshes_in_a_terminal_shows_evictions_and_quits_on_q(stack, populated):
     pid, fd = _pty_spawn(["top", "--cache", stack.address, "--interval", "0.3", "--auth-token", TOKEN])
-    plain = subprocess.Popen([sys.executable, "-m", "prefixcache_services", "top", "--cache", stack.address, "--interval", "0.2"],
-                             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    plain = subprocess.Popen(
+        [sys.executable, "-m", "prefixcache_services", "top", "--cache", stack.address, "--interval", "0.2"],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     screen = bytearray()
     assert _pty_read(fd, screen, re.compile(rb"refresh #[2-9]")), bytes(screen[-2000:])
     for needle in (b"tier occupancy", b"lookups/s", b"hit rates", b"host", b"recent evictions"):
         assert needle in screen
     # A prefix evicts its last full block and everything cached below it: PROMPT_A's blocks 6 and 7.
-    assert populated.client.evict(prefix_tokens=PROMPT_A[:7 * BLOCK]) == 2
+    assert populated.client.evict(prefix_tokens=PROMPT_A[: 7 * BLOCK]) == 2
     assert _pty_read(fd, screen, re.compile(rb"host\s+manual\s+\+2")), bytes(screen[-3000:])
     os.write(fd, b"q")
     assert _wait_exit(pid, fd, screen) == 0
@@ -418,8 +504,9 @@ def worker_request(stack):
             if time.monotonic() > deadline:
                 pytest.fail("the worker did not become ready")
             time.sleep(0.1)  # polling readiness with a bounded deadline
-    body = json.dumps({"messages": [{"role": "user", "content": CHAT_MESSAGE}], "max_tokens": 1,
-                       "temperature": 0}).encode()
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": CHAT_MESSAGE}], "max_tokens": 1, "temperature": 0}
+    ).encode()
     request = urllib.request.Request(f"{url}/v1/chat/completions", body, {"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())
@@ -442,7 +529,7 @@ def test_evict_by_prefix_age_and_namespace_shows_in_stats(stack, populated, tmp_
     populated.client.release(populated.lease)
     before = _stats(populated)
     prefix = tmp_path / "prefix.json"
-    prefix.write_text(json.dumps(PROMPT_B[:3 * BLOCK]))
+    prefix.write_text(json.dumps(PROMPT_B[: 3 * BLOCK]))
     ns = ["--cache", stack.address, "--namespace", populated.namespace_id]
     by_prefix = run("evict", *ns, "--prefix-tokens-file", str(prefix), "--json")
     assert by_prefix.returncode == 0, by_prefix.stderr
@@ -479,13 +566,37 @@ def test_flush_asks_on_a_terminal_and_empties_the_cache_with_yes(stack, populate
 # -- metrics and the dashboard -------------------------------------------------------------------------
 BOUNDED_LABELS = {
     "tier": {"device", "host", "redis"},
-    "reason": {"lru", "ttl", "capacity", "manual", "shorter_than_block", "not_cached", "expired",
-               "verification_failed"},
-    "method": {"Attach", "Lookup", "Fetch", "Reserve", "Commit", "Store", "Release", "GetStats", "Inspect", "Evict",
-               "ListNamespaces", "Flush"},
+    "reason": {
+        "lru",
+        "ttl",
+        "capacity",
+        "manual",
+        "shorter_than_block",
+        "not_cached",
+        "expired",
+        "verification_failed",
+    },
+    "method": {
+        "Attach",
+        "Lookup",
+        "Fetch",
+        "Reserve",
+        "Commit",
+        "Store",
+        "Release",
+        "GetStats",
+        "Inspect",
+        "Evict",
+        "ListNamespaces",
+        "Flush",
+    },
 }
-EXPOSED_SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created"),
-                    "gauge": ("",), "summary": ("", "_count", "_sum", "_created")}
+EXPOSED_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_count", "_sum", "_created"),
+    "gauge": ("",),
+    "summary": ("", "_count", "_sum", "_created"),
+}
 
 
 def _scrape(port: int, path: str = "/metrics") -> str:
@@ -510,15 +621,25 @@ def test_metrics_are_parsable_bounded_and_match_stats(stack, populated):
     text = _scrape(stack.metrics_port)
     doc = _stats(populated)
     families = {family.name: family for family in text_string_to_metric_families(text)}
-    value = {name: families[name].samples[0].value for name in
-             ("prefixcache_lookups", "prefixcache_tokens_saved", "prefixcache_tokens_looked_up", "prefixcache_ready")}
+    value = {
+        name: families[name].samples[0].value
+        for name in (
+            "prefixcache_lookups",
+            "prefixcache_tokens_saved",
+            "prefixcache_tokens_looked_up",
+            "prefixcache_ready",
+        )
+    }
     assert value["prefixcache_ready"] == 1
     assert value["prefixcache_tokens_saved"] == doc["tokens"]["saved"]
     assert value["prefixcache_tokens_looked_up"] == doc["tokens"]["looked_up"]
     assert value["prefixcache_lookups"] == doc["requests"]["lookups"]
     assert families["prefixcache_rpc_duration_seconds"].type == "histogram"
-    lookups = [s for s in families["prefixcache_rpc_duration_seconds"].samples
-               if s.name.endswith("_count") and s.labels["method"] == "Lookup"]
+    lookups = [
+        s
+        for s in families["prefixcache_rpc_duration_seconds"].samples
+        if s.name.endswith("_count") and s.labels["method"] == "Lookup"
+    ]
     assert lookups and lookups[0].value >= 5
     _, labels = _exposed(text)
     for name, allowed in BOUNDED_LABELS.items():
@@ -554,9 +675,15 @@ def test_grafana_dashboard_uses_only_metrics_the_exporters_emit(stack, populated
         for label, alternatives in re.findall(r'\b(event|method)=~?"([^"]+)"', query):
             for value in alternatives.split("|"):
                 assert value in service_labels.get(label, set()), f"{label}={value} (in {query}) is never exported"
-    for required in ("prefixcache_tokens_saved_total", "prefixcache_tier_bytes", "prefixcache_evictions_total",
-                     "prefixcache_spills_total", "prefixcache_remote_up", "prefixcache_rpc_duration_seconds_bucket",
-                     "prefixcache_worker_ttft_seconds_bucket"):
+    for required in (
+        "prefixcache_tokens_saved_total",
+        "prefixcache_tier_bytes",
+        "prefixcache_evictions_total",
+        "prefixcache_spills_total",
+        "prefixcache_remote_up",
+        "prefixcache_rpc_duration_seconds_bucket",
+        "prefixcache_worker_ttft_seconds_bucket",
+    ):
         assert required in used, required
     assert worker_labels  # the worker served a request, so its series carry samples
     ids = [panel["id"] for panel in dashboard["panels"]]
@@ -572,8 +699,11 @@ def test_dashboard_rates_apply_only_to_counters(stack, populated, worker_request
     (`_total`) or a histogram's `_bucket`/`_count`/`_sum`, as the live exporters type them."""
     dashboard = json.loads((ROOT / "deploy" / "grafana" / "prefixcache.json").read_text())
     types = {**_types(_scrape(stack.worker_port)), **_types(_scrape(stack.metrics_port))}
-    taken = [name for query in _dashboard_queries(dashboard)
-             for name in re.findall(r"\b(?:rate|irate|increase)\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)", query)]
+    taken = [
+        name
+        for query in _dashboard_queries(dashboard)
+        for name in re.findall(r"\b(?:rate|irate|increase)\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)", query)
+    ]
     assert len(taken) >= 20 and any(n.startswith("process_") for n in taken)
     for name in taken:
         if name.endswith("_total"):
@@ -597,10 +727,13 @@ def test_one_type_per_name_and_the_redis_tier_exported(stack, populated):
     assert types["prefixcache_remote_op_duration_seconds"] == "histogram"
     ops = {s.labels["op"] for s in families["prefixcache_remote_op_duration_seconds"].samples}
     assert ops == {"read", "write"}
-    state = {(s.labels["side"], s.labels["state"]): s.value for s in families["prefixcache_remote_breaker_state"].samples}
+    state = {
+        (s.labels["side"], s.labels["state"]): s.value for s in families["prefixcache_remote_breaker_state"].samples
+    }
     assert state == {("read", "up"): 1.0, ("read", "down"): 0.0, ("write", "up"): 1.0, ("write", "down"): 0.0}
-    events = {s.labels["event"]: s.value for s in families["prefixcache_remote_events"].samples
-              if s.name.endswith("_total")}
+    events = {
+        s.labels["event"]: s.value for s in families["prefixcache_remote_events"].samples if s.name.endswith("_total")
+    }
     assert set(events) >= {"hits", "misses", "read_errors", "spills_queued"} and events["spills_queued"] > 0
     for process in ("process_resident_memory_bytes", "process_cpu_seconds", "python_info"):
         assert process in types, process

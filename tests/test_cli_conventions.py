@@ -31,13 +31,16 @@ def test_version_flag_prints_the_package_version(capsys):
     assert capsys.readouterr().out.strip() == f"prefixcache {version()}" == "prefixcache 0.1.0"
 
 
-@pytest.mark.parametrize(("argv", "level", "fmt"), [
-    (["serve"], "INFO", "text"),
-    (["--log-level", "DEBUG", "serve"], "DEBUG", "text"),
-    (["serve", "--log-level", "DEBUG", "--log-format", "json"], "DEBUG", "json"),
-    (["--log-level", "ERROR", "serve", "--log-level", "WARNING"], "WARNING", "text"),
-    (["stats", "--log-format", "json"], "INFO", "json"),
-])
+@pytest.mark.parametrize(
+    ("argv", "level", "fmt"),
+    [
+        (["serve"], "INFO", "text"),
+        (["--log-level", "DEBUG", "serve"], "DEBUG", "text"),
+        (["serve", "--log-level", "DEBUG", "--log-format", "json"], "DEBUG", "json"),
+        (["--log-level", "ERROR", "serve", "--log-level", "WARNING"], "WARNING", "text"),
+        (["stats", "--log-format", "json"], "INFO", "json"),
+    ],
+)
 def test_global_options_go_before_or_after_the_command(argv, level, fmt):
     args = build_parser(argv, environ={}).parse_args(argv)
     assert (args.log_level, args.log_format) == (level, fmt)
@@ -50,10 +53,17 @@ def test_a_bad_global_option_after_the_command_names_it(capsys):
 
 
 def test_environment_defaults_with_flag_over_env_over_default():
-    env = {"PREFIXCACHE_HOST_CAPACITY": "2Gi", "PREFIXCACHE_BLOCK_SIZE": "32", "PREFIXCACHE_HASH": "sha256",
-           "PREFIXCACHE_LOG_LEVEL": "DEBUG", "PREFIXCACHE_LOG_FORMAT": "json"}
+    env = {
+        "PREFIXCACHE_HOST_CAPACITY": "2Gi",
+        "PREFIXCACHE_BLOCK_SIZE": "32",
+        "PREFIXCACHE_HASH": "sha256",
+        "PREFIXCACHE_LOG_LEVEL": "DEBUG",
+        "PREFIXCACHE_LOG_FORMAT": "json",
+    }
+
     def parse(argv):
         return build_parser(argv, environ=env).parse_args(argv)
+
     args = parse(["serve"])
     assert (args.host_capacity, args.block_size, args.hash) == ("2Gi", 32, "sha256")
     assert (args.log_level, args.log_format) == ("DEBUG", "json")
@@ -63,17 +73,23 @@ def test_environment_defaults_with_flag_over_env_over_default():
     assert (plain.block_size, plain.host_capacity, plain.log_level) == (16, "1GiB", "INFO")
 
 
-@pytest.mark.parametrize(("value", "expected"), [("1", True), ("true", True), ("ON", True), ("0", False),
-                                                 ("no", False), ("", False)])
+@pytest.mark.parametrize(
+    ("value", "expected"), [("1", True), ("true", True), ("ON", True), ("0", False), ("no", False), ("", False)]
+)
 def test_switches_read_from_the_environment(value, expected):
     argv = ["worker"]
     args = build_parser(argv, environ={"PREFIXCACHE_NO_CACHE": value}).parse_args(argv)
     assert args.no_cache is expected
 
 
-@pytest.mark.parametrize(("env", "words"), [({"PREFIXCACHE_HASH": "md5"}, "PREFIXCACHE_HASH='md5': must be one of"),
-                                            ({"PREFIXCACHE_NO_CACHE": "maybe"}, "PREFIXCACHE_NO_CACHE='maybe'"),
-                                            ({"PREFIXCACHE_BLOCK_SIZE": "big"}, "--block-size")])
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        ({"PREFIXCACHE_HASH": "md5"}, "PREFIXCACHE_HASH='md5': must be one of"),
+        ({"PREFIXCACHE_NO_CACHE": "maybe"}, "PREFIXCACHE_NO_CACHE='maybe'"),
+        ({"PREFIXCACHE_BLOCK_SIZE": "big"}, "--block-size"),
+    ],
+)
 def test_a_bad_environment_value_is_one_error_naming_it(env, words, capsys):
     argv = ["serve" if "HASH" in str(env) or "BLOCK" in str(env) else "worker"]
     with pytest.raises(SystemExit) as failed:
@@ -83,8 +99,11 @@ def test_a_bad_environment_value_is_one_error_naming_it(env, words, capsys):
 
 def test_the_k8s_configmap_names_flags_of_serve_or_worker():
     """The configmap's keys are PREFIXCACHE_<FLAG> of the containers that read them (envFrom)."""
-    configmap = next(d for d in yaml.safe_load_all((ROOT / "deploy/k8s/app/configmap.yaml").read_text())
-                     if d and d.get("kind") == "ConfigMap")
+    configmap = next(
+        d
+        for d in yaml.safe_load_all((ROOT / "deploy/k8s/app/configmap.yaml").read_text())
+        if d and d.get("kind") == "ConfigMap"
+    )
     parser = build_parser(None, environ={})
     subs = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices
     names = {env_name(a) for cmd in ("serve", "worker") for a in subs[cmd]._actions} - {None}
@@ -93,9 +112,19 @@ def test_the_k8s_configmap_names_flags_of_serve_or_worker():
     assert parse_size(args.host_capacity) == parse_size(configmap["data"]["PREFIXCACHE_HOST_CAPACITY"])
 
 
-@pytest.mark.parametrize(("text", "size"), [("2Gi", 2 << 30), ("512Mi", 512 << 20), ("4Ki", 4096), ("1Ti", 1 << 40),
-                                            ("2GiB", 2 << 30), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000),
-                                            ("1000", 1000)])
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("2Gi", 2 << 30),
+        ("512Mi", 512 << 20),
+        ("4Ki", 4096),
+        ("1Ti", 1 << 40),
+        ("2GiB", 2 << 30),
+        ("512MiB", 512 << 20),
+        ("1.5GB", 1_500_000_000),
+        ("1000", 1000),
+    ],
+)
 def test_sizes_take_kubernetes_and_iec_units(text, size):
     assert parse_size(text) == size
 
@@ -144,11 +173,18 @@ BLOCKER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("argv", [["serve", "--help"], ["--help"], ["stats", "--help"], ["inspect", "--help"],
-                                  ["--version"], ["replay"]])
+@pytest.mark.parametrize(
+    "argv", [["serve", "--help"], ["--help"], ["stats", "--help"], ["inspect", "--help"], ["--version"], ["replay"]]
+)
 def test_light_commands_run_without_transformers_tiktoken_or_aiohttp(argv):
-    done = subprocess.run([sys.executable, "-c", BLOCKER, *argv], cwd=ROOT, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", BLOCKER, *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
     assert "LOADED [] CODE" in done.stderr, done.stderr[-3000:]
     if argv == ["replay"]:  # listed, and names what to install
         assert "CODE 2" in done.stderr and "pip install 'prefixcache[replay]'" in done.stderr
@@ -187,7 +223,13 @@ SERVE_AND_USE = textwrap.dedent("""
 
 def test_a_running_service_its_client_and_stats_need_none_of_them():
     script = BLOCKER.split("import prefixcache.client")[0] + SERVE_AND_USE
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
     assert "LOADED [] CODE 0" in done.stderr, done.stderr[-3000:]
     assert json.loads(done.stdout)["blocks"]["committed"] == 3

@@ -24,14 +24,36 @@ pytestmark = pytest.mark.unit
 LAYOUT = KVLayout(4, 2, 32, 16, "bfloat16")
 
 
-def snapshot(uptime: float = 10.0, lookups: int = 0, hits: int = 0, tokens: int = 0, saved: int = 0,
-             evictions: dict | None = None, spills: dict | None = None) -> StatsSnapshot:
+def snapshot(
+    uptime: float = 10.0,
+    lookups: int = 0,
+    hits: int = 0,
+    tokens: int = 0,
+    saved: int = 0,
+    evictions: dict | None = None,
+    spills: dict | None = None,
+) -> StatsSnapshot:
     return StatsSnapshot(
-        uptime_s=uptime, lookups=lookups, request_hits=hits, request_misses=lookups - hits, block_hits=saved // 16,
-        block_misses=0, token_hits=saved, tokens_looked_up=tokens, tokens_saved=saved, blocks_committed=0,
-        blocks_deduplicated=0, active_leases=0, tiers=(TierSnapshot(TierKind.HOST, 4, 4 * 16384, 1 << 20),),
-        spills=spills or {}, spills_dropped=0, promotions={}, evictions=evictions or {}, miss_reasons={},
-        remote_up=None)
+        uptime_s=uptime,
+        lookups=lookups,
+        request_hits=hits,
+        request_misses=lookups - hits,
+        block_hits=saved // 16,
+        block_misses=0,
+        token_hits=saved,
+        tokens_looked_up=tokens,
+        tokens_saved=saved,
+        blocks_committed=0,
+        blocks_deduplicated=0,
+        active_leases=0,
+        tiers=(TierSnapshot(TierKind.HOST, 4, 4 * 16384, 1 << 20),),
+        spills=spills or {},
+        spills_dropped=0,
+        promotions={},
+        evictions=evictions or {},
+        miss_reasons={},
+        remote_up=None,
+    )
 
 
 def doc(**fields) -> dict:
@@ -46,11 +68,15 @@ def test_the_document_keeps_every_key_before_the_cache_exists():
         return {k: shape(v) for k, v in value.items()} if isinstance(value, dict) else None
 
     skip = {"tiers", "layout", "evictions", "spills", "promotions", "redis"}  # maps keyed by what exists
-    assert {k: v for k, v in shape(empty).items() if k not in skip} == \
-        {k: v for k, v in shape(ready).items() if k not in skip}
+    assert {k: v for k, v in shape(empty).items() if k not in skip} == {
+        k: v for k, v in shape(ready).items() if k not in skip
+    }
     assert empty["requests"]["hit_rate"] is None and empty["tokens"]["hit_rate"] is None  # 0/0 is not 0 %
-    assert empty["evictions"] == {"total": 0, "by_reason": {"lru": 0, "ttl": 0, "capacity": 0, "manual": 0},
-                                  "by_tier": {}}
+    assert empty["evictions"] == {
+        "total": 0,
+        "by_reason": {"lru": 0, "ttl": 0, "capacity": 0, "manual": 0},
+        "by_tier": {},
+    }
     assert ready["requests"]["hit_rate"] == 0.75 and ready["tokens"]["hit_rate"] == 0.48
     assert ready["evictions"]["by_tier"] == {"host": {"lru": 2, "ttl": 0, "capacity": 0, "manual": 0}}
     assert ready["tiers"]["host"]["utilization"] == 4 * 16384 / (1 << 20)
@@ -70,8 +96,9 @@ def test_top_window_spans_a_minute_and_drops_older_snapshots():
     model = TopModel(window_s=60)
     for second in range(0, 121, 10):  # 10 lookups/s, the first 60 s all misses, then all hits
         hits = max(0, second - 60)
-        model.add(doc(uptime=10.0 + second, lookups=second, hits=hits, tokens=second * 10, saved=hits * 10),
-                  at=float(second))
+        model.add(
+            doc(uptime=10.0 + second, lookups=second, hits=hits, tokens=second * 10, saved=hits * 10), at=float(second)
+        )
     window = model.window()
     assert window["seconds"] == 60.0  # base = the newest snapshot at least a minute old
     assert window["request_hit_rate"] == 1.0 and window["token_hit_rate"] == 1.0
@@ -94,8 +121,15 @@ def test_token_files_accept_json_or_separated_ints(tmp_path, text, tokens):
     assert read_tokens_file(str(path)) == tokens
 
 
-@pytest.mark.parametrize("text, message", [("[1, 2.0]", "item 1 is 2.0"), ('["1"]', "a JSON list of ints"),
-                                           ("1 -2", "item 1 is '-2'"), ("[1,", "invalid JSON")])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[1, 2.0]", "item 1 is 2.0"),
+        ('["1"]', "a JSON list of ints"),
+        ("1 -2", "item 1 is '-2'"),
+        ("[1,", "invalid JSON"),
+    ],
+)
 def test_token_files_name_the_bad_item(tmp_path, text, message):
     path = tmp_path / "t"
     path.write_text(text)
@@ -119,6 +153,9 @@ def test_a_layout_mismatch_names_both_layouts():
     identity = WorkerIdentity("prefixcache-tiny-llama", "0" * 64, KVLayout(4, 2, 32, 16, "float32"))
     check_layout(KVLayout(4, 2, 32, 16, "float32"), identity, args)  # equal: no error
     check_layout(None, identity, args)  # a cache without a layout yet: nothing to compare
-    with pytest.raises(AdminError, match=r"holds KV of layout \(4 layers x 2 kv heads x 32, bfloat16, block 16\) "
-                                         r"but --model tiny --dtype float32 .* gives .*float32"):
+    with pytest.raises(
+        AdminError,
+        match=r"holds KV of layout \(4 layers x 2 kv heads x 32, bfloat16, block 16\) "
+        r"but --model tiny --dtype float32 .* gives .*float32",
+    ):
         check_layout(LAYOUT, identity, args)

@@ -37,10 +37,12 @@ def service(tmp_path_factory):
 def test_the_client_docs_example_runs(service, same_host):
     with service.client() as admin:
         admin.flush()  # each run starts from an empty cache, as the example expects
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PREFIXCACHE_CACHE=service.address,
-               EXAMPLE_SAME_HOST="1" if same_host else "0")
+    env = dict(
+        os.environ, PYTHONPATH=str(ROOT), PREFIXCACHE_CACHE=service.address, EXAMPLE_SAME_HOST="1" if same_host else "0"
+    )
     env.pop("PREFIXCACHE_AUTH_TOKEN", None)
-    done = subprocess.run([sys.executable, "-c", example()], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", example()], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"shared memory: {same_host}" in done.stdout and "blocks reused: 0 4" in done.stdout, done.stdout

@@ -40,8 +40,14 @@ PAYLOAD = payload_of(LAYOUT)
 FRAME = encode_block(LAYOUT, NS, HASH, PARENT, TOKENS, PAYLOAD)
 
 
-def decode(frame: bytes, layout: KVLayout = LAYOUT, ns: str = NS, block_hash: bytes = HASH,
-           parent: bytes = PARENT, tokens: np.ndarray = TOKENS) -> memoryview:
+def decode(
+    frame: bytes,
+    layout: KVLayout = LAYOUT,
+    ns: str = NS,
+    block_hash: bytes = HASH,
+    parent: bytes = PARENT,
+    tokens: np.ndarray = TOKENS,
+) -> memoryview:
     return decode_block(frame, layout, ns, block_hash, parent, tokens)
 
 
@@ -85,13 +91,16 @@ def test_trailing_bytes_are_rejected() -> None:
     assert "frame is" in corrupt_reason(FRAME + b"\x00")
 
 
-@pytest.mark.parametrize(("expected", "field"), [
-    ({"block_hash": OTHER_HASH}, "block hash"),
-    ({"parent": OTHER_HASH}, "parent hash"),
-    ({"ns": "fedcba9876543210"}, "namespace id"),
-    ({"tokens": np.array([7, 8, 9, 10], dtype="<u4")}, "tokens"),
-    ({"layout": layout_of(DType.BFLOAT16)}, "dtype"),
-])
+@pytest.mark.parametrize(
+    ("expected", "field"),
+    [
+        ({"block_hash": OTHER_HASH}, "block hash"),
+        ({"parent": OTHER_HASH}, "parent hash"),
+        ({"ns": "fedcba9876543210"}, "namespace id"),
+        ({"tokens": np.array([7, 8, 9, 10], dtype="<u4")}, "tokens"),
+        ({"layout": layout_of(DType.BFLOAT16)}, "dtype"),
+    ],
+)
 def test_value_copied_under_another_key_fails_the_binding(expected: dict, field: str) -> None:
     """The frame is valid, but not for the key (and prefix) it was read under."""
     assert field in corrupt_reason(FRAME, **expected)
@@ -120,7 +129,7 @@ def test_absurd_header_length_is_never_trusted(header_len: int) -> None:
 def test_tampered_payload_length_field() -> None:
     header_len = struct.unpack_from("<I", FRAME, 6)[0]
     offset = 10 + header_len - 16  # payload length u64, then checksum u64
-    frame = FRAME[:offset] + struct.pack("<Q", 2**62) + FRAME[offset + 8:]
+    frame = FRAME[:offset] + struct.pack("<Q", 2**62) + FRAME[offset + 8 :]
     assert "payload length" in corrupt_reason(frame)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import json
 import os
 import re
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 import jsonschema
+import pytest
 
 from prefixcache_services.replay.report import load_schema
 
@@ -23,9 +23,25 @@ def test_demo_replays_sharegpt_and_passes_the_output_check(tmp_path):
     out = tmp_path / "demo.json"
     logs = tmp_path / "logs"
     done = subprocess.run(
-        [sys.executable, "-m", "prefixcache_services", "demo", "--conversations", "2",
-         "--no-progress", "--json", str(out), "--log-dir", str(logs)],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "prefixcache_services",
+            "demo",
+            "--conversations",
+            "2",
+            "--no-progress",
+            "--json",
+            str(out),
+            "--log-dir",
+            str(logs),
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "output check: 0 mismatches" in done.stdout and "[PASS]" in done.stdout
     assert "prefill saved:" in done.stdout and "TTFT p50:" in done.stdout

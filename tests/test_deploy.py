@@ -25,10 +25,10 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from threading import Thread
-from typing import Iterator
 
 import kubernetes_validate
 import pytest
@@ -43,17 +43,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.process]
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
-K8S_VERSIONS = ("1.29.0", "1.33.0")      # 1.29: native sidecars on by default
+K8S_VERSIONS = ("1.29.0", "1.33.0")  # 1.29: native sidecars on by default
 PLANNED_SUBCOMMANDS = {"serve", "worker", "stats", "top", "inspect", "evict", "flush", "replay", "demo"}
 # Stand-ins for the Secrets an operator creates (docs/deploy.md), to expand $(VAR)s.
-EXAMPLE_SECRETS = {("prefixcache-redis", "redis-url"): "redis+cluster://prefixcache:0a1b2c3d@redis-cluster:6379",
-                   ("prefixcache-auth", "token"): "0123456789abcdef0123456789abcdef"}
+EXAMPLE_SECRETS = {
+    ("prefixcache-redis", "redis-url"): "redis+cluster://prefixcache:0a1b2c3d@redis-cluster:6379",
+    ("prefixcache-auth", "token"): "0123456789abcdef0123456789abcdef",
+}
 DEADLINE_S = 20.0
 
 
-
-
 # ---- loading the files ------------------------------------------------------------------------
+
 
 def k8s_files() -> list[Path]:
     return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml")
@@ -92,8 +93,11 @@ def redis_setting(text: str, name: str) -> list[str]:
 def dockerfile() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
     text = re.sub(r"\\\n(\s*#[^\n]*\n)*", " ", (DEPLOY / "Dockerfile").read_text())
-    return [(m.group(1).upper(), m.group(2).strip()) for m in re.finditer(r"^\s*([A-Za-z]+)\s+(.*)$", text, re.M)
-            if not m.group(0).lstrip().startswith("#")]
+    return [
+        (m.group(1).upper(), m.group(2).strip())
+        for m in re.finditer(r"^\s*([A-Za-z]+)\s+(.*)$", text, re.M)
+        if not m.group(0).lstrip().startswith("#")
+    ]
 
 
 def quantity(value: str) -> int:
@@ -105,6 +109,7 @@ def quantity(value: str) -> int:
 
 
 # ---- Kubernetes -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 @pytest.mark.parametrize("path", k8s_files(), ids=lambda p: str(p.relative_to(K8S)))
@@ -137,8 +142,12 @@ def test_kustomizations_reference_every_manifest_and_render() -> None:
             kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
         kinds[overlay] = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in docs)
     assert "StatefulSet/redis-cluster" in kinds[""] and "Deployment/prefixcache" in kinds[""]
-    assert kinds["external-redis"] == ["ConfigMap/prefixcache", "Deployment/prefixcache",
-                                       "PodDisruptionBudget/prefixcache", "Service/prefixcache"]
+    assert kinds["external-redis"] == [
+        "ConfigMap/prefixcache",
+        "Deployment/prefixcache",
+        "PodDisruptionBudget/prefixcache",
+        "Service/prefixcache",
+    ]
 
 
 def assert_shm_sized_for(shm_bytes: int, host_capacity: int) -> None:
@@ -148,7 +157,8 @@ def assert_shm_sized_for(shm_bytes: int, host_capacity: int) -> None:
 
     needed = dev_shm_bytes_for(host_capacity)
     assert needed <= shm_bytes <= needed + host_capacity // 2, (
-        f"/dev/shm of {shm_bytes} bytes for --host-capacity {host_capacity}: needs {needed} to {needed + host_capacity // 2}")
+        f"/dev/shm of {shm_bytes} bytes for --host-capacity {host_capacity}: needs {needed} to {needed + host_capacity // 2}"
+    )
 
 
 def assert_docs_give_shm_size(prefix: str, size: str) -> None:
@@ -163,7 +173,10 @@ def test_worker_pod_shares_memory_backed_shm_with_the_cache_sidecar() -> None:
     spec = deployment["spec"]["template"]["spec"]
     cache, worker = pod_containers(deployment)["cache"], pod_containers(deployment)["worker"]
     assert cache in spec["initContainers"] and cache["restartPolicy"] == "Always", "cache must be a native sidecar"
-    mounts = {name: {m["mountPath"]: m["name"] for m in c["volumeMounts"]} for name, c in (("cache", cache), ("worker", worker))}
+    mounts = {
+        name: {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        for name, c in (("cache", cache), ("worker", worker))
+    }
     assert mounts["cache"]["/dev/shm"] == mounts["worker"]["/dev/shm"]
     shm = next(v for v in spec["volumes"] if v["name"] == mounts["cache"]["/dev/shm"])
     assert shm["emptyDir"]["medium"] == "Memory"
@@ -172,7 +185,10 @@ def test_worker_pod_shares_memory_backed_shm_with_the_cache_sidecar() -> None:
     assert_docs_give_shm_size("sizeLimit: ", shm["emptyDir"]["sizeLimit"])
     # The service reserves the segment's pages at start: they are charged to the sidecar.
     assert quantity(cache["resources"]["limits"]["memory"]) > capacity
-    assert quantity(worker["resources"]["limits"]["memory"]) - quantity(worker["resources"]["requests"]["memory"]) >= capacity
+    assert (
+        quantity(worker["resources"]["limits"]["memory"]) - quantity(worker["resources"]["requests"]["memory"])
+        >= capacity
+    )
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert cache[probe]["grpc"]["port"] == 50051
         assert worker[probe]["httpGet"] == {"path": "/health", "port": 8000}
@@ -194,7 +210,9 @@ def test_redis_cluster_is_three_masters_with_one_replica_each() -> None:
     assert statefulset["spec"]["replicas"] == 6
     headless = k8s_object("Service", statefulset["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None"
-    env = {e["name"]: e.get("value") for e in pod_containers(k8s_object("Job", "redis-cluster-create"))["create"]["env"]}
+    env = {
+        e["name"]: e.get("value") for e in pod_containers(k8s_object("Job", "redis-cluster-create"))["create"]["env"]
+    }
     name, service = statefulset["metadata"]["name"], headless["metadata"]["name"]
     assert env["REDIS_CLUSTER_NODES"].split() == [f"{name}-{i}.{service}:6379" for i in range(6)]
     assert env["REDIS_CLUSTER_REPLICAS"] == "1"
@@ -207,6 +225,7 @@ def test_redis_cluster_is_three_masters_with_one_replica_each() -> None:
 
 # ---- the real CLI accepts every invocation ----------------------------------------------------
 
+
 def expand(args: list[str], container: dict) -> list[str]:
     """Kubernetes $(VAR) expansion from the container's env and envFrom ConfigMaps."""
     env: dict[str, str] = {}
@@ -215,7 +234,9 @@ def expand(args: list[str], container: dict) -> list[str]:
     for item in container.get("env", []):
         ref = item.get("valueFrom", {})
         if "configMapKeyRef" in ref:
-            env[item["name"]] = k8s_object("ConfigMap", ref["configMapKeyRef"]["name"])["data"][ref["configMapKeyRef"]["key"]]
+            env[item["name"]] = k8s_object("ConfigMap", ref["configMapKeyRef"]["name"])["data"][
+                ref["configMapKeyRef"]["key"]
+            ]
         elif "secretKeyRef" in ref:
             env[item["name"]] = EXAMPLE_SECRETS[(ref["secretKeyRef"]["name"], ref["secretKeyRef"]["key"])]
         else:
@@ -224,13 +245,17 @@ def expand(args: list[str], container: dict) -> list[str]:
     def one(match: re.Match) -> str:
         assert match.group(1) in env, f"$({match.group(1)}) is not defined in container {container['name']}"
         return env[match.group(1)]
+
     return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, arg) for arg in args]
 
 
 def invocations() -> dict[str, list[str]]:
     """Every `prefixcache` argument vector in the deploy files, by where it is."""
-    found = {f"compose:{name}": service["command"] for name, service in compose()["services"].items()
-             if service.get("image", "").startswith("prefixcache")}
+    found = {
+        f"compose:{name}": service["command"]
+        for name, service in compose()["services"].items()
+        if service.get("image", "").startswith("prefixcache")
+    }
     cmd = next(json.loads(args) for instr, args in dockerfile() if instr == "CMD")
     found["Dockerfile:CMD"] = cmd
     for name, container in pod_containers(k8s_object("Deployment", "prefixcache")).items():
@@ -271,6 +296,7 @@ def test_invocation_is_accepted_by_the_real_cli(where: str) -> None:
 
 # ---- the service starts with the deployed flags and passes the deployed health checks ---------
 
+
 def joined(argv: list[str]) -> list[str]:
     """`--flag value` pairs as `--flag=value`, asking the real parser which flags take a value."""
     actions, out, rest = subparsers_of(real_parser())[argv[0]]._option_string_actions, [], list(argv[1:])
@@ -284,8 +310,14 @@ def joined(argv: list[str]) -> list[str]:
 @contextlib.contextmanager
 def running_serve(argv: list[str], tmp_path: Path) -> Iterator[int]:
     """`prefixcache serve` with the given flags, on free loopback ports; yields the gRPC port."""
-    rewritten, files = [], {"--auth-token-file": "token", "--redis-password-file": "redis-password",
-                            "--redis-hmac-key-file": "redis-hmac-key"}
+    rewritten, files = (
+        [],
+        {
+            "--auth-token-file": "token",
+            "--redis-password-file": "redis-password",
+            "--redis-hmac-key-file": "redis-hmac-key",
+        },
+    )
     for arg in joined(argv):
         flag, _, value = arg.partition("=")
         if flag in files:
@@ -295,8 +327,13 @@ def running_serve(argv: list[str], tmp_path: Path) -> Iterator[int]:
         rewritten.append(f"{flag}={value}" if value else flag)
     if not any(a.startswith("--auth-token") for a in rewritten):
         rewritten.append("--auth-token=0123456789abcdef0123456789abcdef")  # health must not need it
-    proc = subprocess.Popen([sys.executable, "-m", "prefixcache_services", "serve", *rewritten], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefixcache_services", "serve", *rewritten],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         port, deadline = None, time.monotonic() + DEADLINE_S
         while port is None and time.monotonic() < deadline and proc.poll() is None:
@@ -325,6 +362,7 @@ def test_service_starts_with_deployed_flags_and_passes_health_checks(where: str,
         if where.startswith("k8s"):  # what the kubelet's gRPC probes ask, without a token
             import grpc
             from grpc_health.v1 import health_pb2, health_pb2_grpc
+
             cache = pod_containers(k8s_object("Deployment", "prefixcache"))["cache"]
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -362,6 +400,7 @@ def test_worker_healthcheck_follows_the_http_status() -> None:
 
 # ---- compose ----------------------------------------------------------------------------------
 
+
 def test_compose_starts_redis_cache_worker_in_health_order() -> None:
     services = compose()["services"]
     assert set(services) == {"redis", "cache", "worker"}
@@ -398,6 +437,7 @@ def test_compose_cache_and_worker_mount_one_tmpfs_volume_at_dev_shm() -> None:
 
 # ---- Dockerfile -------------------------------------------------------------------------------
 
+
 def test_dockerfile_installs_cpu_torch_first_and_runs_prefixcache_as_non_root() -> None:
     steps = dockerfile()
     assert steps[0] == ("FROM", "python:3.11-slim")
@@ -424,23 +464,34 @@ def test_dockerignore_excludes_local_state_but_not_the_sources() -> None:
 def test_docs_sizing_table_matches_the_kv_layout() -> None:
     from prefixcache.config import DType, KVLayout
     from prefixcache_services.worker.model import tiny_config
+
     tiny = tiny_config(vocab_size=1000)
-    rows = {"Llama-3-8B": KVLayout(32, 8, 128, 16, DType.FLOAT16),
-            "built-in `tiny`": KVLayout(tiny.num_hidden_layers, tiny.num_key_value_heads,
-                                        tiny.hidden_size // tiny.num_attention_heads, 16, DType.FLOAT32),
-            "Llama-3-8B, fp8 KV (`float8_e4m3fn`)": KVLayout(32, 8, 128, 16, DType.FLOAT8_E4M3FN)}
+    rows = {
+        "Llama-3-8B": KVLayout(32, 8, 128, 16, DType.FLOAT16),
+        "built-in `tiny`": KVLayout(
+            tiny.num_hidden_layers,
+            tiny.num_key_value_heads,
+            tiny.hidden_size // tiny.num_attention_heads,
+            16,
+            DType.FLOAT32,
+        ),
+        "Llama-3-8B, fp8 KV (`float8_e4m3fn`)": KVLayout(32, 8, 128, 16, DType.FLOAT8_E4M3FN),
+    }
     labels = {DType.FLOAT16: "fp16", DType.FLOAT32: "float32", DType.FLOAT8_E4M3FN: "fp8"}
     doc = (ROOT / "docs" / "deploy.md").read_text()
     for model, layout in rows.items():
         per_token, block = layout.block_bytes // 16, layout.block_bytes
-        expected = (f"| {model} | {layout.layers} × {layout.kv_heads} × {layout.head_dim} | "
-                    f"{labels[layout.dtype]} | {per_token >> 10} KiB | "
-                    f"{block >> 10 if block < 1 << 20 else block >> 20} {'KiB' if block < 1 << 20 else 'MiB'} | "
-                    f"{(1 << 30) // block:,} blocks")
+        expected = (
+            f"| {model} | {layout.layers} × {layout.kv_heads} × {layout.head_dim} | "
+            f"{labels[layout.dtype]} | {per_token >> 10} KiB | "
+            f"{block >> 10 if block < 1 << 20 else block >> 20} {'KiB' if block < 1 << 20 else 'MiB'} | "
+            f"{(1 << 30) // block:,} blocks"
+        )
         assert expected in doc, expected
 
 
 # ---- Redis ------------------------------------------------------------------------------------
+
 
 def acl_rules(text: str) -> list[str]:
     users = [d for d in redis_directives(text) if d[0] == "user" and d[1] == "prefixcache"]
@@ -461,23 +512,28 @@ def test_acl_rules_and_key_prefix_agree_everywhere() -> None:
     rules = acl_rules((DEPLOY / "redis.conf").read_text())
     assert rules == k8s_object("ConfigMap", "redis-cluster")["data"]["prefixcache.acl"].split()
     cache = compose()["services"]["cache"]["command"]
-    prefixes = {cache[cache.index("--redis-key-prefix") + 1],
-                k8s_object("ConfigMap", "prefixcache")["data"]["PREFIXCACHE_REDIS_KEY_PREFIX"]}
+    prefixes = {
+        cache[cache.index("--redis-key-prefix") + 1],
+        k8s_object("ConfigMap", "prefixcache")["data"]["PREFIXCACHE_REDIS_KEY_PREFIX"],
+    }
     assert [f"~{p}:*" for p in prefixes] == [r for r in rules if r.startswith("~")]
 
 
 @contextlib.contextmanager
-def redis_process(argv: list[str], port: int, cwd: Path, env: dict | None = None,
-                  **auth) -> Iterator[redis.Redis]:
+def redis_process(argv: list[str], port: int, cwd: Path, env: dict | None = None, **auth) -> Iterator[redis.Redis]:
     log = cwd / "redis.log"
-    proc = subprocess.Popen([*argv, "--port", str(port), "--bind", "127.0.0.1", "--daemonize", "no",
-                             "--logfile", str(log)], cwd=cwd, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        [*argv, "--port", str(port), "--bind", "127.0.0.1", "--daemonize", "no", "--logfile", str(log)],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )
     client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, **auth)
 
     def ready() -> bool:
         assert proc.poll() is None, f"redis-server exited: {log.read_text() if log.exists() else ''}"
         with contextlib.suppress(redis.ConnectionError):
             return client.ping()
+
     try:
         assert poll(ready, DEADLINE_S, 0.02), f"redis on {port} not ready"
         yield client
@@ -490,8 +546,10 @@ def redis_process(argv: list[str], port: int, cwd: Path, env: dict | None = None
 def exercise_tier(url: str, password: str) -> None:
     """The real RedisTier, as the ACL user: write, read, delete a namespace, flush."""
     from prefixcache.tiers.redis import RedisOptions, RedisTier
-    options = RedisOptions(url=url, key_prefix="pfx", ttl_s=60, password=password, socket_timeout_s=1.0,
-                           write_timeout_s=1.0)
+
+    options = RedisOptions(
+        url=url, key_prefix="pfx", ttl_s=60, password=password, socket_timeout_s=1.0, write_timeout_s=1.0
+    )
     hashes = [i.to_bytes(16, "big") for i in range(1, 40)]
     with RedisTier(options) as tier:
         assert poll(tier.is_up, DEADLINE_S, 0.02), "tier never connected"
@@ -514,15 +572,20 @@ def test_redis_conf_runs_the_tier_as_the_acl_user_and_evicts_when_full(tmp_path:
     with redis_process(["redis-server", str(DEPLOY / "redis.conf")], port, tmp_path) as admin:
         assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
         assert admin.config_get("save") == {"save": ""} and admin.config_get("appendonly") == {"appendonly": "no"}
-        admin.execute_command("ACL", "SETUSER", "prefixcache", "on", f">{password}")   # as docs/deploy.md says
+        admin.execute_command("ACL", "SETUSER", "prefixcache", "on", f">{password}")  # as docs/deploy.md says
         exercise_tier(f"redis://prefixcache@127.0.0.1:{port}/0", password)
         with redis.Redis(port=port, username="prefixcache", password=password) as user:
-            for denied in (lambda: user.set("other:1", b"x"), user.flushall, lambda: user.keys("*"),
-                           lambda: user.config_get("*"), user.info):
+            for denied in (
+                lambda: user.set("other:1", b"x"),
+                user.flushall,
+                lambda: user.keys("*"),
+                lambda: user.config_get("*"),
+                user.info,
+            ):
                 with pytest.raises(redis.exceptions.NoPermissionError):
                     denied()
             admin.config_set("maxmemory", "4mb")
-            for i in range(64):   # 16 MiB into a 4 MiB Redis: never an OOM error
+            for i in range(64):  # 16 MiB into a 4 MiB Redis: never an OOM error
                 user.set(f"pfx:ns:{i}", os.urandom(256 << 10), px=60_000)
         assert 0 < admin.dbsize() < 64 and admin.info("stats")["evicted_keys"] > 0
 
@@ -532,21 +595,38 @@ def test_k8s_redis_cluster_scripts_form_a_cluster_the_tier_can_use(tmp_path: Pat
     (tmp_path / "conf").mkdir()
     for name, text in data.items():
         (tmp_path / "conf" / name).write_text(text)
-    env = {"REDIS_ADMIN_PASSWORD": "a1" * 20, "REDIS_PREFIXCACHE_PASSWORD": "b2" * 20,
-           "REDIS_CONF_DIR": str(tmp_path / "conf")}
+    env = {
+        "REDIS_ADMIN_PASSWORD": "a1" * 20,
+        "REDIS_PREFIXCACHE_PASSWORD": "b2" * 20,
+        "REDIS_CONF_DIR": str(tmp_path / "conf"),
+    }
     ports = [free_port(cluster_bus=True) for _ in range(6)]
     with contextlib.ExitStack() as stack:
         nodes = []
         for port in ports:
             (tmp_path / str(port)).mkdir()
             node_env = {**env, "REDIS_RUN_DIR": str(tmp_path / str(port))}
-            nodes.append(stack.enter_context(redis_process(
-                ["sh", str(tmp_path / "conf" / "start.sh")], port, tmp_path / str(port), node_env,
-                username="admin", password=env["REDIS_ADMIN_PASSWORD"])))
+            nodes.append(
+                stack.enter_context(
+                    redis_process(
+                        ["sh", str(tmp_path / "conf" / "start.sh")],
+                        port,
+                        tmp_path / str(port),
+                        node_env,
+                        username="admin",
+                        password=env["REDIS_ADMIN_PASSWORD"],
+                    )
+                )
+            )
         create = {**os.environ, **env, "REDIS_CLUSTER_NODES": " ".join(f"127.0.0.1:{p}" for p in ports)}
-        for _attempt in ("create", "again"):   # the second run must find the cluster formed
-            done = subprocess.run(["sh", str(tmp_path / "conf" / "create-cluster.sh")], env=create,
-                                  capture_output=True, text=True, timeout=60)
+        for _attempt in ("create", "again"):  # the second run must find the cluster formed
+            done = subprocess.run(
+                ["sh", str(tmp_path / "conf" / "create-cluster.sh")],
+                env=create,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert done.returncode == 0, done.stdout + done.stderr
         assert "already formed" in done.stdout
         roles = [n.info("replication") for n in nodes]
@@ -555,5 +635,5 @@ def test_k8s_redis_cluster_scripts_form_a_cluster_the_tier_can_use(tmp_path: Pat
         synced = lambda: all(n.info("replication")["master_link_status"] == "up" for n in replicas)  # noqa: E731
         assert poll(synced, DEADLINE_S, 0.02), "replicas never synced: masteruser/masterauth"
         with pytest.raises(redis.exceptions.AuthenticationError):
-            redis.Redis(port=ports[0]).ping()   # default user is off
+            redis.Redis(port=ports[0]).ping()  # default user is off
         exercise_tier(f"redis+cluster://prefixcache@127.0.0.1:{ports[0]}", env["REDIS_PREFIXCACHE_PASSWORD"])

@@ -13,8 +13,8 @@ from __future__ import annotations
 import secrets
 import subprocess
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -62,10 +62,11 @@ def raw(tensor: torch.Tensor) -> bytes:
 
 # ---- the one table ------------------------------------------------------------------------------
 
+
 def test_the_dtype_table_is_the_proto_enum_the_frame_code_and_torch():
     assert len({dtype.code for dtype in DType}) == len(DType)
     for dtype in DType:
-        assert pb.DType.Name(dtype.code) == f"DTYPE_{dtype.name}"     # proto numbers are the codes
+        assert pb.DType.Name(dtype.code) == f"DTYPE_{dtype.name}"  # proto numbers are the codes
         assert DType.from_code(dtype.code) is dtype and DType.parse(str(dtype.torch)) is dtype
         assert dtype.torch.itemsize == dtype.itemsize and dtype.nbytes(10) == 10 * dtype.itemsize
     assert {value for value in pb.DType.values() if value} == {dtype.code for dtype in DType}
@@ -83,20 +84,30 @@ def test_an_fp8_block_is_half_a_bf16_block_of_the_same_layout():
 
 
 def test_the_core_config_and_codec_stay_torch_free():
-    code = ("import sys, prefixcache.config, prefixcache.codec, prefixcache.hashing; "
-            "from prefixcache.config import DType, KVLayout; KVLayout(1, 1, 1, 1, DType.FLOAT8_E5M2).block_bytes; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, prefixcache.config, prefixcache.codec, prefixcache.hashing; "
+        "from prefixcache.config import DType, KVLayout; KVLayout(1, 1, 1, 1, DType.FLOAT8_E5M2).block_bytes; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 # ---- codec ------------------------------------------------------------------------------------
 
+
 @settings(max_examples=60, deadline=None)
-@given(dtype=st.sampled_from(list(DType)), layers=st.integers(1, 4), kv_heads=st.integers(1, 4),
-       head_dim=st.integers(1, 40), block_size=st.integers(1, 16), seed=st.integers(0, 2**32 - 1),
-       other=st.sampled_from(list(DType)))
-def test_frames_round_trip_every_format_and_shape_and_name_their_format(dtype, layers, kv_heads, head_dim,
-                                                                      block_size, seed, other):
+@given(
+    dtype=st.sampled_from(list(DType)),
+    layers=st.integers(1, 4),
+    kv_heads=st.integers(1, 4),
+    head_dim=st.integers(1, 40),
+    block_size=st.integers(1, 16),
+    seed=st.integers(0, 2**32 - 1),
+    other=st.sampled_from(list(DType)),
+)
+def test_frames_round_trip_every_format_and_shape_and_name_their_format(
+    dtype, layers, kv_heads, head_dim, block_size, seed, other
+):
     layout = KVLayout(layers, kv_heads, head_dim, block_size, dtype)
     payload = np.random.default_rng(seed).integers(0, 256, layout.block_bytes, dtype=np.uint8).tobytes()
     tokens = np.arange(block_size, dtype="<u4")
@@ -114,9 +125,10 @@ def test_frames_round_trip_every_format_and_shape_and_name_their_format(dtype, l
 def test_fp8_nan_and_negative_zero_patterns_survive_a_frame(dtype: DType):
     layout = layout_of(dtype)
     block = every_byte(1, layout)[0]
-    frame = encode_block(layout, "0123456789abcdef", b"h" * 16, b"p" * 16, np.arange(4, dtype="<u4"),
-                         memoryview(raw(block)))
-    assert frame[:-layout.block_bytes].count(bytes([dtype.code])) >= 1
+    frame = encode_block(
+        layout, "0123456789abcdef", b"h" * 16, b"p" * 16, np.arange(4, dtype="<u4"), memoryview(raw(block))
+    )
+    assert frame[: -layout.block_bytes].count(bytes([dtype.code])) >= 1
     out = decode_block(frame, layout, "0123456789abcdef", b"h" * 16, b"p" * 16, np.arange(4, dtype="<u4"))
     decoded = torch.frombuffer(bytearray(out), dtype=dtype.torch).reshape(layout.block_shape)
     assert raw(decoded) == raw(block)
@@ -124,6 +136,7 @@ def test_fp8_nan_and_negative_zero_patterns_survive_a_frame(dtype: DType):
 
 
 # ---- slot tiers -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", list(DType))
 def test_host_tier_mapping_and_device_pool_keep_every_bit(dtype: DType):
@@ -143,7 +156,7 @@ def test_host_tier_mapping_and_device_pool_keep_every_bit(dtype: DType):
             host.write_bytes(0, raw(blocks[2]))
             assert raw(mapped.pool.read([5, 1, 6, 2])) == raw(blocks)  # what a co-located worker sees
             assert raw(mapped.pool.view(0)) == raw(blocks[2])
-            mapped.pool.write(7, blocks[0])                             # and what it writes
+            mapped.pool.write(7, blocks[0])  # and what it writes
             assert raw(host.view(7)) == raw(blocks[0])
         finally:
             mapped.close()
@@ -163,11 +176,16 @@ def test_a_slot_refuses_another_format_instead_of_reinterpreting_its_bits():
 
 # ---- the cache over host and Redis ------------------------------------------------------------
 
+
 @contextmanager
 def redis_cache(url: str, prefix: str, layout: KVLayout, host_slots: int = 4) -> Iterator[PrefixCache]:
     options = RedisOptions(url=url, key_prefix=prefix, breaker_backoff_min_s=0.05, breaker_backoff_max_s=0.4)
-    cache = PrefixCache(CacheConfig(host_capacity=host_slots * layout.block_bytes), layout,
-                        HostTier(layout, host_slots * layout.block_bytes), remote=RedisTier(options))
+    cache = PrefixCache(
+        CacheConfig(host_capacity=host_slots * layout.block_bytes),
+        layout,
+        HostTier(layout, host_slots * layout.block_bytes),
+        remote=RedisTier(options),
+    )
     try:
         yield cache
     finally:
@@ -186,21 +204,26 @@ def test_blocks_spilled_to_redis_come_back_bit_for_bit(redis_server: RedisServer
         a, b = tokens_for(1, 4), tokens_for(2, 4)
         kv_a, kv_b = every_byte(4, layout), every_byte(4, layout, shift=101)
         assert cache.store(ns, a, kv_a).stored == 4
-        assert cache.store(ns, b, kv_b).stored == 4         # a's blocks leave the 4-slot host tier
+        assert cache.store(ns, b, kv_b).stored == 4  # a's blocks leave the 4-slot host tier
         assert cache.remote_link.tier.wait_idle(5) and cache.stats().spills.get("host", 0) >= 3
-        frames = cache.remote_link.tier.fetch(ns, cache.hasher.block_hashes(cache.hasher.root(Namespace("m", "r", layout)),
-                                                                  np.asarray(a, dtype="<u4"), 4))
+        frames = cache.remote_link.tier.fetch(
+            ns, cache.hasher.block_hashes(cache.hasher.root(Namespace("m", "r", layout)), np.asarray(a, dtype="<u4"), 4)
+        )
         assert all(frame is not None and bytes(frame).endswith(raw(kv)) for frame, kv in zip(frames, kv_a))
-        result = cache.lookup(ns, a)                          # promoted back from Redis
+        result = cache.lookup(ns, a)  # promoted back from Redis
         assert result.hit_tokens == 16 and result.miss_reason is None
         assert cache.stats().remote["hits"] >= 3
         assert same_bytes(read_blocks(cache, result.locations), kv_a)
 
 
-@pytest.mark.parametrize("reader_fields", [{"dtype": DType.FLOAT8_E5M2}, {"kv_scale": "k_scale=0.25"}],
-                         ids=["other fp8 format", "other kv_scale"])
+@pytest.mark.parametrize(
+    "reader_fields",
+    [{"dtype": DType.FLOAT8_E5M2}, {"kv_scale": "k_scale=0.25"}],
+    ids=["other fp8 format", "other kv_scale"],
+)
 def test_a_frame_read_under_another_format_or_scale_is_a_counted_verification_failure(
-        redis_server: RedisServer, reader_fields: dict):
+    redis_server: RedisServer, reader_fields: dict
+):
     """Another cache's frame copied under this namespace's key: the header names its format and
     namespace, so it is refused (counted, deleted), never returned as this cache's KV."""
     prefix = f"f{secrets.token_hex(4)}"
@@ -209,12 +232,16 @@ def test_a_frame_read_under_another_format_or_scale_is_a_counted_verification_fa
     writer_ns = Namespace("m", "r", writer_layout, kv_scale="k_scale=0.5")
     reader_ns = Namespace("m", "r", reader_layout, kv_scale=reader_fields.get("kv_scale", "k_scale=0.5"))
     tokens = tokens_for(3, 3)
-    with redis_cache(redis_server.url, prefix, writer_layout) as writer, \
-            redis_cache(redis_server.url, prefix, reader_layout) as reader:
+    with (
+        redis_cache(redis_server.url, prefix, writer_layout) as writer,
+        redis_cache(redis_server.url, prefix, reader_layout) as reader,
+    ):
         w, r = writer.attach(writer_ns), reader.attach(reader_ns)
         assert w != r
-        assert writer.store(w, tokens, every_byte(3, writer_layout)).stored == 3 and writer.remote_link.tier.wait_idle(5)
-        assert reader.lookup(r, tokens).hit_tokens == 0                 # different keys: nothing shared
+        assert writer.store(w, tokens, every_byte(3, writer_layout)).stored == 3 and writer.remote_link.tier.wait_idle(
+            5
+        )
+        assert reader.lookup(r, tokens).hit_tokens == 0  # different keys: nothing shared
         hasher = Hasher()
         array = np.asarray(tokens, dtype="<u4")
         writer_keys = [writer.remote_link.tier.key(w, h) for h in hasher.block_hashes(hasher.root(writer_ns), array, 4)]
@@ -234,20 +261,24 @@ def test_a_frame_read_under_another_format_or_scale_is_a_counted_verification_fa
 def test_caches_differing_only_in_kv_dtype_or_scale_share_nothing_through_one_redis(redis_server: RedisServer):
     prefix, tokens = f"f{secrets.token_hex(4)}", tokens_for(4, 3)
     bf16, fp8 = layout_of(DType.BFLOAT16), layout_of(DType.FLOAT8_E4M3FN)
-    with redis_cache(redis_server.url, prefix, fp8) as writer, redis_cache(redis_server.url, prefix, bf16) as other, \
-            redis_cache(redis_server.url, prefix, fp8) as reader:
+    with (
+        redis_cache(redis_server.url, prefix, fp8) as writer,
+        redis_cache(redis_server.url, prefix, bf16) as other,
+        redis_cache(redis_server.url, prefix, fp8) as reader,
+    ):
         scaled = Namespace("m", "r", fp8, kv_scale="k_scale=0.5,v_scale=0.5")
         ns = writer.attach(scaled)
         assert writer.store(ns, tokens, every_byte(3, fp8)).stored == 3 and writer.remote_link.tier.wait_idle(5)
         assert other.lookup(other.attach(Namespace("m", "r", bf16)), tokens).hit_tokens == 0
         for kv_scale in ("", "k_scale=0.5,v_scale=0.25"):
             assert reader.lookup(reader.attach(Namespace("m", "r", fp8, kv_scale=kv_scale)), tokens).hit_tokens == 0
-        same = reader.lookup(reader.attach(scaled), tokens)             # the same settings do share
+        same = reader.lookup(reader.attach(scaled), tokens)  # the same settings do share
         assert same.hit_tokens == 12 and same_bytes(read_blocks(reader, same.locations), every_byte(3, fp8))
         assert (other.stats().remote["integrity_failures"], reader.stats().remote["integrity_failures"]) == (0, 0)
 
 
 # ---- a real service ---------------------------------------------------------------------------
+
 
 def test_a_service_never_shares_blocks_across_kv_dtype_or_scale():
     layout = KVLayout(layers=3, kv_heads=1, head_dim=20, block_size=BLOCK, dtype=DType.FLOAT8_E4M3FN)
@@ -257,7 +288,7 @@ def test_a_service_never_shares_blocks_across_kv_dtype_or_scale():
         server = start()
         writer, stranger, twin = start.client(server), start.client(server), start.client(server)
         ns = writer.attach("m", layout, revision="r", same_host=False, kv_scale="k_scale=0.5").namespace_id
-        assert writer.store(tokens, kv).stored == 5                       # a Store stream
+        assert writer.store(tokens, kv).stored == 5  # a Store stream
         other = stranger.attach("m", layout, revision="r", same_host=False, kv_scale="k_scale=0.25").namespace_id
         assert other != ns and stranger.lookup(tokens, take_lease=False).hit_tokens == 0
         assert twin.attach("m", layout, revision="r", same_host=False, kv_scale="k_scale=0.5").namespace_id == ns
@@ -266,13 +297,23 @@ def test_a_service_never_shares_blocks_across_kv_dtype_or_scale():
             assert hit.hit_tokens == 5 * BLOCK and same_bytes(twin.read(hit), kv)  # a Fetch stream
         finally:
             twin.release(hit)
-        request = pb.AttachRequest(model="m", revision="r", layout=pb.KVLayout(
-            layers=3, kv_heads=1, head_dim=20, block_size=BLOCK, dtype=DType.BFLOAT16.code))
+        request = pb.AttachRequest(
+            model="m",
+            revision="r",
+            layout=pb.KVLayout(layers=3, kv_heads=1, head_dim=20, block_size=BLOCK, dtype=DType.BFLOAT16.code),
+        )
         assert rpc_code(stub_for(server).Attach, request)[0] is CODE.FAILED_PRECONDITION  # no bf16 beside fp8
-        header = pb.StoreHeader(namespace_id=ns, tokens=tokens, block_count=1, dtype=DType.FLOAT8_E5M2.code,
-                                block_shape=list(layout.block_shape))
+        header = pb.StoreHeader(
+            namespace_id=ns,
+            tokens=tokens,
+            block_count=1,
+            dtype=DType.FLOAT8_E5M2.code,
+            block_shape=list(layout.block_shape),
+        )
         assert rpc_code(stub_for(server).Store, iter([pb.StoreRequest(header=header)])) == (
-            CODE.INVALID_ARGUMENT, "header.dtype")
+            CODE.INVALID_ARGUMENT,
+            "header.dtype",
+        )
         listed = {entry.namespace_id: entry.kv_scale for entry in writer.namespaces()}
         assert listed == {ns: "k_scale=0.5", other: "k_scale=0.25"}
         doc = stats_document(writer.stats(), server.address)

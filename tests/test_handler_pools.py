@@ -45,6 +45,7 @@ def pool():
     def make(active: int, max_threads: int = 8) -> ElasticPool:
         pools.append(ElasticPool(active, max_threads, "test-pool"))
         return pools[-1]
+
     yield make
     for made in pools:
         made.shutdown(wait=True, cancel_futures=True)
@@ -57,6 +58,7 @@ def test_runs_at_most_active_calls_at_once(pool):
         with running:
             time.sleep(0.02)
         return i * i
+
     results = [future.result(10) for future in [elastic.submit(call, i) for i in range(12)]]
     assert results == [i * i for i in range(12)]
     assert running.most == 2
@@ -70,6 +72,7 @@ def test_a_waiting_call_lets_another_run(pool):
         with waiting():
             assert release.wait(10)
         return "slow"
+
     slow = elastic.submit(waits_on_the_network)
     quick = elastic.submit(lambda: "quick")
     assert quick.result(5) == "quick" and not slow.done()
@@ -93,6 +96,7 @@ def test_threads_are_capped(pool):
     def waits() -> None:
         with waiting():
             release.wait(10)
+
     first, second = elastic.submit(waits), elastic.submit(waits)
     third = elastic.submit(lambda: "third")
     with pytest.raises(TimeoutError):
@@ -108,6 +112,7 @@ def test_errors_reach_the_future_and_shutdown_cancels_the_queue(pool):
 
     def fails() -> None:
         raise KeyError("boom")
+
     with pytest.raises(KeyError):
         elastic.submit(fails).result(5)
     blocked = elastic.submit(release.wait, 10)
@@ -162,8 +167,10 @@ def test_open_streams_do_not_take_the_unary_threads():
         for stream in streams:
             replies.append(next(stream))  # the handler is now waiting for a second request
         leases = [client.lookup(tokens) for _ in range(2)]
-        fetches = [client._stub.Fetch(pb.FetchRequest(lease_id=hit.lease_id, max_chunk_bytes=1 << 20), timeout=30)
-                   for hit in leases]
+        fetches = [
+            client._stub.Fetch(pb.FetchRequest(lease_id=hit.lease_id, max_chunk_bytes=1 << 20), timeout=30)
+            for hit in leases
+        ]
         for fetch in fetches:
             next(fetch)  # started; the rest is never read
         assert poll(lambda: _stream_threads() - before >= 4, 10)
@@ -185,8 +192,20 @@ def test_a_lookup_waiting_on_redis_does_not_hold_up_local_hits(private_redis):
     from prefixcache.client import CacheClient
 
     layout = layout_of()
-    with serve("--block-size", "16", "--host-capacity", "4MiB", "--workers", "1", "--redis-url", private_redis.url,
-               "--redis-key-prefix", "pooltest", "--redis-timeout-ms", "5000") as server:
+    with serve(
+        "--block-size",
+        "16",
+        "--host-capacity",
+        "4MiB",
+        "--workers",
+        "1",
+        "--redis-url",
+        private_redis.url,
+        "--redis-key-prefix",
+        "pooltest",
+        "--redis-timeout-ms",
+        "5000",
+    ) as server:
         with CacheClient(server.address, timeout_s=20) as client, CacheClient(server.address, timeout_s=20) as other:
             client.attach("m", layout)
             other.attach("m", layout)

@@ -24,7 +24,7 @@ from prefixcache.results import BlockLocations
 from prefixcache.tiers.base import TierKind
 from prefixcache.transfer import ProbeBudget, TransferEstimate, TransferMeter, blocks_worth_fetching
 from prefixcache_services.worker.engine import PrefillResult
-from prefixcache_services.worker.hit_policy import (Decision, Estimates, HitPolicy, Offer, ReadPath, Verdict, choose)
+from prefixcache_services.worker.hit_policy import Decision, Estimates, HitPolicy, Offer, ReadPath, Verdict, choose
 from tests.core_support import ManualClock
 
 pytestmark = pytest.mark.unit
@@ -34,7 +34,7 @@ TOKENS = 16
 FAST_MAPPED = TransferEstimate(latency_s=10e-6, bytes_per_s=4e9)
 FAST_STREAM = TransferEstimate(latency_s=1e-3, bytes_per_s=500e6)
 INSTALL = TransferEstimate(latency_s=0.0, bytes_per_s=4e9)
-PREFILL = TransferEstimate(latency_s=5e-3, bytes_per_s=20e3)   # 50 us per token: 0.8 ms per block
+PREFILL = TransferEstimate(latency_s=5e-3, bytes_per_s=20e3)  # 50 us per token: 0.8 ms per block
 
 
 def estimates(prefill=PREFILL, mapped=FAST_MAPPED, stream=FAST_STREAM, install=INSTALL) -> Estimates:
@@ -42,11 +42,13 @@ def estimates(prefill=PREFILL, mapped=FAST_MAPPED, stream=FAST_STREAM, install=I
 
 
 def offer(usable: int, mapped: int | None = None, leased: int | None = None) -> Offer:
-    return Offer(usable, usable if leased is None else leased, usable if mapped is None else mapped,
-                 BLOCK_BYTES, TOKENS)
+    return Offer(
+        usable, usable if leased is None else leased, usable if mapped is None else mapped, BLOCK_BYTES, TOKENS
+    )
 
 
 # -- choose ------------------------------------------------------------------------------------
+
 
 def test_nothing_usable_is_a_miss():
     decision = choose(offer(0), estimates())
@@ -92,8 +94,8 @@ def test_stream_cost_counts_the_whole_lease():
     """Usable is one block short of the lease (the last token is computed), but the stream moves all."""
     slow = TransferEstimate(latency_s=0.0, bytes_per_s=BLOCK_BYTES / 1e-3)  # 1 ms per block moved
     est = estimates(stream=slow, prefill=TransferEstimate(0.0, TOKENS / 1.5e-3))  # 1.5 ms per block recomputed
-    assert choose(offer(2, mapped=0, leased=2), est).verdict is Verdict.TAKEN       # 2 ms < 3 ms
-    assert choose(offer(1, mapped=0, leased=2), est).verdict is Verdict.RECOMPUTE   # 2 ms > 1.5 ms
+    assert choose(offer(2, mapped=0, leased=2), est).verdict is Verdict.TAKEN  # 2 ms < 3 ms
+    assert choose(offer(1, mapped=0, leased=2), est).verdict is Verdict.RECOMPUTE  # 2 ms > 1.5 ms
 
 
 def test_partial_takes_the_mapped_prefix_when_the_stream_is_slow():
@@ -137,6 +139,7 @@ def test_offer_counts_leading_mapped_blocks(shm, ipc, mapped):
 
 
 # -- TransferMeter ----------------------------------------------------------------------------------
+
 
 def test_meter_returns_the_prior_until_measured():
     prior = TransferEstimate(0.001, 1e8)
@@ -200,14 +203,15 @@ def test_meter_ignores_clockless_samples_and_rejects_negative_sizes():
 
 # -- the service's probe plan -------------------------------------------------------------------------
 
+
 def test_no_blocks_worth_fetching_when_each_costs_more_than_it_saves():
-    slow = TransferEstimate(0.0, 4e6)   # 4 ms per 16 KiB block
+    slow = TransferEstimate(0.0, 4e6)  # 4 ms per 16 KiB block
     assert blocks_worth_fetching(slow, 1000, BLOCK_BYTES, 32, saving_per_block_s=0.001) == 0
 
 
 def test_latency_bound_probe_only_pays_for_long_prefixes():
     link = TransferEstimate(0.02, 1e9)  # 20 ms per round trip, bandwidth no object
-    saving = 0.001                      # 1 ms per block recomputed
+    saving = 0.001  # 1 ms per block recomputed
     assert blocks_worth_fetching(link, 8, BLOCK_BYTES, 32, saving) == 0
     assert blocks_worth_fetching(link, 128, BLOCK_BYTES, 32, saving) == 128
     # A last trip for a few blocks costs more than it saves: stop after the whole trips.
@@ -220,10 +224,10 @@ def test_probe_budget_plans_once_and_stops_at_its_deadline():
     budget = ProbeBudget(blocks=100, saving_per_block_s=0.001)
     assert budget.grant(32, link, BLOCK_BYTES, 32, now=0.0) == 32
     assert budget.planned == 100 and budget.deadline == pytest.approx(100 * 0.001 / budget.margin)
-    assert budget.grant(32, link, BLOCK_BYTES, 32, now=0.05) == 32    # on time
-    assert budget.grant(32, link, BLOCK_BYTES, 32, now=0.079) == 0    # past the time the blocks would save
+    assert budget.grant(32, link, BLOCK_BYTES, 32, now=0.05) == 32  # on time
+    assert budget.grant(32, link, BLOCK_BYTES, 32, now=0.079) == 0  # past the time the blocks would save
     assert (budget.closed, budget.asked, budget.declined) == (True, 64, 36)
-    assert budget.grant(4, link, BLOCK_BYTES, 32, now=0.0) == 0        # closed for good
+    assert budget.grant(4, link, BLOCK_BYTES, 32, now=0.0) == 0  # closed for good
     assert budget.declined == 36
 
 
@@ -237,14 +241,22 @@ def test_probe_budget_that_plans_nothing_declines_everything():
 
 # -- HitPolicy ----------------------------------------------------------------------------------------------
 
+
 def _metric(registry: CollectorRegistry, name: str, **labels) -> float:
     value = registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
 
 
 def _prefill(tokens: int, seconds: float) -> PrefillResult:
-    return PrefillResult(cache=None, logits=None, prompt_tokens=tokens, prefix_tokens=0, computed_tokens=tokens,
-                         load_seconds=0.0, compute_seconds=seconds)
+    return PrefillResult(
+        cache=None,
+        logits=None,
+        prompt_tokens=tokens,
+        prefix_tokens=0,
+        computed_tokens=tokens,
+        load_seconds=0.0,
+        compute_seconds=seconds,
+    )
 
 
 def test_policy_learns_prefill_cost_and_exports_decisions():
@@ -264,8 +276,9 @@ def test_policy_learns_prefill_cost_and_exports_decisions():
     assert _metric(registry, "prefixcache_worker_hit_decisions_total", decision="recompute") == 0
     assert _metric(registry, "prefixcache_worker_hit_blocks_total", outcome="loaded") == 3
     assert _metric(registry, "prefixcache_worker_remote_blocks_declined_total") == 5
-    assert _metric(registry, "prefixcache_worker_hit_estimated_seconds_total", estimate="recompute") == \
-        pytest.approx(3 * 16 * 100e-6)
+    assert _metric(registry, "prefixcache_worker_hit_estimated_seconds_total", estimate="recompute") == pytest.approx(
+        3 * 16 * 100e-6
+    )
     text = generate_latest(registry).decode()
     assert 'prefixcache_worker_transfer_bytes_per_second{path="shared_memory"}' in text
     assert 'prefixcache_worker_transfer_latency_seconds{path="stream"}' in text
@@ -275,7 +288,7 @@ def test_policy_recomputes_when_prefill_gets_cheap():
     registry = CollectorRegistry()
     policy = HitPolicy(registry, clock=ManualClock())
     for tokens in (64, 4096, 512):
-        policy.observe(_prefill(tokens, 1e-9 * tokens + 1e-4))   # a billion tokens per second
+        policy.observe(_prefill(tokens, 1e-9 * tokens + 1e-4))  # a billion tokens per second
     decision = policy.decide(Offer.of(_hit([TierKind.HOST] * 4), 3, _attachment(True, False)))
     assert (decision.verdict, decision.blocks) == (Verdict.RECOMPUTE, 0)
     assert _metric(registry, "prefixcache_worker_hit_blocks_total", outcome="declined") == 3
@@ -287,7 +300,7 @@ def test_replay_report_section_counts_decisions_during_the_run():
 
     registry = CollectorRegistry()
     policy = HitPolicy(registry, clock=ManualClock())
-    policy.decide(Offer.of(_hit([TierKind.HOST] * 2), 1, _attachment(True, False)))   # before the run
+    policy.decide(Offer.of(_hit([TierKind.HOST] * 2), 1, _attachment(True, False)))  # before the run
     before = parse(generate_latest(registry).decode())
     policy.decide(Offer.of(_hit([TierKind.HOST] * 4), 3, _attachment(True, False)), remote_declined=7)
     policy.decide(Offer.of(_hit([]), 0, _attachment(True, False)))

@@ -32,9 +32,12 @@ def test_block_map_matches_a_dict(digest_size: int, seed: int) -> None:
     capacity = rnd.randint(1, 40)
     table = BlockMap(capacity, digest_size)
     # First bytes drawn from a tiny set: most digests share a home bucket and overflow.
-    universe = list(dict.fromkeys(
-        bytes([rnd.choice([0, 1, 2, 255])] + [rnd.getrandbits(8) for _ in range(digest_size - 1)])
-        for _ in range(3 * capacity + 5)))
+    universe = list(
+        dict.fromkeys(
+            bytes([rnd.choice([0, 1, 2, 255])] + [rnd.getrandbits(8) for _ in range(digest_size - 1)])
+            for _ in range(3 * capacity + 5)
+        )
+    )
     reference: dict[bytes, int] = {}
     free = list(range(capacity))
     for _ in range(300):
@@ -123,8 +126,12 @@ def test_block_map_batches_and_rebuilds_agree_with_a_dict(seed: int) -> None:
     table = BlockMap(capacity, 16)
     if seed % 2:  # rebuild on nearly every insert that takes an empty cell
         table._min_empty = table.cells.size - 3
-    universe = list(dict.fromkeys(bytes([rnd.choice([0, 1, 2, 3, 255])] + [rnd.getrandbits(8) for _ in range(15)])
-                                  for _ in range(6 * capacity)))
+    universe = list(
+        dict.fromkeys(
+            bytes([rnd.choice([0, 1, 2, 3, 255])] + [rnd.getrandbits(8) for _ in range(15)])
+            for _ in range(6 * capacity)
+        )
+    )
     reference: dict[bytes, int] = {}
     free = list(range(capacity))
     rebuilt = 0
@@ -164,8 +171,15 @@ def test_block_map_batches_and_rebuilds_agree_with_a_dict(seed: int) -> None:
 
 
 # -- RadixIndex ---------------------------------------------------------------------
-def chain(index: RadixIndex, tokens: list[int], namespace: int = 0, now: float = 0.0,
-          salt: int = 0, parent: int = ROOT, tier: int = 1) -> tuple[list[bytes], np.ndarray, list[int]]:
+def chain(
+    index: RadixIndex,
+    tokens: list[int],
+    namespace: int = 0,
+    now: float = 0.0,
+    salt: int = 0,
+    parent: int = ROOT,
+    tier: int = 1,
+) -> tuple[list[bytes], np.ndarray, list[int]]:
     """Insert one block per BS tokens under `parent` and touch the path; returns hashes, blocks, nodes."""
     blocks = np.asarray(tokens, dtype=np.uint32).reshape(-1, BS)
     hashes, nodes = [], []
@@ -213,12 +227,12 @@ def test_match_stops_at_the_first_expired_block() -> None:
 
 def test_lru_is_leaf_first_deeper_first_and_a_hit_touches_the_whole_path() -> None:
     index = RadixIndex(16, BS)
-    _, _, a = chain(index, [1, 1, 2, 2, 3, 3], now=1.0)                        # a0 a1 a2
-    _, _, b = chain(index, [4, 4, 5, 5], now=2.0, salt=1)                       # b0 b1
-    _, _, c = chain(index, [6, 6], now=3.0, salt=2, parent=a[0])                # a0 -> c0
+    _, _, a = chain(index, [1, 1, 2, 2, 3, 3], now=1.0)  # a0 a1 a2
+    _, _, b = chain(index, [4, 4, 5, 5], now=2.0, salt=1)  # b0 b1
+    _, _, c = chain(index, [6, 6], now=3.0, salt=2, parent=a[0])  # a0 -> c0
     # ticks: a2 a1 | b1 b0 | c0 a0  (a0 was re-touched by c's path)
     assert list(index.lru(1)) == [a[2], a[1], b[1], b[0], c[0], a[0]]
-    index.touch(a, 4.0)                                                         # hit on a's whole path
+    index.touch(a, 4.0)  # hit on a's whole path
     assert list(index.lru(1)) == [b[1], b[0], c[0], a[2], a[1], a[0]]
     index.pin(b)
     assert list(index.lru(1)) == [c[0], a[2], a[1], a[0]]
@@ -300,8 +314,11 @@ def test_remove_many_equals_removing_one_by_one_and_checks_first() -> None:
     for name in ("parent", "tier", "children", "pins"):
         assert getattr(one, name).tolist() == getattr(many, name).tolist(), name
     assert one._free_rows.tolist() == many._free_rows.tolist()
-    assert one.map.get_many([one.map.digest(trunk[0])]).tolist() == many.map.get_many(
-        [many.map.digest(trunk[0])]).tolist() == [trunk[0]]
+    assert (
+        one.map.get_many([one.map.digest(trunk[0])]).tolist()
+        == many.map.get_many([many.map.digest(trunk[0])]).tolist()
+        == [trunk[0]]
+    )
     with pytest.raises(RuntimeError):
         many.remove_many([trunk[1]])  # not live any more
     roots = [chain(many, [20 + i, 20 + i], salt=10 + i)[2][0] for i in range(3)]

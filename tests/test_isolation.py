@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import grpc
 import pytest
@@ -31,11 +31,20 @@ from prefixcache.config import HashAlgorithm, TenantQuota
 from prefixcache.errors import ConfigError, InvalidArgument
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
-from tests.isolation_support import (BLOCK, SALT, mann_whitney_p, prompt, random_kv, same_bytes, serve,
-                                     tenant_clients, write_credentials)
 from prefixcache_services.cache_server.auth import Principal, parse_credentials, quota_overrides
 from prefixcache_services.cache_server.command import options_from
 from prefixcache_services.cli import build_parser
+from tests.isolation_support import (
+    BLOCK,
+    SALT,
+    mann_whitney_p,
+    prompt,
+    random_kv,
+    same_bytes,
+    serve,
+    tenant_clients,
+    write_credentials,
+)
 from tests.redis_server import RedisServer, make_tls_files
 
 pytestmark = [pytest.mark.redis, pytest.mark.process]
@@ -54,8 +63,9 @@ def read_own(client: CacheClient, tokens: list[int], salt: str | None = SALT, bl
         client.release(hit)
 
 
-def paired_isolation(acme: CacheClient, globex: CacheClient, force: Callable[[list[int], list], None],
-                     seed: int) -> None:
+def paired_isolation(
+    acme: CacheClient, globex: CacheClient, force: Callable[[list[int], list], None], seed: int
+) -> None:
     """Store, force the blocks down, probe across tenants, hit as the owner; then both own copies."""
     tokens = prompt(BLOCKS, random.Random(seed))
     kv_acme, kv_globex = random_kv(BLOCKS, seed), random_kv(BLOCKS, seed + 1)
@@ -79,6 +89,7 @@ def in_tier(tier: str) -> Callable[[list[int], list], None]:
                 owner.lookup(tokens, cache_salt=SALT, take_lease=False)
                 report = owner.inspect(tokens, cache_salt=SALT)
             assert [b.tier for b in report.blocks] == [tier] * BLOCKS
+
     return check
 
 
@@ -88,18 +99,29 @@ def test_paired_isolation_in_the_local_tiers(tier: str, tmp_path: Path) -> None:
         pytest.skip("the device tier needs CUDA; on a CPU machine the host tier is the local tier")
     path, tokens = write_credentials(tmp_path)
     flags = ["--device-capacity", "256KiB"] if tier == "device" else []
-    with serve("--credentials", str(path), "--host-capacity", "1MiB", *flags) as server, \
-            tenant_clients(server, [tokens.acme, tokens.globex], [True, False]) as (acme, globex):
+    with (
+        serve("--credentials", str(path), "--host-capacity", "1MiB", *flags) as server,
+        tenant_clients(server, [tokens.acme, tokens.globex], [True, False]) as (acme, globex),
+    ):
         paired_isolation(acme, globex, in_tier(tier), seed=1)
 
 
 # -- Redis ------------------------------------------------------------------------------------
 def acl_user_args(password: str) -> list[str]:
     """deploy/redis.conf's least-privilege `prefixcache` user, switched on with `password`."""
-    line = next(line for line in (ROOT / "deploy" / "redis.conf").read_text().splitlines()
-                if line.startswith("user prefixcache "))
+    line = next(
+        line
+        for line in (ROOT / "deploy" / "redis.conf").read_text().splitlines()
+        if line.startswith("user prefixcache ")
+    )
     rules = line.split()[2:]
-    return ["--user", "prefixcache", *[rule for rule in rules if rule != "off"], "on", f">{password}"]  # after resetpass
+    return [
+        "--user",
+        "prefixcache",
+        *[rule for rule in rules if rule != "off"],
+        "on",
+        f">{password}",
+    ]  # after resetpass
 
 
 @pytest.fixture
@@ -116,12 +138,27 @@ def tls_acl_redis(tmp_path: Path) -> Iterator[tuple[RedisServer, Path]]:
 def test_paired_isolation_in_redis(tls_acl_redis, tmp_path: Path) -> None:
     redis_server, files = tls_acl_redis
     path, tokens = write_credentials(tmp_path)
-    flags = ["--credentials", str(path), "--host-capacity", f"{HOST_SLOTS * 2}KiB",
-             "--redis-url", f"rediss://prefixcache@127.0.0.1:{redis_server.port}/0",
-             "--redis-password-file", str(files / "redis-password"), "--redis-tls-ca-file", str(files / "tls/ca.crt"),
-             "--redis-key-prefix", "pfx", "--redis-timeout-ms", "3000"]
-    with serve(*flags) as server, redis_server.client() as admin_redis, \
-            tenant_clients(server, [tokens.acme, tokens.globex, tokens.ops], [True, False, True]) as clients:
+    flags = [
+        "--credentials",
+        str(path),
+        "--host-capacity",
+        f"{HOST_SLOTS * 2}KiB",
+        "--redis-url",
+        f"rediss://prefixcache@127.0.0.1:{redis_server.port}/0",
+        "--redis-password-file",
+        str(files / "redis-password"),
+        "--redis-tls-ca-file",
+        str(files / "tls/ca.crt"),
+        "--redis-key-prefix",
+        "pfx",
+        "--redis-timeout-ms",
+        "3000",
+    ]
+    with (
+        serve(*flags) as server,
+        redis_server.client() as admin_redis,
+        tenant_clients(server, [tokens.acme, tokens.globex, tokens.ops], [True, False, True]) as clients,
+    ):
         acme, globex, ops = clients
         filler = random.Random(99)
 
@@ -146,14 +183,21 @@ def test_paired_isolation_in_redis(tls_acl_redis, tmp_path: Path) -> None:
 
 # -- credentials, salts, scoping, quotas ---------------------------------------------------------
 def test_credential_lines_grant_admin_local_and_quotas_and_never_echo_a_token() -> None:
-    table = parse_credentials("t-acme-1 acme local host=1MiB\nt-acme-2 acme host=1MiB\nt-ops ops admin local\n"
-                              "t-globex globex\n")
+    table = parse_credentials(
+        "t-acme-1 acme local host=1MiB\nt-acme-2 acme host=1MiB\nt-ops ops admin local\nt-globex globex\n"
+    )
     assert sorted(table.values(), key=lambda p: (p.tenant, p.local)) == [
-        Principal("acme", False, "host=1MiB", False), Principal("acme", False, "host=1MiB", True),
-        Principal("globex", False), Principal("ops", True, "", True)]
+        Principal("acme", False, "host=1MiB", False),
+        Principal("acme", False, "host=1MiB", True),
+        Principal("globex", False),
+        Principal("ops", True, "", True),
+    ]
     assert quota_overrides(table.values()) == {"acme": "host=1MiB"}
-    assert [p.same_host for p in (Principal("a", True), Principal("a", False, local=True), Principal("a", False))] \
-        == [True, True, False]
+    assert [p.same_host for p in (Principal("a", True), Principal("a", False, local=True), Principal("a", False))] == [
+        True,
+        True,
+        False,
+    ]
     for text in ("tok acme admin admin", "tok acme host=1MiB secret-looking-tok", "tok acme gpu=1GiB"):
         with pytest.raises(ConfigError) as error:
             parse_credentials(text)
@@ -169,8 +213,10 @@ def test_credential_lines_grant_admin_local_and_quotas_and_never_echo_a_token() 
 @pytest.mark.parametrize("salt", ["", "s" * 129, "tab\there", "nul\x00", "zero\u200bwidth", "line\n"])
 def test_bad_salts_are_invalid_argument_on_every_call(salt: str, tmp_path: Path) -> None:
     path, tokens = write_credentials(tmp_path)
-    with serve("--credentials", str(path), "--host-capacity", "1MiB") as server, \
-            tenant_clients(server, [tokens.acme], [False]) as (acme,):
+    with (
+        serve("--credentials", str(path), "--host-capacity", "1MiB") as server,
+        tenant_clients(server, [tokens.acme], [False]) as (acme,),
+    ):
         ns = acme.attachment.namespace_id
         calls = {
             "Attach": lambda s: acme.attach("m", acme.attachment.layout, cache_salt=s),
@@ -189,8 +235,10 @@ def test_bad_salts_are_invalid_argument_on_every_call(salt: str, tmp_path: Path)
 def test_inspect_evict_stats_leases_and_reservations_stay_in_the_tenant(tmp_path: Path) -> None:
     path, tokens = write_credentials(tmp_path, local=("acme", "globex"))
     rng = random.Random(3)
-    with serve("--credentials", str(path), "--host-capacity", "1MiB") as server, \
-            tenant_clients(server, [tokens.acme, tokens.globex, tokens.ops], [True, False, True]) as clients:
+    with (
+        serve("--credentials", str(path), "--host-capacity", "1MiB") as server,
+        tenant_clients(server, [tokens.acme, tokens.globex, tokens.ops], [True, False, True]) as clients,
+    ):
         acme, globex, ops = clients
         mine, theirs = prompt(3, rng), prompt(2, rng)
         acme.store(mine, random_kv(3, 1))
@@ -201,8 +249,11 @@ def test_inspect_evict_stats_leases_and_reservations_stay_in_the_tenant(tmp_path
         assert (stats.lookups, stats.blocks_committed, stats.request_hits) == (1, 2, 0)
         assert [t.blocks for t in stats.tiers] == [2] and stats.spills == {} and stats.remote == {}
         assert ops.stats().snapshot.blocks_committed == 5  # the admin sees the whole service
-        for call in (lambda: globex.inspect(mine, namespace_id=acme_ns), lambda: globex.evict(namespace_id=acme_ns),
-                     lambda: globex.evict(namespace_id=acme_ns, prefix_tokens=mine)):
+        for call in (
+            lambda: globex.inspect(mine, namespace_id=acme_ns),
+            lambda: globex.evict(namespace_id=acme_ns),
+            lambda: globex.evict(namespace_id=acme_ns, prefix_tokens=mine),
+        ):
             with pytest.raises(InvalidArgument) as error:
                 call()
             assert error.value.field == "namespace_id"  # as for an id never issued
@@ -215,10 +266,13 @@ def test_inspect_evict_stats_leases_and_reservations_stay_in_the_tenant(tmp_path
         assert globex.release(hit) is False and same_bytes(acme.read(hit), random_kv(3, 1))
         acme.release(hit)
         stub = pb_grpc.PrefixCacheStub(grpc.insecure_channel(server.address))
-        reservation = stub.Reserve(pb.ReserveRequest(namespace_id=acme_ns, block_count=1),
-                                   metadata=(("authorization", f"Bearer {tokens.acme}"),)).reservation_id
-        commit = pb.CommitRequest(namespace_id=globex.attachment.namespace_id, tokens=theirs,
-                                  reservation_id=reservation)
+        reservation = stub.Reserve(
+            pb.ReserveRequest(namespace_id=acme_ns, block_count=1),
+            metadata=(("authorization", f"Bearer {tokens.acme}"),),
+        ).reservation_id
+        commit = pb.CommitRequest(
+            namespace_id=globex.attachment.namespace_id, tokens=theirs, reservation_id=reservation
+        )
         with pytest.raises(grpc.RpcError) as rpc:  # a reservation id of another tenant is "unknown"
             stub.Commit(commit, metadata=(("authorization", f"Bearer {tokens.globex}"),))
         assert rpc.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "reservation" in rpc.value.details()
@@ -232,15 +286,20 @@ def test_only_local_credentials_get_the_shared_pools_and_slot_writes(tmp_path: P
     commit a freed slot's bytes, another tenant's old KV, as its own), yet works through Store."""
     path, tokens = write_credentials(tmp_path)  # acme local, globex not
     rng = random.Random(6)
-    with serve("--credentials", str(path), "--host-capacity", "1MiB") as server, \
-            tenant_clients(server, [tokens.acme, tokens.globex], [True, True]) as (acme, globex):
+    with (
+        serve("--credentials", str(path), "--host-capacity", "1MiB") as server,
+        tenant_clients(server, [tokens.acme, tokens.globex], [True, True]) as (acme, globex),
+    ):
         assert acme.attachment.shared_memory and not globex.attachment.shared_memory
         stub = pb_grpc.PrefixCacheStub(grpc.insecure_channel(server.address))
         auth = (("authorization", f"Bearer {tokens.globex}"),)
         ns = globex.attachment.namespace_id
-        for call in (lambda: stub.Reserve(pb.ReserveRequest(namespace_id=ns, block_count=1), metadata=auth),
-                     lambda: stub.Commit(pb.CommitRequest(namespace_id=ns, tokens=prompt(1, rng), reservation_id=1),
-                                         metadata=auth)):
+        for call in (
+            lambda: stub.Reserve(pb.ReserveRequest(namespace_id=ns, block_count=1), metadata=auth),
+            lambda: stub.Commit(
+                pb.CommitRequest(namespace_id=ns, tokens=prompt(1, rng), reservation_id=1), metadata=auth
+            ),
+        ):
             with pytest.raises(grpc.RpcError) as rpc:
                 call()
             assert rpc.value.code() is grpc.StatusCode.PERMISSION_DENIED and "local" in rpc.value.details()
@@ -252,9 +311,12 @@ def test_only_local_credentials_get_the_shared_pools_and_slot_writes(tmp_path: P
 def test_quota_flags_keep_a_flooding_tenant_to_its_own_blocks(tmp_path: Path, caplog) -> None:
     path, tokens = write_credentials(tmp_path, extra="host=16KiB")  # 8 blocks each; ops has no override
     rng = random.Random(4)
-    with serve("--credentials", str(path), "--host-capacity", "64KiB", "--tenant-quota", "host=8KiB",
-               "--hash", "sha256") as server, \
-            tenant_clients(server, [tokens.acme, tokens.globex, tokens.ops], [True, False, True]) as clients:
+    with (
+        serve(
+            "--credentials", str(path), "--host-capacity", "64KiB", "--tenant-quota", "host=8KiB", "--hash", "sha256"
+        ) as server,
+        tenant_clients(server, [tokens.acme, tokens.globex, tokens.ops], [True, False, True]) as clients,
+    ):
         acme, globex, ops = clients
         assert server.backend.cache.config.hash_algorithm is HashAlgorithm.SHA256
         victim = prompt(6, rng)
@@ -276,9 +338,9 @@ def test_quota_flags_keep_a_flooding_tenant_to_its_own_blocks(tmp_path: Path, ca
 
 
 # -- timing -------------------------------------------------------------------------------------
-SAMPLES = 200   # per group and attempt
-REPEATS = 2     # a sample is the fastest of this many back-to-back probes: load spikes drop out
-BIG = 128       # blocks of the probed prefix: a hit does work a miss does not (verify, touch, answer)
+SAMPLES = 200  # per group and attempt
+REPEATS = 2  # a sample is the fastest of this many back-to-back probes: load spikes drop out
+BIG = 128  # blocks of the probed prefix: a hit does work a miss does not (verify, touch, answer)
 
 
 def latencies(pairs: list[tuple[CacheClient, list[int]]], rng: random.Random) -> list[list[float]]:
@@ -303,8 +365,10 @@ def test_a_cross_tenant_probe_is_indistinguishable_from_a_miss(tmp_path: Path) -
     attempt; a true null fails one with probability ~1e-3, so up to three attempts absorb CI noise."""
     path, tokens = write_credentials(tmp_path)
     rng = random.Random(5)
-    with serve("--credentials", str(path), "--host-capacity", "4MiB") as server, \
-            tenant_clients(server, [tokens.acme, tokens.globex], [True, True]) as (acme, globex):
+    with (
+        serve("--credentials", str(path), "--host-capacity", "4MiB") as server,
+        tenant_clients(server, [tokens.acme, tokens.globex], [True, True]) as (acme, globex),
+    ):
         cached, uncached = prompt(BIG, rng), prompt(BIG, rng)  # equal lengths and message sizes
         assert acme.store(cached, random_kv(BIG, 1)).stored == BIG
         assert acme.lookup(cached, take_lease=False).hit_tokens == BIG * BLOCK
@@ -312,9 +376,12 @@ def test_a_cross_tenant_probe_is_indistinguishable_from_a_miss(tmp_path: Path) -
         attempts = []
         for _attempt in range(3):
             hit, miss, cross, control = latencies(
-                [(acme, cached), (acme, uncached), (globex, cached), (globex, uncached)], rng)
+                [(acme, cached), (acme, uncached), (globex, cached), (globex, uncached)], rng
+            )
             attempts.append((mann_whitney_p(hit, miss), mann_whitney_p(cross, control)))
             if attempts[-1][0] < 1e-4 and attempts[-1][1] > 1e-3:
                 return
-        pytest.fail("(p same-tenant hit vs miss, p cross-tenant cached vs uncached) per attempt: "
-                    + ", ".join(f"({same:.2g}, {cross:.2g})" for same, cross in attempts))
+        pytest.fail(
+            "(p same-tenant hit vs miss, p cross-tenant cached vs uncached) per attempt: "
+            + ", ".join(f"({same:.2g}, {cross:.2g})" for same, cross in attempts)
+        )

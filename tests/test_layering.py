@@ -6,22 +6,39 @@ importing every core module and looking at `sys.modules`.
 
 from __future__ import annotations
 
-import pytest
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 
 CORE = [
-    "prefixcache.hashing", "prefixcache.index", "prefixcache.blockmap", "prefixcache.touchlog", "prefixcache.codec",
-    "prefixcache.tiers.base", "prefixcache.tiers.pool", "prefixcache.tiers.host", "prefixcache.tiers.device",
-    "prefixcache.cache", "prefixcache.placement", "prefixcache.results", "prefixcache.config", "prefixcache.stats",
-    "prefixcache.leases", "prefixcache.errors", "prefixcache.remote_link", "prefixcache.namespaces", "prefixcache.quota", "prefixcache.transfer",
+    "prefixcache.hashing",
+    "prefixcache.index",
+    "prefixcache.blockmap",
+    "prefixcache.touchlog",
+    "prefixcache.codec",
+    "prefixcache.tiers.base",
+    "prefixcache.tiers.pool",
+    "prefixcache.tiers.host",
+    "prefixcache.tiers.device",
+    "prefixcache.cache",
+    "prefixcache.placement",
+    "prefixcache.results",
+    "prefixcache.config",
+    "prefixcache.stats",
+    "prefixcache.leases",
+    "prefixcache.errors",
+    "prefixcache.remote_link",
+    "prefixcache.namespaces",
+    "prefixcache.quota",
+    "prefixcache.transfer",
 ]
 FORBIDDEN = ["grpc", "redis", "transformers", "prefixcache_services", "google.protobuf"]
 
@@ -34,8 +51,15 @@ print(json.dumps(sorted(sys.modules)))
 
 
 def loaded_after_importing(modules: list[str]) -> set[str]:
-    done = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(modules)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(modules)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     return set(json.loads(done.stdout))
 
 

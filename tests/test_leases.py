@@ -7,8 +7,17 @@ import pytest
 from prefixcache.errors import InvalidArgument
 from prefixcache.leases import LeaseTable
 from prefixcache.tiers.base import TierKind
-from tests.core_support import (TINY, ManualClock, assert_consistent, kv_for, make_cache, namespace, read_blocks,
-                                same_bytes, write_reserved)
+from tests.core_support import (
+    TINY,
+    ManualClock,
+    assert_consistent,
+    kv_for,
+    make_cache,
+    namespace,
+    read_blocks,
+    same_bytes,
+    write_reserved,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -20,8 +29,8 @@ def test_ids_are_unique_across_leases_and_reservations_and_expiry_removes_each_o
     assert lease.id != reservation.id and lease.id in table and reservation.id in table
     assert reservation.tier is TierKind.HOST and not table.full()
     assert table.live_lease(lease.id, now=9.9) == lease and table.live_lease(lease.id, now=10.0) is None
-    assert table.expired(15.0) == ([lease], [])     # the lease went; the reservation is still live
-    assert table.expired(15.0) == ([], [])          # and it is removed exactly once
+    assert table.expired(15.0) == ([lease], [])  # the lease went; the reservation is still live
+    assert table.expired(15.0) == ([], [])  # and it is removed exactly once
     assert table.take_reservation(reservation.id) == reservation and table.take_reservation(reservation.id) is None
     assert table.lease_count() == 0 and reservation.id not in table
 
@@ -57,7 +66,7 @@ def test_slot_tiers_hand_out_bytes_and_share_handles_through_the_interface() -> 
         raw = tier.block_bytes(location.slot)
         assert len(raw) == TINY.block_bytes and bytes(raw) == kv_for(p)[0].numpy().tobytes()
         tier.write_bytes(location.slot, bytes(TINY.block_bytes))
-        assert not any(bytes(tier.block_bytes(location.slot)))   # a view of the slot: the write shows
+        assert not any(bytes(tier.block_bytes(location.slot)))  # a view of the slot: the write shows
         host = cache.tiers[TierKind.HOST].share_handle()
         assert host is not None and host.segment and host.cuda_ipc is None
         assert (host.kind, host.num_slots, host.slot_bytes) == (TierKind.HOST, 4, TINY.block_bytes)

@@ -31,10 +31,10 @@ import pytest
 import torch
 
 from prefixcache.client import CacheClient
+from prefixcache.config import KVLayout
 from prefixcache.errors import PrefixCacheError
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
-from prefixcache.config import KVLayout
 from tests.isolation_support import write_credentials
 from tests.redis_server import free_port
 from tests.worker_procs import WorkerClient
@@ -61,9 +61,28 @@ def _env() -> dict[str, str]:
 
 def _start_service(workdir: Path, credentials: Path, port: int) -> tuple[subprocess.Popen, Path]:
     log = workdir / "service.log"
-    command = [sys.executable, "-m", "prefixcache_services", "--log-level", "DEBUG", "serve", "--listen", f"127.0.0.1:{port}",
-               "--credentials", str(credentials), "--metrics-port", "0", "--host-capacity", "4MiB",
-               "--shm-name", f"pfx-hygiene-{secrets.token_hex(4)}", "--grace", "2s", "--workers", "4"]
+    command = [
+        sys.executable,
+        "-m",
+        "prefixcache_services",
+        "--log-level",
+        "DEBUG",
+        "serve",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--credentials",
+        str(credentials),
+        "--metrics-port",
+        "0",
+        "--host-capacity",
+        "4MiB",
+        "--shm-name",
+        f"pfx-hygiene-{secrets.token_hex(4)}",
+        "--grace",
+        "2s",
+        "--workers",
+        "4",
+    ]
     with log.open("w") as sink:
         process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=sink, text=True)
     return process, log
@@ -77,9 +96,9 @@ def _wait_service(process: subprocess.Popen, log: Path) -> tuple[str, int]:
         if not line:
             break
         if line.startswith(READY):
-            address = line[len(READY):].strip()
+            address = line[len(READY) :].strip()
         elif line.startswith(METRICS):
-            metrics = int(line[len(METRICS):])
+            metrics = int(line[len(METRICS) :])
     if address is None or metrics is None:
         pytest.fail(f"service did not start: {log.read_text()[-2000:]}")
     return address, metrics
@@ -87,9 +106,24 @@ def _wait_service(process: subprocess.Popen, log: Path) -> tuple[str, int]:
 
 def _start_worker(workdir: Path, address: str, token: str) -> tuple[subprocess.Popen, Path, WorkerClient]:
     log, port = workdir / "worker.log", free_port()
-    command = [sys.executable, "-m", "prefixcache_services", "--log-level", "DEBUG", "worker", "--listen", f"127.0.0.1:{port}",
-               "--cache", address, "--auth-token", token, "--cache-deadline-ms", "5000",
-               "--hit-policy", "always"]
+    command = [
+        sys.executable,
+        "-m",
+        "prefixcache_services",
+        "--log-level",
+        "DEBUG",
+        "worker",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--cache",
+        address,
+        "--auth-token",
+        token,
+        "--cache-deadline-ms",
+        "5000",
+        "--hit-policy",
+        "always",
+    ]
     with log.open("w") as sink:
         process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=sink, stderr=subprocess.STDOUT)
     return process, log, WorkerClient("127.0.0.1", port)
@@ -154,20 +188,31 @@ def _exercise_service(address: str, tokens) -> list[str]:
         ns = remote.attachment.namespace_id
         stub = pb_grpc.PrefixCacheStub(stack.enter_context(grpc.insecure_channel(address)))
         auth = (("authorization", f"Bearer {tokens.globex}"),)
-        header = pb.StoreHeader(namespace_id=ns, tokens=SECRET_TOKENS, block_count=4, dtype=layout.dtype.code,
-                                block_shape=list(layout.block_shape), cache_salt=SECRET_SALT)
+        header = pb.StoreHeader(
+            namespace_id=ns,
+            tokens=SECRET_TOKENS,
+            block_count=4,
+            dtype=layout.dtype.code,
+            block_shape=list(layout.block_shape),
+            cache_salt=SECRET_SALT,
+        )
         bad_calls = [
             lambda: remote.lookup([*SECRET_TOKENS, 1 << 33]),
             lambda: remote.lookup(SECRET_TOKENS, cache_salt=SECRET_SALT + "\x00"),
             lambda: remote.lookup(SECRET_TOKENS, cache_salt=SECRET_SALT * 9),
             lambda: remote.evict(namespace_id="0123456789abcdef", prefix_tokens=SECRET_TOKENS),
             lambda: remote.inspect(SECRET_TOKENS, namespace_id=local.attachment.namespace_id),
-            lambda: stub.Commit(pb.CommitRequest(namespace_id=ns, tokens=SECRET_TOKENS, reservation_id=7,
-                                                 cache_salt=SECRET_SALT), metadata=auth),
-            lambda: stub.Store(iter([pb.StoreRequest(header=header), pb.StoreRequest(data=b"\x01" * 10)]),
-                               metadata=auth),
-            lambda: stub.Lookup(pb.LookupRequest(namespace_id=ns, tokens=SECRET_TOKENS),
-                                metadata=(("authorization", f"Bearer {WRONG_TOKEN}"),)),
+            lambda: stub.Commit(
+                pb.CommitRequest(namespace_id=ns, tokens=SECRET_TOKENS, reservation_id=7, cache_salt=SECRET_SALT),
+                metadata=auth,
+            ),
+            lambda: stub.Store(
+                iter([pb.StoreRequest(header=header), pb.StoreRequest(data=b"\x01" * 10)]), metadata=auth
+            ),
+            lambda: stub.Lookup(
+                pb.LookupRequest(namespace_id=ns, tokens=SECRET_TOKENS),
+                metadata=(("authorization", f"Bearer {WRONG_TOKEN}"),),
+            ),
             lambda: stub.GetStats(pb.GetStatsRequest(), metadata=(("authorization", f"Bearer {tokens.acme}x"),)),
         ]
         errors += [_failure(call) for call in bad_calls]
@@ -179,8 +224,12 @@ def _exercise_worker(client: WorkerClient) -> list[str]:
     body = {"prompt": SECRET_TEXT * 4, "max_tokens": 2, "temperature": 0, "cache_salt": WORKER_SALT}
     first, second = (client.complete(body["prompt"], max_tokens=2, cache_salt=WORKER_SALT) for _ in range(2))
     assert first.cached_tokens == 0 and second.cached_tokens > 0, "the worker's second request must hit"
-    bad = [{**body, "cache_salt": WORKER_SALT + "\x01"}, {**body, "max_tokens": -1}, {**body, "n": 2},
-           {"messages": [{"role": "user", "content": SECRET_TEXT}], "temperature": 9}]
+    bad = [
+        {**body, "cache_salt": WORKER_SALT + "\x01"},
+        {**body, "max_tokens": -1},
+        {**body, "n": 2},
+        {"messages": [{"role": "user", "content": SECRET_TEXT}], "temperature": 9},
+    ]
     errors = []
     for payload in bad:
         reply = client.post("/v1/chat/completions" if "messages" in payload else "/v1/completions", payload)
@@ -194,8 +243,18 @@ def _exercise_worker(client: WorkerClient) -> list[str]:
 
 def _secrets(tokens) -> list[str]:
     blocks = np.asarray(SECRET_TOKENS[: 4 * BLOCK], dtype="<u4").reshape(4, -1)
-    return [*map(str, SECRET_TOKENS), *(block.tobytes().hex() for block in blocks), SECRET_SALT, WORKER_SALT,
-            SECRET_TEXT, *SECRET_TEXT.split()[4::6], tokens.acme, tokens.globex, tokens.ops, WRONG_TOKEN]
+    return [
+        *map(str, SECRET_TOKENS),
+        *(block.tobytes().hex() for block in blocks),
+        SECRET_SALT,
+        WORKER_SALT,
+        SECRET_TEXT,
+        *SECRET_TEXT.split()[4::6],
+        tokens.acme,
+        tokens.globex,
+        tokens.ops,
+        WRONG_TOKEN,
+    ]
 
 
 def test_secrets_never_reach_logs_metrics_or_errors(tmp_path: Path) -> None:
@@ -217,8 +276,15 @@ def test_secrets_never_reach_logs_metrics_or_errors(tmp_path: Path) -> None:
     assert "DEBUG prefixcache_services.cache_server.status: Lookup OK" in service_text  # DEBUG was on, per call
     assert "INVALID_ARGUMENT" in service_text and "Store INVALID_ARGUMENT" in service_text  # failures logged
     assert "prefixcache_lookups" in metrics and "DEBUG" in worker_text
-    leaks = [(where, secret) for secret in _secrets(tokens)
-             for where, text in (("service log", service_text), ("worker log", worker_text), ("metrics", metrics),
-                                 *((f"error {i}", e) for i, e in enumerate(errors)))
-             if secret in text]
+    leaks = [
+        (where, secret)
+        for secret in _secrets(tokens)
+        for where, text in (
+            ("service log", service_text),
+            ("worker log", worker_text),
+            ("metrics", metrics),
+            *((f"error {i}", e) for i, e in enumerate(errors)),
+        )
+        if secret in text
+    ]
     assert not leaks, f"secrets found: {leaks}"

@@ -18,16 +18,21 @@ from tests.worker_procs import CacheService, WorkerProcess, poll, start_all, sto
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 BLOCK = 16
-SYSTEM = ("You are the dispatcher of a regional rail network. Answer with the platform, the departure "
-          "time and the connection, in that order. ") * 3
+SYSTEM = (
+    "You are the dispatcher of a regional rail network. Answer with the platform, the departure "
+    "time and the connection, in that order. "
+) * 3
 
 
 def _drained(service: CacheService) -> bool:
     """Every block the service committed has been written to Redis (its queue is empty)."""
     with service.client() as client:
         snapshot = client.stats().snapshot
-    return snapshot is not None and snapshot.remote.get("queue_bytes", 1) == 0 \
+    return (
+        snapshot is not None
+        and snapshot.remote.get("queue_bytes", 1) == 0
         and snapshot.remote.get("bytes_written", 0) > 0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +43,11 @@ def two_pairs(redis_cluster, tmp_path_factory):
     service_b.redis_key_prefix = service_a.redis_key_prefix  # one shared tier, as deployed
     services = [service_a.start(), service_b.start()]
     exact = ("--cache-deadline-ms", "5000", "--hit-policy", "always")  # reuse is asserted, not the policy
-    workers = [WorkerProcess(root / "wa", service_a, exact),
-               WorkerProcess(root / "wb", service_b, exact),
-               WorkerProcess(root / "ref", None)]
+    workers = [
+        WorkerProcess(root / "wa", service_a, exact),
+        WorkerProcess(root / "wb", service_b, exact),
+        WorkerProcess(root / "ref", None),
+    ]
     try:
         start_all(workers)
         yield services, workers
@@ -52,8 +59,10 @@ def two_pairs(redis_cluster, tmp_path_factory):
 
 def test_a_conversation_moves_between_machines_with_hits_and_identical_outputs(two_pairs) -> None:
     (service_a, service_b), (worker_a, worker_b, reference) = two_pairs
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": "Which train reaches Lyon before noon on Saturday?"}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Which train reaches Lyon before noon on Saturday?"},
+    ]
     turns = [(worker_a, service_a), (worker_b, service_b), (worker_a, service_a)]
     previous_prompt = 0
     for turn, (worker, service) in enumerate(turns):
@@ -70,8 +79,10 @@ def test_a_conversation_moves_between_machines_with_hits_and_identical_outputs(t
             assert reply.cached_tokens % BLOCK == 0 and reply.cached_tokens < reply.prompt_tokens
         poll(lambda s=service: _drained(s), 20, f"service of turn {turn} wrote its blocks to Redis")
         previous_prompt = reply.prompt_tokens
-        messages += [{"role": "assistant", "content": reply.text},
-                     {"role": "user", "content": f"And the connection after that, option {turn + 2}?"}]
+        messages += [
+            {"role": "assistant", "content": reply.text},
+            {"role": "user", "content": f"And the connection after that, option {turn + 2}?"},
+        ]
     with service_b.client() as client:
         promoted = client.stats().snapshot.promotions.get("host", 0)
     assert promoted > 0, "pair B's hits came from Redis (promoted into its host tier)"

@@ -32,7 +32,7 @@ from prefixcache.config import CacheConfig, DType, KVLayout
 from prefixcache.tiers.host import HostTier
 from prefixcache.tiers.redis import RedisOptions, RedisTier
 from prefixcache.transfer import ProbeBudget, TransferEstimate
-from tests.core_support import read_blocks, ManualClock, kv_for, namespace, same_bytes
+from tests.core_support import ManualClock, kv_for, namespace, read_blocks, same_bytes
 from tests.redis_server import RedisServer
 from tests.slow_proxy import SlowProxy
 
@@ -40,17 +40,22 @@ pytestmark = [pytest.mark.redis, pytest.mark.process]
 
 LAYOUT = KVLayout(layers=4, kv_heads=2, head_dim=32, block_size=16, dtype=DType.BFLOAT16)  # the tiny model's
 BS = LAYOUT.block_size
-WORKER_S_PER_TOKEN = 20e-6   # 0.32 ms to recompute a block
-PROXY_LATENCY_S = 0.1        # per direction: a probe round trip takes >= 0.2 s
-PROXY_BYTES_PER_S = 8e6      # 2 ms per 16 KiB block
+WORKER_S_PER_TOKEN = 20e-6  # 0.32 ms to recompute a block
+PROXY_LATENCY_S = 0.1  # per direction: a probe round trip takes >= 0.2 s
+PROXY_BYTES_PER_S = 8e6  # 2 ms per 16 KiB block
 
 
 @contextmanager
 def tier_cache(url: str, key_prefix: str, host_slots: int = 256) -> Iterator[tuple[PrefixCache, str]]:
     options = RedisOptions(url=url, key_prefix=key_prefix, socket_timeout_s=5.0, write_timeout_s=5.0)
     host = HostTier(LAYOUT, host_slots * LAYOUT.block_bytes)
-    cache = PrefixCache(CacheConfig(host_capacity=host_slots * LAYOUT.block_bytes), LAYOUT, host,
-                        remote=RedisTier(options), clock=ManualClock())
+    cache = PrefixCache(
+        CacheConfig(host_capacity=host_slots * LAYOUT.block_bytes),
+        LAYOUT,
+        host,
+        remote=RedisTier(options),
+        clock=ManualClock(),
+    )
     try:
         yield cache, cache.attach(namespace(LAYOUT))
     finally:
@@ -65,8 +70,12 @@ def tokens_for(seed: int, blocks: int) -> list[int]:
 def populated(private_redis: RedisServer) -> Iterator[tuple[RedisServer, str, dict[str, list[int]]]]:
     """Redis holding a few prompts' blocks, written by a cache that has gone away since."""
     prefix = f"ns{secrets.token_hex(4)}"
-    prompts = {"teach": tokens_for(1, 4), "short": tokens_for(2, 4), "long": tokens_for(3, 96),
-               "medium": tokens_for(4, 16)}
+    prompts = {
+        "teach": tokens_for(1, 4),
+        "short": tokens_for(2, 4),
+        "long": tokens_for(3, 96),
+        "medium": tokens_for(4, 16),
+    }
     with tier_cache(private_redis.url, prefix) as (writer, ns):
         for tokens in prompts.values():
             writer.store(ns, tokens, kv_for(tokens, LAYOUT))
@@ -82,8 +91,10 @@ def _timed_lookup(cache: PrefixCache, ns: str, tokens: list[int], budget: float 
 
 def test_short_prefix_in_a_slow_redis_is_declined_without_waiting(populated) -> None:
     server, prefix, prompts = populated
-    with SlowProxy(server.port, PROXY_LATENCY_S, PROXY_BYTES_PER_S) as proxy, \
-            tier_cache(proxy.url, prefix) as (cache, ns):
+    with (
+        SlowProxy(server.port, PROXY_LATENCY_S, PROXY_BYTES_PER_S) as proxy,
+        tier_cache(proxy.url, prefix) as (cache, ns),
+    ):
         _, taught = _timed_lookup(cache, ns, prompts["teach"], WORKER_S_PER_TOKEN)  # the prior says fast: it probes
         assert taught >= 2 * PROXY_LATENCY_S
         link = cache.remote_link.tier.link_estimate()
@@ -104,8 +115,10 @@ def test_short_prefix_in_a_slow_redis_is_declined_without_waiting(populated) -> 
 def test_probe_stops_at_the_budget_deadline(populated) -> None:
     """The estimate is still the (fast) prior, the link is slow: one round trip, then no more."""
     server, prefix, prompts = populated
-    with SlowProxy(server.port, PROXY_LATENCY_S, PROXY_BYTES_PER_S) as proxy, \
-            tier_cache(proxy.url, prefix) as (cache, ns):
+    with (
+        SlowProxy(server.port, PROXY_LATENCY_S, PROXY_BYTES_PER_S) as proxy,
+        tier_cache(proxy.url, prefix) as (cache, ns),
+    ):
         per_trip = cache.remote_link.tier.options.max_fetch_bytes // LAYOUT.block_bytes
         result, seconds = _timed_lookup(cache, ns, prompts["long"], WORKER_S_PER_TOKEN)
         assert result.hit_tokens == per_trip * BS
@@ -132,14 +145,21 @@ def test_checking_fetched_frames_counts_against_the_budget(populated) -> None:
         saving = WORKER_S_PER_TOKEN * BS
         slow_check = TransferEstimate(latency_s=0.0, bytes_per_s=LAYOUT.block_bytes / (10 * saving))
         declined = ProbeBudget(16, saving)
-        frames = cache.remote_link.tier.fetch(ns, prompt.hashes, frame_bytes=LAYOUT.block_bytes, prefix_only=True,
-                                    budget=declined, verify=slow_check)
+        frames = cache.remote_link.tier.fetch(
+            ns, prompt.hashes, frame_bytes=LAYOUT.block_bytes, prefix_only=True, budget=declined, verify=slow_check
+        )
         assert frames == [None] * 16 and declined.declined == 16
         taken = ProbeBudget(16, saving)
-        frames = cache.remote_link.tier.fetch(ns, prompt.hashes, frame_bytes=LAYOUT.block_bytes, prefix_only=True,
-                                    budget=taken, verify=TransferEstimate(0.0, 10e9))
+        frames = cache.remote_link.tier.fetch(
+            ns,
+            prompt.hashes,
+            frame_bytes=LAYOUT.block_bytes,
+            prefix_only=True,
+            budget=taken,
+            verify=TransferEstimate(0.0, 10e9),
+        )
         assert all(frames) and taken.declined == 0
-        assert cache.remote_link.verify_estimate().samples == 0        # the prior, until it has checked
+        assert cache.remote_link.verify_estimate().samples == 0  # the prior, until it has checked
         assert cache.lookup(ns, prompts["medium"], recompute_s_per_token=WORKER_S_PER_TOKEN).hit_tokens == 16 * BS
         assert cache.remote_link.verify_estimate().samples == 1
 
@@ -152,14 +172,14 @@ def test_estimates_of_consecutive_steps_add() -> None:
 
 # ---- end to end: service + workers as processes ----------------------------------------------------
 
-E2E_LATENCY_S = 0.05          # per direction through the proxy: a probe costs >= 0.1 s
-E2E_BYTES_PER_S = 4e6         # 4 ms per 16 KiB block: slower than recomputing one on any CPU here
-PROMPT_BLOCKS = 48            # 768-token prompts: prefill dominates the cache's fixed costs
-SHORT_PREFIX_BLOCKS = 4       # held in Redis, recomputed over the slow link
-LONG_PREFIX_BLOCKS = 16       # held in Redis, taken over a direct link
-PAIRS = 12                    # interleaved (cached, no-cache) TTFT samples
-TTFT_RATIO = 1.10             # median of per-pair ratios cached / no-cache <= 1.10 (+ 5 ms of slack):
-TTFT_SLACK_S = 0.005          # pairs share the box's load at that moment, so drift cancels out
+E2E_LATENCY_S = 0.05  # per direction through the proxy: a probe costs >= 0.1 s
+E2E_BYTES_PER_S = 4e6  # 4 ms per 16 KiB block: slower than recomputing one on any CPU here
+PROMPT_BLOCKS = 48  # 768-token prompts: prefill dominates the cache's fixed costs
+SHORT_PREFIX_BLOCKS = 4  # held in Redis, recomputed over the slow link
+LONG_PREFIX_BLOCKS = 16  # held in Redis, taken over a direct link
+PAIRS = 12  # interleaved (cached, no-cache) TTFT samples
+TTFT_RATIO = 1.10  # median of per-pair ratios cached / no-cache <= 1.10 (+ 5 ms of slack):
+TTFT_SLACK_S = 0.005  # pairs share the box's load at that moment, so drift cancels out
 WARMUP = 3
 
 
@@ -175,11 +195,17 @@ def stream_ttft(worker, tokens: list[int]) -> tuple[float, int]:
     """(seconds to the first streamed bytes, cached_tokens) of a one-token completion."""
     connection = worker.client.connection()
     try:
-        body = {"prompt": tokens, "max_tokens": 1, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": tokens,
+            "max_tokens": 1,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         started = time.perf_counter()
-        connection.request("POST", "/v1/completions", body=json.dumps(body).encode(),
-                           headers={"Content-Type": "application/json"})
+        connection.request(
+            "POST", "/v1/completions", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         response = connection.getresponse()
         first = time.perf_counter() - started
         assert response.status == 200, response.read()
@@ -187,7 +213,7 @@ def stream_ttft(worker, tokens: list[int]) -> tuple[float, int]:
         for raw in response:
             line = raw.decode().strip()
             if line.startswith("data: {") and '"usage"' in line:
-                usage = json.loads(line[len("data: "):]).get("usage")
+                usage = json.loads(line[len("data: ") :]).get("usage")
                 if usage:
                     cached = usage["prompt_tokens_details"]["cached_tokens"]
         assert cached is not None, "no usage chunk"
@@ -199,8 +225,11 @@ def stream_ttft(worker, tokens: list[int]) -> tuple[float, int]:
 def worker_metrics(worker) -> dict[tuple[str, tuple], float]:
     status, body, _ = worker.client.request("GET", "/metrics")
     assert status == 200
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(body.decode()) for sample in family.samples}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+    }
 
 
 def metric(snapshot: dict, name: str, **labels) -> float:
@@ -242,7 +271,7 @@ def e2e(tmp_path_factory):
         expected = 0
         for kind, count, blocks in ((0, WARMUP + PAIRS, SHORT_PREFIX_BLOCKS), (1, 4, LONG_PREFIX_BLOCKS)):
             for index in range(count):
-                cached.client.complete(e2e_prompt(kind, index, blocks)[:blocks * BS + 1], max_tokens=1)
+                cached.client.complete(e2e_prompt(kind, index, blocks)[: blocks * BS + 1], max_tokens=1)
                 expected += blocks
         poll(lambda: redis_keys(redis_server, service.redis_key_prefix) >= expected, 30.0, "prefixes in Redis")
         yield redis_server, proxy, service, cached, reference
@@ -276,29 +305,36 @@ def test_short_prefixes_over_a_slow_redis_are_recomputed_as_fast_as_without_a_ca
             assert cached_tokens == 0, "over the slow link the prefix must be recomputed"
 
     after, stats_after = worker_metrics(cached), service.client().stats().snapshot.remote
-    taken = (metric(after, "prefixcache_worker_hit_decisions_total", decision="taken")
-             - metric(before, "prefixcache_worker_hit_decisions_total", decision="taken"))
-    misses = (metric(after, "prefixcache_worker_hit_decisions_total", decision="miss")
-              - metric(before, "prefixcache_worker_hit_decisions_total", decision="miss"))
-    declined = (metric(after, "prefixcache_worker_remote_blocks_declined_total")
-                - metric(before, "prefixcache_worker_remote_blocks_declined_total"))
+    taken = metric(after, "prefixcache_worker_hit_decisions_total", decision="taken") - metric(
+        before, "prefixcache_worker_hit_decisions_total", decision="taken"
+    )
+    misses = metric(after, "prefixcache_worker_hit_decisions_total", decision="miss") - metric(
+        before, "prefixcache_worker_hit_decisions_total", decision="miss"
+    )
+    declined = metric(after, "prefixcache_worker_remote_blocks_declined_total") - metric(
+        before, "prefixcache_worker_remote_blocks_declined_total"
+    )
     assert taken == 0 and misses == PAIRS
-    assert declined >= PAIRS * SHORT_PREFIX_BLOCKS          # the service declined on the worker's budget ...
+    assert declined >= PAIRS * SHORT_PREFIX_BLOCKS  # the service declined on the worker's budget ...
     assert stats_after["probe_blocks_declined"] - stats_before["probe_blocks_declined"] >= declined
-    assert stats_after["link_latency_s"] >= E2E_LATENCY_S   # ... because it measured the link
+    assert stats_after["link_latency_s"] >= E2E_LATENCY_S  # ... because it measured the link
 
     median_cached, median_reference = statistics.median(ttft_cached), statistics.median(ttft_reference)
     ratio = statistics.median(c / r for c, r in zip(ttft_cached, ttft_reference))
-    print(f"TTFT medians over {PAIRS} interleaved pairs: cached {median_cached * 1e3:.1f} ms, "
-          f"no-cache {median_reference * 1e3:.1f} ms; median ratio {ratio:.3f}")
+    print(
+        f"TTFT medians over {PAIRS} interleaved pairs: cached {median_cached * 1e3:.1f} ms, "
+        f"no-cache {median_reference * 1e3:.1f} ms; median ratio {ratio:.3f}"
+    )
     assert ratio <= TTFT_RATIO + TTFT_SLACK_S / median_reference
 
 
 def _why_not_taken(before: dict, after: dict, service) -> str:
     """The worker's decisions and estimates and the service's Redis counters, for a failure message."""
-    changed = {f"{name}{dict(labels)}": value - before.get((name, labels), 0.0)
-               for (name, labels), value in after.items()
-               if "decision" in name or "declined" in name or name.endswith("seconds_per_token")}
+    changed = {
+        f"{name}{dict(labels)}": value - before.get((name, labels), 0.0)
+        for (name, labels), value in after.items()
+        if "decision" in name or "declined" in name or name.endswith("seconds_per_token")
+    }
     return f"worker: {changed}; service Redis: {service.client().stats().snapshot.remote}"
 
 
@@ -312,5 +348,7 @@ def test_longer_prefixes_over_a_fast_redis_are_still_taken(e2e) -> None:
         assert hit.cached_tokens == LONG_PREFIX_BLOCKS * BS, _why_not_taken(before, worker_metrics(cached), service)
         assert hit.text == reference.client.complete(tokens, max_tokens=8).text
     after = worker_metrics(cached)
-    assert (metric(after, "prefixcache_worker_hit_decisions_total", decision="taken")
-            - metric(before, "prefixcache_worker_hit_decisions_total", decision="taken")) == 4
+    assert (
+        metric(after, "prefixcache_worker_hit_decisions_total", decision="taken")
+        - metric(before, "prefixcache_worker_hit_decisions_total", decision="taken")
+    ) == 4

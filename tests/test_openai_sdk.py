@@ -23,8 +23,9 @@ MODEL = "prefixcache-tiny-llama"
 
 
 def _client(worker, **options) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{worker.port}/v1", api_key="unused", max_retries=0,
-                         timeout=120, **options)
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{worker.port}/v1", api_key="unused", max_retries=0, timeout=120, **options
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +44,10 @@ def reference(stack) -> openai.OpenAI:
 
 
 def _messages(topic: str) -> list[dict]:
-    return [{"role": "system", "content": "You are terse. " * 6},
-            {"role": "user", "content": f"Tell me about {topic}, in as much detail as you can muster today."}]
+    return [
+        {"role": "system", "content": "You are terse. " * 6},
+        {"role": "user", "content": f"Tell me about {topic}, in as much detail as you can muster today."},
+    ]
 
 
 def test_models_list_names_the_served_model(cached):
@@ -57,8 +60,7 @@ def test_sync_chat_equals_the_uncached_reference_and_reuses_the_cache(cached, re
     first = cached.chat.completions.create(**args, extra_body=salt)
     second = cached.chat.completions.create(**args, extra_body=salt)
     expected = reference.chat.completions.create(**args)
-    assert first.choices[0].message.content == second.choices[0].message.content \
-        == expected.choices[0].message.content
+    assert first.choices[0].message.content == second.choices[0].message.content == expected.choices[0].message.content
     assert first.object == "chat.completion" and first.model == MODEL
     assert first.usage.completion_tokens == 12 and first.choices[0].finish_reason == "length"
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -67,27 +69,44 @@ def test_sync_chat_equals_the_uncached_reference_and_reuses_the_cache(cached, re
 
 def test_async_chat_runs_concurrent_requests(stack, reference):
     async def main() -> list[str]:
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{stack.cached.port}/v1", api_key="unused",
-                                    max_retries=0, timeout=120)
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{stack.cached.port}/v1", api_key="unused", max_retries=0, timeout=120
+        )
         try:
-            replies = await asyncio.gather(*(
-                client.chat.completions.create(model=MODEL, messages=_messages(topic), max_tokens=6,
-                                               temperature=0, extra_body={"cache_salt": "sdk-async"})
-                for topic in ("owls", "tides", "owls")))
+            replies = await asyncio.gather(
+                *(
+                    client.chat.completions.create(
+                        model=MODEL,
+                        messages=_messages(topic),
+                        max_tokens=6,
+                        temperature=0,
+                        extra_body={"cache_salt": "sdk-async"},
+                    )
+                    for topic in ("owls", "tides", "owls")
+                )
+            )
         finally:
             await client.close()
         return [r.choices[0].message.content for r in replies]
 
     texts = asyncio.run(main())
-    expected = [reference.chat.completions.create(model=MODEL, messages=_messages(t), max_tokens=6,
-                                                  temperature=0).choices[0].message.content
-                for t in ("owls", "tides")]
+    expected = [
+        reference.chat.completions.create(model=MODEL, messages=_messages(t), max_tokens=6, temperature=0)
+        .choices[0]
+        .message.content
+        for t in ("owls", "tides")
+    ]
     assert texts == [expected[0], expected[1], expected[0]]
 
 
 def test_streaming_with_include_usage_ends_with_the_usage_chunk(cached):
-    args = {"model": MODEL, "messages": _messages("glaciers"), "max_tokens": 10, "temperature": 0,
-                "extra_body": {"cache_salt": "sdk-stream"}}
+    args = {
+        "model": MODEL,
+        "messages": _messages("glaciers"),
+        "max_tokens": 10,
+        "temperature": 0,
+        "extra_body": {"cache_salt": "sdk-stream"},
+    }
     whole = cached.chat.completions.create(**args)
     chunks = list(cached.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -114,8 +133,9 @@ def test_completions_and_echo(cached, reference):
 
 
 def test_chat_logprobs_have_openais_shape_and_match_greedy(cached):
-    reply = cached.chat.completions.create(model=MODEL, messages=_messages("bees"), max_tokens=6, temperature=0,
-                                           logprobs=True, top_logprobs=3)
+    reply = cached.chat.completions.create(
+        model=MODEL, messages=_messages("bees"), max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = reply.choices[0].logprobs.content
     assert len(content) == reply.usage.completion_tokens == 6
     assert "".join(t.token for t in content) == reply.choices[0].message.content
@@ -123,21 +143,21 @@ def test_chat_logprobs_have_openais_shape_and_match_greedy(cached):
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].token == entry.token  # greedy picks the most likely
         assert math.isclose(entry.top_logprobs[0].logprob, entry.logprob, abs_tol=1e-6)
-        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
-                                                                 reverse=True)
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
         assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
-    streamed = cached.chat.completions.create(model=MODEL, messages=_messages("bees"), max_tokens=6,
-                                              temperature=0, logprobs=True, top_logprobs=3, stream=True)
-    tokens = [t.token for c in streamed if c.choices and c.choices[0].logprobs
-              for t in c.choices[0].logprobs.content]
+    streamed = cached.chat.completions.create(
+        model=MODEL, messages=_messages("bees"), max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, stream=True
+    )
+    tokens = [t.token for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert tokens == [t.token for t in content]
     plain = cached.chat.completions.create(model=MODEL, messages=_messages("bees"), max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
 
 
 def test_completion_logprobs(cached):
-    reply = cached.completions.create(model=MODEL, prompt="Counting: one, two, three,", max_tokens=5,
-                                      temperature=0, logprobs=2)
+    reply = cached.completions.create(
+        model=MODEL, prompt="Counting: one, two, three,", max_tokens=5, temperature=0, logprobs=2
+    )
     logprobs = reply.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
     assert "".join(logprobs.tokens) == reply.choices[0].text
@@ -156,26 +176,51 @@ def test_sampling_fields_act_on_the_logits(cached):
         text = cached.chat.completions.create(**base, temperature=1.0, **kwargs, extra_body=body)
         assert text.choices[0].message.content == greedy, extra
     # logit_bias +100 on one token makes greedy emit only it.
-    forced = cached.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0,
-                                       logit_bias={"15339": 100}, logprobs=0)
+    forced = cached.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0, logit_bias={"15339": 100}, logprobs=0
+    )
     assert forced.choices[0].logprobs.tokens == ["hello"] * 4
     # The penalties' arithmetic is tested exactly in tests/test_sampling.py; here they reach it.
-    penalised = [cached.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0,
-                                           frequency_penalty=2.0, presence_penalty=1.0,
-                                           extra_body={"repetition_penalty": 1.3}).choices[0].text
-                 for _ in range(2)]
+    penalised = [
+        cached.completions.create(
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=6,
+            temperature=0,
+            frequency_penalty=2.0,
+            presence_penalty=1.0,
+            extra_body={"repetition_penalty": 1.3},
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
     assert penalised[0] == penalised[1]
     # seeded sampling repeats; stop_token_ids end the reply with finish_reason "stop".
-    seeded = [cached.chat.completions.create(**base, temperature=1.0, seed=11).choices[0].message.content
-              for _ in range(2)]
+    seeded = [
+        cached.chat.completions.create(**base, temperature=1.0, seed=11).choices[0].message.content for _ in range(2)
+    ]
     assert seeded[0] == seeded[1]
-    stopped = cached.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0,
-                                        logit_bias={"15339": 100}, extra_body={"stop_token_ids": [15339]})
+    stopped = cached.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={"15339": 100},
+        extra_body={"stop_token_ids": [15339]},
+    )
     assert stopped.choices[0].text == "" and stopped.choices[0].finish_reason == "stop"
 
 
-IMAGE = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
-                                      {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+IMAGE = [
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+        ],
+    }
+]
 USER = [{"role": "user", "content": "hi"}]
 
 BAD_CHAT = [
@@ -234,8 +279,10 @@ def test_unsupported_completion_fields_are_a_bad_request_naming_them(cached, ext
 
 
 def test_an_unknown_model_is_not_found(cached):
-    for call in (lambda: cached.chat.completions.create(model="gpt-9", messages=USER, max_tokens=1),
-                 lambda: cached.completions.create(model="gpt-9", prompt="hi", max_tokens=1)):
+    for call in (
+        lambda: cached.chat.completions.create(model="gpt-9", messages=USER, max_tokens=1),
+        lambda: cached.completions.create(model="gpt-9", prompt="hi", max_tokens=1),
+    ):
         with pytest.raises(openai.NotFoundError) as caught:
             call()
         assert caught.value.code == "model_not_found" and caught.value.param == "model"
@@ -244,13 +291,28 @@ def test_an_unknown_model_is_not_found(cached):
 
 def test_accepted_no_op_fields_and_text_parts(cached):
     """Fields with no effect on one worker's output by OpenAI's definition are accepted."""
-    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be terse."}]},
-             {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]
-    reply = cached.chat.completions.create(model=MODEL, messages=parts, max_tokens=2, temperature=0,
-                                           user="u-1", metadata={"k": "v"}, store=False, service_tier="auto",
-                                           response_format={"type": "text"}, tool_choice="none",
-                                           safety_identifier="s", prompt_cache_key="p")
-    same = cached.chat.completions.create(model=MODEL, max_tokens=2, temperature=0,
-                                          messages=[{"role": "system", "content": "Be terse."},
-                                                    {"role": "user", "content": "hi there"}])
+    parts = [
+        {"role": "developer", "content": [{"type": "text", "text": "Be terse."}]},
+        {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},
+    ]
+    reply = cached.chat.completions.create(
+        model=MODEL,
+        messages=parts,
+        max_tokens=2,
+        temperature=0,
+        user="u-1",
+        metadata={"k": "v"},
+        store=False,
+        service_tier="auto",
+        response_format={"type": "text"},
+        tool_choice="none",
+        safety_identifier="s",
+        prompt_cache_key="p",
+    )
+    same = cached.chat.completions.create(
+        model=MODEL,
+        max_tokens=2,
+        temperature=0,
+        messages=[{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi there"}],
+    )
     assert reply.choices[0].message.content == same.choices[0].message.content

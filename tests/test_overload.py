@@ -8,11 +8,11 @@ once send a Lookup, a health Check and a Release each, and the test checks every
 
 from __future__ import annotations
 
-import pytest
 import threading
 from concurrent import futures
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prefixcache.client.errors import RETRY_METADATA, retry_after_s
@@ -39,9 +39,12 @@ def test_health_and_release_are_never_refused_while_new_work_is():
         stream_leases = [client.lookup(tokens) for _ in range(LIMIT)]
         leases = [client.lookup(tokens) for _ in range(CLIENTS)]
         channel = grpc.insecure_channel(server.address, options=[("grpc.http2.bdp_probe", 0)])
-        streams = [channel.unary_stream(f"/{SERVICE_NAME}/Fetch")(
-            pb.FetchRequest(lease_id=hit.lease_id, max_chunk_bytes=1 << 20).SerializeToString(), timeout=60)
-            for hit in stream_leases]
+        streams = [
+            channel.unary_stream(f"/{SERVICE_NAME}/Fetch")(
+                pb.FetchRequest(lease_id=hit.lease_id, max_chunk_bytes=1 << 20).SerializeToString(), timeout=60
+            )
+            for hit in stream_leases
+        ]
         for stream in streams:
             next(stream)  # started: each now holds a stream thread, the rest is never read
         assert poll(lambda: server.admission.held() >= LIMIT, 10)
@@ -61,6 +64,7 @@ def test_health_and_release_are_never_refused_while_new_work_is():
                 health = health_pb2_grpc.HealthStub(own).Check(health_pb2.HealthCheckRequest(), timeout=20)
                 stub.Release(pb.ReleaseRequest(lease_id=leases[i].lease_id), timeout=20)
                 return looked, health.status
+
         with futures.ThreadPoolExecutor(CLIENTS) as pool:
             answers = list(pool.map(one_client, range(CLIENTS)))  # a refused Release or Check raises here
         assert all(status == health_pb2.HealthCheckResponse.SERVING for _, status in answers)

@@ -39,8 +39,23 @@ def test_the_package_list_is_every_package_folder():
 
 
 def test_the_wheel_holds_only_the_projects_import_names(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = tmp_path.glob("prefixcache-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
@@ -53,14 +68,16 @@ def test_the_wheel_holds_only_the_projects_import_names(tmp_path):
 
 
 def test_help_imports_no_torch():
-    probe = ("import sys, contextlib, io\n"
-             "from prefixcache_services import cli\n"
-             "with contextlib.redirect_stdout(io.StringIO()):\n"
-             "    try:\n"
-             "        cli.main(['--help'])\n"
-             "    except SystemExit:\n"
-             "        pass\n"
-             "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))\n")
+    probe = (
+        "import sys, contextlib, io\n"
+        "from prefixcache_services import cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try:\n"
+        "        cli.main(['--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))\n"
+    )
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "torch" not in done.stdout and "transformers" not in done.stdout, done.stdout

@@ -12,7 +12,7 @@ import pytest
 from prefixcache.config import TenantQuota, TenantQuotas
 from prefixcache.errors import ConfigError, InvalidArgument
 from prefixcache.tiers.base import TierKind
-from tests.core_support import write_reserved, TINY, assert_consistent, kv_for, make_cache, namespace
+from tests.core_support import TINY, assert_consistent, kv_for, make_cache, namespace, write_reserved
 
 pytestmark = pytest.mark.unit
 
@@ -99,12 +99,12 @@ def test_device_quota_demotes_the_tenants_own_blocks() -> None:
         a, b = tenants(cache, "a", "b")
         first, second, other = prompt(1, 2, 3), prompt(4, 5), prompt(7, 8)
         store(cache, a, first)
-        assert hit_blocks(cache, a, first) == 3           # promoted, but only 2 blocks: a's quota
+        assert hit_blocks(cache, a, first) == 3  # promoted, but only 2 blocks: a's quota
         assert cache.ledger.resident("a", TierKind.DEVICE) == 2
         store(cache, b, other)
         assert hit_blocks(cache, b, other) == 2
         store(cache, a, second)
-        assert hit_blocks(cache, a, second) == 2          # a makes room from its own device blocks
+        assert hit_blocks(cache, a, second) == 2  # a makes room from its own device blocks
         tiers = [TierKind(int(t)) for t in cache.lookup(a, second).locations.tiers]
         assert tiers == [TierKind.DEVICE, TierKind.DEVICE]
         assert cache.ledger.resident("b", TierKind.DEVICE) == 2  # b's device blocks stayed

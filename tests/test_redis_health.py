@@ -11,8 +11,9 @@ it names the error kind and a key's prefix only, never the command, a full key o
 
 from __future__ import annotations
 
-import pytest
 import logging
+
+import pytest
 
 from prefixcache.client import CacheClient
 from tests.isolation_support import serve
@@ -29,9 +30,21 @@ def test_full_redis_refuses_writes_but_lookups_keep_hitting_redis(private_redis,
     layout = layout_of()
     prompts = [prompt(2, start=1000 * (i + 1)) for i in range(6)]
     caplog.set_level(logging.DEBUG, logger="prefixcache")
-    with serve("--block-size", "16", "--host-capacity", str(4 * BLOCK_BYTES), "--redis-url", private_redis.url,
-               "--redis-key-prefix", "health", "--redis-timeout-ms", "2000") as server, \
-            CacheClient(server.address, timeout_s=20) as client:
+    with (
+        serve(
+            "--block-size",
+            "16",
+            "--host-capacity",
+            str(4 * BLOCK_BYTES),
+            "--redis-url",
+            private_redis.url,
+            "--redis-key-prefix",
+            "health",
+            "--redis-timeout-ms",
+            "2000",
+        ) as server,
+        CacheClient(server.address, timeout_s=20) as client,
+    ):
         client.attach("m", layout)
         for i, tokens in enumerate(prompts):
             assert client.store(tokens, random_kv(2, layout, seed=i)).stored == 2
@@ -57,5 +70,6 @@ def test_full_redis_refuses_writes_but_lookups_keep_hitting_redis(private_redis,
     assert any("is down" in m and "OutOfMemoryError OOM" in m for m in messages), messages
     for message in messages:
         assert "\x00" not in message and "SET" not in message and "maxmemory" not in message, message
-        assert not any(len(word) >= 32 and all(c in "0123456789abcdef" for c in word)
-                       for word in message.replace(":", " ").split()), message  # no whole block hash
+        assert not any(
+            len(word) >= 32 and all(c in "0123456789abcdef" for c in word) for word in message.replace(":", " ").split()
+        ), message  # no whole block hash

@@ -30,7 +30,8 @@ from prefixcache.tiers.redis_options import RedisOptions
 from prefixcache_services.cache_server.command import remote_factory_from
 from prefixcache_services.cli import build_parser
 from tests.core_support import block_hashes
-from tests.isolation_support import BLOCK, LAYOUT as SERVICE_LAYOUT, random_kv, same_bytes, serve
+from tests.isolation_support import BLOCK, random_kv, same_bytes, serve
+from tests.isolation_support import LAYOUT as SERVICE_LAYOUT
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.process]
@@ -55,10 +56,11 @@ def reason(frame: bytes, key: bytes | None = KEY, storage_key: str = STORED_AT) 
 
 
 def flipped(frame: bytes, at: int) -> bytes:
-    return frame[:at] + bytes([frame[at] ^ 0x01]) + frame[at + 1:]
+    return frame[:at] + bytes([frame[at] ^ 0x01]) + frame[at + 1 :]
 
 
 # ---- codec ----------------------------------------------------------------------------------------
+
 
 def test_keyed_round_trip_is_byte_exact_and_zero_copy() -> None:
     frame = keyed()
@@ -68,14 +70,32 @@ def test_keyed_round_trip_is_byte_exact_and_zero_copy() -> None:
     assert view.tobytes() == PAYLOAD and view.obj is frame
 
 
-@pytest.mark.parametrize("where", ["version", "header length", "namespace id", "tokens", "checksum",
-                                   "first payload byte", "last payload byte", "mac"])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "version",
+        "header length",
+        "namespace id",
+        "tokens",
+        "checksum",
+        "first payload byte",
+        "last payload byte",
+        "mac",
+    ],
+)
 def test_any_flipped_bit_is_rejected(where: str) -> None:
     frame = keyed()
     payload_start = len(frame) - MAC_BYTES - LAYOUT.block_bytes
-    at = {"version": 4, "header length": 6, "namespace id": 13, "tokens": payload_start - 17,
-          "checksum": payload_start - 1, "first payload byte": payload_start,
-          "last payload byte": len(frame) - MAC_BYTES - 1, "mac": len(frame) - 1}[where]
+    at = {
+        "version": 4,
+        "header length": 6,
+        "namespace id": 13,
+        "tokens": payload_start - 17,
+        "checksum": payload_start - 1,
+        "first payload byte": payload_start,
+        "last payload byte": len(frame) - MAC_BYTES - 1,
+        "mac": len(frame) - 1,
+    }[where]
     assert reason(flipped(frame, at))  # a CorruptBlock (with a reason), whichever check catches it
 
 
@@ -111,12 +131,13 @@ def test_keyed_reader_rejects_unkeyed_frames_and_unkeyed_reader_rejects_keyed_on
 
 # ---- options and flags ------------------------------------------------------------------------------
 
+
 def test_the_key_never_shows_in_the_options_repr_or_str() -> None:
     key = secrets.token_hex(32).encode()
     options = RedisOptions(url="redis://127.0.0.1:1", hmac_key=key)
     assert options.hmac_key == key
     for text in (repr(options), str(options)):
-        assert "redis://127.0.0.1:1" in text      # the repr is a real one...
+        assert "redis://127.0.0.1:1" in text  # the repr is a real one...
         assert key.decode() not in text and key.decode()[:16] not in text and "hmac_key" not in text
 
 
@@ -129,7 +150,7 @@ def test_a_short_or_non_bytes_key_is_a_config_error_naming_the_field(key) -> Non
 
 def test_the_key_file_flag_is_checked(tmp_path: Path) -> None:
     short = tmp_path / "short"
-    short.write_bytes(b"  " + b"k" * 31 + b"\n\n")              # 31 bytes once whitespace is stripped
+    short.write_bytes(b"  " + b"k" * 31 + b"\n\n")  # 31 bytes once whitespace is stripped
     parse = build_parser().parse_args
     with pytest.raises(ConfigError) as info:
         remote_factory_from(parse(["serve", "--redis-hmac-key-file", str(short)]))
@@ -140,6 +161,7 @@ def test_the_key_file_flag_is_checked(tmp_path: Path) -> None:
 
 
 # ---- a real service over a real Redis -------------------------------------------------------------
+
 
 def _spilled(client: CacheClient, server, prompts: list[tuple[list[int], torch.Tensor]]) -> None:
     """Store `prompts` (written through to Redis), then push them out of the 8-slot host tier."""
@@ -155,14 +177,26 @@ def _spilled(client: CacheClient, server, prompts: list[tuple[list[int], torch.T
 
 
 def test_a_forged_frame_in_redis_is_not_served_and_a_keyed_one_is(
-        private_redis: RedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    private_redis: RedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG)
     key = secrets.token_hex(32).encode()
     key_file = tmp_path / "hmac.key"
-    key_file.write_bytes(b"\n " + key + b"\n")                # whitespace is not part of the key
-    flags = ("--block-size", str(BLOCK), "--host-capacity", str(8 * SERVICE_LAYOUT.block_bytes),
-             "--redis-url", private_redis.url, "--redis-key-prefix", "hm", "--redis-timeout-ms", "500",
-             "--redis-hmac-key-file", str(key_file))
+    key_file.write_bytes(b"\n " + key + b"\n")  # whitespace is not part of the key
+    flags = (
+        "--block-size",
+        str(BLOCK),
+        "--host-capacity",
+        str(8 * SERVICE_LAYOUT.block_bytes),
+        "--redis-url",
+        private_redis.url,
+        "--redis-key-prefix",
+        "hm",
+        "--redis-timeout-ms",
+        "500",
+        "--redis-hmac-key-file",
+        str(key_file),
+    )
     with serve(*flags) as server:
         client = CacheClient(server.address, timeout_s=20)
         try:
@@ -176,25 +210,41 @@ def test_a_forged_frame_in_redis_is_not_served_and_a_keyed_one_is(
 
             def frame(tokens, hashes, i, payload, **mac) -> bytes:
                 parent = hashes[i - 1] if i else root
-                block = np.asarray(tokens[i * BLOCK:(i + 1) * BLOCK], dtype="<u4")
-                return encode_block(SERVICE_LAYOUT, ns, hashes[i], parent, block,
-                                    payload.contiguous().view(torch.uint8).numpy().tobytes(), **mac)
+                block = np.asarray(tokens[i * BLOCK : (i + 1) * BLOCK], dtype="<u4")
+                return encode_block(
+                    SERVICE_LAYOUT,
+                    ns,
+                    hashes[i],
+                    parent,
+                    block,
+                    payload.contiguous().view(torch.uint8).numpy().tobytes(),
+                    **mac,
+                )
 
             evil = random_kv(1, seed=666)[0]
             with private_redis.client() as raw:
                 # An attacker who can write Redis: right layout and binding, but no key / a guessed key.
                 raw.set(cache.remote_link.tier.key(ns, hashes_a[2]), frame(a, hashes_a, 2, evil), px=60_000)
-                raw.set(cache.remote_link.tier.key(ns, hashes_b[1]), frame(b, hashes_b, 1, evil, mac_key=secrets.token_bytes(32),
-                                                                 storage_key=cache.remote_link.tier.key(ns, hashes_b[1])),
-                        px=60_000)
+                raw.set(
+                    cache.remote_link.tier.key(ns, hashes_b[1]),
+                    frame(
+                        b,
+                        hashes_b,
+                        1,
+                        evil,
+                        mac_key=secrets.token_bytes(32),
+                        storage_key=cache.remote_link.tier.key(ns, hashes_b[1]),
+                    ),
+                    px=60_000,
+                )
                 for tokens, kv, good in ((a, kv_a, 2), (b, kv_b, 1)):
                     failures = client.stats().snapshot.remote["integrity_failures"]
                     hit = client.lookup(tokens)
                     assert hit.hit_tokens == good * BLOCK and hit.miss_reason is MissReason.VERIFICATION_FAILED
-                    assert same_bytes(client.read(hit), kv[:good])   # untampered blocks: promoted, byte-exact
+                    assert same_bytes(client.read(hit), kv[:good])  # untampered blocks: promoted, byte-exact
                     client.release(hit)
                     assert client.stats().snapshot.remote["integrity_failures"] == failures + 1
-                assert cache.remote_link.tier.wait_idle(10)                    # the forged keys' UNLINKs have run
+                assert cache.remote_link.tier.wait_idle(10)  # the forged keys' UNLINKs have run
                 assert raw.exists(cache.remote_link.tier.key(ns, hashes_a[2])) == 0
                 # Positive control: a frame MAC'd with the file's (stripped) key is served.
                 stored_at = cache.remote_link.tier.key(ns, hashes_a[2])
@@ -205,6 +255,6 @@ def test_a_forged_frame_in_redis_is_not_served_and_a_keyed_one_is(
         finally:
             client.close()
     text = caplog.text
-    assert "frames are authenticated" in text                          # the log was captured,
-    assert "unkeyed frame" in text and "MAC mismatch" in text          # both rejections with it...
-    assert key.decode() not in text and key.decode()[:16] not in text      # ...and never holds the key
+    assert "frames are authenticated" in text  # the log was captured,
+    assert "unkeyed frame" in text and "MAC mismatch" in text  # both rejections with it...
+    assert key.decode() not in text and key.decode()[:16] not in text  # ...and never holds the key

@@ -42,12 +42,15 @@ def frame_for(i: int) -> bytes:
 
 def fast_options(url: str, **overrides) -> RedisOptions:
     """Short backoffs so recovery shows within a test's time budget."""
-    values = dict(url=url, key_prefix=f"t{random.getrandbits(32):08x}", breaker_backoff_min_s=0.05,
-                  breaker_backoff_max_s=0.4, write_timeout_s=0.5)
+    values = dict(
+        url=url,
+        key_prefix=f"t{random.getrandbits(32):08x}",
+        breaker_backoff_min_s=0.05,
+        breaker_backoff_max_s=0.4,
+        write_timeout_s=0.5,
+    )
     values.update(overrides)
     return RedisOptions(**values)
-
-
 
 
 @pytest.fixture
@@ -58,6 +61,7 @@ def tier(redis_server: RedisServer) -> Iterator[RedisTier]:
 
 # ---- storage and TTL --------------------------------------------------------------------------
 
+
 def test_submit_then_fetch_returns_the_frame(tier: RedisTier) -> None:
     frames = [frame_for(i) for i in range(3)]
     assert all(tier.submit(NS, block_hash(i), frames[i]) for i in range(3))
@@ -65,7 +69,7 @@ def test_submit_then_fetch_returns_the_frame(tier: RedisTier) -> None:
     got = tier.fetch(NS, [block_hash(i) for i in range(4)])
     assert got[:3] == frames and got[3] is None
     payload = decode_block(got[1], LAYOUT, NS, block_hash(1), PARENT, TOKENS)
-    assert payload.tobytes() == frames[1][-LAYOUT.block_bytes:]
+    assert payload.tobytes() == frames[1][-LAYOUT.block_bytes :]
     stats = tier.stats()
     assert (stats.hits, stats.misses, stats.spills_queued, stats.state) == (3, 1, 3, BreakerState.UP)
     assert stats.bytes_written == stats.bytes_read == sum(map(len, frames))
@@ -103,8 +107,9 @@ def test_prefix_only_stops_after_the_first_miss(tier: RedisTier, redis_server: R
     for i in (0, 2):
         tier.submit(NS, block_hash(i), frame_for(i), ttl_s=5)
     assert tier.wait_idle(5)
-    got = tier.fetch(NS, [block_hash(i) for i in range(3)], ttl_s=600, frame_bytes=tier.options.max_fetch_bytes,
-                     prefix_only=True)
+    got = tier.fetch(
+        NS, [block_hash(i) for i in range(3)], ttl_s=600, frame_bytes=tier.options.max_fetch_bytes, prefix_only=True
+    )
     assert got == [frame_for(0), None, None]
     with redis_server.client() as raw:
         assert raw.pttl(tier.key(NS, block_hash(0))) > 500_000
@@ -121,8 +126,9 @@ def test_an_expired_key_is_never_served(tier: RedisTier, redis_server: RedisServ
     assert tier.fetch(NS, [block_hash(2)]) == [None]
 
 
-def test_integrity_failure_is_counted_and_the_key_deleted(tier: RedisTier, redis_server: RedisServer,
-                                                          tmp_path: Path) -> None:
+def test_integrity_failure_is_counted_and_the_key_deleted(
+    tier: RedisTier, redis_server: RedisServer, tmp_path: Path
+) -> None:
     """What the cache does with a pickle stored under a valid-looking key: a counted miss, key gone."""
 
     class CreatesFile:
@@ -172,6 +178,7 @@ def test_a_foreign_value_type_is_a_miss_not_a_fault(tier: RedisTier, redis_serve
 
 # ---- back-pressure ------------------------------------------------------------------------------
 
+
 def test_full_queue_drops_and_counts(private_redis: RedisServer) -> None:
     frame = frame_for(0)
     with RedisTier(fast_options(private_redis.url, max_queue_bytes=2 * len(frame) + 1)) as tier:
@@ -189,6 +196,7 @@ def test_full_queue_drops_and_counts(private_redis: RedisServer) -> None:
 
 
 # ---- faults ---------------------------------------------------------------------------------------
+
 
 def test_sigkill_then_restart_on_the_same_port(private_redis: RedisServer) -> None:
     with RedisTier(fast_options(private_redis.url)) as tier:
@@ -289,6 +297,7 @@ def test_out_of_memory_drops_writes_but_keeps_serving_reads(private_redis: Redis
 
 # ---- cluster and connection variants ----------------------------------------------------------
 
+
 def test_cluster_spreads_blocks_over_every_master(redis_cluster) -> None:
     with RedisTier(fast_options(redis_cluster.url, socket_timeout_s=0.5)) as tier:
         assert poll(tier.is_up, 10)
@@ -346,10 +355,17 @@ def test_connect_sets_every_timeout_and_disables_library_retries(redis_server: R
     client.close()
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("url", "http://localhost:6379"), ("key_prefix", "a{b}"), ("key_prefix", "x*"),
-    ("socket_timeout_s", 0), ("max_batch", 0), ("tls_ca_file", "/ca.pem"),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("url", "http://localhost:6379"),
+        ("key_prefix", "a{b}"),
+        ("key_prefix", "x*"),
+        ("socket_timeout_s", 0),
+        ("max_batch", 0),
+        ("tls_ca_file", "/ca.pem"),
+    ],
+)
 def test_bad_options_name_the_field(field: str, value: object) -> None:
     values = {"url": "redis://127.0.0.1:1", field: value}
     with pytest.raises(ConfigError, match=field if field != "url" else "redis_url"):
@@ -361,6 +377,7 @@ def test_password_is_not_in_repr() -> None:
 
 
 # ---- breaker and retry (no Redis: a hand-driven clock) --------------------------------------
+
 
 def test_breaker_opens_after_n_failures_and_probes_with_growing_jittered_backoff() -> None:
     now = [0.0]

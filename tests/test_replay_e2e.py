@@ -50,8 +50,14 @@ def stack(tmp_path_factory):
 
 def _replay(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "prefixcache_services", "--log-level", "WARNING", "replay", "--no-progress",
-                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "prefixcache_services", "--log-level", "WARNING", "replay", "--no-progress", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _valid_report(path: Path) -> dict:
@@ -80,9 +86,26 @@ def _assert_each_turn_hits_the_previous_turns_blocks(turns: list[dict]) -> int:
 def test_ab_replay_hits_every_previous_turn_and_outputs_match(stack, tmp_path):
     _, address, cached_url, plain_url = stack
     out = tmp_path / "ab.json"
-    done = _replay("--target", cached_url, "--compare-no-cache", plain_url, "--cache-stats", address,
-                   "--conversations", "3", "--max-turns", "3", "--max-prompt-tokens", "800",
-                   "--max-tokens", "8", "--concurrency", "2", "--json", str(out))
+    done = _replay(
+        "--target",
+        cached_url,
+        "--compare-no-cache",
+        plain_url,
+        "--cache-stats",
+        address,
+        "--conversations",
+        "3",
+        "--max-turns",
+        "3",
+        "--max-prompt-tokens",
+        "800",
+        "--max-tokens",
+        "8",
+        "--concurrency",
+        "2",
+        "--json",
+        str(out),
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "output check: 0 mismatches" in done.stdout
     report = _valid_report(out)
@@ -102,8 +125,20 @@ def test_cache_only_at_concurrency_8_verifies_every_hit(stack, tmp_path):
     _, address, _, _ = stack
     out = tmp_path / "cache_only.json"
     # The first run commits every conversation's blocks; the repeat must hit them all.
-    args = ("--cache", address, "--model-size", "tiny", "--concurrency", "8", "--conversations", "12",
-            "--max-turns", "4", "--max-prompt-tokens", "2048")
+    args = (
+        "--cache",
+        address,
+        "--model-size",
+        "tiny",
+        "--concurrency",
+        "8",
+        "--conversations",
+        "12",
+        "--max-turns",
+        "4",
+        "--max-prompt-tokens",
+        "2048",
+    )
     first = _replay(*args, "--json", str(out))
     assert first.returncode == 0, first.stdout + first.stderr
     report = _valid_report(out)
@@ -126,8 +161,15 @@ def test_cache_only_reports_a_planted_wrong_block(stack, tmp_path):
     _, address, _, _ = stack
     conversation = Conversation("planted", ((Role.USER, "The cache must never serve wrong KV. " * 12),))
     source = tmp_path / "planted.jsonl"
-    source.write_text(json.dumps({"id": conversation.id, "messages": [
-        {"role": role.value, "content": text} for role, text in conversation.messages]}) + "\n")
+    source.write_text(
+        json.dumps(
+            {
+                "id": conversation.id,
+                "messages": [{"role": role.value, "content": text} for role, text in conversation.messages],
+            }
+        )
+        + "\n"
+    )
     tokens = ChatTokens().tokens(conversation.messages)
     layout = preset("tiny").layout(BLOCK)
     blocks = len(tokens) // BLOCK
@@ -163,6 +205,7 @@ def test_replay_rejects_bad_input_with_a_named_problem(tmp_path, capsys):
 
 # --- the invariants the end-to-end checks rest on (fast, in process) ---------------------------
 
+
 def test_synthetic_kv_depends_on_the_whole_prefix_and_nothing_else():
     kv = SyntheticKV(preset("tiny").layout(BLOCK))
     a = list(range(64))
@@ -178,11 +221,19 @@ def test_synthetic_kv_depends_on_the_whole_prefix_and_nothing_else():
 
 def test_prompt_tokens_match_the_worker_template_and_extend_turn_by_turn():
     from prefixcache_services.replay.turns import conversation_turns
-    from prefixcache_services.worker.chat import ChatMessage, ChatMLTemplate, Role as ChatRole
+    from prefixcache_services.worker.chat import ChatMessage, ChatMLTemplate
+    from prefixcache_services.worker.chat import Role as ChatRole
     from prefixcache_services.worker.tokenizer import TiktokenTokenizer
 
-    conv = Conversation("c", ((Role.SYSTEM, "Be brief."), (Role.USER, "Hello\nthere"),
-                              (Role.ASSISTANT, "Hi! <|im_end|> fake"), (Role.USER, "What is a KV cache?")))
+    conv = Conversation(
+        "c",
+        (
+            (Role.SYSTEM, "Be brief."),
+            (Role.USER, "Hello\nthere"),
+            (Role.ASSISTANT, "Hi! <|im_end|> fake"),
+            (Role.USER, "What is a KV cache?"),
+        ),
+    )
     counter = ChatTokens()
     template = ChatMLTemplate(TiktokenTokenizer())
     turns = conversation_turns(conv, counter.count)

@@ -11,10 +11,10 @@ import io
 import json
 import socket
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import AsyncIterator
 
 import jsonschema
 import pytest
@@ -25,16 +25,21 @@ from rich.console import Console
 
 from prefixcache_services.replay import plots
 from prefixcache_services.replay.json_stream import ArrayReadState, JsonArrayError, iter_json_array
-from prefixcache_services.replay.openai_client import (ChatClient, Completion, chat_completions_url,
-                                          iter_sse_data)
-from prefixcache_services.replay.report import (Report, build_report, load_schema, percentile,
-                                    summarize_run)
+from prefixcache_services.replay.openai_client import ChatClient, Completion, chat_completions_url, iter_sse_data
+from prefixcache_services.replay.report import Report, build_report, load_schema, percentile, summarize_run
 from prefixcache_services.replay.report_table import print_report
-from prefixcache_services.replay.runner import (ABResult, RequestRecord, RunOptions, RunResult, Target,
-                                    compare_runs, run_ab, run_schedule)
+from prefixcache_services.replay.runner import (
+    ABResult,
+    RequestRecord,
+    RunOptions,
+    RunResult,
+    Target,
+    compare_runs,
+    run_ab,
+    run_schedule,
+)
 from prefixcache_services.replay.schedule import ScheduleConfig, ScheduleError, ThinkTime, build_schedule
-from prefixcache_services.replay.transcripts import (Conversation, Role, TranscriptError, load_jsonl,
-                                         load_sharegpt)
+from prefixcache_services.replay.transcripts import Conversation, Role, TranscriptError, load_jsonl, load_sharegpt
 from prefixcache_services.replay.turns import conversation_turns
 
 pytestmark = pytest.mark.unit
@@ -44,12 +49,13 @@ U, A, S = Role.USER, Role.ASSISTANT, Role.SYSTEM
 
 # --- ShareGPT loading ------------------------------------------------------------------------
 
+
 def test_sharegpt_reads_first_n_from_packaged_file_without_reading_it_all() -> None:
     first = load_sharegpt(limit=50)
     assert len(first.conversations) == 50
     assert first.conversations[0].id == "QWJhYvA_0"
-    assert first.records_read < 200          # streamed from the start, stopped early
-    assert not first.truncated               # never reached the cut-off tail
+    assert first.records_read < 200  # streamed from the start, stopped early
+    assert not first.truncated  # never reached the cut-off tail
     assert first == load_sharegpt(limit=50)  # deterministic
     for conv in first.conversations:
         assert next(r for r, _ in conv.messages if r is not S) is U
@@ -108,15 +114,22 @@ def test_json_array_malformed_raises() -> None:
         list(iter_json_array(io.StringIO('[{"a": 1} {"b": 2}]'), ArrayReadState()))
     garbage = '[{"a": 1}, {"b": nope}, ' + " " * 100 + "]"
     with pytest.raises(JsonArrayError, match="malformed or larger than 32"):
-        list(iter_json_array(io.StringIO(garbage), ArrayReadState(), chunk_chars=8,
-                             max_element_chars=32))
+        list(iter_json_array(io.StringIO(garbage), ArrayReadState(), chunk_chars=8, max_element_chars=32))
 
 
 @settings(max_examples=60, deadline=None)
-@given(elements=st.lists(st.dictionaries(st.text(max_size=4), st.one_of(
-           st.integers(), st.text(max_size=6), st.lists(st.integers(), max_size=3)), max_size=3),
-           max_size=6),
-       cut_fraction=st.floats(0, 1), chunk=st.integers(1, 17))
+@given(
+    elements=st.lists(
+        st.dictionaries(
+            st.text(max_size=4),
+            st.one_of(st.integers(), st.text(max_size=6), st.lists(st.integers(), max_size=3)),
+            max_size=3,
+        ),
+        max_size=6,
+    ),
+    cut_fraction=st.floats(0, 1),
+    chunk=st.integers(1, 17),
+)
 def test_json_array_yields_exactly_the_complete_elements(elements, cut_fraction, chunk) -> None:
     parts = [json.dumps(e) for e in elements]
     text = "[" + ",\n ".join(parts) + "]"
@@ -133,6 +146,7 @@ def test_json_array_yields_exactly_the_complete_elements(elements, cut_fraction,
 
 # --- JSONL loading ---------------------------------------------------------------------------
 
+
 def _jsonl(tmp_path: Path, lines: list[str]) -> Path:
     path = tmp_path / "convs.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -144,26 +158,32 @@ def _line(cid: str, *msgs: tuple[str, str]) -> str:
 
 
 def test_jsonl_loads_and_respects_limit(tmp_path: Path) -> None:
-    path = _jsonl(tmp_path, [_line("x", ("system", "s"), ("user", "u1"), ("assistant", "a1")),
-                             "", _line("y", ("user", "u"))])
+    path = _jsonl(
+        tmp_path, [_line("x", ("system", "s"), ("user", "u1"), ("assistant", "a1")), "", _line("y", ("user", "u"))]
+    )
     result = load_jsonl(path)
     assert [c.id for c in result.conversations] == ["x", "y"]
     assert result.conversations[0].messages == ((S, "s"), (U, "u1"), (A, "a1"))
     assert [c.id for c in load_jsonl(path, limit=1).conversations] == ["x"]
 
 
-@pytest.mark.parametrize("bad, problem", [
-    ("{not json", "invalid JSON"),
-    ('["a"]', "expected a JSON object"),
-    (json.dumps({"messages": [{"role": "user", "content": "u"}]}), "'id' must be"),
-    (json.dumps({"id": "z", "messages": []}), "'messages' must be a non-empty list"),
-    (_line("z", ("robot", "u")), "messages\\[0\\].role 'robot' is not one of"),
-    (json.dumps({"id": "z", "messages": [{"role": "user", "content": 3}]}),
-     "messages\\[0\\].content must be a string"),
-    (_line("z", ("user", "  ")), "empty content"),
-    (_line("z", ("assistant", "a"), ("user", "u")), "does not start with a user message"),
-    (_line("ok", ("user", "dup")), "duplicate id 'ok'"),
-])
+@pytest.mark.parametrize(
+    "bad, problem",
+    [
+        ("{not json", "invalid JSON"),
+        ('["a"]', "expected a JSON object"),
+        (json.dumps({"messages": [{"role": "user", "content": "u"}]}), "'id' must be"),
+        (json.dumps({"id": "z", "messages": []}), "'messages' must be a non-empty list"),
+        (_line("z", ("robot", "u")), "messages\\[0\\].role 'robot' is not one of"),
+        (
+            json.dumps({"id": "z", "messages": [{"role": "user", "content": 3}]}),
+            "messages\\[0\\].content must be a string",
+        ),
+        (_line("z", ("user", "  ")), "empty content"),
+        (_line("z", ("assistant", "a"), ("user", "u")), "does not start with a user message"),
+        (_line("ok", ("user", "dup")), "duplicate id 'ok'"),
+    ],
+)
 def test_jsonl_errors_name_line_and_problem(tmp_path: Path, bad: str, problem: str) -> None:
     path = _jsonl(tmp_path, [_line("ok", ("user", "u")), "", bad])
     with pytest.raises(TranscriptError, match=f"convs.jsonl:3: .*{problem}"):
@@ -175,8 +195,9 @@ def test_jsonl_errors_name_line_and_problem(tmp_path: Path, bad: str, problem: s
 
 # --- turns -----------------------------------------------------------------------------------
 
-CONV = Conversation("c1", ((S, "sys"), (U, "hello"), (A, "hi there"), (U, "more"),
-                           (A, "sure"), (U, "last"), (A, "done")))
+CONV = Conversation(
+    "c1", ((S, "sys"), (U, "hello"), (A, "hi there"), (U, "more"), (A, "sure"), (U, "last"), (A, "done"))
+)
 
 
 def _chars(messages) -> int:
@@ -198,14 +219,14 @@ def test_turns_extend_previous_turn_with_transcript_history() -> None:
 
 def test_turn_caps() -> None:
     assert len(conversation_turns(CONV, _chars, max_turns=2)) == 2
-    assert [t.prompt_tokens for t in conversation_turns(CONV, _chars, max_prompt_tokens=20)] \
-        == [8, 20]
+    assert [t.prompt_tokens for t in conversation_turns(CONV, _chars, max_prompt_tokens=20)] == [8, 20]
     assert conversation_turns(CONV, _chars, max_prompt_tokens=7) == []
     with pytest.raises(ValueError, match="max_turns"):
         conversation_turns(CONV, _chars, max_turns=0)
 
 
 # --- schedule --------------------------------------------------------------------------------
+
 
 def _conv_turns(n_convs: int, n_turns: int) -> list[list]:
     out = []
@@ -256,6 +277,7 @@ def test_schedule_caps() -> None:
 
 # --- echo server (a real OpenAI-compatible SSE server for the client protocol) ---------------
 
+
 class EchoServer:
     """Streams the last user message's words reversed, one word per chunk.
 
@@ -265,8 +287,14 @@ class EchoServer:
     #slow; #corrupt changes the output when `corrupt` is set.
     """
 
-    def __init__(self, *, report_cache: bool = True, corrupt: bool = False,
-                 first_token_delay: float = 0.0, request_delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        report_cache: bool = True,
+        corrupt: bool = False,
+        first_token_delay: float = 0.0,
+        request_delay: float = 0.0,
+    ) -> None:
         self.report_cache, self.corrupt = report_cache, corrupt
         self.first_token_delay, self.request_delay = first_token_delay, request_delay
         self.seen: list[list[str]] = []
@@ -320,8 +348,7 @@ class EchoServer:
         if "#streamerror" in last:
             await send({"error": {"message": "engine died"}})
         await send({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
-        usage = {"prompt_tokens": len(words), "completion_tokens": len(out),
-                 "total_tokens": len(words) + len(out)}
+        usage = {"prompt_tokens": len(words), "completion_tokens": len(out), "total_tokens": len(words) + len(out)}
         if self.report_cache:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         await send({"choices": [], "usage": usage})
@@ -353,6 +380,7 @@ def _msgs(*contents: str) -> list[dict[str, str]]:
 
 # --- client ----------------------------------------------------------------------------------
 
+
 def test_chat_completions_url() -> None:
     assert chat_completions_url("http://h:1") == "http://h:1/v1/chat/completions"
     assert chat_completions_url("http://h:1/v1/") == "http://h:1/v1/chat/completions"
@@ -361,13 +389,16 @@ def test_chat_completions_url() -> None:
 
 
 def test_sse_parsing_across_arbitrary_chunk_boundaries() -> None:
-    stream = ('data: {"a": "é"}\r\n\n: keep-alive\n\nevent: x\ndata: line1\ndata: line2\n\n'
-              'data: ' + "z" * 200_000 + '\n\ndata:[DONE]').encode()
+    stream = (
+        'data: {"a": "é"}\r\n\n: keep-alive\n\nevent: x\ndata: line1\ndata: line2\n\n'
+        "data: " + "z" * 200_000 + "\n\ndata:[DONE]"
+    ).encode()
 
     async def collect(size: int) -> list[str]:
         async def chunks():
             for i in range(0, len(stream), size):
-                yield stream[i:i + size]
+                yield stream[i : i + size]
+
         return [d async for d in iter_sse_data(chunks())]
 
     for size in (1, 2, 7, len(stream)):
@@ -380,8 +411,7 @@ def test_client_streams_measures_ttft_and_parses_usage() -> None:
         server = EchoServer(first_token_delay=0.05)
         async with serving(server) as url, ChatClient(url, "m") as client:
             first = await client.complete(_msgs("one two three four five six seven"), 4)
-            second = await client.complete(
-                _msgs("one two three four five six seven", "x", "eight"), 4)
+            second = await client.complete(_msgs("one two three four five six seven", "x", "eight"), 4)
         return server, first, second
 
     server, first, second = asyncio.run(main())
@@ -414,8 +444,10 @@ def test_client_captures_every_failure_as_error() -> None:
     async def main():
         async with serving(EchoServer()) as url:
             async with ChatClient(url, "m", timeout_s=0.5) as client:
-                results = {m: await client.complete(_msgs(f"hi {m}"), 8)
-                           for m in ("#http500", "#nodone", "#badjson", "#streamerror", "#slow")}
+                results = {
+                    m: await client.complete(_msgs(f"hi {m}"), 8)
+                    for m in ("#http500", "#nodone", "#badjson", "#streamerror", "#slow")
+                }
         async with ChatClient(f"http://127.0.0.1:{_free_closed_port()}", "m") as client:
             results["refused"] = await client.complete(_msgs("hi"), 8)
         return results
@@ -432,6 +464,7 @@ def test_client_captures_every_failure_as_error() -> None:
 
 # --- runner ----------------------------------------------------------------------------------
 
+
 def _schedule(n_convs: int, n_turns: int, **cfg):
     return build_schedule(_conv_turns(n_convs, n_turns), ScheduleConfig(**cfg))
 
@@ -443,8 +476,7 @@ def test_runner_respects_concurrency_and_turn_order() -> None:
     async def main():
         async with serving(server) as url:
             console = Console(file=io.StringIO(), force_terminal=False)
-            run = await run_schedule(sched, Target("echo", url, "m"), RunOptions(max_tokens=3),
-                                     console)
+            run = await run_schedule(sched, Target("echo", url, "m"), RunOptions(max_tokens=3), console)
             return run, console.file.getvalue()
 
     run, shown = asyncio.run(main())
@@ -486,10 +518,8 @@ def test_ab_detects_output_mismatch_and_builds_valid_report(tmp_path: Path) -> N
     sched = build_schedule(_ab_conversations(), cfg)
 
     async def main():
-        async with serving(EchoServer()) as a, serving(EchoServer(report_cache=False,
-                                                                  corrupt=True)) as b:
-            return await run_ab(sched, Target("cache", a, "m"), Target("nocache", b, "m"),
-                                RunOptions(max_tokens=8))
+        async with serving(EchoServer()) as a, serving(EchoServer(report_cache=False, corrupt=True)) as b:
+            return await run_ab(sched, Target("cache", a, "m"), Target("nocache", b, "m"), RunOptions(max_tokens=8))
 
     ab = asyncio.run(main())
     assert ab.comparison.compared == 11 and ab.comparison.mismatches == 1
@@ -511,6 +541,7 @@ def test_ab_detects_output_mismatch_and_builds_valid_report(tmp_path: Path) -> N
 
 # --- report math on hand-computed data -------------------------------------------------------
 
+
 def test_percentile_linear_interpolation() -> None:
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
     assert percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)
@@ -521,15 +552,19 @@ def test_percentile_linear_interpolation() -> None:
 def _hand_run() -> RunResult:
     def rec(i, **kw):
         return RequestRecord("c", i, float(i), Completion(**kw))
-    return RunResult(Target("t", "http://x", "m"), (
-        rec(0, text="a", ttft_s=0.1, latency_s=1.0, prompt_tokens=100, cached_tokens=64,
-            completion_tokens=10),
-        rec(1, text="b", ttft_s=0.3, latency_s=2.0, prompt_tokens=50, cached_tokens=0,
-            completion_tokens=6),
-        rec(2, text="c", ttft_s=0.2, latency_s=3.0, prompt_tokens=30, cached_tokens=None,
-            completion_tokens=4),
-        rec(3, error="HTTP 503: overloaded", latency_s=0.01),
-    ), wall_s=2.0, scheduled=5, not_sent=1)
+
+    return RunResult(
+        Target("t", "http://x", "m"),
+        (
+            rec(0, text="a", ttft_s=0.1, latency_s=1.0, prompt_tokens=100, cached_tokens=64, completion_tokens=10),
+            rec(1, text="b", ttft_s=0.3, latency_s=2.0, prompt_tokens=50, cached_tokens=0, completion_tokens=6),
+            rec(2, text="c", ttft_s=0.2, latency_s=3.0, prompt_tokens=30, cached_tokens=None, completion_tokens=4),
+            rec(3, error="HTTP 503: overloaded", latency_s=0.01),
+        ),
+        wall_s=2.0,
+        scheduled=5,
+        not_sent=1,
+    )
 
 
 def test_run_summary_hit_rates_and_throughput() -> None:
@@ -572,9 +607,11 @@ def test_report_schema_rejects_drift() -> None:
 
 def test_compare_runs_only_counts_requests_ok_in_both() -> None:
     run = _hand_run()
-    other = replace(run, records=run.records[:1] + (
-        RequestRecord("c", 1, 1.0, Completion(text="different")),
-        RequestRecord("c", 3, 3.0, Completion(text="d"))))
+    other = replace(
+        run,
+        records=run.records[:1]
+        + (RequestRecord("c", 1, 1.0, Completion(text="different")), RequestRecord("c", 3, 3.0, Completion(text="d"))),
+    )
     cmp = compare_runs(run, other)
     assert (cmp.compared, cmp.mismatches, cmp.mismatched) == (2, 1, (("c", 1),))
     assert (cmp.only_in_cache_run, cmp.only_in_baseline_run) == (1, 1)

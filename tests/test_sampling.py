@@ -75,9 +75,18 @@ def test_logprobs_are_the_raw_distributions():
     assert [t for t, _ in entry.top] == [0, 1]
 
 
-@pytest.mark.parametrize(("name", "value"), [("top_p", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
-                                             ("repetition_penalty", 0.0), ("min_p", 1.5), ("temperature", -1.0),
-                                             ("top_k", -2)])
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("top_p", 0.0),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("repetition_penalty", 0.0),
+        ("min_p", 1.5),
+        ("temperature", -1.0),
+        ("top_k", -2),
+    ],
+)
 def test_out_of_range_parameters_are_refused_by_name(name, value):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**{name: value})

@@ -58,7 +58,7 @@ class _Scanner(ast.NodeVisitor):
     def __init__(self, path: str) -> None:
         self.path = path
         self.findings: list[Finding] = []
-        self.modules: dict[str, str] = {}    # local name -> module ("t" -> "torch")
+        self.modules: dict[str, str] = {}  # local name -> module ("t" -> "torch")
         self.functions: dict[str, str] = {}  # local name -> "module.function" ("load" -> "yaml.load")
 
     def _flag(self, node: ast.AST, what: str) -> None:
@@ -81,7 +81,7 @@ class _Scanner(ast.NodeVisitor):
             self.functions[alias.asname or alias.name] = f"{module}.{alias.name}"
 
     def _qualified(self, func: ast.expr) -> str:
-        """"torch.load" for `torch.load`, `t.load` (import torch as t) or `load` (from torch import load)."""
+        """ "torch.load" for `torch.load`, `t.load` (import torch as t) or `load` (from torch import load)."""
         if isinstance(func, ast.Name):
             return self.functions.get(func.id, func.id)
         if isinstance(func, ast.Attribute):
@@ -125,45 +125,50 @@ def package_files() -> list[Path]:
 def test_the_package_has_no_unsafe_deserialisation_or_dynamic_code() -> None:
     files = package_files()
     assert len(files) > 50, "the scan must see the package"
-    findings = [f for path in files for f in scan_source(path.read_text(encoding="utf-8"),
-                                                          str(path.relative_to(ROOT)))]
+    findings = [f for path in files for f in scan_source(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))]
     assert not findings, "unsafe constructs:\n" + "\n".join(map(str, findings))
 
 
-@pytest.mark.parametrize("snippet", [
-    "import pickle",
-    "import cPickle as p",
-    "from marshal import loads",
-    "import shelve",
-    "import dill.settings",
-    "from joblib import load",
-    "import torch\ntorch.load(path)",
-    "import torch as t\nt.load(path, weights_only=False)",
-    "from torch import load\nload(path)",
-    "import numpy as np\nnp.load(path, allow_pickle=True)",
-    "import yaml\nyaml.load(text)",
-    "import yaml\nyaml.load(text, Loader=yaml.FullLoader)",
-    "from yaml import load, Loader\nload(text, Loader)",
-    "import pandas as pd\npd.read_pickle(path)",
-    "eval('1 + 1')",
-    "exec(code)",
-    "compile(src, 'f', 'exec')",
-    "__import__('os')",
-    "AutoModel.from_pretrained(path, trust_remote_code=True)",
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "import pickle",
+        "import cPickle as p",
+        "from marshal import loads",
+        "import shelve",
+        "import dill.settings",
+        "from joblib import load",
+        "import torch\ntorch.load(path)",
+        "import torch as t\nt.load(path, weights_only=False)",
+        "from torch import load\nload(path)",
+        "import numpy as np\nnp.load(path, allow_pickle=True)",
+        "import yaml\nyaml.load(text)",
+        "import yaml\nyaml.load(text, Loader=yaml.FullLoader)",
+        "from yaml import load, Loader\nload(text, Loader)",
+        "import pandas as pd\npd.read_pickle(path)",
+        "eval('1 + 1')",
+        "exec(code)",
+        "compile(src, 'f', 'exec')",
+        "__import__('os')",
+        "AutoModel.from_pretrained(path, trust_remote_code=True)",
+    ],
+)
 def test_the_scanner_flags_each_unsafe_construct(snippet: str) -> None:
     assert len(scan_source(snippet)) >= 1, snippet
 
 
-@pytest.mark.parametrize("snippet", [
-    "import torch\ntorch.load(path, weights_only=True)",
-    "import yaml\nyaml.safe_load(text)",
-    "import yaml\nyaml.load(text, Loader=yaml.SafeLoader)",
-    "import numpy as np\nnp.load(path)",
-    "model.eval()",
-    "import json\njson.loads(text)",
-    "AutoModel.from_pretrained(path, local_files_only=True)",
-    "re.compile(pattern)",
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "import torch\ntorch.load(path, weights_only=True)",
+        "import yaml\nyaml.safe_load(text)",
+        "import yaml\nyaml.load(text, Loader=yaml.SafeLoader)",
+        "import numpy as np\nnp.load(path)",
+        "model.eval()",
+        "import json\njson.loads(text)",
+        "AutoModel.from_pretrained(path, local_files_only=True)",
+        "re.compile(pattern)",
+    ],
+)
 def test_the_scanner_passes_safe_code(snippet: str) -> None:
     assert scan_source(snippet) == [], snippet

@@ -37,9 +37,25 @@ from prefixcache_services.cache_server.backend import BackendOptions
 from prefixcache_services.cache_server.options import ServerOptions
 from prefixcache_services.cache_server.server import build_server
 from prefixcache_services.cache_server.servicer import METHODS, REQUEST_TYPES, SERVICE_NAME
-from tests.service_support import (BLOCK, BLOCK_BYTES, CODE, DTYPES, FUZZ_METHODS, MATRIX, ROOT, fuzz_inputs,
-                                   health_status, layout_of, prompt, random_kv, rpc_code, running_servers, same_bytes,
-                                   store_header, stub_for)
+from tests.service_support import (
+    BLOCK,
+    BLOCK_BYTES,
+    CODE,
+    DTYPES,
+    FUZZ_METHODS,
+    MATRIX,
+    ROOT,
+    fuzz_inputs,
+    health_status,
+    layout_of,
+    prompt,
+    random_kv,
+    rpc_code,
+    running_servers,
+    same_bytes,
+    store_header,
+    stub_for,
+)
 
 pytestmark = pytest.mark.process
 
@@ -110,8 +126,11 @@ def test_partial_hit_and_salted_namespace(start):
 def test_device_tier_hits_stream_when_the_pool_is_not_mapped(start):
     """CI has no GPU: a CPU-backed device tier runs the same code; a worker without IPC gets the stream."""
     layout = layout_of("bfloat16")
-    backend = BackendOptions(cache=CacheConfig(host_capacity=16 * layout.block_bytes,
-                                               device_capacity=4 * layout.block_bytes), block_size=BLOCK, device="cpu")
+    backend = BackendOptions(
+        cache=CacheConfig(host_capacity=16 * layout.block_bytes, device_capacity=4 * layout.block_bytes),
+        block_size=BLOCK,
+        device="cpu",
+    )
     server = build_server(ServerOptions(backend=backend, listen="127.0.0.1:0"))
     try:
         client = start.client(server)
@@ -129,10 +148,31 @@ def test_device_tier_hits_stream_when_the_pool_is_not_mapped(start):
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_tls(start, tmp_path):
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-days", "1", "-subj", "/CN=localhost", "-addext",
-                    "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=30)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
     server = start(tls_cert_file=str(cert), tls_key_file=str(key))
     secure = start.client(server, tls_root_cert_file=str(cert))
     secure.attach("model", layout_of())
@@ -142,8 +182,7 @@ def test_tls(start, tmp_path):
 
 
 def test_namespaces_per_tenant_are_bounded(start):
-    backend = BackendOptions(cache=CacheConfig(host_capacity="1MiB"), block_size=BLOCK,
-                             max_namespaces_per_tenant=3)
+    backend = BackendOptions(cache=CacheConfig(host_capacity="1MiB"), block_size=BLOCK, max_namespaces_per_tenant=3)
     server = build_server(ServerOptions(backend=backend, listen="127.0.0.1:0"))
     try:
         client = start.client(server)
@@ -162,27 +201,41 @@ def test_namespaces_per_tenant_are_bounded(start):
 
 
 def test_serve_flags_wire_the_redis_tier(start, private_redis):
-    from prefixcache_services.cli import build_parser
     from prefixcache_services.cache_server.command import options_from
+    from prefixcache_services.cli import build_parser
 
     layout = layout_of()
-    args = build_parser().parse_args(["serve", "--listen", "127.0.0.1:0", "--block-size", str(BLOCK),
-                                      "--host-capacity", str(8 * layout.block_bytes), "--redis-url", private_redis.url,
-                                      "--redis-key-prefix", "pfxtest", "--redis-timeout-ms", "500"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--block-size",
+            str(BLOCK),
+            "--host-capacity",
+            str(8 * layout.block_bytes),
+            "--redis-url",
+            private_redis.url,
+            "--redis-key-prefix",
+            "pfxtest",
+            "--redis-timeout-ms",
+            "500",
+        ]
+    )
     server = build_server(options_from(args))
     try:
         client = start.client(server)
         client.attach("model", layout)
         first, kv = prompt(4, start=0), random_kv(4, layout, seed=13)
-        client.store(first, kv)                                   # written through to Redis
+        client.store(first, kv)  # written through to Redis
         client.store(prompt(8, start=70_000), random_kv(8, layout, seed=14))  # pushes `first` out of host
         deadline = time.monotonic() + 10
         while client.stats().snapshot.remote.get("spills_queued", 0) < 12 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert server.backend.cache.remote_link.tier.wait_idle(10)
         assert client.stats().snapshot.remote_up is True
-        assert client.inspect(first).hit_tokens == 0              # gone from the host tier...
-        hit = client.lookup(first)                                # ...and promoted back from Redis
+        assert client.inspect(first).hit_tokens == 0  # gone from the host tier...
+        hit = client.lookup(first)  # ...and promoted back from Redis
         assert hit.hit_tokens == 4 * BLOCK and same_bytes(client.read(hit), kv)
         assert client.stats().snapshot.promotions == {"host": 4}
         client.release(hit)
@@ -223,7 +276,7 @@ def test_lease_expires_and_frees_its_blocks(start):
         time.sleep(0.02)
     assert local.stats().snapshot.active_leases == 0
     with pytest.raises(UnknownLease):
-        local.read(local_hit)   # its local deadline passed: shared memory is not trusted
+        local.read(local_hit)  # its local deadline passed: shared memory is not trusted
     with pytest.raises(UnknownLease):
         remote.read(remote_hit)  # the service says NOT_FOUND
     assert local.release(local_hit) is False
@@ -266,9 +319,12 @@ def test_every_field_an_error_names_is_spelled_as_in_the_proto():
     above runs against a server: the trailer `prefixcache-field` must equal the expectation) names
     a field of that method's request message, or the whole `request`; every method is covered."""
     named = {(CODE.INVALID_ARGUMENT, True), (CODE.RESOURCE_EXHAUSTED, True)}
-    wrong = [f"{name}: {method}.{field}" for name, (method, code, field, _call) in MATRIX.items()
-             if (code, True) in named and not (field == "request"
-                                                or (field and _resolves(REQUEST_TYPES[method].DESCRIPTOR, field)))]
+    wrong = [
+        f"{name}: {method}.{field}"
+        for name, (method, code, field, _call) in MATRIX.items()
+        if (code, True) in named
+        and not (field == "request" or (field and _resolves(REQUEST_TYPES[method].DESCRIPTOR, field)))
+    ]
     assert not wrong, wrong
     with_errors = {method for method, code, _field, _call in MATRIX.values() if (code, True) in named}
     assert with_errors >= set(METHODS) - {"GetStats", "ListNamespaces", "Flush", "Release"}, with_errors
@@ -291,7 +347,7 @@ def test_client_raises_typed_errors(attached):
 def test_oversized_message_is_resource_exhausted(start):
     server = start(max_receive_bytes=1 << 20, max_send_bytes=1 << 20, max_chunk_bytes=256 << 10)
     stub = stub_for(server)
-    code, _ = rpc_code(stub.Lookup, pb.LookupRequest(namespace_id="0" * 16, tokens=[2 ** 31] * 400_000))
+    code, _ = rpc_code(stub.Lookup, pb.LookupRequest(namespace_id="0" * 16, tokens=[2**31] * 400_000))
     assert code is CODE.RESOURCE_EXHAUSTED
     assert rpc_code(stub.GetStats, pb.GetStatsRequest())[0] is CODE.OK
 
@@ -358,8 +414,10 @@ def test_reflection_describes_the_service(start):
     server = start()
     channel = grpc.insecure_channel(server.address)
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-    requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
-                reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME)]
+    requests = [
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME),
+    ]
     listed, files = list(stub.ServerReflectionInfo(iter(requests), timeout=5))
     names = {service.name for service in listed.list_services_response.service}
     assert {SERVICE_NAME, "grpc.health.v1.Health"} <= names
@@ -399,8 +457,9 @@ def test_auth_off_accepts_anyone(start):
 
 
 def test_tenants_are_isolated_and_salts_only_subdivide(start):
-    credentials = parse_credentials("tok-acme-0123456789 acme\ntok-globex-0123456789 globex\n"
-                                    "tok-ops-0123456789 ops admin\n")
+    credentials = parse_credentials(
+        "tok-acme-0123456789 acme\ntok-globex-0123456789 globex\ntok-ops-0123456789 ops admin\n"
+    )
     server = start(authenticator=Authenticator(credentials))
     acme, globex, ops = (start.client(server, auth_token=f"tok-{n}-0123456789") for n in ("acme", "globex", "ops"))
     layout = layout_of()
@@ -409,28 +468,29 @@ def test_tenants_are_isolated_and_salts_only_subdivide(start):
     tokens, kv = prompt(3), random_kv(3, layout, seed=10)
     acme.store(tokens, kv, cache_salt="team-a")
     acme_hit = acme.lookup(tokens, cache_salt="team-a")
-    assert acme_hit.hit_tokens == 3 * BLOCK                     # positive control
+    assert acme_hit.hit_tokens == 3 * BLOCK  # positive control
     assert globex.lookup(tokens, cache_salt="team-a", take_lease=False).hit_tokens == 0
     assert globex.lookup(tokens, take_lease=False).hit_tokens == 0
-    with pytest.raises(InvalidArgument):                        # another tenant's id is "unknown"
+    with pytest.raises(InvalidArgument):  # another tenant's id is "unknown"
         globex.inspect(tokens, namespace_id=acme_hit.namespace_id)
     with pytest.raises(UnknownLease):
-        globex.read(acme_hit)                                   # another tenant's lease is "unknown"
-    assert globex.flush() == 0                                  # a tenant flushes only its own blocks
+        globex.read(acme_hit)  # another tenant's lease is "unknown"
+    assert globex.flush() == 0  # a tenant flushes only its own blocks
     assert same_bytes(acme.read(acme_hit), kv)
     acme.release(acme_hit)
-    assert ops.flush() == 3                                     # the admin flushes everything
+    assert ops.flush() == 3  # the admin flushes everything
     assert acme.lookup(tokens, cache_salt="team-a", take_lease=False).hit_tokens == 0
 
 
 def test_list_namespaces_is_scoped_to_the_tenant(start):
     from prefixcache.tiers.base import TierKind
 
-    credentials = parse_credentials("tok-acme-0123456789 acme\ntok-globex-0123456789 globex\n"
-                                    "tok-ops-0123456789 ops admin\n")
+    credentials = parse_credentials(
+        "tok-acme-0123456789 acme\ntok-globex-0123456789 globex\ntok-ops-0123456789 ops admin\n"
+    )
     server = start(authenticator=Authenticator(credentials))
     acme, globex, ops = (start.client(server, auth_token=f"tok-{n}-0123456789") for n in ("acme", "globex", "ops"))
-    assert acme.namespaces() == []                              # before any Attach
+    assert acme.namespaces() == []  # before any Attach
     layout = layout_of()
     acme_id = acme.attach("model-a", layout, revision="r1", same_host=False).namespace_id
     globex_id = globex.attach("model-g", layout, same_host=False).namespace_id
@@ -439,16 +499,19 @@ def test_list_namespaces_is_scoped_to_the_tenant(start):
     salted_id = acme.lookup(prompt(2, start=9000), cache_salt="team-a", take_lease=False).namespace_id
 
     mine = {n.namespace_id: n for n in acme.namespaces()}
-    assert set(mine) == {acme_id, salted_id}                    # globex's namespace is not listed
+    assert set(mine) == {acme_id, salted_id}  # globex's namespace is not listed
     assert (mine[acme_id].model, mine[acme_id].revision, mine[acme_id].salted) == ("model-a", "r1", False)
     assert mine[acme_id].blocks == {TierKind.HOST: 3} and mine[salted_id].blocks == {TierKind.HOST: 2}
     assert mine[salted_id].salted and "team-a" not in repr(mine[salted_id])
-    assert all(n.tenant == "" for n in mine.values())          # only an admin is told tenants
+    assert all(n.tenant == "" for n in mine.values())  # only an admin is told tenants
     assert [(n.namespace_id, n.blocks) for n in globex.namespaces()] == [(globex_id, {})]
 
     everyone = ops.namespaces()
-    assert {(n.namespace_id, n.tenant) for n in everyone} == {(acme_id, "acme"), (salted_id, "acme"),
-                                                              (globex_id, "globex")}
+    assert {(n.namespace_id, n.tenant) for n in everyone} == {
+        (acme_id, "acme"),
+        (salted_id, "acme"),
+        (globex_id, "globex"),
+    }
     assert [n.tenant for n in everyone] == sorted(n.tenant for n in everyone)
 
 
@@ -474,7 +537,7 @@ def test_inspect_and_evict(start):
     assert all(b.leased for b in client.inspect(tokens).blocks)
     assert client.evict(prefix_tokens=tokens[: 2 * BLOCK]) == 0  # leased blocks stay
     client.release(hit)
-    assert client.evict(prefix_tokens=tokens[: 2 * BLOCK]) == 3   # block 1 and its descendants
+    assert client.evict(prefix_tokens=tokens[: 2 * BLOCK]) == 3  # block 1 and its descendants
     assert client.lookup(tokens, take_lease=False).hit_tokens == BLOCK
     assert client.evict(older_than_s=0) == 1
     assert client.stats().snapshot.tiers[0].blocks == 0
@@ -498,20 +561,30 @@ def test_metrics_endpoint(start):
 
 # -- the hand-written wire format of the bulk messages ----------------------------------
 @settings(max_examples=60, deadline=None)
-@given(offset=st.integers(0, 2 ** 64 - 1), total=st.integers(0, 2 ** 64 - 1), count=st.integers(0, 2 ** 32 - 1),
-       parts=st.lists(st.binary(max_size=300), max_size=4))
+@given(
+    offset=st.integers(0, 2**64 - 1),
+    total=st.integers(0, 2**64 - 1),
+    count=st.integers(0, 2**32 - 1),
+    parts=st.lists(st.binary(max_size=300), max_size=4),
+)
 def test_bulk_messages_match_protobuf(offset, total, count, parts):
     encoded = wire.encode_fetch_chunk(offset, parts, total, count)
-    assert pb.FetchChunk.FromString(encoded) == pb.FetchChunk(offset=offset, data=b"".join(parts),
-                                                             total_bytes=total, block_count=count)
+    assert pb.FetchChunk.FromString(encoded) == pb.FetchChunk(
+        offset=offset, data=b"".join(parts), total_bytes=total, block_count=count
+    )
     reference = pb.FetchChunk(offset=offset, data=b"".join(parts), total_bytes=total, block_count=count)
     piece = wire.decode_fetch_chunk(reference.SerializeToString())
-    assert (piece.offset, bytes(piece.data), piece.total_bytes, piece.block_count) == \
-        (offset, b"".join(parts), total, count)
+    assert (piece.offset, bytes(piece.data), piece.total_bytes, piece.block_count) == (
+        offset,
+        b"".join(parts),
+        total,
+        count,
+    )
     data = wire.encode_store_data(parts)
     assert pb.StoreRequest.FromString(data) == pb.StoreRequest(data=b"".join(parts))
-    assert bytes(wire.decode_store_request(pb.StoreRequest(data=b"".join(parts)).SerializeToString()).data) == \
-        b"".join(parts)
+    assert bytes(wire.decode_store_request(pb.StoreRequest(data=b"".join(parts)).SerializeToString()).data) == b"".join(
+        parts
+    )
     header = pb.StoreHeader(namespace_id="0" * 16, tokens=[offset % 100], block_count=count)
     assert wire.decode_store_request(pb.StoreRequest(header=header).SerializeToString()).header == header
 

@@ -43,10 +43,29 @@ def _start(*extra: str, grace: str = "20s"):
     """A `serve` subprocess; returns (process, address, shm name, stderr lines)."""
     shm_name = f"pfx-test-{secrets.token_hex(4)}"
     process = lifetime.popen(
-        [sys.executable, "-m", "prefixcache_services", "serve", "--listen", "127.0.0.1:0", "--host-capacity", "48MiB",
-         "--shm-name", shm_name, "--grace", grace, "--workers", "4", *extra],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+        [
+            sys.executable,
+            "-m",
+            "prefixcache_services",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--host-capacity",
+            "48MiB",
+            "--shm-name",
+            shm_name,
+            "--grace",
+            grace,
+            "--workers",
+            "4",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = queue.Queue(), queue.Queue()
     threading.Thread(target=_lines, args=(process.stdout, out), daemon=True).start()
     threading.Thread(target=_lines, args=(process.stderr, err), daemon=True).start()
@@ -60,7 +79,7 @@ def _start(*extra: str, grace: str = "20s"):
         if line is None:
             break
         if line.startswith(READY):
-            address = line[len(READY):].strip()
+            address = line[len(READY) :].strip()
     if address is None:
         process.kill()
         pytest.fail(f"service did not report readiness: {''.join(_drain(err))}")
@@ -97,7 +116,7 @@ def test_sigterm_drains_a_fetch_stream_then_exits_zero(service):
     assert client.attach("model", layout).shared_memory  # same host: the segment is mappable
     assert Path("/dev/shm", shm_name).exists()
     tokens = list(range(256 * 16))
-    kv = torch.randint(-(2 ** 15), 2 ** 15, (256, *layout.block_shape), dtype=torch.int16).view(torch.bfloat16)
+    kv = torch.randint(-(2**15), 2**15, (256, *layout.block_shape), dtype=torch.int16).view(torch.bfloat16)
     assert client.store(tokens, kv).stored == 256  # 32 MiB
     hit = client.lookup(tokens)
     channel = grpc.insecure_channel(address)
@@ -117,14 +136,15 @@ def test_sigterm_drains_a_fetch_stream_then_exits_zero(service):
 def test_sigterm_after_the_segment_file_was_removed_still_closes_everything(private_redis):
     """Issue 15.3: `rm /dev/shm/<segment>` while serving. Traffic goes on (the mapping stays);
     SIGTERM then logs the missing segment once, still drains the Redis write queue and exits 0."""
-    process, address, shm_name, stderr = _start("--redis-url", private_redis.url, "--redis-key-prefix", "rmshm",
-                                                grace="2s")
+    process, address, shm_name, stderr = _start(
+        "--redis-url", private_redis.url, "--redis-key-prefix", "rmshm", grace="2s"
+    )
     try:
         layout = KVLayout(layers=2, kv_heads=2, head_dim=64, block_size=16, dtype="float16")
         with CacheClient(address, timeout_s=10) as client:
             client.attach("model", layout)
             tokens = list(range(8 * 16))
-            kv = torch.randint(-(2 ** 15), 2 ** 15, (8, *layout.block_shape), dtype=torch.int16).view(torch.float16)
+            kv = torch.randint(-(2**15), 2**15, (8, *layout.block_shape), dtype=torch.int16).view(torch.float16)
             assert client.store(tokens, kv).stored == 8
             Path("/dev/shm", shm_name).unlink()
             hit = client.lookup(tokens)  # still served from the mapping

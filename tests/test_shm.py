@@ -53,8 +53,9 @@ class PrivateShm:
         if self.user_ns:
             unshare[1:1] = ["--user", "--map-root-user"]
         script = f"mount -t tmpfs -o size={size_mib}m,mode=1777 tmpfs /dev/shm && echo ready && exec sleep 3600"
-        self.holder = lifetime.popen([*unshare, "sh", "-c", script], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        self.holder = lifetime.popen(
+            [*unshare, "sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         line = self.holder.stdout.readline()
         if line.strip() != "ready":
             error = self.holder.stderr.read() if self.holder.wait(10) is not None else ""
@@ -81,8 +82,9 @@ def private_shm(request) -> Iterator[PrivateShm]:
     try:
         shm = PrivateShm(size)
     except OSError as error:
-        pytest.skip(f"needs a private mount namespace with its own tmpfs (root, or unprivileged user "
-                    f"namespaces): {error}")
+        pytest.skip(
+            f"needs a private mount namespace with its own tmpfs (root, or unprivileged user namespaces): {error}"
+        )
     yield shm
     shm.close()
 
@@ -95,9 +97,26 @@ class Serve:
         self.log = log
         with log.open("a") as err:
             self.process = lifetime.popen(
-                shm.command([sys.executable, "-m", "prefixcache_services", "serve", "--listen", f"127.0.0.1:{self.port}",
-                             "--grace", "1s", *flags]),
-                cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+                shm.command(
+                    [
+                        sys.executable,
+                        "-m",
+                        "prefixcache_services",
+                        "serve",
+                        "--listen",
+                        f"127.0.0.1:{self.port}",
+                        "--grace",
+                        "1s",
+                        *flags,
+                    ]
+                ),
+                cwd=ROOT,
+                env=_env(),
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                start_new_session=True,
+            )
 
     @property
     def pid(self) -> int:
@@ -137,11 +156,19 @@ def _shm_cli(capsys, *args: str) -> tuple[int, str, str]:
 
 def _segments(shm: PrivateShm) -> dict[str, dict]:
     """What `prefixcache shm list --json` reports, by name."""
-    return {info.name: {"pid": info.record.pid, "alive": info.alive, "size_bytes": info.size,
-                        "resident_bytes": info.resident} for info in list_segments(shm.dir)}
+    return {
+        info.name: {
+            "pid": info.record.pid,
+            "alive": info.alive,
+            "size_bytes": info.size,
+            "resident_bytes": info.resident,
+        }
+        for info in list_segments(shm.dir)
+    }
 
 
 # -- no SIGBUS: the pages are reserved, or the service does not start ---------------------------
+
 
 def test_a_host_tier_larger_than_dev_shm_refuses_to_start_with_one_line(private_shm, tmp_path) -> None:
     service = Serve(private_shm, tmp_path / "serve.log", "--host-capacity", "256MiB")
@@ -166,9 +193,18 @@ def test_a_started_host_tier_has_every_page_so_no_writer_can_sigbus(private_shm,
             for _ in range(64):
                 out.write(b"\1" * MiB)
         writer = subprocess.run(
-            [sys.executable, "-c", ("import mmap, sys\nwith open(sys.argv[1], 'r+b') as f:\n"
-                                    "    m = mmap.mmap(f.fileno(), 0)\n    m[:] = b'\\x07' * len(m)\n    m.close()"),
-             str(private_shm.dir / name)], check=False, timeout=60)
+            [
+                sys.executable,
+                "-c",
+                (
+                    "import mmap, sys\nwith open(sys.argv[1], 'r+b') as f:\n"
+                    "    m = mmap.mmap(f.fileno(), 0)\n    m[:] = b'\\x07' * len(m)\n    m.close()"
+                ),
+                str(private_shm.dir / name),
+            ],
+            check=False,
+            timeout=60,
+        )
         assert writer.returncode == 0, f"the writer died: {writer.returncode}"  # -7 is SIGBUS
         assert service.process.poll() is None
     finally:
@@ -176,6 +212,7 @@ def test_a_started_host_tier_has_every_page_so_no_writer_can_sigbus(private_shm,
 
 
 # -- a killed service's segment is reclaimed by its successor; a live one's never -----------------
+
 
 @pytest.mark.parametrize("private_shm", [128], indirect=True)
 def test_a_service_killed_with_its_group_is_reclaimed_by_the_next_on_its_address(private_shm, tmp_path) -> None:
@@ -186,14 +223,14 @@ def test_a_service_killed_with_its_group_is_reclaimed_by_the_next_on_its_address
         mapping = mmap.mmap(handle.fileno(), 32 * MiB)
     mapping[:8] = b"kept KV!"
     first.kill_group()
-    assert _segments(private_shm)[name]["alive"] is False           # what SIGKILL of the group leaves
+    assert _segments(private_shm)[name]["alive"] is False  # what SIGKILL of the group leaves
     used_with_the_dead_one = private_shm.used()
     assert used_with_the_dead_one >= 32 * MiB
 
     second = Serve(private_shm, tmp_path / "second.log", "--host-capacity", "32MiB", port=first.port).wait_ready()
     try:
         segments = _segments(private_shm)
-        assert list(segments) == [name], segments                    # the same name, no second one beside it
+        assert list(segments) == [name], segments  # the same name, no second one beside it
         assert segments[name]["pid"] == second.pid and segments[name]["alive"] is True
         assert "reclaimed shared memory" in second.stderr()
         # The old pages live on while mapped (the mapping still works, no SIGBUS) and go with it.
@@ -204,7 +241,7 @@ def test_a_service_killed_with_its_group_is_reclaimed_by_the_next_on_its_address
         assert poll(lambda: private_shm.used() < used_with_the_dead_one + 2 * MiB, 10)  # the dead one's freed
     finally:
         second.stop()
-    assert os.listdir(private_shm.dir) == []                          # SIGTERM unlinks its own
+    assert os.listdir(private_shm.dir) == []  # SIGTERM unlinks its own
 
 
 def test_a_live_services_segment_is_never_taken_by_a_second_instance(private_shm, tmp_path) -> None:
@@ -212,8 +249,10 @@ def test_a_live_services_segment_is_never_taken_by_a_second_instance(private_shm
     try:
         name = segment_name_for("127.0.0.1", first.port)
         inode = os.stat(private_shm.dir / name).st_ino
-        others = [Serve(private_shm, tmp_path / f"other-{attempt}.log", "--host-capacity", "8MiB", "--shm-name", name)
-                  for attempt in range(3)]  # at once: none may win a race for the name either
+        others = [
+            Serve(private_shm, tmp_path / f"other-{attempt}.log", "--host-capacity", "8MiB", "--shm-name", name)
+            for attempt in range(3)
+        ]  # at once: none may win a race for the name either
         same_address = Serve(private_shm, tmp_path / "same.log", "--host-capacity", "8MiB", port=first.port)
         for other in others:
             assert other.exit_code() == 2
@@ -232,11 +271,13 @@ def test_shm_clean_removes_only_dead_owners_segments(private_shm, tmp_path, caps
     try:
         live.wait_ready()
         dead.wait_ready().kill_group()
-        (private_shm.dir / "not-ours").write_bytes(b"x" * 8192)       # another program's shared memory
+        (private_shm.dir / "not-ours").write_bytes(b"x" * 8192)  # another program's shared memory
         live_name = segment_name_for("127.0.0.1", live.port)
         segments = _segments(private_shm)
         assert {n: (s["alive"], s["size_bytes"] > 8 * MiB) for n, s in segments.items()} == {
-            live_name: (True, True), "pfx-dead": (False, True)}
+            live_name: (True, True),
+            "pfx-dead": (False, True),
+        }
         code, table, _ = _shm_cli(capsys, "list", "--dir", str(private_shm.dir))
         assert code == 0 and "alive" in table and "dead" in table and str(live.pid) in table
         code, out, _ = _shm_cli(capsys, "list", "--json", "--dir", str(private_shm.dir))
@@ -255,6 +296,7 @@ def test_shm_clean_removes_only_dead_owners_segments(private_shm, tmp_path, caps
 
 # -- a SIGKILLed test session leaves nothing behind ---------------------------------------------
 
+
 def _running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
@@ -266,10 +308,26 @@ def _running(pid: int) -> bool:
 def test_a_sigkilled_pytest_session_leaves_no_process_and_no_segment(tmp_path) -> None:
     report = tmp_path / "victim.json"
     inner = lifetime.popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-s",
-         str(ROOT / "tests" / "session_victim.py"), "--basetemp", str(tmp_path / "inner")],
-        cwd=ROOT, env=dict(_env(), PFX_VICTIM_REPORT=str(report)), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:randomly",
+            "-s",
+            str(ROOT / "tests" / "session_victim.py"),
+            "--basetemp",
+            str(tmp_path / "inner"),
+        ],
+        cwd=ROOT,
+        env=dict(_env(), PFX_VICTIM_REPORT=str(report)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         assert poll(lambda: report.exists() or inner.poll() is not None, 180), "the inner session never got going"
         assert inner.poll() is None, inner.stdout.read().decode(errors="replace")
@@ -280,8 +338,10 @@ def test_a_sigkilled_pytest_session_leaves_no_process_and_no_segment(tmp_path) -
         inner.wait(10)
         assert poll(lambda: not any(_running(pid) for pid in victim["pids"].values()), 20), victim
         assert poll(lambda: not any((SHM_DIR / name).exists() for name in victim["segments"]), 40), (
-            victim, [s.name for s in list_segments()])
-        assert poll(lambda: not _running(victim["janitor"]), 40)      # its work done, the janitor is gone too
+            victim,
+            [s.name for s in list_segments()],
+        )
+        assert poll(lambda: not _running(victim["janitor"]), 40)  # its work done, the janitor is gone too
     finally:
         if inner.poll() is None:
             os.killpg(inner.pid, signal.SIGKILL)
@@ -289,6 +349,7 @@ def test_a_sigkilled_pytest_session_leaves_no_process_and_no_segment(tmp_path) -
 
 
 # -- in this process: closing after an operator's rm, and the lock as the liveness test ---------
+
 
 def test_closing_a_host_tier_whose_segment_file_was_removed_finishes(caplog) -> None:
     from prefixcache.config import DType, KVLayout
@@ -312,7 +373,7 @@ def test_a_segment_is_live_exactly_while_its_owner_holds_it() -> None:
         assert info.alive and info.record.pid == os.getpid() and info.record.pid_matches()
         assert info.resident >= 3 * MiB  # reserved, not sparse
         with pytest.raises(SegmentInUse):
-            OwnedSegment(name, MiB)      # a second owner, even in this process (another open file)
+            OwnedSegment(name, MiB)  # a second owner, even in this process (another open file)
         with pytest.raises(SegmentInUse):
             remove_if_dead(segment.path)
     finally:

@@ -50,9 +50,14 @@ STUCK, SLOW = 10, 10  # streams never read after their first chunk; streams read
 
 class Zygote:
     def __init__(self) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "tests.serve_zygote"], cwd=ROOT, text=True,
-                                        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.serve_zygote"],
+            cwd=ROOT,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
 
     def _ask(self, line: str) -> list[str]:
         assert self.process.stdin and self.process.stdout
@@ -67,7 +72,7 @@ class Zygote:
         while time.monotonic() < deadline:
             for line in log.read_text(errors="replace").splitlines():
                 if line.startswith(READY):
-                    return pid, line[len(READY):].strip()
+                    return pid, line[len(READY) :].strip()
             time.sleep(0.02)
         os.kill(pid, signal.SIGKILL)
         pytest.fail(f"no readiness line: {log.read_text(errors='replace')}")
@@ -84,8 +89,20 @@ class Zygote:
 
 def _one_round(zygote: Zygote, log: Path, kv: torch.Tensor) -> tuple[int, float]:
     shm_name = f"pfx-shutdown-{secrets.token_hex(4)}"
-    pid, address = zygote.start(log, "serve", "--listen", "127.0.0.1:0", "--host-capacity", f"{BLOCKS + 8}MiB",
-                                "--shm-name", shm_name, "--grace", f"{GRACE_S}s", "--stream-workers", "32")
+    pid, address = zygote.start(
+        log,
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--host-capacity",
+        f"{BLOCKS + 8}MiB",
+        "--shm-name",
+        shm_name,
+        "--grace",
+        f"{GRACE_S}s",
+        "--stream-workers",
+        "32",
+    )
     client = CacheClient(address, timeout_s=20)
     # No BDP probing: the window stays small, so a stream nobody reads really holds its handler.
     channel = grpc.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0)])
@@ -113,6 +130,7 @@ def _one_round(zygote: Zygote, log: Path, kv: torch.Tensor) -> tuple[int, float]
                     at += BURST_S
             except (grpc.RpcError, StopIteration):
                 pass  # cancelled by the drain: expected
+
         started = time.monotonic()
         first = started + GRACE_S - 0.04
         readers = [threading.Thread(target=read_slowly, args=(s, first), daemon=True) for s in streams[STUCK:]]
@@ -132,7 +150,7 @@ def _one_round(zygote: Zygote, log: Path, kv: torch.Tensor) -> tuple[int, float]
 
 
 def test_sigterm_with_open_slow_and_stuck_fetch_streams_exits_zero_in_bound(tmp_path):
-    kv = torch.randint(-(2 ** 15), 2 ** 15, (BLOCKS, *LAYOUT.block_shape), dtype=torch.int16).view(torch.float16)
+    kv = torch.randint(-(2**15), 2**15, (BLOCKS, *LAYOUT.block_shape), dtype=torch.int16).view(torch.float16)
     zygote = Zygote()
     results: list[tuple[int, float, bool]] = []
     try:
@@ -141,15 +159,18 @@ def test_sigterm_with_open_slow_and_stuck_fetch_streams_exits_zero_in_bound(tmp_
     finally:
         zygote.close()
     overlaps = sum(overlap for _, _, overlap in results)
-    print(f"shutdown rounds (exit code/seconds): {[f'{c}/{t:.2f}' for c, t, _ in results]}; "
-          f"{overlaps} of {ROUNDS} stopped while a handler was copying out of the host tier")
+    print(
+        f"shutdown rounds (exit code/seconds): {[f'{c}/{t:.2f}' for c, t, _ in results]}; "
+        f"{overlaps} of {ROUNDS} stopped while a handler was copying out of the host tier"
+    )
     bound = GRACE_S + SHUTDOWN_BOUND_S + 1.0  # +1 s to deliver the signal and reap the process
     bad = [(i, c, t) for i, (c, t, _) in enumerate(results) if c != 0 or t > bound]
     if bad:
         i = bad[0][0]
         log = (tmp_path / f"serve-{i}.log").read_text(errors="replace")[-3000:]
-        pytest.fail(f"{len(bad)} of {ROUNDS} rounds exited non-zero or past {bound:.1f}s: {bad}\n"
-                    f"round {i}'s log:\n{log}")
+        pytest.fail(
+            f"{len(bad)} of {ROUNDS} rounds exited non-zero or past {bound:.1f}s: {bad}\nround {i}'s log:\n{log}"
+        )
 
 
 def test_close_never_unmaps_under_a_copy_in_progress():
@@ -167,6 +188,7 @@ def test_close_never_unmaps_under_a_copy_in_progress():
             inside.set()
             leave.wait(10)
             copied.append(int(host.storage.view(torch.uint8).sum()))  # still mapped: no SIGSEGV
+
     reader = threading.Thread(target=copy)
     reader.start()
     assert inside.wait(5)

@@ -21,8 +21,17 @@ from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier, MappedSegment
 from prefixcache.tiers.shm import PAGE
-from tests.core_support import read_blocks, TINY, ManualClock, assert_consistent, block_hashes, kv_for, make_cache, namespace, \
-    same_bytes
+from tests.core_support import (
+    TINY,
+    ManualClock,
+    assert_consistent,
+    block_hashes,
+    kv_for,
+    make_cache,
+    namespace,
+    read_blocks,
+    same_bytes,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -49,18 +58,18 @@ def test_spill_and_promote_round_trips_are_byte_exact(dtype: DType) -> None:
         ns = cache.attach(namespace(layout))
         p, q = prompt(1, 2), prompt(3, 4)
         cache.store(ns, p, kv_for(p, layout))
-        assert where(cache, ns, p).tiers.tolist() == [HOST, HOST]   # new blocks land in the host tier
+        assert where(cache, ns, p).tiers.tolist() == [HOST, HOST]  # new blocks land in the host tier
         clock.advance(1)
         hit = cache.lookup(ns, p)
-        assert hit.locations.tiers.tolist() == [DEVICE, DEVICE]      # promoted on hit
+        assert hit.locations.tiers.tolist() == [DEVICE, DEVICE]  # promoted on hit
         assert same_bytes(read_blocks(cache, hit.locations), kv_for(p, layout))
         cache.store(ns, q, kv_for(q, layout))
         clock.advance(1)
         assert cache.lookup(ns, q).locations.tiers.tolist() == [DEVICE, DEVICE]
-        assert where(cache, ns, p).tiers.tolist() == [HOST, HOST]   # p spilled, not dropped
+        assert where(cache, ns, p).tiers.tolist() == [HOST, HOST]  # p spilled, not dropped
         assert same_bytes(read_blocks(cache, where(cache, ns, p)), kv_for(p, layout))
         clock.advance(1)
-        again = cache.lookup(ns, p)                                  # host -> device once more
+        again = cache.lookup(ns, p)  # host -> device once more
         assert again.locations.tiers.tolist() == [DEVICE, DEVICE]
         assert same_bytes(read_blocks(cache, again.locations), kv_for(p, layout))
         assert same_bytes(read_blocks(cache, where(cache, ns, q)), kv_for(q, layout))
@@ -97,16 +106,16 @@ def test_a_leased_block_is_never_moved_by_another_lookup() -> None:
         ns = cache.attach(namespace())
         y, p = prompt(7), prompt(1)
         cache.store(ns, y, kv_for(y))
-        blocker = cache.lookup(ns, y, take_lease=True)             # y on the device, pinned
+        blocker = cache.lookup(ns, y, take_lease=True)  # y on the device, pinned
         cache.store(ns, p, kv_for(p))
-        leased = cache.lookup(ns, p, take_lease=True)              # no room: p stays on the host
+        leased = cache.lookup(ns, p, take_lease=True)  # no room: p stays on the host
         assert leased.locations.tiers.tolist() == [HOST]
         cache.release(blocker.lease_id)
         clock.advance(1)
-        other = cache.lookup(ns, p)                                # room could be made now
+        other = cache.lookup(ns, p)  # room could be made now
         assert other.locations == leased.locations
         assert cache.lease(leased.lease_id).locations == leased.locations
-        for k in range(10):                                        # churn the host's free slots
+        for k in range(10):  # churn the host's free slots
             cache.store(ns, prompt(100 + k), kv_for(prompt(100 + k)))
         assert same_bytes(read_blocks(cache, leased.locations), kv_for(p))
         cache.release(leased.lease_id)
@@ -137,19 +146,25 @@ def test_the_host_segment_is_owner_only_and_mappable_by_another_process() -> Non
             "resource_tracker.unregister(shm._name, 'shared_memory')\n"
             "size = int(sys.argv[2])\n"
             "print(json.dumps([bytes(shm.buf[s * size:(s + 1) * size]).hex() for s in json.loads(sys.argv[3])]))\n"
-            "shm.close()\n")
-        done = subprocess.run([sys.executable, "-c", child, host.segment_name, str(TINY.block_bytes),
-                               json.dumps(slots)], capture_output=True, text=True, timeout=30, check=True)
+            "shm.close()\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", child, host.segment_name, str(TINY.block_bytes), json.dumps(slots)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
         seen = [bytes.fromhex(h) for h in json.loads(done.stdout)]
         expected = kv_for(p)
         assert seen == [expected[i].numpy().tobytes() for i in range(2)]
-        mapped = MappedSegment(host.segment_name, TINY, host.num_slots)   # the worker-side view, no copy
+        mapped = MappedSegment(host.segment_name, TINY, host.num_slots)  # the worker-side view, no copy
         try:
             assert same_bytes(mapped.pool.read(slots), expected)
         finally:
             mapped.close()
         name = host.segment_name
-    assert not os.path.exists(f"/dev/shm/{name}")                    # unlinked when the tier closes
+    assert not os.path.exists(f"/dev/shm/{name}")  # unlinked when the tier closes
 
 
 @pytest.mark.parametrize("capacity, slots", [(64, 1), (64 * 5 + 63, 5), (64 * 1000, 1000)])
@@ -192,20 +207,38 @@ def test_the_cache_never_holds_more_blocks_than_slots() -> None:
         assert_consistent(cache)
 
 
-@pytest.mark.parametrize("text, size", [
-    ("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30), ("1.5GB", 1_500_000_000), ("64", 64),
-    (4096, 4096), (" 1 KiB ", 1024), ("3k", 3072),
-])
+@pytest.mark.parametrize(
+    "text, size",
+    [
+        ("512MiB", 512 * 2**20),
+        ("2GiB", 2 * 2**30),
+        ("1.5GB", 1_500_000_000),
+        ("64", 64),
+        (4096, 4096),
+        (" 1 KiB ", 1024),
+        ("3k", 3072),
+    ],
+)
 def test_size_strings(text, size: int) -> None:
     assert parse_size(text) == size
     assert CacheConfig(host_capacity=text).host_capacity == size
 
 
-@pytest.mark.parametrize("field, value", [
-    ("host_capacity", "lots"), ("host_capacity", "-1GiB"), ("device_capacity", "2XB"), ("host_capacity", True),
-    ("ttl_s", 0), ("ttl_s", "forever"), ("lease_ttl_s", "-5s"), ("hash_algorithm", "md5"),
-    ("max_prompt_tokens", 0), ("max_leases", 2.5),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("host_capacity", "lots"),
+        ("host_capacity", "-1GiB"),
+        ("device_capacity", "2XB"),
+        ("host_capacity", True),
+        ("ttl_s", 0),
+        ("ttl_s", "forever"),
+        ("lease_ttl_s", "-5s"),
+        ("hash_algorithm", "md5"),
+        ("max_prompt_tokens", 0),
+        ("max_leases", 2.5),
+    ],
+)
 def test_bad_config_names_its_field(field: str, value) -> None:
     with pytest.raises(ConfigError) as caught:
         CacheConfig(**{field: value})
@@ -215,8 +248,7 @@ def test_bad_config_names_its_field(field: str, value) -> None:
 def test_durations_and_layouts() -> None:
     assert parse_duration("10m") == 600 and parse_duration("250ms") == 0.25
     assert CacheConfig(ttl_s="1h").ttl_s == 3600
-    for field, value in (("layers", 0), ("kv_heads", -1), ("head_dim", 1.5), ("block_size", True),
-                         ("dtype", "int8")):
+    for field, value in (("layers", 0), ("kv_heads", -1), ("head_dim", 1.5), ("block_size", True), ("dtype", "int8")):
         with pytest.raises(ConfigError) as caught:
             KVLayout(**{"layers": 1, "kv_heads": 1, "head_dim": 1, field: value})
         assert caught.value.field == field

@@ -1,6 +1,6 @@
 """Lint and type checks as part of the test command: a new violation fails CI.
 
-`ruff check .` must be clean. `mypy` (configured in pyproject.toml: strict on prefixcache/,
+`ruff check .` must be clean and `ruff format --check .` must pass. `mypy` (configured in pyproject.toml: strict on prefixcache/,
 defaults on services/) must report nothing in prefixcache/; services/ may keep the errors
 recorded in tests/mypy_baseline.txt (counted per file and error code) but gain none.
 When you fix some, tighten the baseline: `python tests/test_tooling.py --write-baseline`.
@@ -32,8 +32,7 @@ def _tool(name: str) -> str:
 
 
 def mypy_errors() -> Counter[tuple[str, str]]:
-    done = subprocess.run([_tool("mypy"), "--no-error-summary"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([_tool("mypy"), "--no-error-summary"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     if done.returncode not in (0, 1) or done.stderr.strip():
         raise AssertionError(f"mypy did not run: {done.stderr or done.stdout}")
     found: Counter[tuple[str, str]] = Counter()
@@ -53,9 +52,17 @@ def read_baseline() -> Counter[tuple[str, str]]:
     return baseline
 
 
+def test_ruff_format_is_applied() -> None:
+    done = subprocess.run(
+        [_tool("ruff"), "format", "--check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_ruff_check_is_clean() -> None:
-    done = subprocess.run([_tool("ruff"), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [_tool("ruff"), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -76,8 +83,13 @@ def test_the_baseline_parser_sees_errors() -> None:
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write-baseline"]:
     errors = mypy_errors()
-    lines = [f"{count} {path} {code}" for (path, code), count in sorted(errors.items())
-             if not path.startswith("prefixcache/")]
-    BASELINE.write_text("# mypy errors services/ may keep (count path code); may only shrink. "
-                        "Regenerate: python tests/test_tooling.py --write-baseline\n" + "\n".join(lines) + "\n")
+    lines = [
+        f"{count} {path} {code}"
+        for (path, code), count in sorted(errors.items())
+        if not path.startswith("prefixcache/")
+    ]
+    BASELINE.write_text(
+        "# mypy errors services/ may keep (count path code); may only shrink. "
+        "Regenerate: python tests/test_tooling.py --write-baseline\n" + "\n".join(lines) + "\n"
+    )
     print(f"{len(lines)} entries written to {BASELINE}")

@@ -15,14 +15,24 @@ from prefixcache_services.cli import main
 
 pytestmark = pytest.mark.unit
 
-SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=128, vocab_size=1000)
+SMALL = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=1000,
+)
 
 
-@pytest.mark.parametrize(("config", "reason"), [
-    (MistralConfig(sliding_window=64, **SMALL), "sliding_window=64"),
-    (Qwen3NextConfig(**SMALL), "linear_attention"),
-], ids=["sliding-window", "hybrid"])
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        (MistralConfig(sliding_window=64, **SMALL), "sliding_window=64"),
+        (Qwen3NextConfig(**SMALL), "linear_attention"),
+    ],
+    ids=["sliding-window", "hybrid"],
+)
 def test_a_model_without_plain_kv_is_refused_with_one_line(tmp_path, capsys, config, reason):
     config.save_pretrained(tmp_path)  # a config alone: the refusal comes before tokenizer and weights
     code = main(["worker", "--no-cache", "--model", str(tmp_path), "--listen", "127.0.0.1:18999"])

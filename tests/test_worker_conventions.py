@@ -34,8 +34,9 @@ def keyed(tmp_path_factory):
 def _post(worker, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
     connection = worker.client.connection()
     try:
-        connection.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json",
-                                                                    **(headers or {})})
+        connection.request(
+            "POST", path, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})}
+        )
         response = connection.getresponse()
         return response.status, json.loads(response.read())
     finally:
@@ -43,8 +44,10 @@ def _post(worker, path: str, body: dict, headers: dict | None = None) -> tuple[i
 
 
 def test_tokenize_applies_the_chat_template_and_says_how_much_is_cached(stack):
-    messages = [{"role": "system", "content": "Answer in French. " * 8},
-                {"role": "user", "content": "How long is the Loire, and where does it rise?"}]
+    messages = [
+        {"role": "system", "content": "Answer in French. " * 8},
+        {"role": "user", "content": "How long is the Loire, and where does it rise?"},
+    ]
     salt = "tokenize-route"
     status, before = _post(stack.cached, "/tokenize", {"messages": messages, "cache_salt": salt})
     assert status == 200 and before["cached_blocks"] == 0 and before["block_size"] == 16
@@ -52,7 +55,10 @@ def test_tokenize_applies_the_chat_template_and_says_how_much_is_cached(stack):
     assert before["count"] == len(before["tokens"]) == reply.prompt_tokens  # exactly what the chat prefills
     _, after = _post(stack.cached, "/tokenize", {"messages": messages, "cache_salt": salt})
     assert after["tokens"] == before["tokens"]
-    assert after["cached_blocks"] == reply.prompt_tokens // 16 > 0 and after["cached_tokens"] == after["cached_blocks"] * 16
+    assert (
+        after["cached_blocks"] == reply.prompt_tokens // 16 > 0
+        and after["cached_tokens"] == after["cached_blocks"] * 16
+    )
     _, other_salt = _post(stack.cached, "/tokenize", {"messages": messages, "cache_salt": "another"})
     assert other_salt["cached_blocks"] == 0  # salts isolate, also in what /tokenize reports
     _, reference = _post(stack.reference, "/tokenize", {"messages": messages})
@@ -67,14 +73,17 @@ def test_tokenize_and_detokenize_round_trip_a_prompt(stack):
     assert tokenized["max_model_len"] == 16384
 
 
-@pytest.mark.parametrize(("path", "body", "status", "param"), [
-    ("/tokenize", {}, 400, "prompt"),
-    ("/tokenize", {"prompt": "a", "messages": []}, 400, "prompt"),
-    ("/tokenize", {"prompt": "a", "model": "gpt-9"}, 404, "model"),
-    ("/tokenize", {"prompt": "a", "add_special_tokens": True}, 400, "add_special_tokens"),
-    ("/detokenize", {"tokens": [1, -1]}, 400, "tokens"),
-    ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": []}, 400, "prompt"),
+        ("/tokenize", {"prompt": "a", "model": "gpt-9"}, 404, "model"),
+        ("/tokenize", {"prompt": "a", "add_special_tokens": True}, 400, "add_special_tokens"),
+        ("/detokenize", {"tokens": [1, -1]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    ],
+)
 def test_tokenize_routes_reject_bad_input_naming_the_field(stack, path, body, status, param):
     got, error = _post(stack.cached, path, body)
     assert got == status and error["error"]["param"] == param, error
@@ -87,8 +96,9 @@ def test_version_route(stack):
 
 def test_api_key_guards_every_route_but_health_and_metrics(keyed):
     good = openai.OpenAI(base_url=f"http://127.0.0.1:{keyed.port}/v1", api_key=KEY, max_retries=0)
-    reply = good.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                         temperature=0)
+    reply = good.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0
+    )
     assert reply.usage.completion_tokens == 2
     bad = openai.OpenAI(base_url=f"http://127.0.0.1:{keyed.port}/v1", api_key=KEY + "x", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as caught:
@@ -111,6 +121,7 @@ def test_chat_max_tokens_defaults_to_the_context_the_prompt_leaves(keyed):
     messages = [{"role": "user", "content": filler}]
     _, counted = _post(keyed, "/tokenize", {"messages": messages}, {"Authorization": f"Bearer {KEY}"})
     assert counted["count"] == 16384 - 5
-    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                           logit_bias={"100265": -100, "100257": -100})  # no end token
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, logit_bias={"100265": -100, "100257": -100}
+    )  # no end token
     assert reply.usage.completion_tokens == 5 and reply.choices[0].finish_reason == "length"

@@ -108,12 +108,16 @@ def test_chat_template_is_prefix_stable_over_three_turns(tokenizer):
     assert header == [tokenizer.im_start_id, *tokenizer.encode("assistant\n")]
     for k in (1, 2):
         previous, current = prompts[k - 1], prompts[k]
-        assert previous[-len(header):] == header
+        assert previous[-len(header) :] == header
         reply = ChatMessage(Role.ASSISTANT, turns[k - 1][1])
         assert template.message(reply)[: len(header)] == header
-        assert current == previous + template.message(reply)[len(header):] + template.message(
-            ChatMessage(Role.USER, turns[k][0])
-        ) + header
+        assert (
+            current
+            == previous
+            + template.message(reply)[len(header) :]
+            + template.message(ChatMessage(Role.USER, turns[k][0]))
+            + header
+        )
     assert template.stop_token_ids == {tokenizer.im_end_id, tokenizer.eos_token_id}
     assert completion_prompt(tokenizer, "Hello") == tokenizer.encode("Hello")
 
@@ -136,7 +140,9 @@ def test_tiny_weights_and_digest_are_a_function_of_seed_and_dtype(engines):
     state, state_again = first.model.state_dict(), again.model.state_dict()
     assert all(torch.equal(state[name], state_again[name]) for name in state)
     assert first.weights_digest == again.weights_digest
-    assert not torch.equal(state["model.embed_tokens.weight"], other_seed.model.state_dict()["model.embed_tokens.weight"])
+    assert not torch.equal(
+        state["model.embed_tokens.weight"], other_seed.model.state_dict()["model.embed_tokens.weight"]
+    )
     digests = {first.weights_digest, other_seed.weights_digest, engines["bfloat16"].loaded.weights_digest}
     assert len(digests) == 3
     assert first.kv.layers == 4 and first.kv.kv_heads == 2 and first.kv.head_dim == 32
@@ -390,9 +396,7 @@ def test_generation_stops_on_stop_token_length_and_cancel(engines):
     assert list(limited) == reference[:3] and limited.finish_reason is FinishReason.LENGTH
 
     calls = []
-    cancelled = engine.generate(
-        prompt, max_tokens=6, stop_token_ids=(), should_stop=lambda: len(calls) >= 2
-    )
+    cancelled = engine.generate(prompt, max_tokens=6, stop_token_ids=(), should_stop=lambda: len(calls) >= 2)
     for token in cancelled:
         calls.append(token)
     assert calls == reference[:2] and cancelled.finish_reason is FinishReason.CANCELLED
@@ -459,9 +463,17 @@ def _save_tokenizer(path) -> PreTrainedTokenizerFast:
 
 def _small_config(cls, vocab_size: int, **extra):
     return cls(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=True, initializer_range=0.1, eos_token_id=1, **extra,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+        eos_token_id=1,
+        **extra,
     )
 
 

@@ -26,7 +26,6 @@ from prefixcache_services.replay.transcripts import Conversation, Role, load_sha
 from prefixcache_services.worker.chat import ChatMessage, ChatMLTemplate
 from prefixcache_services.worker.chat import Role as ChatRole
 from prefixcache_services.worker.tokenizer import TiktokenTokenizer
-
 from tests.worker_procs import Reply, Stack, poll
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
@@ -52,7 +51,7 @@ class ExpectedCache:
     def _chain(self, tokens: Sequence[int], salt: str | None) -> Iterator[object]:
         key: object = ("salt", salt)
         for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
-            key = hash((key, tuple(tokens[start:start + self.block_size])))
+            key = hash((key, tuple(tokens[start : start + self.block_size])))
             yield key
 
     def hit_tokens(self, tokens: Sequence[int], salt: str | None = None) -> int:
@@ -125,8 +124,7 @@ def _same(stack: Stack, path: str, payload: dict) -> Reply:
     reference = stack.reference.client.post(path, payload)
     assert cached.status == reference.status == 200, (cached.body, reference.body)
     got = (cached.text, cached.body["choices"][0]["finish_reason"], cached.body["usage"]["completion_tokens"])
-    want = (reference.text, reference.body["choices"][0]["finish_reason"],
-            reference.body["usage"]["completion_tokens"])
+    want = (reference.text, reference.body["choices"][0]["finish_reason"], reference.body["usage"]["completion_tokens"])
     assert got == want, f"cached worker diverged (cached_tokens={cached.cached_tokens})"
     assert reference.cached_tokens == 0
     return cached
@@ -139,10 +137,15 @@ def _check_hit(stack: Stack, expected: ExpectedCache, path: str, payload: dict, 
     reply = _same(stack, path, payload)
     assert reply.prompt_tokens == len(tokens)
     if reply.cached_tokens != want:  # say what the worker's hit policy decided (a decline loads less)
-        decisions = {labels: value for (name, labels), value in stack.cached.client.metrics().items()
-                     if name == "prefixcache_worker_hit_decisions_total"}
-        raise AssertionError(f"prompt of {len(tokens)} tokens: cached {reply.cached_tokens}, want {want}; "
-                             f"hit decisions so far: {decisions}")
+        decisions = {
+            labels: value
+            for (name, labels), value in stack.cached.client.metrics().items()
+            if name == "prefixcache_worker_hit_decisions_total"
+        }
+        raise AssertionError(
+            f"prompt of {len(tokens)} tokens: cached {reply.cached_tokens}, want {want}; "
+            f"hit decisions so far: {decisions}"
+        )
     assert reply.cached_tokens % BLOCK == 0 and reply.cached_tokens < reply.prompt_tokens
     expected.commit(tokens, salt)
     return reply
@@ -154,10 +157,11 @@ def test_sharegpt_conversations_turn_by_turn(stack, template, expected, salt):
         previous: list[int] | None = None
         for messages in turns:
             tokens = _tokens(template, messages)
-            reply = _check_hit(stack, expected, "/v1/chat/completions",
-                               {"messages": messages, "cache_salt": salt}, tokens)
+            reply = _check_hit(
+                stack, expected, "/v1/chat/completions", {"messages": messages, "cache_salt": salt}, tokens
+            )
             if previous is not None:  # turn k+1 reuses at least every full block of turn k's prompt
-                assert tokens[:len(previous)] == previous, "the chat template is not prefix-stable"
+                assert tokens[: len(previous)] == previous, "the chat template is not prefix-stable"
                 assert reply.cached_tokens >= len(previous) // BLOCK * BLOCK
             previous = tokens
             replies.append((reply.cached_tokens, reply.prompt_tokens))
@@ -170,11 +174,11 @@ def test_token_id_prompts_miss_partial_and_full_block_multiple(stack, expected, 
     base = [rng.randrange(100, 100_000) for _ in range(5 * BLOCK)]  # exactly 5 blocks
     other = [rng.randrange(100, 100_000) for _ in range(30)]
     cases = [
-        (base, 0),                      # miss
-        (base, 4 * BLOCK),              # full hit on a block multiple: the last block is recomputed
+        (base, 0),  # miss
+        (base, 4 * BLOCK),  # full hit on a block multiple: the last block is recomputed
         (base[:40] + other, 2 * BLOCK),  # diverges inside block 3: two blocks reused
-        (base + other, 5 * BLOCK),      # extends the prompt: all five blocks reused
-        (base[:BLOCK], 0),              # one block: nothing may be reused
+        (base + other, 5 * BLOCK),  # extends the prompt: all five blocks reused
+        (base[:BLOCK], 0),  # one block: nothing may be reused
     ]
     for tokens, want in cases:
         assert expected.hit_tokens(tokens, salt) == want  # the model agrees with the intent
@@ -206,8 +210,13 @@ def test_host_tier_serves_repeat_hits(stack, expected, salt):
 def test_warm_restart_serves_hits_from_redis(stack, template, expected, salt):
     conversation = _sharegpt_turns(template)[0]
     for messages in conversation[:2]:
-        _check_hit(stack, expected, "/v1/chat/completions", {"messages": messages, "cache_salt": salt},
-                   _tokens(template, messages))
+        _check_hit(
+            stack,
+            expected,
+            "/v1/chat/completions",
+            {"messages": messages, "cache_salt": salt},
+            _tokens(template, messages),
+        )
     with stack.service.client() as client:
         poll(lambda: client.stats().snapshot.remote["queue_bytes"] == 0, 30, "Redis write-through queue drained")
         remote = client.stats().snapshot.remote
@@ -217,8 +226,11 @@ def test_warm_restart_serves_hits_from_redis(stack, template, expected, salt):
     with stack.service.client() as client:
         assert not client.stats().ready  # no namespace until the worker attaches again
 
-    messages = conversation[2] if len(conversation) > 2 else conversation[1] + [
-        {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}]
+    messages = (
+        conversation[2]
+        if len(conversation) > 2
+        else conversation[1] + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}]
+    )
     tokens = _tokens(template, messages)
     want = expected.hit_tokens(tokens, salt)
     assert want > 0

@@ -26,8 +26,10 @@ pytestmark = pytest.mark.process
 
 
 MAX_TOKENS = 8
-SYSTEM = ("You are a meticulous assistant for a travel agency. Answer with the itinerary, the costs and "
-          "the risks, in that order, and keep every answer short. ") * 4
+SYSTEM = (
+    "You are a meticulous assistant for a travel agency. Answer with the itinerary, the costs and "
+    "the risks, in that order, and keep every answer short. "
+) * 4
 
 
 @pytest.fixture
@@ -91,8 +93,14 @@ def test_service_killed_mid_run_then_restarted(stack, salt):
         assert stack.cached.client.health()["cache"] == "down"
         restarted = time.monotonic()
         stack.service.start()
-        poll(lambda: any(sent > restarted and r.status == 200 and r.cached_tokens
-                         for sent, _, _, r in loop.records) or loop.error, 60, "a hit after the restart")
+        poll(
+            lambda: (
+                any(sent > restarted and r.status == 200 and r.cached_tokens for sent, _, _, r in loop.records)
+                or loop.error
+            ),
+            60,
+            "a hit after the restart",
+        )
     finally:
         loop.stop.set()
         loop.join(60)
@@ -104,17 +112,24 @@ def test_service_killed_mid_run_then_restarted(stack, salt):
     assert down and all(r.cached_tokens == 0 for r in down)
     reference = _reference(stack, [payload for _, _, payload, _ in records])
     assert [_outcome(r) for *_, r in records] == reference
-    log = stack.cached.log()[len(log_before):]
+    log = stack.cached.log()[len(log_before) :]
     assert log.count("cache link down") == 1 and log.count("cache link up") == 1, log
-    fallbacks = sum(value for (name, _), value in stack.cached.client.metrics().items()
-                    if name == "prefixcache_worker_cache_fallbacks_total")
+    fallbacks = sum(
+        value
+        for (name, _), value in stack.cached.client.metrics().items()
+        if name == "prefixcache_worker_cache_fallbacks_total"
+    )
     assert fallbacks >= len(down)  # every request while down fell back (lookup, or attach when retried)
     assert stack.cached.client.health()["cache"] == "up"
 
 
 def test_simultaneous_requests_all_exact(stack, salt):
-    payloads = [_chat(f"Question {i}: which museum should we see first, and why?", salt,
-                      max_tokens=6 + i % 3, stream=i % 3 == 0) for i in range(8)]
+    payloads = [
+        _chat(
+            f"Question {i}: which museum should we see first, and why?", salt, max_tokens=6 + i % 3, stream=i % 3 == 0
+        )
+        for i in range(8)
+    ]
     stack.cached.client.post("/v1/chat/completions", {**payloads[1], "stream": False})  # a shared prefix to hit
     start = threading.Barrier(len(payloads))
 
@@ -143,10 +158,14 @@ def _generating(stack: Stack, payload: dict, stream: bool):
         return events.close  # closes the generator, and with it the connection
     prompts = stack.cached.client.metric("prefixcache_worker_prompt_tokens_total")
     connection = stack.cached.client.connection()
-    connection.request("POST", "/v1/chat/completions", body=json.dumps(payload).encode(),
-                       headers={"Content-Type": "application/json"})
-    poll(lambda: stack.cached.client.metric("prefixcache_worker_prompt_tokens_total") > prompts, 30,
-         "the request's prefill done")  # counted once prefilled, before decoding starts
+    connection.request(
+        "POST", "/v1/chat/completions", body=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+    )
+    poll(
+        lambda: stack.cached.client.metric("prefixcache_worker_prompt_tokens_total") > prompts,
+        30,
+        "the request's prefill done",
+    )  # counted once prefilled, before decoding starts
     return connection.close
 
 
@@ -160,8 +179,11 @@ def test_disconnected_client_stops_generating_and_releases_its_lease(stack, salt
         assert service.stats().snapshot.active_leases == 1  # the hit's lease is held while it generates
         disconnect()
         poll(lambda: service.stats().snapshot.active_leases == 0, 10, "the lease released")
-    poll(lambda: stack.cached.client.metric("prefixcache_worker_requests_total", outcome="cancelled") > cancelled,
-         20, "the generation cancelled")
+    poll(
+        lambda: stack.cached.client.metric("prefixcache_worker_requests_total", outcome="cancelled") > cancelled,
+        20,
+        "the generation cancelled",
+    )
     # 4000 tokens take far longer than this; the next request runs once the inference thread
     # is free, so it completing at all within the HTTP timeout needs the generation stopped.
     after = stack.cached.client.post("/v1/chat/completions", _chat("And a short one?", salt))
@@ -171,8 +193,11 @@ def test_disconnected_client_stops_generating_and_releases_its_lease(stack, salt
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_stream_chunks_and_final_usage(stack, salt, path):
-    body = (_chat("Name three harbours.", salt) if path.endswith("chat/completions")
-            else {"prompt": SYSTEM, "temperature": 0, "max_tokens": MAX_TOKENS, "cache_salt": salt})
+    body = (
+        _chat("Name three harbours.", salt)
+        if path.endswith("chat/completions")
+        else {"prompt": SYSTEM, "temperature": 0, "max_tokens": MAX_TOKENS, "cache_salt": salt}
+    )
     full = stack.reference.client.post(path, body)
     for attempt in range(2):  # a miss, then a hit: both stream the same text
         events = list(stack.cached.client.stream(path, {**body, "stream_options": {"include_usage": True}}))

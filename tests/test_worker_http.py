@@ -35,7 +35,12 @@ BAD_REQUESTS = [
     (CHAT, {"messages": []}, "messages", "non-empty list"),
     (CHAT, {"messages": "hi"}, "messages", "non-empty list"),
     (CHAT, {"messages": ["hi"]}, "messages[0]", "object"),
-    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "system, developer, user or assistant"),
+    (
+        CHAT,
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        "messages[0].role",
+        "system, developer, user or assistant",
+    ),
     (CHAT, {"messages": [{"role": "user"}]}, "messages[0].content", "string"),
     (CHAT, {"messages": USER, "max_tokens": -1}, "max_tokens", "got -1"),
     (CHAT, {"messages": USER, "max_tokens": 0}, "max_tokens", "got 0"),
@@ -48,8 +53,12 @@ BAD_REQUESTS = [
     (CHAT, {"messages": USER, "stop": [""]}, "stop", "stop"),
     (CHAT, {"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop", "up to 4"),
     (CHAT, {"messages": USER, "stream": "false"}, "stream", "boolean"),
-    (CHAT, {"messages": USER, "stream": True, "stream_options": {"include_usage": 1}},
-     "stream_options.include_usage", "boolean"),
+    (
+        CHAT,
+        {"messages": USER, "stream": True, "stream_options": {"include_usage": 1}},
+        "stream_options.include_usage",
+        "boolean",
+    ),
     (CHAT, {"messages": USER, "stream_options": []}, "stream_options", "object"),
     (CHAT, {"messages": USER, "n": 2}, "n", "must be 1"),
     (CHAT, {"messages": USER, "seed": -1}, "seed", "integer"),
@@ -67,9 +76,11 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize(("path", "body", "param", "words"), BAD_REQUESTS,
-                         ids=[f"{'chat' if p == CHAT else 'completions'}-{i}"
-                              for i, (p, *_) in enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize(
+    ("path", "body", "param", "words"),
+    BAD_REQUESTS,
+    ids=[f"{'chat' if p == CHAT else 'completions'}-{i}" for i, (p, *_) in enumerate(BAD_REQUESTS)],
+)
 def test_bad_input_is_a_400_naming_the_field_and_the_worker_stays_up(stack, path, body, param, words):
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     status, data, content_type = stack.cached.client.request("POST", path, raw)

@@ -55,12 +55,25 @@ def main(spec_path: str, out_path: str) -> None:
     kwargs = {}
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="PrefixCacheConnector", kv_connector_module_path="prefixcache.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config=spec["connector"])
+            kv_connector="PrefixCacheConnector",
+            kv_connector_module_path="prefixcache.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=spec["connector"],
+        )
     started = time.monotonic()
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", block_size=32, enforce_eager=True,
-              max_model_len=spec.get("max_model_len", 2048), enable_prefix_caching=bool(spec.get("apc")),
-              max_num_seqs=spec.get("max_num_seqs", 16), seed=0, disable_log_stats=False, **kwargs)
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        block_size=32,
+        enforce_eager=True,
+        max_model_len=spec.get("max_model_len", 2048),
+        enable_prefix_caching=bool(spec.get("apc")),
+        max_num_seqs=spec.get("max_num_seqs", 16),
+        seed=0,
+        disable_log_stats=False,
+        **kwargs,
+    )
     result: dict = {"startup_s": time.monotonic() - started, "steps": {}}
     for step in spec["steps"]:
         if "barrier" in step:
@@ -83,7 +96,8 @@ def main(spec_path: str, out_path: str) -> None:
             "outputs": [list(o.outputs[0].token_ids) for o in outputs],
             "cached": [o.num_cached_tokens or 0 for o in outputs],
             "seconds": time.monotonic() - begun,
-            "metrics": _connector_metrics(llm)}
+            "metrics": _connector_metrics(llm),
+        }
         out.write_text(json.dumps(result))
     out.write_text(json.dumps(result))
     del llm

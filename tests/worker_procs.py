@@ -80,8 +80,9 @@ def _lines(stream, sink: queue.Queue) -> None:
 class CacheService:
     """One cache service process; `restart` keeps its port (and its Redis, if any)."""
 
-    def __init__(self, workdir: Path, host_capacity: str = "256MiB", redis_url: str | None = None,
-                 extra_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self, workdir: Path, host_capacity: str = "256MiB", redis_url: str | None = None, extra_args: Sequence[str] = ()
+    ) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.host_capacity = host_capacity
@@ -102,20 +103,41 @@ class CacheService:
         return self.workdir / "service.log"
 
     def _command(self) -> list[str]:
-        command = [sys.executable, "-m", "prefixcache_services", "serve", "--listen", f"127.0.0.1:{self.port}",
-                   "--host-capacity", self.host_capacity, "--shm-name", self.shm_name, "--grace", "2s",
-                   "--workers", "8", *self.extra_args]
+        command = [
+            sys.executable,
+            "-m",
+            "prefixcache_services",
+            "serve",
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--host-capacity",
+            self.host_capacity,
+            "--shm-name",
+            self.shm_name,
+            "--grace",
+            "2s",
+            "--workers",
+            "8",
+            *self.extra_args,
+        ]
         if self.redis_url:
-            command += ["--redis-url", self.redis_url, "--redis-key-prefix", self.redis_key_prefix,
-                        "--redis-timeout-ms", "2000"]
+            command += [
+                "--redis-url",
+                self.redis_url,
+                "--redis-key-prefix",
+                self.redis_key_prefix,
+                "--redis-timeout-ms",
+                "2000",
+            ]
         return command
 
     def start(self, timeout_s: float = SERVICE_READY_S) -> CacheService:
         self._starts += 1
         self.shm_name = f"pfx-test-{secrets.token_hex(4)}-{self._starts}"
         with self.log_path.open("a") as log:
-            self.process = lifetime.popen(self._command(), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                                          stderr=log, text=True)
+            self.process = lifetime.popen(
+                self._command(), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=log, text=True
+            )
         weakref.finalize(self, _kill, self.process)
         address = self._await_ready(timeout_s)
         self.port = int(address.rpartition(":")[2])
@@ -133,10 +155,12 @@ class CacheService:
             if line is None:
                 break
             if line.startswith(READY_LINE):
-                return line[len(READY_LINE):].strip()
+                return line[len(READY_LINE) :].strip()
         _kill(self.process)
-        raise RuntimeError(f"cache service did not report readiness within {timeout_s}s "
-                           f"(exit {self.process.poll()}): {_tail(self.log_path)}")
+        raise RuntimeError(
+            f"cache service did not report readiness within {timeout_s}s "
+            f"(exit {self.process.poll()}): {_tail(self.log_path)}"
+        )
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -185,8 +209,16 @@ class WorkerProcess:
 
     def launch(self) -> WorkerProcess:
         cache = ["--no-cache"] if self.cache is None else ["--cache", self.cache.address]
-        command = [sys.executable, "-m", "prefixcache_services", "worker", "--listen", f"127.0.0.1:{self.port}", *cache,
-                   *self.extra_args]
+        command = [
+            sys.executable,
+            "-m",
+            "prefixcache_services",
+            "worker",
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            *cache,
+            *self.extra_args,
+        ]
         with self.log_path.open("a") as log:
             self.process = lifetime.popen(command, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
         weakref.finalize(self, _kill, self.process)
@@ -199,8 +231,7 @@ class WorkerProcess:
                 raise RuntimeError(f"worker exited with {self.process.returncode}: {_tail(self.log_path)}")
             if time.monotonic() > deadline:
                 _kill(self.process)
-                raise TimeoutError(f"worker on port {self.port} not healthy after {timeout_s}s: "
-                                   f"{_tail(self.log_path)}")
+                raise TimeoutError(f"worker on port {self.port} not healthy after {timeout_s}s: {_tail(self.log_path)}")
             time.sleep(_POLL_S)
         return self
 
@@ -250,9 +281,12 @@ class Stack:
 
 
 @contextmanager
-def running_stack(workdir: Path, redis_url: str | None = None, reference: bool = True,
-                  worker_args: Sequence[str] = ("--cache-deadline-ms", "5000", "--hit-policy", "always"),
-                  ) -> Iterator[Stack]:
+def running_stack(
+    workdir: Path,
+    redis_url: str | None = None,
+    reference: bool = True,
+    worker_args: Sequence[str] = ("--cache-deadline-ms", "5000", "--hit-policy", "always"),
+) -> Iterator[Stack]:
     """Service first (the worker attaches at start-up), then the workers' model loads in parallel."""
     service = CacheService(workdir / "service", redis_url=redis_url).start()
     workers = [WorkerProcess(workdir / "cached", service, worker_args)]
@@ -341,8 +375,11 @@ class WorkerClient:
 
         status, data, content_type = self.request("GET", "/metrics")
         assert status == 200 and content_type.startswith("text/plain"), (status, content_type)
-        return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-                for family in text_string_to_metric_families(data.decode()) for sample in family.samples}
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(data.decode())
+            for sample in family.samples
+        }
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample's value from /metrics (0 when the labelled series does not exist yet)."""
@@ -372,8 +409,12 @@ class WorkerClient:
         """Yields each SSE `data:` payload parsed as JSON, and the final "[DONE]" as a string."""
         connection = self.connection()
         try:
-            connection.request("POST", path, body=json.dumps({**payload, "stream": True}).encode(),
-                               headers={"Content-Type": "application/json"})
+            connection.request(
+                "POST",
+                path,
+                body=json.dumps({**payload, "stream": True}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
             response = connection.getresponse()
             if response.status != 200:
                 raise AssertionError(f"HTTP {response.status}: {response.read()!r}")
@@ -390,7 +431,7 @@ def _server_sent_events(response: http.client.HTTPResponse) -> Iterator[dict | s
             continue
         if not line.startswith("data: "):
             raise AssertionError(f"not an SSE data line: {line!r}")
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         yield data if data == "[DONE]" else json.loads(data)
 
 

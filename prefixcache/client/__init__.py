@@ -8,5 +8,15 @@ from .api import Attachment, BlockInfo, CacheClient, Hit, InspectReport
 from .errors import CacheUnavailable, PermissionDenied, ServiceError, Unauthenticated
 from .wire import ServiceStats
 
-__all__ = ["Attachment", "BlockInfo", "CacheClient", "CacheUnavailable", "Hit", "InspectReport",
-           "PermissionDenied", "ServiceError", "ServiceStats", "Unauthenticated"]
+__all__ = [
+    "Attachment",
+    "BlockInfo",
+    "CacheClient",
+    "CacheUnavailable",
+    "Hit",
+    "InspectReport",
+    "PermissionDenied",
+    "ServiceError",
+    "ServiceStats",
+    "Unauthenticated",
+]

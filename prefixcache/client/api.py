@@ -53,10 +53,10 @@ TokenInput = Sequence[int] | np.ndarray | torch.Tensor  # token ids, as callers 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "prefixcache.v1.PrefixCache"
-LEASE_MARGIN_S = 0.05          # read from shared memory only this long before the lease ends
-RELEASE_ATTEMPTS = 5           # Release refused for load (older services) is retried after the hint
+LEASE_MARGIN_S = 0.05  # read from shared memory only this long before the lease ends
+RELEASE_ATTEMPTS = 5  # Release refused for load (older services) is retried after the hint
 MIN_STREAM_BYTES_PER_S = 100e6  # a Fetch/Store deadline grows with its size at this rate
-STORE_CHUNK_BYTES = 1 << 20     # data per Store message (the service may allow up to 4 MiB)
+STORE_CHUNK_BYTES = 1 << 20  # data per Store message (the service may allow up to 4 MiB)
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class Attachment:
     max_prompt_tokens: int
     max_chunk_bytes: int
     shared_memory: bool  # the host tier is mapped into this process
-    device_ipc: bool     # the device pool is mapped by CUDA IPC
+    device_ipc: bool  # the device pool is mapped by CUDA IPC
     host_segment: str = ""  # the mapped host tier's shm name: changes when the service restarts
 
 
@@ -117,13 +117,23 @@ def _token_list(tokens: TokenInput) -> list[int]:
 class CacheClient:
     """One channel to the service; after `attach`, bound to one namespace. Thread-safe."""
 
-    def __init__(self, address: str, auth_token: str | None = None, timeout_s: float = 5.0,
-                 tls: bool = False, tls_root_cert_file: str | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        auth_token: str | None = None,
+        timeout_s: float = 5.0,
+        tls: bool = False,
+        tls_root_cert_file: str | None = None,
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
-        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-                   ("grpc.keepalive_time_ms", 30000), ("grpc.keepalive_timeout_ms", 10000)]
+        options = [
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.keepalive_time_ms", 30000),
+            ("grpc.keepalive_timeout_ms", 10000),
+        ]
         if tls or tls_root_cert_file:
             root = Path(tls_root_cert_file).read_bytes() if tls_root_cert_file else None
             self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root), options)
@@ -138,8 +148,9 @@ class CacheClient:
         self._pools = LocalPools(None, None)
 
     # -- plumbing ---------------------------------------------------------------
-    def _call(self, method: Callable[..., Any], request: object, timeout_s: float | None = None,
-              lease_id: int | None = None) -> Any:
+    def _call(
+        self, method: Callable[..., Any], request: object, timeout_s: float | None = None, lease_id: int | None = None
+    ) -> Any:
         try:
             return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as error:
@@ -155,16 +166,25 @@ class CacheClient:
         return (timeout_s or self.timeout_s) + nbytes / MIN_STREAM_BYTES_PER_S
 
     # -- namespace ----------------------------------------------------------------
-    def attach(self, model: str, layout: KVLayout, revision: str = "", cache_salt: str | None = None,
-               same_host: bool = True, timeout_s: float | None = None, kv_scale: str = "") -> Attachment:
+    def attach(
+        self,
+        model: str,
+        layout: KVLayout,
+        revision: str = "",
+        cache_salt: str | None = None,
+        same_host: bool = True,
+        timeout_s: float | None = None,
+        kv_scale: str = "",
+    ) -> Attachment:
         """Register this worker's namespace; maps shared memory (and CUDA IPC) when co-located.
 
         `layout.dtype` is the KV format blocks are stored in (e.g. DType.FLOAT8_E4M3FN for an
         fp8 cache, stored bit for bit); `kv_scale` names the engine's quantization settings
         (its k/v scales): namespaces differing in either never share a block.
         """
-        request = pb.AttachRequest(model=model, revision=revision, layout=wire.layout_message(layout),
-                                   same_host=same_host, kv_scale=kv_scale)
+        request = pb.AttachRequest(
+            model=model, revision=revision, layout=wire.layout_message(layout), same_host=same_host, kv_scale=kv_scale
+        )
         if cache_salt is not None:
             request.cache_salt = cache_salt
         reply = self._call(self._stub.Attach, request, timeout_s)
@@ -173,22 +193,36 @@ class CacheClient:
         host = map_host_segment(reply.host_segment, layout) if reply.HasField("host_segment") else None
         device = map_device_pool(reply.device_pool, layout) if reply.HasField("device_pool") else None
         self._pools = LocalPools(host, device)
-        self._attachment = Attachment(reply.namespace_id, layout, reply.lease_ttl_seconds, reply.max_prompt_tokens,
-                                      reply.max_chunk_bytes, host is not None, device is not None,
-                                      reply.host_segment.name if host is not None else "")
+        self._attachment = Attachment(
+            reply.namespace_id,
+            layout,
+            reply.lease_ttl_seconds,
+            reply.max_prompt_tokens,
+            reply.max_chunk_bytes,
+            host is not None,
+            device is not None,
+            reply.host_segment.name if host is not None else "",
+        )
         return self._attachment
 
     # -- lookups and reads ------------------------------------------------------------
-    def lookup(self, tokens: TokenInput, cache_salt: str | None = None, take_lease: bool = True,
-               timeout_s: float | None = None, recompute_s_per_token: float | None = None) -> Hit:
+    def lookup(
+        self,
+        tokens: TokenInput,
+        cache_salt: str | None = None,
+        take_lease: bool = True,
+        timeout_s: float | None = None,
+        recompute_s_per_token: float | None = None,
+    ) -> Hit:
         """Longest cached prefix of `tokens`; with a lease its blocks stay put until `release`.
 
         `recompute_s_per_token` (1 / this worker's prefill rate) lets the service skip Redis
         blocks that would arrive slower than recomputing them (`Hit.remote_blocks_declined`).
         """
         attachment = self.attachment
-        request = pb.LookupRequest(namespace_id=attachment.namespace_id, tokens=_token_list(tokens),
-                                   take_lease=take_lease)
+        request = pb.LookupRequest(
+            namespace_id=attachment.namespace_id, tokens=_token_list(tokens), take_lease=take_lease
+        )
         if cache_salt is not None:
             request.cache_salt = cache_salt
         if recompute_s_per_token is not None:
@@ -197,10 +231,16 @@ class CacheClient:
         reply = self._call(self._stub.Lookup, request, timeout_s)
         locations = BlockLocations(wire.tier_kinds(reply.tiers), np.asarray(reply.slots, dtype=np.int64))
         lease = reply.lease_id or None
-        return Hit(reply.namespace_id, reply.prompt_tokens, reply.hit_tokens, locations,
-                   wire.MISS_REASON_OF.get(reply.miss_reason), lease,
-                   sent + reply.lease_ttl_seconds - LEASE_MARGIN_S if lease else None,
-                   reply.remote_blocks_declined)
+        return Hit(
+            reply.namespace_id,
+            reply.prompt_tokens,
+            reply.hit_tokens,
+            locations,
+            wire.MISS_REASON_OF.get(reply.miss_reason),
+            lease,
+            sent + reply.lease_ttl_seconds - LEASE_MARGIN_S if lease else None,
+            reply.remote_blocks_declined,
+        )
 
     def read(self, hit: Hit, out: torch.Tensor | None = None, timeout_s: float | None = None) -> torch.Tensor:
         """The hit's KV, `[hit.blocks, *block_shape]`: from mapped memory, else the Fetch stream."""
@@ -225,15 +265,21 @@ class CacheClient:
         target = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=out.dtype)
         flat = target.view(torch.uint8).reshape(-1).numpy()
         total, received = flat.nbytes, 0
-        stream = self._fetch_call(pb.FetchRequest(lease_id=hit.lease_id),
-                                  timeout=self._stream_timeout(total, timeout_s), metadata=self._metadata)
+        stream = self._fetch_call(
+            pb.FetchRequest(lease_id=hit.lease_id),
+            timeout=self._stream_timeout(total, timeout_s),
+            metadata=self._metadata,
+        )
         try:
             for raw in stream:
                 chunk = wire.decode_fetch_chunk(raw)
                 end = received + len(chunk.data)
                 if chunk.offset != received or chunk.total_bytes != total or end > total:
-                    raise InvalidArgument("fetch", f"chunk at {chunk.offset} of {chunk.total_bytes} bytes does not "
-                                          f"continue {received} of the {total} expected")
+                    raise InvalidArgument(
+                        "fetch",
+                        f"chunk at {chunk.offset} of {chunk.total_bytes} bytes does not "
+                        f"continue {received} of the {total} expected",
+                    )
                 flat[received:end] = np.frombuffer(chunk.data, dtype=np.uint8)
                 received = end
         except grpc.RpcError as error:
@@ -272,8 +318,14 @@ class CacheClient:
         return False
 
     # -- writes ---------------------------------------------------------------------------
-    def store(self, tokens: TokenInput, kv: torch.Tensor, start_block: int = 0, cache_salt: str | None = None,
-              timeout_s: float | None = None) -> CommitResult:
+    def store(
+        self,
+        tokens: TokenInput,
+        kv: torch.Tensor,
+        start_block: int = 0,
+        cache_salt: str | None = None,
+        timeout_s: float | None = None,
+    ) -> CommitResult:
         """Publish `kv[i]` as block `start_block + i` of `tokens` (shared memory if mapped, else the stream).
 
         Blocks the service had no free slot for are counted in `rejected`.
@@ -295,31 +347,44 @@ class CacheClient:
         if kv.dim() != 6 or tuple(kv.shape[1:]) != layout.block_shape:
             raise InvalidArgument("kv", f"shape {tuple(kv.shape)} is not [blocks, *{layout.block_shape}]")
         if start_block < 0 or (start_block + len(kv)) * layout.block_size > token_count:
-            raise InvalidArgument("start_block", f"blocks {start_block}..{start_block + len(kv)} exceed the "
-                                  f"{token_count // layout.block_size} full blocks of the tokens")
+            raise InvalidArgument(
+                "start_block",
+                f"blocks {start_block}..{start_block + len(kv)} exceed the "
+                f"{token_count // layout.block_size} full blocks of the tokens",
+            )
 
-    def _store_shared(self, tokens: list[int], kv: torch.Tensor, start_block: int, salt: str | None,
-                      timeout_s: float | None) -> CommitResult:
+    def _store_shared(
+        self, tokens: list[int], kv: torch.Tensor, start_block: int, salt: str | None, timeout_s: float | None
+    ) -> CommitResult:
         ns_id = self.attachment.namespace_id
-        reservation = self._call(self._stub.Reserve, pb.ReserveRequest(namespace_id=ns_id, block_count=len(kv)),
-                                 timeout_s)
+        reservation = self._call(
+            self._stub.Reserve, pb.ReserveRequest(namespace_id=ns_id, block_count=len(kv)), timeout_s
+        )
         slots = list(reservation.slots)
         if not slots:
             return CommitResult(0, 0, len(kv))
         self._pools.scatter(slots, kv[: len(slots)])
-        request = pb.CommitRequest(namespace_id=ns_id, tokens=tokens, reservation_id=reservation.reservation_id,
-                                   start_block=start_block)
+        request = pb.CommitRequest(
+            namespace_id=ns_id, tokens=tokens, reservation_id=reservation.reservation_id, start_block=start_block
+        )
         if salt is not None:
             request.cache_salt = salt
         reply = self._call(self._stub.Commit, request, timeout_s)
         return CommitResult(reply.stored, reply.deduplicated, reply.rejected + len(kv) - len(slots))
 
-    def _store_stream(self, tokens: list[int], kv: torch.Tensor, start_block: int, salt: str | None,
-                      timeout_s: float | None) -> CommitResult:
+    def _store_stream(
+        self, tokens: list[int], kv: torch.Tensor, start_block: int, salt: str | None, timeout_s: float | None
+    ) -> CommitResult:
         attachment = self.attachment
         layout = attachment.layout
-        header = pb.StoreHeader(namespace_id=attachment.namespace_id, tokens=tokens, start_block=start_block,
-                                block_count=len(kv), dtype=cast("pb.DType", layout.dtype.code), block_shape=layout.block_shape)
+        header = pb.StoreHeader(
+            namespace_id=attachment.namespace_id,
+            tokens=tokens,
+            start_block=start_block,
+            block_count=len(kv),
+            dtype=cast("pb.DType", layout.dtype.code),
+            block_shape=layout.block_shape,
+        )
         if salt is not None:
             header.cache_salt = salt
         payload = kv.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy().data
@@ -328,7 +393,7 @@ class CacheClient:
         def messages() -> Iterator[bytes]:
             yield pb.StoreRequest(header=header).SerializeToString()
             for offset in range(0, len(payload), chunk):
-                yield wire.encode_store_data([payload[offset:offset + chunk]])
+                yield wire.encode_store_data([payload[offset : offset + chunk]])
 
         reply = self._call(self._store_call, messages(), self._stream_timeout(len(payload), timeout_s))
         return CommitResult(reply.stored, reply.deduplicated, reply.rejected)
@@ -341,20 +406,41 @@ class CacheClient:
         """This credential's namespaces (an admin's: every tenant's) with their resident blocks."""
         return wire.namespaces_of(self._call(self._stub.ListNamespaces, pb.ListNamespacesRequest(), timeout_s))
 
-    def inspect(self, tokens: TokenInput, cache_salt: str | None = None, namespace_id: str | None = None,
-                timeout_s: float | None = None) -> InspectReport:
-        request = pb.InspectRequest(namespace_id=namespace_id or self.attachment.namespace_id,
-                                    tokens=_token_list(tokens))
+    def inspect(
+        self,
+        tokens: TokenInput,
+        cache_salt: str | None = None,
+        namespace_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> InspectReport:
+        request = pb.InspectRequest(
+            namespace_id=namespace_id or self.attachment.namespace_id, tokens=_token_list(tokens)
+        )
         if cache_salt is not None:
             request.cache_salt = cache_salt
         reply = self._call(self._stub.Inspect, request, timeout_s)
-        blocks = tuple(BlockInfo(b.block, wire.TIER_OF[b.tier].label, b.slot, b.ttl_left_seconds,
-                                 b.last_access_age_seconds, b.leased) for b in reply.blocks)
-        return InspectReport(reply.namespace_id, reply.prompt_tokens, reply.hit_tokens, blocks,
-                             wire.MISS_REASON_OF.get(reply.miss_reason))
+        blocks = tuple(
+            BlockInfo(
+                b.block, wire.TIER_OF[b.tier].label, b.slot, b.ttl_left_seconds, b.last_access_age_seconds, b.leased
+            )
+            for b in reply.blocks
+        )
+        return InspectReport(
+            reply.namespace_id,
+            reply.prompt_tokens,
+            reply.hit_tokens,
+            blocks,
+            wire.MISS_REASON_OF.get(reply.miss_reason),
+        )
 
-    def evict(self, namespace_id: str | None = None, older_than_s: float | None = None, prefix_tokens: TokenInput | None = None,
-              cache_salt: str | None = None, timeout_s: float | None = None) -> int:
+    def evict(
+        self,
+        namespace_id: str | None = None,
+        older_than_s: float | None = None,
+        prefix_tokens: TokenInput | None = None,
+        cache_salt: str | None = None,
+        timeout_s: float | None = None,
+    ) -> int:
         """Blocks evicted by namespace, age or prefix (a prefix defaults to the attached namespace)."""
         if prefix_tokens is not None and namespace_id is None:
             namespace_id = self.attachment.namespace_id

@@ -48,8 +48,9 @@ def runs(tiers: np.ndarray, slots: np.ndarray) -> Iterator[tuple[int, int, int, 
 def map_host_segment(segment: pb.SharedMemorySegment, layout: KVLayout) -> MappedSegment | None:
     """The host tier mapped into this process, or None when this process cannot open it."""
     if segment.slot_bytes != layout.block_bytes:
-        log.warning("host segment slots are %d bytes, expected %d; using the stream",
-                    segment.slot_bytes, layout.block_bytes)
+        log.warning(
+            "host segment slots are %d bytes, expected %d; using the stream", segment.slot_bytes, layout.block_bytes
+        )
         return None
     try:
         return MappedSegment(segment.name, layout, segment.num_slots)
@@ -66,8 +67,15 @@ def map_device_pool(pool: pb.CudaIpcPool, layout: KVLayout) -> torch.Tensor | No
         return None
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
-            pool.device_index, pool.handle, pool.storage_size_bytes, pool.storage_offset_bytes,
-            pool.ref_counter_handle, pool.ref_counter_offset, pool.event_handle, pool.event_sync_required)
+            pool.device_index,
+            pool.handle,
+            pool.storage_size_bytes,
+            pool.storage_offset_bytes,
+            pool.ref_counter_handle,
+            pool.ref_counter_offset,
+            pool.event_handle,
+            pool.event_sync_required,
+        )
     except RuntimeError as error:
         log.info("cannot open the device pool by CUDA IPC (%s); using the host tier or the stream", error)
         return None
@@ -115,14 +123,14 @@ class LocalPools:
     def gather(self, locations: BlockLocations, out: torch.Tensor) -> None:
         """out[i] <- the block at locations[i] (every tier must be mapped)."""
         for start, end, tier, first in runs(locations.tiers, locations.slots):
-            out[start:end].copy_(self.pools[tier][first:first + end - start])
+            out[start:end].copy_(self.pools[tier][first : first + end - start])
 
     def scatter(self, slots: tuple[int, ...] | list[int], kv: torch.Tensor) -> None:
         """host slot slots[i] <- kv[i]."""
         host = self.pools[int(TierKind.HOST)]
         tiers = np.full(len(slots), int(TierKind.HOST))
         for start, end, _tier, first in runs(tiers, np.asarray(slots)):
-            host[first:first + end - start].copy_(kv[start:end])
+            host[first : first + end - start].copy_(kv[start:end])
 
     def close(self) -> None:
         host = self.pools.get(int(TierKind.HOST))

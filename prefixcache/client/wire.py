@@ -45,8 +45,13 @@ def dtype_of(value: int, field: str) -> DType:
 
 
 def layout_message(layout: KVLayout) -> pb.KVLayout:
-    return pb.KVLayout(layers=layout.layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim,
-                       block_size=layout.block_size, dtype=cast("pb.DType", layout.dtype.code))
+    return pb.KVLayout(
+        layers=layout.layers,
+        kv_heads=layout.kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        dtype=cast("pb.DType", layout.dtype.code),
+    )
 
 
 def layout_of(message: pb.KVLayout) -> KVLayout:
@@ -79,16 +84,27 @@ def stats_of(message: pb.Stats) -> ServiceStats:
         return ServiceStats(False, None, None)
     m = message
     snapshot = StatsSnapshot(
-        uptime_s=m.uptime_seconds, lookups=m.lookups, request_hits=m.request_hits,
-        request_misses=m.request_misses, block_hits=m.block_hits, block_misses=m.block_misses,
-        token_hits=m.token_hits, tokens_looked_up=m.tokens_looked_up, tokens_saved=m.tokens_saved,
-        blocks_committed=m.blocks_committed, blocks_deduplicated=m.blocks_deduplicated,
+        uptime_s=m.uptime_seconds,
+        lookups=m.lookups,
+        request_hits=m.request_hits,
+        request_misses=m.request_misses,
+        block_hits=m.block_hits,
+        block_misses=m.block_misses,
+        token_hits=m.token_hits,
+        tokens_looked_up=m.tokens_looked_up,
+        tokens_saved=m.tokens_saved,
+        blocks_committed=m.blocks_committed,
+        blocks_deduplicated=m.blocks_deduplicated,
         active_leases=m.active_leases,
         tiers=tuple(TierSnapshot(TIER_OF[t.tier], t.blocks, t.bytes_used, t.capacity_bytes) for t in m.tiers),
-        spills=dict(m.spills), spills_dropped=m.spills_dropped, promotions=dict(m.promotions),
+        spills=dict(m.spills),
+        spills_dropped=m.spills_dropped,
+        promotions=dict(m.promotions),
         evictions={tier: dict(counts.by_reason) for tier, counts in m.evictions.items()},
-        miss_reasons=dict(m.miss_reasons), remote_up=m.remote_up if m.HasField("remote_up") else None,
-        remote=dict(m.remote))
+        miss_reasons=dict(m.miss_reasons),
+        remote_up=m.remote_up if m.HasField("remote_up") else None,
+        remote=dict(m.remote),
+    )
     return ServiceStats(True, layout_of(m.layout) if m.HasField("layout") else None, snapshot)
 
 
@@ -97,15 +113,29 @@ def stats_message(snapshot: StatsSnapshot | None, layout: KVLayout | None) -> pb
         return pb.Stats(ready=False)
     s = snapshot
     message = pb.Stats(
-        ready=True, uptime_seconds=s.uptime_s, lookups=s.lookups, request_hits=s.request_hits,
-        request_misses=s.request_misses, block_hits=s.block_hits, block_misses=s.block_misses,
-        token_hits=s.token_hits, tokens_looked_up=s.tokens_looked_up, tokens_saved=s.tokens_saved,
-        blocks_committed=s.blocks_committed, blocks_deduplicated=s.blocks_deduplicated,
-        active_leases=s.active_leases, spills_dropped=s.spills_dropped,
-        tiers=[pb.TierStats(tier=TIERS[t.kind], blocks=t.blocks, bytes_used=t.bytes_used,
-                            capacity_bytes=t.capacity_bytes) for t in s.tiers],
-        spills=s.spills, promotions=s.promotions, miss_reasons=s.miss_reasons,
-        remote={k: float(v) for k, v in s.remote.items()})
+        ready=True,
+        uptime_seconds=s.uptime_s,
+        lookups=s.lookups,
+        request_hits=s.request_hits,
+        request_misses=s.request_misses,
+        block_hits=s.block_hits,
+        block_misses=s.block_misses,
+        token_hits=s.token_hits,
+        tokens_looked_up=s.tokens_looked_up,
+        tokens_saved=s.tokens_saved,
+        blocks_committed=s.blocks_committed,
+        blocks_deduplicated=s.blocks_deduplicated,
+        active_leases=s.active_leases,
+        spills_dropped=s.spills_dropped,
+        tiers=[
+            pb.TierStats(tier=TIERS[t.kind], blocks=t.blocks, bytes_used=t.bytes_used, capacity_bytes=t.capacity_bytes)
+            for t in s.tiers
+        ],
+        spills=s.spills,
+        promotions=s.promotions,
+        miss_reasons=s.miss_reasons,
+        remote={k: float(v) for k, v in s.remote.items()},
+    )
     for tier, reasons in s.evictions.items():
         message.evictions[tier].by_reason.update(reasons)
     if s.remote_up is not None:
@@ -125,7 +155,7 @@ class NamespaceInfo:
     salted: bool
     tenant: str
     blocks: dict[TierKind, int]  # resident blocks per local tier (absent: none)
-    kv_scale: str = ""           # the engine's KV quantization settings it was attached with
+    kv_scale: str = ""  # the engine's KV quantization settings it was attached with
 
     def resident_bytes(self, block_bytes: int) -> int:
         return sum(self.blocks.values()) * block_bytes
@@ -133,18 +163,38 @@ class NamespaceInfo:
 
 def namespaces_message(entries: list[NamespaceInfo], block_bytes: int) -> pb.ListNamespacesResponse:
     ordered = sorted(entries, key=lambda e: (e.tenant, e.model, e.revision, e.namespace_id))
-    return pb.ListNamespacesResponse(namespaces=[
-        pb.NamespaceInfo(namespace_id=e.namespace_id, model=e.model, revision=e.revision, salted=e.salted,
-                         tenant=e.tenant, kv_scale=e.kv_scale,
-                         tiers=[pb.TierBlocks(tier=TIERS[kind], blocks=n, bytes=n * block_bytes)
-                                for kind, n in sorted(e.blocks.items())])
-        for e in ordered])
+    return pb.ListNamespacesResponse(
+        namespaces=[
+            pb.NamespaceInfo(
+                namespace_id=e.namespace_id,
+                model=e.model,
+                revision=e.revision,
+                salted=e.salted,
+                tenant=e.tenant,
+                kv_scale=e.kv_scale,
+                tiers=[
+                    pb.TierBlocks(tier=TIERS[kind], blocks=n, bytes=n * block_bytes)
+                    for kind, n in sorted(e.blocks.items())
+                ],
+            )
+            for e in ordered
+        ]
+    )
 
 
 def namespaces_of(message: pb.ListNamespacesResponse) -> list[NamespaceInfo]:
-    return [NamespaceInfo(n.namespace_id, n.model, n.revision, n.salted, n.tenant,
-                          {TIER_OF[t.tier]: t.blocks for t in n.tiers if t.tier in TIER_OF}, n.kv_scale)
-            for n in message.namespaces]
+    return [
+        NamespaceInfo(
+            n.namespace_id,
+            n.model,
+            n.revision,
+            n.salted,
+            n.tenant,
+            {TIER_OF[t.tier]: t.blocks for t in n.tiers if t.tier in TIER_OF},
+            n.kv_scale,
+        )
+        for n in message.namespaces
+    ]
 
 
 # -- bulk messages without extra copies ------------------------------------------------
@@ -187,7 +237,7 @@ def _read_varint(raw: memoryview, position: int) -> tuple[int, int]:
         byte = raw[position + offset]
         value |= (byte & 0x7F) << shift
         if not byte & 0x80:
-            return value & (2 ** 64 - 1), position + offset + 1
+            return value & (2**64 - 1), position + offset + 1
         shift += 7
     raise WireError("varint longer than 10 bytes")
 
@@ -207,7 +257,7 @@ def scan(raw: memoryview) -> Iterator[tuple[int, int, int | memoryview | None]]:
             length, position = _read_varint(raw, position)
             if position + length > len(raw):
                 raise WireError("truncated bytes field")
-            value, position = raw[position:position + length], position + length
+            value, position = raw[position : position + length], position + length
         elif wire_type in (WIRE_I64, WIRE_I32):
             position += 8 if wire_type == WIRE_I64 else 4
             if position > len(raw):

@@ -100,9 +100,17 @@ class RemoteTier(Protocol):
     def key(self, namespace_id: str, block_hash: bytes) -> str:
         """The storage key of a block (frames are MAC-bound to it)."""
 
-    def fetch(self, namespace_id: str, hashes: Sequence[bytes], ttl_s: float | None = None, *,
-              frame_bytes: int | None = None, prefix_only: bool = False,
-              budget: ProbeBudget | None = None, verify: TransferEstimate | None = None) -> list[bytes | memoryview | None]:
+    def fetch(
+        self,
+        namespace_id: str,
+        hashes: Sequence[bytes],
+        ttl_s: float | None = None,
+        *,
+        frame_bytes: int | None = None,
+        prefix_only: bool = False,
+        budget: ProbeBudget | None = None,
+        verify: TransferEstimate | None = None,
+    ) -> list[bytes | memoryview | None]:
         """Frames for `hashes` (None: a miss, or not asked within the budget)."""
 
     def submit(self, namespace_id: str, block_hash: bytes, frame: bytes, ttl_s: float | None = None) -> bool:
@@ -161,8 +169,8 @@ class FreeSlots:
         count = min(count, len(self._free))
         if count <= 0:
             return ()
-        taken = self._free[len(self._free) - count:]
-        del self._free[len(self._free) - count:]
+        taken = self._free[len(self._free) - count :]
+        del self._free[len(self._free) - count :]
         np.frombuffer(self._is_free, dtype=np.uint8)[np.frombuffer(taken, dtype=np.int32)] = 0
         return tuple(taken[::-1])
 

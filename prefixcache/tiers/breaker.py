@@ -59,8 +59,7 @@ class Retry:
     backoff: Backoff
     retry_on: tuple[type[BaseException], ...]
 
-    def call(self, fn: Callable[[], T], rng: random.Random,
-             sleep: Callable[[float], None] = time.sleep) -> T:
+    def call(self, fn: Callable[[], T], rng: random.Random, sleep: Callable[[float], None] = time.sleep) -> T:
         for attempt in range(self.retries):
             try:
                 return fn()
@@ -78,8 +77,14 @@ class BreakerState(enum.Enum):
 class CircuitBreaker:
     """Counts consecutive failures of one dependency and decides when to call it."""
 
-    def __init__(self, name: str, failure_threshold: int, backoff: Backoff,
-                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        failure_threshold: int,
+        backoff: Backoff,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
         if failure_threshold < 1:
             raise ConfigError("breaker_failures", f"must be >= 1, got {failure_threshold}")
         self.name = name
@@ -89,10 +94,10 @@ class CircuitBreaker:
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
         self._state = BreakerState.UP
-        self._failures = 0          # consecutive, while UP
-        self._probes_failed = 0     # consecutive, while DOWN: the backoff exponent
+        self._failures = 0  # consecutive, while UP
+        self._probes_failed = 0  # consecutive, while DOWN: the backoff exponent
         self._probe_at = 0.0
-        self.trips = 0              # times it went DOWN (monotonic counter)
+        self.trips = 0  # times it went DOWN (monotonic counter)
 
     @property
     def state(self) -> BreakerState:

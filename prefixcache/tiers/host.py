@@ -54,8 +54,10 @@ class HostTier(TensorPool):
         if not isinstance(segment, OwnedSegment):
             segment = OwnedSegment(segment or f"prefixcache-{secrets.token_hex(6)}", num_slots * layout.block_bytes)
         elif segment.data_bytes < num_slots * layout.block_bytes:
-            raise ConfigError("host_capacity", f"segment {segment.name} holds {segment.data_bytes} bytes, "
-                                               f"fewer than {num_slots} slots")
+            raise ConfigError(
+                "host_capacity",
+                f"segment {segment.name} holds {segment.data_bytes} bytes, fewer than {num_slots} slots",
+            )
         self._segment: OwnedSegment | None = segment
         self.segment_name = segment.name
         storage = _tensor_over(segment.buf, layout, num_slots)

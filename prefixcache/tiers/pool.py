@@ -91,8 +91,9 @@ class TensorPool:
         """A CUDA pool is shared by CUDA IPC; a CPU pool (tests' device stand-in) cannot be."""
         if self.storage.device.type != "cuda":
             return None
-        return ShareHandle(self.kind, self.num_slots, self.layout.block_bytes,
-                           cuda_ipc=self.storage.untyped_storage()._share_cuda_())
+        return ShareHandle(
+            self.kind, self.num_slots, self.layout.block_bytes, cuda_ipc=self.storage.untyped_storage()._share_cuda_()
+        )
 
     def view(self, slot: int) -> torch.Tensor:
         return self.storage[slot]

@@ -129,10 +129,16 @@ class RedisTier:
 
     kind = TierKind.REDIS
 
-    def __init__(self, options: RedisOptions, client: RedisClient | None = None,
-                 clock: Callable[[], float] = time.monotonic, *, write_client: RedisClient | None = None,
-                 rng: random.Random | None = None,
-                 io_wait: Callable[[], ContextManager[object]] = contextlib.nullcontext) -> None:
+    def __init__(
+        self,
+        options: RedisOptions,
+        client: RedisClient | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        write_client: RedisClient | None = None,
+        rng: random.Random | None = None,
+        io_wait: Callable[[], ContextManager[object]] = contextlib.nullcontext,
+    ) -> None:
         self.options = options
         self._io_wait = io_wait  # entered around each read's network wait (a server's pool runs another call)
         self._clock = clock
@@ -141,12 +147,12 @@ class RedisTier:
         name = f"redis tier {redact_url(options.url)}"
         self._breaker = CircuitBreaker(name, options.breaker_failures, backoff, clock, self._rng)
         self._write_breaker = CircuitBreaker(f"{name} writes", options.breaker_failures, backoff, clock, self._rng)
-        self._plain_get = False          # GETEX was refused as a write: read with GET until writes work
+        self._plain_get = False  # GETEX was refused as a write: read with GET until writes work
         self._write_retry = Retry(options.write_retries, Backoff(0.01, 0.1), (redis.exceptions.ConnectionError,))
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._queue: deque[_Op] = deque()
-        self._queue_bytes = 0            # queued plus in flight
+        self._queue_bytes = 0  # queued plus in flight
         self._in_flight = 0
         self._closing = False
         self._close_deadline = 0.0
@@ -157,7 +163,7 @@ class RedisTier:
         self._reader: RedisClient | None = client
         self._writer: RedisClient | None = write_client or client
         if client is None and not is_cluster_url(options.url):
-            self._reader, self._writer = self._build_clients()   # no I/O for a standalone client
+            self._reader, self._writer = self._build_clients()  # no I/O for a standalone client
         self._thread = threading.Thread(target=self._run, name="prefixcache-redis-writer", daemon=True)
         self._thread.start()
 
@@ -166,9 +172,17 @@ class RedisTier:
     def key(self, namespace_id: str, block_hash: bytes) -> str:
         return f"{self.options.key_prefix}:{namespace_id}:{block_hash.hex()}"
 
-    def fetch(self, namespace_id: str, hashes: Sequence[bytes], ttl_s: float | None = None, *,
-              frame_bytes: int | None = None, prefix_only: bool = False,
-              budget: ProbeBudget | None = None, verify: TransferEstimate | None = None) -> list[bytes | memoryview | None]:
+    def fetch(
+        self,
+        namespace_id: str,
+        hashes: Sequence[bytes],
+        ttl_s: float | None = None,
+        *,
+        frame_bytes: int | None = None,
+        prefix_only: bool = False,
+        budget: ProbeBudget | None = None,
+        verify: TransferEstimate | None = None,
+    ) -> list[bytes | memoryview | None]:
         """Frames for `hashes` (None = miss) by pipelined GETEX, which also refreshes each hit's TTL.
 
         One round trip, or, when the expected frame size `frame_bytes` is given, round
@@ -194,9 +208,9 @@ class RedisTier:
         start = time.perf_counter()
         declined = budget.declined if budget is not None else 0
         while len(frames) < len(hashes):
-            batch = hashes[len(frames):len(frames) + per_trip]
+            batch = hashes[len(frames) : len(frames) + per_trip]
             if budget is not None and frame_bytes:  # (a budget without frame_bytes was refused above)
-                batch = batch[:self._grant(budget, len(batch), frame_bytes, per_trip, verify)]
+                batch = batch[: self._grant(budget, len(batch), frame_bytes, per_trip, verify)]
                 if not batch:
                     break
             assert client is not None  # None returned early above whenever there are hashes
@@ -217,15 +231,14 @@ class RedisTier:
             if hashes:
                 self._counters.read_latency.observe(time.perf_counter() - start)
         if prefix_only and None in frames:
-            frames = frames[:frames.index(None)]
+            frames = frames[: frames.index(None)]
         return frames + [None] * (len(hashes) - len(frames))
 
     def submit(self, namespace_id: str, block_hash: bytes, frame: bytes, ttl_s: float | None = None) -> bool:
         """Queue an asynchronous SET; False (and a counted drop) when full, down or closed."""
         op = _Set(self.key(namespace_id, block_hash), frame, self._ttl_ms(ttl_s))
         with self._lock:
-            if (self._closing or not self._writes_up()
-                    or self._queue_bytes + len(frame) > self.options.max_queue_bytes):
+            if self._closing or not self._writes_up() or self._queue_bytes + len(frame) > self.options.max_queue_bytes:
                 self._counters.spills_dropped += 1
                 return False
             self._counters.spills_queued += 1
@@ -259,8 +272,15 @@ class RedisTier:
     def stats(self) -> RedisStats:
         with self._lock:
             write_state = self._write_breaker.state if self._breaker.is_up() else BreakerState.DOWN
-            return RedisStats.of(self._counters, self._breaker.state, self._queue_bytes, self._breaker.trips,
-                                 self._link.estimate(), write_state, self._write_breaker.trips)
+            return RedisStats.of(
+                self._counters,
+                self._breaker.state,
+                self._queue_bytes,
+                self._breaker.trips,
+                self._link.estimate(),
+                write_state,
+                self._write_breaker.trips,
+            )
 
     def wait_idle(self, timeout_s: float) -> bool:
         """True once nothing is queued or in flight (tests, shutdown)."""
@@ -295,19 +315,23 @@ class RedisTier:
 
     def _build_clients(self) -> tuple[RedisClient, RedisClient]:
         url = self.options.url
-        return (connect(url, self.options, self.options.socket_timeout_s),
-                connect(url, self.options, self.options.write_timeout_s))
+        return (
+            connect(url, self.options, self.options.socket_timeout_s),
+            connect(url, self.options, self.options.write_timeout_s),
+        )
 
-    def _grant(self, budget: ProbeBudget, wanted: int, frame_bytes: int, per_trip: int,
-               verify: TransferEstimate | None) -> int:
+    def _grant(
+        self, budget: ProbeBudget, wanted: int, frame_bytes: int, per_trip: int, verify: TransferEstimate | None
+    ) -> int:
         with self._lock:
             estimate = self._link.estimate()
         if verify is not None:
             estimate = estimate.then(verify)
         return budget.grant(wanted, estimate, frame_bytes, per_trip, time.perf_counter())
 
-    def _round_trip(self, client: RedisClient, namespace_id: str, hashes: Sequence[bytes],
-                    ttl_ms: int) -> list[bytes | memoryview | None] | None:
+    def _round_trip(
+        self, client: RedisClient, namespace_id: str, hashes: Sequence[bytes], ttl_ms: int
+    ) -> list[bytes | memoryview | None] | None:
         """One pipelined GETEX per hash; None after a fault (recorded in the breaker)."""
         start = time.perf_counter()
         try:
@@ -317,8 +341,11 @@ class RedisTier:
                 if self._plain_get or _redis_code(exc) not in WRITE_REFUSALS:
                     raise
                 self._plain_get = True  # the TTL refresh is a write Redis refuses now: read without it
-                log.warning("%s: GETEX refused (%s); reading with GET, without refreshing TTLs, until writes "
-                            "work again", self._breaker.name, error_kind(exc))
+                log.warning(
+                    "%s: GETEX refused (%s); reading with GET, without refreshing TTLs, until writes work again",
+                    self._breaker.name,
+                    error_kind(exc),
+                )
                 frames = self._read_frames(client, namespace_id, hashes, ttl_ms, True)
         except REDIS_ERRORS as exc:
             if isinstance(exc, redis.exceptions.TimeoutError):
@@ -329,14 +356,17 @@ class RedisTier:
         self._breaker.record_success()
         return frames
 
-    def _read_frames(self, client: RedisClient, namespace_id: str, hashes: Sequence[bytes], ttl_ms: int,
-                     plain: bool) -> list[bytes | memoryview | None]:
+    def _read_frames(
+        self, client: RedisClient, namespace_id: str, hashes: Sequence[bytes], ttl_ms: int, plain: bool
+    ) -> list[bytes | memoryview | None]:
         """Pipelined GETEX (GET when `plain`: Redis refuses the TTL refresh as a write): read in
         place over RESP for a standalone client (tiers/resp.py), else through redis-py."""
         keys = [self.key(namespace_id, block_hash) for block_hash in hashes]
         if isinstance(client, redis.Redis):
             with self._io_wait():
-                return cast(list[bytes | memoryview | None], RespPipeline(client).getex(keys, None if plain else ttl_ms))
+                return cast(
+                    list[bytes | memoryview | None], RespPipeline(client).getex(keys, None if plain else ttl_ms)
+                )
         pipe = client.pipeline(transaction=False)
         for key in keys:
             if plain:
@@ -355,7 +385,7 @@ class RedisTier:
         self._breaker.record_failure(f"read: {error_kind(exc)}")
         with self._changed:
             self._counters.read_errors += 1
-            self._changed.notify_all()   # the writer may have a probe to schedule
+            self._changed.notify_all()  # the writer may have a probe to schedule
 
     def _enqueue(self, op: _Op) -> None:
         with self._lock:
@@ -407,8 +437,9 @@ class RedisTier:
             batch: list[_Op] = [self._queue.popleft()]
         else:
             batch = []
-            while (self._queue and len(batch) < self.options.max_batch
-                   and not isinstance(self._queue[0], _UnlinkMatching)):
+            while (
+                self._queue and len(batch) < self.options.max_batch and not isinstance(self._queue[0], _UnlinkMatching)
+            ):
                 batch.append(self._queue.popleft())
         self._in_flight = len(batch)
         return batch

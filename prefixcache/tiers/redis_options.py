@@ -59,18 +59,18 @@ class RedisOptions:
     url: str
     key_prefix: str = "pfx"
     ttl_s: float = 3600.0
-    socket_timeout_s: float = 0.05      # reads (GETEX); a cache miss beats a slow hit
+    socket_timeout_s: float = 0.05  # reads (GETEX); a cache miss beats a slow hit
     connect_timeout_s: float = 0.2
-    write_timeout_s: float = 0.5        # background writer only
+    write_timeout_s: float = 0.5  # background writer only
     max_queue_bytes: int = 256 << 20
-    max_batch: int = 64                 # writes per pipelined round trip
-    max_fetch_bytes: int = 512 << 10    # reply bytes per pipelined read round trip (when the frame size is known)
-    socket_read_size: int = 256 << 10   # per-connection receive buffer
-    write_retries: int = 1              # on connection errors only (SET is idempotent)
+    max_batch: int = 64  # writes per pipelined round trip
+    max_fetch_bytes: int = 512 << 10  # reply bytes per pipelined read round trip (when the frame size is known)
+    socket_read_size: int = 256 << 10  # per-connection receive buffer
+    write_retries: int = 1  # on connection errors only (SET is idempotent)
     breaker_failures: int = 3
     breaker_backoff_min_s: float = 0.25
     breaker_backoff_max_s: float = 5.0
-    max_connections: int = 16           # per client (the tier has a reader and a writer)
+    max_connections: int = 16  # per client (the tier has a reader and a writer)
     username: str | None = None
     password: str | None = field(default=None, repr=False)
     tls_ca_file: str | None = None
@@ -93,8 +93,14 @@ class RedisOptions:
             # No glob characters (the prefix goes into SCAN MATCH) and no braces (a
             # cluster hash tag would put every block in one slot).
             raise ConfigError("key_prefix", f"must be 1-64 characters of [A-Za-z0-9_.:/-], got {self.key_prefix!r}")
-        for name in ("ttl_s", "socket_timeout_s", "connect_timeout_s", "write_timeout_s",
-                     "breaker_backoff_min_s", "breaker_backoff_max_s"):
+        for name in (
+            "ttl_s",
+            "socket_timeout_s",
+            "connect_timeout_s",
+            "write_timeout_s",
+            "breaker_backoff_min_s",
+            "breaker_backoff_max_s",
+        ):
             seconds = parse_duration(getattr(self, name), name)
             if seconds <= 0:
                 raise ConfigError(name, "must be > 0")
@@ -126,7 +132,7 @@ def _common_kwargs(options: RedisOptions, socket_timeout_s: float) -> dict[str, 
         "socket_read_size": options.socket_read_size,
         "health_check_interval": 0,
         "max_connections": options.max_connections,
-        "driver_info": None,            # no CLIENT SETINFO round trips on every connect
+        "driver_info": None,  # no CLIENT SETINFO round trips on every connect
         # One CLIENT SETNAME round trip per new connection: names us in CLIENT LIST, and
         # reading its reply consumes TLS 1.3 session tickets, which redis-py would
         # otherwise mistake for unread data ("Connection not ready") on a fresh socket.
@@ -134,7 +140,7 @@ def _common_kwargs(options: RedisOptions, socket_timeout_s: float) -> dict[str, 
         "protocol": 2,
     }
     if url_scheme(options.url) != "unix":
-        kwargs["socket_keepalive"] = True   # TCP only; a unix socket connection rejects the option
+        kwargs["socket_keepalive"] = True  # TCP only; a unix socket connection rejects the option
     if options.username is not None:
         kwargs["username"] = options.username
     if options.password is not None:
@@ -184,6 +190,12 @@ def connect(url: str, options: RedisOptions, socket_timeout_s: float | None = No
         kwargs.update(credentials)
         if scheme in TLS_SCHEMES:
             kwargs["ssl"] = True
-        return RedisCluster(startup_nodes=nodes, retry=no_retry, require_full_coverage=True,
-                            dynamic_startup_nodes=True, reinitialize_steps=5, **kwargs)
+        return RedisCluster(
+            startup_nodes=nodes,
+            retry=no_retry,
+            require_full_coverage=True,
+            dynamic_startup_nodes=True,
+            reinitialize_steps=5,
+            **kwargs,
+        )
     return redis.Redis.from_url(url, retry=no_retry, retry_on_error=[], **kwargs)

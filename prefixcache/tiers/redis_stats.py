@@ -56,15 +56,15 @@ class RedisCounters:
 
     hits: int = 0
     misses: int = 0
-    reads_skipped: int = 0       # fetches answered "miss" without I/O because the tier was down
+    reads_skipped: int = 0  # fetches answered "miss" without I/O because the tier was down
     read_errors: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
     spills_queued: int = 0
-    spills_dropped: int = 0      # refused at submit (queue full, tier down, closed) or dropped from the queue
-    writes_failed: int = 0       # SETs sent in a batch that failed
+    spills_dropped: int = 0  # refused at submit (queue full, tier down, closed) or dropped from the queue
+    writes_failed: int = 0  # SETs sent in a batch that failed
     integrity_failures: int = 0
-    probes_declined: int = 0        # lookups whose probe a budget cut short or skipped (ProbeBudget)
+    probes_declined: int = 0  # lookups whose probe a budget cut short or skipped (ProbeBudget)
     probe_blocks_declined: int = 0  # blocks those probes never asked for
     read_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
     write_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
@@ -89,12 +89,12 @@ class RedisStats:
     write_latency: LatencySnapshot
     probes_declined: int = 0
     probe_blocks_declined: int = 0
-    link_latency_s: float = 0.0      # the link's estimated round-trip latency ...
-    link_bytes_per_s: float = 0.0    # ... and bandwidth (transfer.TransferMeter)
-    link_samples: int = 0            # 0: the estimate is still the prior
+    link_latency_s: float = 0.0  # the link's estimated round-trip latency ...
+    link_bytes_per_s: float = 0.0  # ... and bandwidth (transfer.TransferMeter)
+    link_samples: int = 0  # 0: the estimate is still the prior
     write_state: BreakerState = BreakerState.UP  # writes have a breaker of their own (`state`: reads)
     write_breaker_trips: int = 0
-    reads_up: bool = True            # numeric copies of the two states for the stats maps and metrics
+    reads_up: bool = True  # numeric copies of the two states for the stats maps and metrics
     writes_up: bool = True
 
     @property
@@ -102,19 +102,39 @@ class RedisStats:
         return self.state is BreakerState.UP
 
     @classmethod
-    def of(cls, counters: RedisCounters, state: BreakerState, queue_bytes: int, trips: int,
-           link: TransferEstimate | None = None, write_state: BreakerState = BreakerState.UP,
-           write_trips: int = 0) -> RedisStats:
+    def of(
+        cls,
+        counters: RedisCounters,
+        state: BreakerState,
+        queue_bytes: int,
+        trips: int,
+        link: TransferEstimate | None = None,
+        write_state: BreakerState = BreakerState.UP,
+        write_trips: int = 0,
+    ) -> RedisStats:
         return cls(
-            state=state, hits=counters.hits, misses=counters.misses, reads_skipped=counters.reads_skipped,
-            read_errors=counters.read_errors, bytes_read=counters.bytes_read, bytes_written=counters.bytes_written,
-            spills_queued=counters.spills_queued, spills_dropped=counters.spills_dropped,
-            writes_failed=counters.writes_failed, integrity_failures=counters.integrity_failures,
-            queue_bytes=queue_bytes, breaker_trips=trips,
-            read_latency=counters.read_latency.snapshot(), write_latency=counters.write_latency.snapshot(),
-            probes_declined=counters.probes_declined, probe_blocks_declined=counters.probe_blocks_declined,
-            link_latency_s=link.latency_s if link else 0.0, link_bytes_per_s=link.bytes_per_s if link else 0.0,
+            state=state,
+            hits=counters.hits,
+            misses=counters.misses,
+            reads_skipped=counters.reads_skipped,
+            read_errors=counters.read_errors,
+            bytes_read=counters.bytes_read,
+            bytes_written=counters.bytes_written,
+            spills_queued=counters.spills_queued,
+            spills_dropped=counters.spills_dropped,
+            writes_failed=counters.writes_failed,
+            integrity_failures=counters.integrity_failures,
+            queue_bytes=queue_bytes,
+            breaker_trips=trips,
+            read_latency=counters.read_latency.snapshot(),
+            write_latency=counters.write_latency.snapshot(),
+            probes_declined=counters.probes_declined,
+            probe_blocks_declined=counters.probe_blocks_declined,
+            link_latency_s=link.latency_s if link else 0.0,
+            link_bytes_per_s=link.bytes_per_s if link else 0.0,
             link_samples=link.samples if link else 0,
-            write_state=write_state, write_breaker_trips=write_trips,
-            reads_up=state is BreakerState.UP, writes_up=write_state is BreakerState.UP,
+            write_state=write_state,
+            write_breaker_trips=write_trips,
+            reads_up=state is BreakerState.UP,
+            writes_up=write_state is BreakerState.UP,
         )

@@ -32,8 +32,8 @@ import redis.exceptions
 
 _CRLF = b"\r\n"
 _READ_CHUNK = 1 << 16  # header reads; a bulk value bigger than what is buffered is read in place
-_SMALL = 1 << 14       # values up to this size are joined into the command bytes
-_MAX_IOV = 512         # buffers per sendmsg (Linux allows 1024)
+_SMALL = 1 << 14  # values up to this size are joined into the command bytes
+_MAX_IOV = 512  # buffers per sendmsg (Linux allows 1024)
 
 
 class RespPipeline:
@@ -47,13 +47,15 @@ class RespPipeline:
         None for a missing key, or for a key holding another type (WRONGTYPE: a foreign value our
         next SET replaces)."""
         if ttl_ms is None:
-            command = b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
-                               for k in (key.encode() for key in keys))
+            command = b"".join(
+                b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in (key.encode() for key in keys)
+            )
         else:
             px = b"%d" % ttl_ms
             tail = b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(px), px)
-            command = b"".join(b"*4\r\n$5\r\nGETEX\r\n$%d\r\n%s%s" % (len(k), k, tail)
-                               for k in (key.encode() for key in keys))
+            command = b"".join(
+                b"*4\r\n$5\r\nGETEX\r\n$%d\r\n%s%s" % (len(k), k, tail) for k in (key.encode() for key in keys)
+            )
         return self._exchange([command], len(keys), _read_value)
 
     def set(self, entries: list[tuple[str, bytes | memoryview]], ttl_ms: int | list[int]) -> None:
@@ -73,8 +75,7 @@ class RespPipeline:
         pieces.append(b"".join(small))
         self._exchange(pieces, len(entries), _read_ok)
 
-    def _exchange(self, pieces: list[bytes | memoryview], replies: int,
-                  read: Callable[[_Reader], Any]) -> list[Any]:
+    def _exchange(self, pieces: list[bytes | memoryview], replies: int, read: Callable[[_Reader], Any]) -> list[Any]:
         connection = self._pool.get_connection()
         healthy = False
         try:
@@ -86,10 +87,13 @@ class RespPipeline:
                 reader = _Reader(sock)
                 out = [read(reader) for _ in range(replies)]
             except TimeoutError as exc:  # socket.timeout
-                raise redis.exceptions.TimeoutError(f"Timeout reading from {connection.host}:{connection.port}") from exc
+                raise redis.exceptions.TimeoutError(
+                    f"Timeout reading from {connection.host}:{connection.port}"
+                ) from exc
             except OSError as exc:
-                raise redis.exceptions.ConnectionError(f"Error {exc.errno} on {connection.host}:{connection.port}: "
-                                                       f"{exc.strerror or exc}") from exc
+                raise redis.exceptions.ConnectionError(
+                    f"Error {exc.errno} on {connection.host}:{connection.port}: {exc.strerror or exc}"
+                ) from exc
             if reader.pending():
                 raise redis.exceptions.InvalidResponse("more reply bytes than commands")
             healthy = True
@@ -110,7 +114,7 @@ def _send(sock: socket.socket, pieces: list[bytes | memoryview]) -> None:
     views = [memoryview(piece).cast("B") for piece in pieces]
     first = 0
     while first < len(views):
-        sent = sock.sendmsg(views[first:first + _MAX_IOV])
+        sent = sock.sendmsg(views[first : first + _MAX_IOV])
         while first < len(views) and sent >= views[first].nbytes:
             sent -= views[first].nbytes
             first += 1
@@ -137,9 +141,9 @@ class _Reader:
             if self._start == 0:
                 raise redis.exceptions.InvalidResponse("reply line longer than the read buffer")
             kept = self._end - self._start
-            self._view[:kept] = self._view[self._start:self._end]
+            self._view[:kept] = self._view[self._start : self._end]
             self._start, self._end = 0, kept
-        count = self._sock.recv_into(self._view[self._end:])
+        count = self._sock.recv_into(self._view[self._end :])
         if not count:
             raise redis.exceptions.ConnectionError("Connection closed by server.")
         self._end += count
@@ -148,7 +152,7 @@ class _Reader:
         while True:
             found = self._buffer.find(_CRLF, self._start, self._end)
             if found >= 0:
-                line = bytes(self._view[self._start:found])
+                line = bytes(self._view[self._start : found])
                 self._start = found + 2
                 return line
             self._fill()
@@ -157,7 +161,7 @@ class _Reader:
         """The next `size` bytes and their CRLF, as a view of a buffer of their own."""
         out = np.empty(size, dtype=np.uint8).data.cast("B")
         have = min(size, self._end - self._start)
-        out[:have] = self._view[self._start:self._start + have]
+        out[:have] = self._view[self._start : self._start + have]
         self._start += have
         while have < size:
             count = self._sock.recv_into(out[have:])

@@ -96,9 +96,9 @@ class OwnerRecord:
     ppid: int
     start_ticks: int
     boot_id: str
-    owner: str          # what the owner serves, e.g. its listen address ("" when unknown)
+    owner: str  # what the owner serves, e.g. its listen address ("" when unknown)
     data_bytes: int
-    created: float      # unix time
+    created: float  # unix time
 
     @classmethod
     def of_this_process(cls, owner: str, data_bytes: int) -> OwnerRecord:
@@ -116,7 +116,7 @@ class OwnerRecord:
         if not raw.startswith(MAGIC):
             return None
         try:
-            fields = json.loads(raw[len(MAGIC):].rstrip(b"\0"))
+            fields = json.loads(raw[len(MAGIC) :].rstrip(b"\0"))
             return cls(**fields)
         except (ValueError, TypeError):
             return None
@@ -155,8 +155,8 @@ class SegmentInfo:
     path: Path
     record: OwnerRecord
     alive: bool
-    size: int       # bytes, owner record included
-    resident: int   # bytes of tmpfs pages allocated to it (all of them once reserved)
+    size: int  # bytes, owner record included
+    resident: int  # bytes of tmpfs pages allocated to it (all of them once reserved)
 
 
 def _open_existing(path: Path) -> int | None:
@@ -199,8 +199,11 @@ class SegmentInUse(ConfigError):
 
     def __init__(self, path: Path, record: OwnerRecord | None) -> None:
         who = record.describe() if record else "a process that has not written its record yet"
-        super().__init__("shm_name", f"shared memory {path} belongs to a running service ({who}); "
-                                     "stop it, or give this one another --shm-name or --listen address")
+        super().__init__(
+            "shm_name",
+            f"shared memory {path} belongs to a running service ({who}); "
+            "stop it, or give this one another --shm-name or --listen address",
+        )
         self.path = path
 
 
@@ -213,8 +216,10 @@ def remove_if_dead(path: Path) -> OwnerRecord | None:
     try:
         fd = _open_existing(path)
     except PermissionError:
-        raise ConfigError("shm_name", f"{path} exists and this user cannot open it (another user's segment?); "
-                                      "choose another --shm-name") from None
+        raise ConfigError(
+            "shm_name",
+            f"{path} exists and this user cannot open it (another user's segment?); choose another --shm-name",
+        ) from None
     if fd is None:
         return None
     try:
@@ -224,16 +229,19 @@ def remove_if_dead(path: Path) -> OwnerRecord | None:
             raise SegmentInUse(path, _read_record(fd)) from None
         record = _read_record(fd)
         if record is None:
-            raise ConfigError("shm_name", f"{path} exists and is not a prefixcache segment; "
-                                          "remove it or choose another --shm-name")
+            raise ConfigError(
+                "shm_name", f"{path} exists and is not a prefixcache segment; remove it or choose another --shm-name"
+            )
         try:
             if os.stat(path).st_ino == os.fstat(fd).st_ino:  # still the file we locked, not a successor's
                 os.unlink(path)
         except FileNotFoundError:
             pass
         except PermissionError:  # another user's file in the sticky /dev/shm
-            raise ConfigError("shm_name", f"{path} belongs to another user and cannot be removed by this one; "
-                                          "choose another --shm-name") from None
+            raise ConfigError(
+                "shm_name",
+                f"{path} belongs to another user and cannot be removed by this one; choose another --shm-name",
+            ) from None
         return record
     finally:
         os.close(fd)
@@ -251,12 +259,18 @@ def _reserve(fd: int, total: int, path: Path) -> None:
         except OSError:
             space = f"{where} cannot be measured"
         if error.errno == errno.ENOSPC:
-            raise ConfigError("host_capacity", f"{where} cannot hold the host tier's {mib(total)} segment "
-                              f"({space}); lower --host-capacity or enlarge {where} (docs/deploy.md, "
-                              "'Shared memory sizing')") from None
+            raise ConfigError(
+                "host_capacity",
+                f"{where} cannot hold the host tier's {mib(total)} segment "
+                f"({space}); lower --host-capacity or enlarge {where} (docs/deploy.md, "
+                "'Shared memory sizing')",
+            ) from None
         if error.errno == errno.ENOMEM:
-            raise ConfigError("host_capacity", f"out of memory reserving the host tier's {mib(total)} segment in "
-                              f"{where} ({space}); lower --host-capacity or raise the memory limit") from None
+            raise ConfigError(
+                "host_capacity",
+                f"out of memory reserving the host tier's {mib(total)} segment in "
+                f"{where} ({space}); lower --host-capacity or raise the memory limit",
+            ) from None
         raise ConfigError("host_capacity", f"cannot reserve {mib(total)} in {where}: {error.strerror}") from None
 
 
@@ -290,8 +304,12 @@ class OwnedSegment:
             except FileExistsError:
                 previous = remove_if_dead(self.path)
                 if previous is not None:
-                    log.warning("reclaimed shared memory %s of a service that is gone (%s; its pages are freed "
-                                "once no worker maps them)", self.path, previous.describe())
+                    log.warning(
+                        "reclaimed shared memory %s of a service that is gone (%s; its pages are freed "
+                        "once no worker maps them)",
+                        self.path,
+                        previous.describe(),
+                    )
         else:
             raise ConfigError("shm_name", f"{self.path} keeps reappearing; is another service starting with it?")
         self._fd = fd
@@ -301,8 +319,12 @@ class OwnedSegment:
             os.pwrite(fd, record.encode(), self.data_bytes)
             started = time.monotonic()
             _reserve(fd, self.size, self.path)
-            log.info("shared memory %s: %s reserved in %.0f ms", self.path, mib(self.size),
-                     (time.monotonic() - started) * 1000)
+            log.info(
+                "shared memory %s: %s reserved in %.0f ms",
+                self.path,
+                mib(self.size),
+                (time.monotonic() - started) * 1000,
+            )
         except BaseException:
             self._discard()
             raise

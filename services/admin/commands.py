@@ -49,8 +49,13 @@ FLUSH_EXAMPLES = """examples:
 
 
 def _parser(subparsers, name: str, help_text: str, description: str, examples: str) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(name, help=help_text, description=textwrap.fill(description, 79), epilog=examples,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = subparsers.add_parser(
+        name,
+        help=help_text,
+        description=textwrap.fill(description, 79),
+        epilog=examples,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_connection_arguments(parser)
     return parser
 
@@ -60,45 +65,76 @@ def _add_json(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def _register_stats(subparsers) -> None:
-    parser = _parser(subparsers, "stats", "counters of a running cache service",
-                     "Hit rates by request, block and token; tokens saved; per-tier blocks, bytes and capacity; "
-                     "spills; promotions; evictions by reason; miss reasons; Redis tier state; active leases; "
-                     "uptime.", STATS_EXAMPLES)
+    parser = _parser(
+        subparsers,
+        "stats",
+        "counters of a running cache service",
+        "Hit rates by request, block and token; tokens saved; per-tier blocks, bytes and capacity; "
+        "spills; promotions; evictions by reason; miss reasons; Redis tier state; active leases; "
+        "uptime.",
+        STATS_EXAMPLES,
+    )
     _add_json(parser, "one document (stable schema, with schema_version)")
     parser.set_defaults(handler=handlers.stats)
 
 
 def _register_top(subparsers) -> None:
-    parser = _parser(subparsers, "top", "live view of a cache service (rates, hit rate, occupancy)",
-                     "Refreshes every --interval: rates per second, hit rate over the last minute, tier "
-                     "occupancy, recent evictions. q or Ctrl-C quits.", TOP_EXAMPLES)
-    parser.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
-                        help="seconds between refreshes (default %(default)s)")
-    parser.add_argument("--iterations", type=int, default=None, metavar="N",
-                        help="stop after N refreshes (default: until q; 1 when stdout is not a terminal)")
+    parser = _parser(
+        subparsers,
+        "top",
+        "live view of a cache service (rates, hit rate, occupancy)",
+        "Refreshes every --interval: rates per second, hit rate over the last minute, tier "
+        "occupancy, recent evictions. q or Ctrl-C quits.",
+        TOP_EXAMPLES,
+    )
+    parser.add_argument(
+        "--interval", type=float, default=1.0, metavar="SECONDS", help="seconds between refreshes (default %(default)s)"
+    )
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after N refreshes (default: until q; 1 when stdout is not a terminal)",
+    )
     parser.set_defaults(handler=top.run)
 
 
 def _register_inspect(subparsers) -> None:
-    parser = _parser(subparsers, "inspect", "how much of a prompt is cached, block by block",
-                     "Tokenizes a prompt like the worker does and shows, for each cached block, its tier, slot, "
-                     "TTL left and last access, then why the first uncached block missed. Read-only: refreshes "
-                     "no TTL and counts no lookup. Without --namespace the namespace is derived from the "
-                     "worker's settings (this loads the model to compute its weights digest).", INSPECT_EXAMPLES)
+    parser = _parser(
+        subparsers,
+        "inspect",
+        "how much of a prompt is cached, block by block",
+        "Tokenizes a prompt like the worker does and shows, for each cached block, its tier, slot, "
+        "TTL left and last access, then why the first uncached block missed. Read-only: refreshes "
+        "no TTL and counts no lookup. Without --namespace the namespace is derived from the "
+        "worker's settings (this loads the model to compute its weights digest).",
+        INSPECT_EXAMPLES,
+    )
     add_prompt_arguments(parser, "--text", "the prompt")
     add_identity_arguments(parser)
-    parser.add_argument("--max-rows", type=int, default=40, metavar="N",
-                        help="blocks shown in the table; the middle is elided beyond (default %(default)s)")
+    parser.add_argument(
+        "--max-rows",
+        type=int,
+        default=40,
+        metavar="N",
+        help="blocks shown in the table; the middle is elided beyond (default %(default)s)",
+    )
     _add_json(parser, "the report")
     parser.set_defaults(handler=handlers.inspect)
 
 
 def _register_evict(subparsers) -> None:
-    parser = _parser(subparsers, "evict", "evict blocks by namespace, age or prompt prefix",
-                     "Evicts unpinned blocks from every tier. --namespace alone: the whole namespace; "
-                     "--older-than: blocks not accessed for that long (in --namespace, else everywhere the token "
-                     "may act); a prefix: every cached prompt starting with it (namespace given or derived "
-                     "from the worker's settings).", EVICT_EXAMPLES)
+    parser = _parser(
+        subparsers,
+        "evict",
+        "evict blocks by namespace, age or prompt prefix",
+        "Evicts unpinned blocks from every tier. --namespace alone: the whole namespace; "
+        "--older-than: blocks not accessed for that long (in --namespace, else everywhere the token "
+        "may act); a prefix: every cached prompt starting with it (namespace given or derived "
+        "from the worker's settings).",
+        EVICT_EXAMPLES,
+    )
     parser.add_argument("--older-than", default=None, metavar="DURATION", help="e.g. 90s, 10m, 2h")
     add_prompt_arguments(parser, "--prefix-text", "the prefix")
     add_identity_arguments(parser)
@@ -107,19 +143,28 @@ def _register_evict(subparsers) -> None:
 
 
 def _register_namespaces(subparsers) -> None:
-    parser = _parser(subparsers, "namespaces", "the namespaces a credential can see, with resident blocks",
-                     "Every namespace of this credential's tenant (an admin's token: every tenant's, with the "
-                     "tenant named): id, model, revision, whether a cache salt made it, and the blocks and bytes "
-                     "it holds in the local tiers. The ids are what inspect --namespace and evict --namespace take.",
-                     NAMESPACES_EXAMPLES)
+    parser = _parser(
+        subparsers,
+        "namespaces",
+        "the namespaces a credential can see, with resident blocks",
+        "Every namespace of this credential's tenant (an admin's token: every tenant's, with the "
+        "tenant named): id, model, revision, whether a cache salt made it, and the blocks and bytes "
+        "it holds in the local tiers. The ids are what inspect --namespace and evict --namespace take.",
+        NAMESPACES_EXAMPLES,
+    )
     _add_json(parser, "one document")
     parser.set_defaults(handler=handlers.namespaces)
 
 
 def _register_flush(subparsers) -> None:
-    parser = _parser(subparsers, "flush", "evict every unpinned block (asks first)",
-                     "Evicts every unpinned block of every tier (a tenant's token: its own namespaces). Asks for "
-                     "confirmation on a terminal; without one, --yes is required.", FLUSH_EXAMPLES)
+    parser = _parser(
+        subparsers,
+        "flush",
+        "evict every unpinned block (asks first)",
+        "Evicts every unpinned block of every tier (a tenant's token: its own namespaces). Asks for "
+        "confirmation on a terminal; without one, --yes is required.",
+        FLUSH_EXAMPLES,
+    )
     parser.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     _add_json(parser, "the result")
     parser.set_defaults(handler=handlers.flush)

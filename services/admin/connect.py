@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from prefixcache.client import CacheClient, CacheUnavailable, PermissionDenied, Unauthenticated
 from prefixcache.config import parse_duration
@@ -41,16 +41,24 @@ def one_line(text: str) -> str:
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("connection")
-    group.add_argument("--cache", default=DEFAULT_ADDRESS, metavar="HOST:PORT",
-                       help="address of the cache service (default %(default)s; IPv6 as [::1]:PORT)")
+    group.add_argument(
+        "--cache",
+        default=DEFAULT_ADDRESS,
+        metavar="HOST:PORT",
+        help="address of the cache service (default %(default)s; IPv6 as [::1]:PORT)",
+    )
     token = group.add_mutually_exclusive_group()
-    token.add_argument("--auth-token", default=None, metavar="TOKEN",
-                       help=f"bearer token of the service (default: env {TOKEN_ENV})")
+    token.add_argument(
+        "--auth-token", default=None, metavar="TOKEN", help=f"bearer token of the service (default: env {TOKEN_ENV})"
+    )
     token.add_argument("--auth-token-file", default=None, metavar="FILE", help="file holding the bearer token")
-    group.add_argument("--timeout", default="5s", metavar="DURATION",
-                       help="deadline of each call to the service (default %(default)s)")
+    group.add_argument(
+        "--timeout", default="5s", metavar="DURATION", help="deadline of each call to the service (default %(default)s)"
+    )
     group.add_argument("--tls", action="store_true", help="connect with TLS (system root certificates)")
-    group.add_argument("--tls-ca", default=None, metavar="FILE", help="PEM root certificate(s) to trust (implies --tls)")
+    group.add_argument(
+        "--tls-ca", default=None, metavar="FILE", help="PEM root certificate(s) to trust (implies --tls)"
+    )
 
 
 def check_address(value: str) -> str:
@@ -84,8 +92,11 @@ def describe(error: PrefixCacheError, address: str, token_given: bool) -> AdminE
         detail = str(error).removeprefix(f"cache service {address}: ")
         return AdminError(f"cannot reach the cache service at {address}: {detail}")
     if isinstance(error, Unauthenticated):
-        hint = ("the token given was not accepted" if token_given
-                else f"it needs a token: pass --auth-token or set {TOKEN_ENV}")
+        hint = (
+            "the token given was not accepted"
+            if token_given
+            else f"it needs a token: pass --auth-token or set {TOKEN_ENV}"
+        )
         return AdminError(f"the cache service at {address} refused the call ({error}); {hint}")
     if isinstance(error, PermissionDenied):
         return AdminError(f"the cache service at {address} refused the call ({error}); this needs an admin token")
@@ -104,8 +115,7 @@ def connect(args: argparse.Namespace) -> Iterator[CacheClient]:
     if args.tls_ca and not os.path.isfile(args.tls_ca):
         raise AdminError(f"--tls-ca: no such file {args.tls_ca!r}")
     token = auth_token(args)
-    client = CacheClient(address, auth_token=token, timeout_s=timeout_s, tls=args.tls,
-                         tls_root_cert_file=args.tls_ca)
+    client = CacheClient(address, auth_token=token, timeout_s=timeout_s, tls=args.tls, tls_root_cert_file=args.tls_ca)
     try:
         yield client
     except PrefixCacheError as error:

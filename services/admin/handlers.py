@@ -80,12 +80,14 @@ def evict(args: argparse.Namespace) -> int:
         if prefix and namespace_id is None:
             evicted = 0  # no worker attached yet: nothing is cached
         else:
-            evicted = client.evict(namespace_id=namespace_id, older_than_s=older_than, prefix_tokens=tokens,
-                                   cache_salt=args.cache_salt)
+            evicted = client.evict(
+                namespace_id=namespace_id, older_than_s=older_than, prefix_tokens=tokens, cache_salt=args.cache_salt
+            )
         address = client.address
     if args.json:
-        _print_json({"schema_version": SCHEMA_VERSION, "address": address, "namespace_id": namespace_id,
-                     "evicted": evicted})
+        _print_json(
+            {"schema_version": SCHEMA_VERSION, "address": address, "namespace_id": namespace_id, "evicted": evicted}
+        )
     else:
         print(f"evicted {evicted:,} block(s) from {address}")
     return 0

@@ -22,16 +22,18 @@ from .stats_view import human_duration, percent
 
 EXPLANATIONS = {
     "not_cached": "no stored prompt has this exact prefix up to here: it was never stored in this namespace, "
-                  "or was evicted, or the prompt differs from every cached one within this block",
+    "or was evicted, or the prompt differs from every cached one within this block",
     "expired": "this prefix was cached but its sliding TTL ran out (no hit or store refreshed it in time); "
-               "it is a miss and will be reclaimed",
+    "it is a miss and will be reclaimed",
     "verification_failed": "a cached block has this block's hash but different token ids (a hash collision): "
-                           "served as a miss, never as wrong KV",
+    "served as a miss, never as wrong KV",
     "shorter_than_block": "the prompt is shorter than one block; only full blocks are cached",
 }
 NOT_READY = "the service holds nothing yet: no worker has attached"
-NAMESPACE_HINT = ("nothing of this prompt is cached: check that --model/--dtype/--block-size/--cache-salt (or "
-                  "--namespace) and --chat match how the worker built the prompt")
+NAMESPACE_HINT = (
+    "nothing of this prompt is cached: check that --model/--dtype/--block-size/--cache-salt (or "
+    "--namespace) and --chat match how the worker built the prompt"
+)
 
 
 def _first_miss(report: InspectReport | None, prompt_tokens: int, block_size: int) -> dict | None:
@@ -48,16 +50,40 @@ def _first_miss(report: InspectReport | None, prompt_tokens: int, block_size: in
         if reason == "not_cached" and hit_blocks == 0:
             explanation = f"{explanation}; {NAMESPACE_HINT}"
     start = hit_blocks * block_size
-    return {"block": hit_blocks, "first_token": start, "end_token": min(start + block_size, prompt_tokens),
-            "reason": reason, "explanation": explanation}
+    return {
+        "block": hit_blocks,
+        "first_token": start,
+        "end_token": min(start + block_size, prompt_tokens),
+        "reason": reason,
+        "explanation": explanation,
+    }
 
 
-def inspect_document(address: str, namespace_id: str | None, identity: WorkerIdentity | None,
-                     report: InspectReport | None, prompt_tokens: int, block_size: int) -> dict:
-    blocks = [] if report is None else [
-        {"block": b.block, "first_token": b.block * block_size, "end_token": (b.block + 1) * block_size,
-         "tier": b.tier, "slot": b.slot, "ttl_left_seconds": b.ttl_left_s,
-         "last_access_age_seconds": b.last_access_age_s, "leased": b.leased} for b in report.blocks]
+def inspect_document(
+    address: str,
+    namespace_id: str | None,
+    identity: WorkerIdentity | None,
+    report: InspectReport | None,
+    prompt_tokens: int,
+    block_size: int,
+) -> dict:
+    blocks = (
+        []
+        if report is None
+        else [
+            {
+                "block": b.block,
+                "first_token": b.block * block_size,
+                "end_token": (b.block + 1) * block_size,
+                "tier": b.tier,
+                "slot": b.slot,
+                "ttl_left_seconds": b.ttl_left_s,
+                "last_access_age_seconds": b.last_access_age_s,
+                "leased": b.leased,
+            }
+            for b in report.blocks
+        ]
+    )
     hit_tokens = report.hit_tokens if report is not None else 0
     return {
         "schema_version": SCHEMA_VERSION,
@@ -82,37 +108,61 @@ def _block_rows(doc: dict, max_rows: int) -> Table:
     for name in ("block", "tokens", "tier", "slot", "TTL left", "last access", "leased"):
         table.add_column(name, justify="left" if name in ("tier", "leased") else "right")
     blocks = doc["blocks"]
-    shown = blocks if len(blocks) <= max_rows else blocks[: max_rows // 2] + [None] + blocks[-(max_rows // 2):]
+    shown = blocks if len(blocks) <= max_rows else blocks[: max_rows // 2] + [None] + blocks[-(max_rows // 2) :]
     for block in shown:
         if block is None:
             table.add_row("...", f"{len(blocks) - 2 * (max_rows // 2):,} more", "", "", "", "", "", style="dim")
             continue
-        table.add_row(str(block["block"]), f"{block['first_token']}-{block['end_token'] - 1}", block["tier"],
-                      str(block["slot"]), human_duration(block["ttl_left_seconds"]),
-                      f"{human_duration(block['last_access_age_seconds'])} ago", "yes" if block["leased"] else "")
+        table.add_row(
+            str(block["block"]),
+            f"{block['first_token']}-{block['end_token'] - 1}",
+            block["tier"],
+            str(block["slot"]),
+            human_duration(block["ttl_left_seconds"]),
+            f"{human_duration(block['last_access_age_seconds'])} ago",
+            "yes" if block["leased"] else "",
+        )
     return table
 
 
 def inspect_view(doc: dict, max_rows: int) -> RenderableType:
     summary = Text.assemble(
-        ("namespace ", "bold"), str(doc["namespace_id"] or "-"),
-        *((("  model ", "bold"), f"{doc['identity']['model']}@{doc['identity']['revision'][:12]}")
-          if doc["identity"] else ()),
-        "\n", ("prompt ", "bold"),
+        ("namespace ", "bold"),
+        str(doc["namespace_id"] or "-"),
+        *(
+            (("  model ", "bold"), f"{doc['identity']['model']}@{doc['identity']['revision'][:12]}")
+            if doc["identity"]
+            else ()
+        ),
+        "\n",
+        ("prompt ", "bold"),
         f"{doc['prompt_tokens']:,} tokens = {doc['full_blocks']:,} full blocks of {doc['block_size']}"
-        f" + {doc['trailing_tokens']} trailing", "\n", ("cached ", "bold"),
-        f"{doc['hit_blocks']:,} blocks = {doc['hit_tokens']:,} tokens ({percent(doc['cached_fraction'])})")
+        f" + {doc['trailing_tokens']} trailing",
+        "\n",
+        ("cached ", "bold"),
+        f"{doc['hit_blocks']:,} blocks = {doc['hit_tokens']:,} tokens ({percent(doc['cached_fraction'])})",
+    )
     parts: list[RenderableType] = [summary]
     if doc["blocks"]:
         parts.append(_block_rows(doc, max_rows))
     miss = doc["first_miss"]
     if miss is not None:
-        parts.append(Text.assemble(
-            ("first miss: ", "bold yellow"), f"block {miss['block']} (tokens {miss['first_token']}-"
-            f"{miss['end_token'] - 1}): ", (miss["reason"], "bold"), f" - {miss['explanation']}"))
+        parts.append(
+            Text.assemble(
+                ("first miss: ", "bold yellow"),
+                f"block {miss['block']} (tokens {miss['first_token']}-{miss['end_token'] - 1}): ",
+                (miss["reason"], "bold"),
+                f" - {miss['explanation']}",
+            )
+        )
     elif doc["trailing_tokens"]:
-        parts.append(Text(f"every full block is cached; the trailing {doc['trailing_tokens']} tokens do not "
-                          "fill a block and are always recomputed", style="green"))
+        parts.append(
+            Text(
+                f"every full block is cached; the trailing {doc['trailing_tokens']} tokens do not "
+                "fill a block and are always recomputed",
+                style="green",
+            )
+        )
     else:
         parts.append(Text("every block of the prompt is cached", style="green"))
     return Group(*parts)

@@ -23,11 +23,18 @@ def namespaces_document(address: str, entries: list[NamespaceInfo], block_bytes:
         "address": address,
         "block_bytes": block_bytes,
         "namespaces": [
-            {"namespace_id": e.namespace_id, "model": e.model, "revision": e.revision, "salted": e.salted,
-             "tenant": e.tenant or None, "kv_scale": e.kv_scale,
-             "blocks": {kind.label: n for kind, n in sorted(e.blocks.items())},
-             "bytes": e.resident_bytes(block_bytes)}
-            for e in entries],
+            {
+                "namespace_id": e.namespace_id,
+                "model": e.model,
+                "revision": e.revision,
+                "salted": e.salted,
+                "tenant": e.tenant or None,
+                "kv_scale": e.kv_scale,
+                "blocks": {kind.label: n for kind, n in sorted(e.blocks.items())},
+                "bytes": e.resident_bytes(block_bytes),
+            }
+            for e in entries
+        ],
     }
 
 
@@ -38,15 +45,27 @@ def namespaces_view(doc: dict) -> RenderableType:
     admin = any(entry["tenant"] for entry in namespaces)
     scaled = any(entry["kv_scale"] for entry in namespaces)  # the column only where an engine quantizes
     table = Table(title=f"namespaces at {doc['address']}", title_justify="left")
-    columns = ["namespace", *(["tenant"] if admin else []), "model", "revision", "salted",
-               *(["kv scale"] if scaled else []),
-               *(kind.label for kind in TierKind if kind is not TierKind.REDIS), "bytes"]
+    columns = [
+        "namespace",
+        *(["tenant"] if admin else []),
+        "model",
+        "revision",
+        "salted",
+        *(["kv scale"] if scaled else []),
+        *(kind.label for kind in TierKind if kind is not TierKind.REDIS),
+        "bytes",
+    ]
     for name in columns:
         table.add_column(name, justify="right" if name in ("device", "host", "bytes") else "left")
     for entry in namespaces:
-        table.add_row(entry["namespace_id"], *([entry["tenant"] or ""] if admin else []), entry["model"],
-                      entry["revision"][:12] or "-", "yes" if entry["salted"] else "",
-                      *([entry["kv_scale"]] if scaled else []),
-                      *(f"{entry['blocks'].get(kind.label, 0):,}" for kind in TierKind if kind is not TierKind.REDIS),
-                      human_bytes(entry["bytes"]))
+        table.add_row(
+            entry["namespace_id"],
+            *([entry["tenant"] or ""] if admin else []),
+            entry["model"],
+            entry["revision"][:12] or "-",
+            "yes" if entry["salted"] else "",
+            *([entry["kv_scale"]] if scaled else []),
+            *(f"{entry['blocks'].get(kind.label, 0):,}" for kind in TierKind if kind is not TierKind.REDIS),
+            human_bytes(entry["bytes"]),
+        )
     return table

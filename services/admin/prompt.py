@@ -50,19 +50,29 @@ def add_prompt_arguments(parser: argparse.ArgumentParser, flag: str, what: str) 
     source = parser.add_mutually_exclusive_group(required=flag == "--text")
     source.add_argument(flag, default=None, metavar="TEXT", help=f"{what} as text, tokenized like the worker does")
     tokens_flag = "--tokens-file" if flag == "--text" else "--prefix-tokens-file"
-    source.add_argument(tokens_flag, default=None, metavar="FILE",
-                        help="token ids: a JSON list, or ints separated by spaces, commas or newlines ('-': stdin)")
-    parser.add_argument("--chat", action="store_true",
-                        help=f"render {flag} as one user message with the worker's chat template")
+    source.add_argument(
+        tokens_flag,
+        default=None,
+        metavar="FILE",
+        help="token ids: a JSON list, or ints separated by spaces, commas or newlines ('-': stdin)",
+    )
+    parser.add_argument(
+        "--chat", action="store_true", help=f"render {flag} as one user message with the worker's chat template"
+    )
 
 
 def add_identity_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("namespace (give --namespace, or the worker's settings to derive it)")
     group.add_argument("--namespace", default=None, metavar="ID", help="namespace id (printed by `inspect`)")
-    group.add_argument("--model", default=TINY, help="the worker's --model: 'tiny' or a checkpoint directory "
-                       "(default %(default)s)")
-    group.add_argument("--dtype", default="bfloat16", choices=[d.value for d in MODEL_DTYPES],
-                       help="the worker's --dtype (default %(default)s)")
+    group.add_argument(
+        "--model", default=TINY, help="the worker's --model: 'tiny' or a checkpoint directory (default %(default)s)"
+    )
+    group.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=[d.value for d in MODEL_DTYPES],
+        help="the worker's --dtype (default %(default)s)",
+    )
     group.add_argument("--seed", type=int, default=0, help="the worker's --seed of the tiny model (default 0)")
     group.add_argument("--block-size", type=int, default=16, help="the worker's --block-size (default 16)")
     group.add_argument("--cache-salt", default=None, metavar="SALT", help="the requests' cache_salt, if any")
@@ -160,20 +170,25 @@ def worker_identity(args: argparse.Namespace) -> WorkerIdentity:
 
 
 def _describe_layout(layout: KVLayout) -> str:
-    return (f"{layout.layers} layers x {layout.kv_heads} kv heads x {layout.head_dim}, {layout.dtype.value}, "
-            f"block {layout.block_size}")
+    return (
+        f"{layout.layers} layers x {layout.kv_heads} kv heads x {layout.head_dim}, {layout.dtype.value}, "
+        f"block {layout.block_size}"
+    )
 
 
 def check_layout(cached: KVLayout | None, identity: WorkerIdentity, args: argparse.Namespace) -> None:
     """An AdminError unless the worker settings give the layout the cache holds."""
     if cached is not None and cached != identity.layout:
-        raise AdminError(f"the cache holds KV of layout ({_describe_layout(cached)}) but --model {args.model} "
-                         f"--dtype {args.dtype} --block-size {args.block_size} gives "
-                         f"({_describe_layout(identity.layout)}); pass the worker's settings or --namespace")
+        raise AdminError(
+            f"the cache holds KV of layout ({_describe_layout(cached)}) but --model {args.model} "
+            f"--dtype {args.dtype} --block-size {args.block_size} gives "
+            f"({_describe_layout(identity.layout)}); pass the worker's settings or --namespace"
+        )
 
 
-def resolve_namespace(args: argparse.Namespace, client: CacheClient,
-                      stats: ServiceStats) -> tuple[str | None, WorkerIdentity | None]:
+def resolve_namespace(
+    args: argparse.Namespace, client: CacheClient, stats: ServiceStats
+) -> tuple[str | None, WorkerIdentity | None]:
     """(namespace id, the identity it was derived from); (None, identity) when the cache is empty."""
     if args.namespace:
         return args.namespace, None

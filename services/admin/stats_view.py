@@ -53,22 +53,30 @@ def _pairs(title: str, rows: list[tuple[str, str]]) -> Table:
 
 def overview_table(doc: dict) -> Table:
     layout = doc["layout"]
-    shape = "-" if layout is None else (
-        f"{layout['layers']} layers x {layout['kv_heads']} kv heads x {layout['head_dim']} "
-        f"({layout['dtype']}), {layout['block_size']} tokens/block = {human_bytes(layout['block_bytes'])}, "
-        f"{human_bytes(layout['bytes_per_token'])}/token")
+    shape = (
+        "-"
+        if layout is None
+        else (
+            f"{layout['layers']} layers x {layout['kv_heads']} kv heads x {layout['head_dim']} "
+            f"({layout['dtype']}), {layout['block_size']} tokens/block = {human_bytes(layout['block_bytes'])}, "
+            f"{human_bytes(layout['bytes_per_token'])}/token"
+        )
+    )
     req, blk, tok = doc["requests"], doc["blocks"], doc["tokens"]
-    return _pairs(f"prefixcache at {doc['address']}", [
-        ("uptime", human_duration(doc["uptime_seconds"])),
-        ("layout", shape),
-        ("lookups", f"{req['lookups']:,}"),
-        ("hit rate: requests", f"{percent(req['hit_rate'])}  ({req['hits']:,} hit / {req['misses']:,} miss)"),
-        ("hit rate: blocks", f"{percent(blk['hit_rate'])}  ({blk['hits']:,} hit / {blk['misses']:,} miss)"),
-        ("hit rate: tokens", f"{percent(tok['hit_rate'])}  ({tok['hits']:,} of {tok['looked_up']:,})"),
-        ("tokens saved", f"{tok['saved']:,}"),
-        ("blocks committed", f"{blk['committed']:,}  ({blk['deduplicated']:,} already cached)"),
-        ("active leases", f"{doc['active_leases']:,}"),
-    ])
+    return _pairs(
+        f"prefixcache at {doc['address']}",
+        [
+            ("uptime", human_duration(doc["uptime_seconds"])),
+            ("layout", shape),
+            ("lookups", f"{req['lookups']:,}"),
+            ("hit rate: requests", f"{percent(req['hit_rate'])}  ({req['hits']:,} hit / {req['misses']:,} miss)"),
+            ("hit rate: blocks", f"{percent(blk['hit_rate'])}  ({blk['hits']:,} hit / {blk['misses']:,} miss)"),
+            ("hit rate: tokens", f"{percent(tok['hit_rate'])}  ({tok['hits']:,} of {tok['looked_up']:,})"),
+            ("tokens saved", f"{tok['saved']:,}"),
+            ("blocks committed", f"{blk['committed']:,}  ({blk['deduplicated']:,} already cached)"),
+            ("active leases", f"{doc['active_leases']:,}"),
+        ],
+    )
 
 
 def tiers_table(doc: dict) -> Table:
@@ -76,9 +84,15 @@ def tiers_table(doc: dict) -> Table:
     for name in ("tier", "blocks", "used", "capacity", "full", "spilled down", "promoted in"):
         table.add_column(name, justify="left" if name == "tier" else "right")
     for tier, row in doc["tiers"].items():
-        table.add_row(tier, f"{row['blocks']:,}", human_bytes(row["bytes_used"]), human_bytes(row["capacity_bytes"]),
-                      percent(row["utilization"]), f"{doc['spills']['by_tier'].get(tier, 0):,}",
-                      f"{doc['promotions'].get(tier, 0):,}")
+        table.add_row(
+            tier,
+            f"{row['blocks']:,}",
+            human_bytes(row["bytes_used"]),
+            human_bytes(row["capacity_bytes"]),
+            percent(row["utilization"]),
+            f"{doc['spills']['by_tier'].get(tier, 0):,}",
+            f"{doc['promotions'].get(tier, 0):,}",
+        )
     redis = doc["redis"]
     if redis["configured"]:
         table.add_row("redis", "-", "-", "-", "-", "-", f"{doc['promotions'].get('redis', 0):,}")
@@ -119,8 +133,21 @@ def _number(value: float) -> str:
 
 def stats_view(doc: dict) -> RenderableType:
     if not doc["ready"]:
-        return Group(overview_table(doc),
-                     Text("\nthe cache is not created yet: no worker has attached (the first Attach "
-                          "fixes the KV layout)", style="yellow"))
-    return Group(overview_table(doc), Text(""), tiers_table(doc), Text(""), evictions_table(doc), Text(""),
-                 misses_table(doc), Text(""), redis_table(doc))
+        return Group(
+            overview_table(doc),
+            Text(
+                "\nthe cache is not created yet: no worker has attached (the first Attach fixes the KV layout)",
+                style="yellow",
+            ),
+        )
+    return Group(
+        overview_table(doc),
+        Text(""),
+        tiers_table(doc),
+        Text(""),
+        evictions_table(doc),
+        Text(""),
+        misses_table(doc),
+        Text(""),
+        redis_table(doc),
+    )

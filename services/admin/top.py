@@ -23,7 +23,7 @@ import sys
 import termios
 import time
 import tty
-from typing import Callable
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.live import Live
@@ -46,7 +46,7 @@ class KeyReader:
         self._fd: int | None = None
         self._saved = None
 
-    def __enter__(self) -> "KeyReader":
+    def __enter__(self) -> KeyReader:
         if self._stream is not None and self._stream.isatty():
             self._fd = self._stream.fileno()
             self._saved = termios.tcgetattr(self._fd)
@@ -80,8 +80,9 @@ def _fetch(model: TopModel, sample: Callable[[], dict], address: str) -> str | N
     return None
 
 
-def run_live(sample: Callable[[], dict], address: str, interval_s: float, iterations: int | None,
-             console: Console) -> int:
+def run_live(
+    sample: Callable[[], dict], address: str, interval_s: float, iterations: int | None, console: Console
+) -> int:
     model = TopModel()
     model.add(sample())  # errors here (bad token, unreachable) end the command
     status, shown = None, 1
@@ -104,8 +105,7 @@ def run_live(sample: Callable[[], dict], address: str, interval_s: float, iterat
     return 0
 
 
-def run_plain(sample: Callable[[], dict], address: str, interval_s: float, iterations: int,
-              console: Console) -> int:
+def run_plain(sample: Callable[[], dict], address: str, interval_s: float, iterations: int, console: Console) -> int:
     model = TopModel()
     model.add(sample())
     for frame in range(iterations):
@@ -124,11 +124,19 @@ def run(args: argparse.Namespace) -> int:
         raise AdminError(f"--iterations: must be >= 1, got {args.iterations}")
     interactive = sys.stdout.isatty()
     if not interactive:
-        print("prefixcache top: stdout is not a terminal; printing "
-              f"{args.iterations or 1} frame(s) (for scripts use `prefixcache stats --json`)", file=sys.stderr)
+        print(
+            "prefixcache top: stdout is not a terminal; printing "
+            f"{args.iterations or 1} frame(s) (for scripts use `prefixcache stats --json`)",
+            file=sys.stderr,
+        )
     with connect(args) as client:
         sample = _sampler(client, client.address)
         if interactive:
             return run_live(sample, client.address, args.interval, args.iterations, Console())
-        return run_plain(sample, client.address, args.interval, args.iterations or 1,
-                         Console(width=max(100, Console().width), no_color=True))
+        return run_plain(
+            sample,
+            client.address,
+            args.interval,
+            args.iterations or 1,
+            Console(width=max(100, Console().width), no_color=True),
+        )

@@ -31,7 +31,7 @@ RATE_FIELDS = (  # (label, path in the document)
 
 @dataclass(frozen=True)
 class Sample:
-    at: float   # time.monotonic() when the answer arrived
+    at: float  # time.monotonic() when the answer arrived
     doc: dict
 
 
@@ -108,7 +108,9 @@ class TopModel:
         def delta(*path: str) -> float:
             return _get(new.doc, path) - _get(old.doc, path)
 
-        return {"seconds": new.at - old.at,
-                "request_hit_rate": ratio(delta("requests", "hits"), delta("requests", "lookups")),
-                "token_hit_rate": ratio(delta("tokens", "hits"), delta("tokens", "looked_up")),
-                "tokens_saved": delta("tokens", "saved")}
+        return {
+            "seconds": new.at - old.at,
+            "request_hit_rate": ratio(delta("requests", "hits"), delta("requests", "lookups")),
+            "token_hit_rate": ratio(delta("tokens", "hits"), delta("tokens", "looked_up")),
+            "tokens_saved": delta("tokens", "saved"),
+        }

@@ -48,9 +48,12 @@ def _tiers(doc: dict) -> Panel:
         table.add_column()
     for tier, row in doc["tiers"].items():
         capacity = max(row["capacity_bytes"], 1)
-        table.add_row(Text(tier, style="bold"), ProgressBar(total=capacity, completed=row["bytes_used"], width=24),
-                      f"{human_bytes(row['bytes_used'])} / {human_bytes(row['capacity_bytes'])} "
-                      f"({percent(row['utilization'])}, {row['blocks']:,} blocks)")
+        table.add_row(
+            Text(tier, style="bold"),
+            ProgressBar(total=capacity, completed=row["bytes_used"], width=24),
+            f"{human_bytes(row['bytes_used'])} / {human_bytes(row['capacity_bytes'])} "
+            f"({percent(row['utilization'])}, {row['blocks']:,} blocks)",
+        )
     redis = doc["redis"]
     state = Text(redis["state"], style={"up": "green", "down": "bold red"}.get(redis["state"], "dim"))
     table.add_row(Text("redis", style="bold"), state, f"spills dropped {doc['spills']['dropped']:,}")
@@ -64,8 +67,9 @@ def _evictions(model: TopModel) -> Panel:
     for name in ("time", "tier", "reason", "blocks"):
         table.add_column(name, justify="right" if name == "blocks" else "left")
     for event in model.events:
-        table.add_row(time.strftime("%H:%M:%S", time.localtime(event.wall_time)), event.tier, event.reason,
-                      f"+{event.blocks:,}")
+        table.add_row(
+            time.strftime("%H:%M:%S", time.localtime(event.wall_time)), event.tier, event.reason, f"+{event.blocks:,}"
+        )
     return Panel(table, title="recent evictions", title_align="left")
 
 
@@ -81,8 +85,11 @@ def top_frame(model: TopModel, address: str, interval_s: float, status: str | No
     doc = model.latest
     assert doc is not None, "top_frame needs at least one snapshot"
     header = Text.assemble(
-        ("prefixcache top", "bold"), f"  {address}  uptime {human_duration(doc['uptime_seconds'])}  ",
-        f"refresh #{model.refreshes} every {interval_s:g}s", ("  (q or Ctrl-C quits)" if interactive else ""))
+        ("prefixcache top", "bold"),
+        f"  {address}  uptime {human_duration(doc['uptime_seconds'])}  ",
+        f"refresh #{model.refreshes} every {interval_s:g}s",
+        ("  (q or Ctrl-C quits)" if interactive else ""),
+    )
     parts: list[RenderableType] = [header]
     if status:
         parts.append(Text(status, style="bold red"))

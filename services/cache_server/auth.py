@@ -36,8 +36,8 @@ import logging
 import os
 import re
 import stat
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import grpc
 
@@ -67,7 +67,7 @@ class Principal:
 
     tenant: str
     admin: bool
-    quota: str = ""      # "host=SIZE,device=SIZE" from its credential line (validated), "" for none
+    quota: str = ""  # "host=SIZE,device=SIZE" from its credential line (validated), "" for none
     local: bool = False  # may map the shared pools and write slots (the same-host data plane)
 
     @property
@@ -145,11 +145,11 @@ class Authenticator:
         self._table = table
 
     @classmethod
-    def open(cls) -> "Authenticator":
+    def open(cls) -> Authenticator:
         return cls(None)
 
     @classmethod
-    def shared_token(cls, token: str) -> "Authenticator":
+    def shared_token(cls, token: str) -> Authenticator:
         if not token or token != token.strip() or any(c.isspace() for c in token):
             raise ConfigError("auth_token", "must be non-empty and contain no whitespace")
         if len(token) < 16:
@@ -199,6 +199,7 @@ def _deny(context: grpc.ServicerContext, message: str) -> None:
 
 def _denying_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same streaming kind as `handler` that answers UNAUTHENTICATED."""
+
     def unary(_request, context):
         _deny(context, message)
 
@@ -218,8 +219,7 @@ def _denying_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMe
 class AuthInterceptor(grpc.ServerInterceptor):
     """Rejects calls without a valid bearer token before any handler runs (health is exempt)."""
 
-    def __init__(self, authenticator: Authenticator,
-                 on_denied: Callable[[str], None] | None = None) -> None:
+    def __init__(self, authenticator: Authenticator, on_denied: Callable[[str], None] | None = None) -> None:
         self._auth = authenticator
         self._on_denied = on_denied
 

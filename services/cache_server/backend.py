@@ -33,8 +33,8 @@ import contextlib
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -42,9 +42,15 @@ import torch
 from prefixcache.cache import PrefixCache
 from prefixcache.client.wire import NamespaceInfo
 from prefixcache.config import CacheConfig, KVLayout, Namespace
+from prefixcache.errors import (
+    ConfigError,
+    InvalidArgument,
+    PrefixCacheError,
+    ResourceExhausted,
+    UnknownLease,
+    UnknownNamespace,
+)
 from prefixcache.hashing import namespace_id
-from prefixcache.errors import (ConfigError, InvalidArgument, PrefixCacheError, ResourceExhausted, UnknownLease,
-                                UnknownNamespace)
 from prefixcache.leases import Reservation
 from prefixcache.results import BlockLocation, CommitResult, LookupResult
 from prefixcache.stats import StatsSnapshot
@@ -120,9 +126,9 @@ class CacheBackend:
         self._cache: PrefixCache | None = None
         self._create_lock = threading.Lock()
         self._registry_lock = threading.Lock()
-        self._owners: dict[str, str] = {}                   # namespace id -> tenant
-        self._salted: dict[tuple[str, str], str] = {}      # (namespace id, salt) -> namespace id
-        self._counts: dict[str, int] = {}                  # tenant -> namespaces registered
+        self._owners: dict[str, str] = {}  # namespace id -> tenant
+        self._salted: dict[tuple[str, str], str] = {}  # (namespace id, salt) -> namespace id
+        self._counts: dict[str, int] = {}  # tenant -> namespaces registered
         self._draining = threading.Event()
         self._fence = TierFence()
         self._closed = False
@@ -165,8 +171,12 @@ class CacheBackend:
             cache, self._closed = (self._cache if not self._closed else None), True
             still_reading = self._fence.close(FENCE_S)
             if cache is not None and still_reading:
-                log.warning("%d Fetch handler(s) still copying %.2fs after the drain; the host tier stays mapped "
-                            "until the process exits", still_reading, FENCE_S)
+                log.warning(
+                    "%d Fetch handler(s) still copying %.2fs after the drain; the host tier stays mapped "
+                    "until the process exits",
+                    still_reading,
+                    FENCE_S,
+                )
                 cache.tiers[TierKind.HOST].unlink()
                 if cache.remote_link is not None:
                     cache.remote_link.close()  # the Redis write queue still drains
@@ -195,8 +205,9 @@ class CacheBackend:
         except ConfigError as error:
             raise ServiceMisconfigured(f"{error} for this layout") from None
         try:
-            device = (DeviceTier(layout, config.device_capacity, options.device or "cuda")
-                      if config.device_capacity else None)
+            device = (
+                DeviceTier(layout, config.device_capacity, options.device or "cuda") if config.device_capacity else None
+            )
             remote = options.remote_factory(layout) if options.remote_factory else None
         except BaseException:
             host.close()
@@ -213,10 +224,12 @@ class CacheBackend:
             return self._cache
 
     # -- namespaces ---------------------------------------------------------
-    def attach(self, principal: Principal, model: str, revision: str, layout: KVLayout,
-               salt: str | None, kv_scale: str = "") -> str:
-        namespace = Namespace(model, revision, layout, tenant=principal.tenant, cache_salt=salt or "",
-                              kv_scale=kv_scale)
+    def attach(
+        self, principal: Principal, model: str, revision: str, layout: KVLayout, salt: str | None, kv_scale: str = ""
+    ) -> str:
+        namespace = Namespace(
+            model, revision, layout, tenant=principal.tenant, cache_salt=salt or "", kv_scale=kv_scale
+        )
         return self._register(self._cache_for(layout), namespace, "model")
 
     def _register(self, cache: PrefixCache, namespace: Namespace, field: str) -> str:
@@ -227,8 +240,9 @@ class CacheBackend:
             # tenant gets a bounded share instead of the power to exhaust everyone's.
             if namespace_id(cache.hasher.root(namespace)) not in self._owners:
                 if self._counts.get(tenant, 0) >= limit:
-                    raise ResourceExhausted(f"{field}: this tenant already has {limit} namespaces "
-                                            "(models, revisions and salts)", field)
+                    raise ResourceExhausted(
+                        f"{field}: this tenant already has {limit} namespaces (models, revisions and salts)", field
+                    )
                 self._counts[tenant] = self._counts.get(tenant, 0) + 1
             ns_id = cache.attach(namespace)
             self._owners[ns_id] = tenant
@@ -257,8 +271,15 @@ class CacheBackend:
             return [ns for ns, tenant in self._owners.items() if tenant == principal.tenant]
 
     # -- lookups and leases ---------------------------------------------------------
-    def lookup(self, principal: Principal, ns_id: str, salt: str | None, tokens: np.ndarray,
-               take_lease: bool, recompute_s_per_token: float | None = None) -> LookupResult:
+    def lookup(
+        self,
+        principal: Principal,
+        ns_id: str,
+        salt: str | None,
+        tokens: np.ndarray,
+        take_lease: bool,
+        recompute_s_per_token: float | None = None,
+    ) -> LookupResult:
         resolved = self.resolve(principal, ns_id, salt)
         return self._require().lookup(resolved, tokens, take_lease, recompute_s_per_token)
 
@@ -299,13 +320,21 @@ class CacheBackend:
         resolved = self.resolve(principal, ns_id, None)
         return self._require().reserve(count, resolved)  # the tenant's host quota; only it may commit
 
-    def commit(self, principal: Principal, ns_id: str, salt: str | None, tokens: np.ndarray,
-               reservation_id: int, start_block: int) -> CommitResult:
+    def commit(
+        self,
+        principal: Principal,
+        ns_id: str,
+        salt: str | None,
+        tokens: np.ndarray,
+        reservation_id: int,
+        start_block: int,
+    ) -> CommitResult:
         resolved = self.resolve(principal, ns_id, salt)
         return self._require().commit(resolved, tokens, reservation_id, start_block)
 
-    def store(self, principal: Principal, ns_id: str, salt: str | None, tokens: np.ndarray,
-              kv: torch.Tensor, start_block: int) -> CommitResult:
+    def store(
+        self, principal: Principal, ns_id: str, salt: str | None, tokens: np.ndarray, kv: torch.Tensor, start_block: int
+    ) -> CommitResult:
         resolved = self.resolve(principal, ns_id, salt)
         return self._require().store(resolved, tokens, kv, start_block)
 
@@ -326,25 +355,42 @@ class CacheBackend:
         if cache is None:
             return []
         with self._registry_lock:
-            owned = [(ns, tenant) for ns, tenant in self._owners.items()
-                     if principal.admin or tenant == principal.tenant]
+            owned = [
+                (ns, tenant) for ns, tenant in self._owners.items() if principal.admin or tenant == principal.tenant
+            ]
         resident = cache.resident_blocks()
         entries = []
         for ns, tenant in owned:
             namespace = cache.namespace(ns)
-            entries.append(NamespaceInfo(ns, namespace.model, namespace.revision, bool(namespace.cache_salt),
-                                         tenant if principal.admin else "", resident.get(ns, {}), namespace.kv_scale))
+            entries.append(
+                NamespaceInfo(
+                    ns,
+                    namespace.model,
+                    namespace.revision,
+                    bool(namespace.cache_salt),
+                    tenant if principal.admin else "",
+                    resident.get(ns, {}),
+                    namespace.kv_scale,
+                )
+            )
         return entries
 
-    def inspect(self, principal: Principal, ns_id: str, salt: str | None,
-                tokens: np.ndarray) -> tuple[str, BlockReport]:
+    def inspect(
+        self, principal: Principal, ns_id: str, salt: str | None, tokens: np.ndarray
+    ) -> tuple[str, BlockReport]:
         resolved = self.resolve(principal, ns_id, salt, create=False)
         if resolved is None:  # a salt never used holds nothing
             return ns_id, BlockReport.empty(len(tokens), self._require().layout.block_size)
         return resolved, inspect_prefix(self._require(), resolved, tokens)
 
-    def evict(self, principal: Principal, ns_id: str | None, salt: str | None,
-              older_than_s: float | None, prefix: np.ndarray | None) -> int:
+    def evict(
+        self,
+        principal: Principal,
+        ns_id: str | None,
+        salt: str | None,
+        older_than_s: float | None,
+        prefix: np.ndarray | None,
+    ) -> int:
         if ns_id is None:
             if prefix is not None:
                 raise InvalidArgument("namespace_id", "evicting by prefix needs a namespace_id")

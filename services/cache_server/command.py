@@ -16,12 +16,19 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from prefixcache.config import (CacheConfig, HashAlgorithm, KVLayout, TenantQuota, TenantQuotas, parse_duration,
-                                parse_size)
+from prefixcache.config import (
+    CacheConfig,
+    HashAlgorithm,
+    KVLayout,
+    TenantQuota,
+    TenantQuotas,
+    parse_duration,
+    parse_size,
+)
 from prefixcache.errors import ConfigError
 from prefixcache.tiers.shm import check_name
 
@@ -46,9 +53,12 @@ EXAMPLES = """examples:
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "serve", help="run the cache service (gRPC)", epilog=EXAMPLES,
+        "serve",
+        help="run the cache service (gRPC)",
+        epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Run the prefix-cache gRPC service. The first worker to Attach fixes the KV layout.")
+        description="Run the prefix-cache gRPC service. The first worker to Attach fixes the KV layout.",
+    )
     add = parser.add_argument
     add("--listen", default="127.0.0.1:50051", help="HOST:PORT to listen on (default %(default)s; port 0: any)")
     add("--host-capacity", default="1GiB", help="host tier (shared memory) byte budget (default %(default)s)")
@@ -56,14 +66,25 @@ def register(subparsers) -> None:
     add("--block-size", type=int, default=16, help="tokens per block (default %(default)s)")
     add("--ttl", default="300s", help="sliding time-to-live of a block (default %(default)s)")
     add("--lease-ttl", default="30s", help="how long a lease pins blocks at most (default %(default)s)")
-    add("--hash", default="xxh3_128", choices=[h.value for h in HashAlgorithm],
-        help="block hash (default %(default)s; sha256 where tenants may be adversarial, see SECURITY.md)")
-    add("--tenant-quota", default="", metavar="TIER=SIZE[,...]",
+    add(
+        "--hash",
+        default="xxh3_128",
+        choices=[h.value for h in HashAlgorithm],
+        help="block hash (default %(default)s; sha256 where tenants may be adversarial, see SECURITY.md)",
+    )
+    add(
+        "--tenant-quota",
+        default="",
+        metavar="TIER=SIZE[,...]",
         help="byte budget of every tenant per tier, e.g. host=256MiB,device=1GiB (default: none); "
-             "a credentials line may override it")
-    add("--shm-name", default=None,
+        "a credentials line may override it",
+    )
+    add(
+        "--shm-name",
+        default=None,
         help="name of the host tier's shared-memory segment in /dev/shm (default: prefixcache-HOST-PORT of the "
-             "bound address); a dead owner's segment of that name is reclaimed, a live one's refused")
+        "bound address); a dead owner's segment of that name is reclaimed, a live one's refused",
+    )
     add("--max-prompt-tokens", type=int, default=1 << 20, help="longest prompt accepted (default %(default)s)")
     add("--max-leases", type=int, default=4096, help="leases held at once (default %(default)s)")
     auth = parser.add_mutually_exclusive_group()
@@ -75,28 +96,52 @@ def register(subparsers) -> None:
     add("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (default: off)")
     add("--metrics-host", default=None, help="metrics bind address (default: the --listen host)")
     add("--grace", default="10s", help="drain period on SIGTERM (default %(default)s)")
-    add("--max-concurrent-rpcs", type=int, default=128, help="calls held at once (queued or running); more get RESOURCE_EXHAUSTED with a retry "
-        "hint; health checks and Release are never refused (default %(default)s)")
-    add("--workers", type=int, default=2,
+    add(
+        "--max-concurrent-rpcs",
+        type=int,
+        default=128,
+        help="calls held at once (queued or running); more get RESOURCE_EXHAUSTED with a retry "
+        "hint; health checks and Release are never refused (default %(default)s)",
+    )
+    add(
+        "--workers",
+        type=int,
+        default=2,
         help="unary calls (Lookup, Commit, ...) run at once, plus one per call waiting on Redis; more "
-             "rarely helps: each extra runnable thread costs GIL hand-offs (default %(default)s)")
-    add("--stream-workers", type=int, default=16,
-        help="threads for Fetch/Store streams, one per open stream (default %(default)s)")
+        "rarely helps: each extra runnable thread costs GIL hand-offs (default %(default)s)",
+    )
+    add(
+        "--stream-workers",
+        type=int,
+        default=16,
+        help="threads for Fetch/Store streams, one per open stream (default %(default)s)",
+    )
     add("--max-message-size", default="16MiB", help="largest gRPC message either way (default %(default)s)")
     redis = parser.add_argument_group("Redis tier (optional: shared across instances and restarts)")
-    redis.add_argument("--redis-url", default=None,
-                       help="redis://[user:pass@]host:port/0, rediss://..., or redis+cluster://host:port,...")
+    redis.add_argument(
+        "--redis-url",
+        default=None,
+        help="redis://[user:pass@]host:port/0, rediss://..., or redis+cluster://host:port,...",
+    )
     redis.add_argument("--redis-key-prefix", default="pfx", help="key prefix (default %(default)s)")
     redis.add_argument("--redis-timeout-ms", type=int, default=50, help="read timeout (default %(default)s)")
     redis.add_argument("--redis-ttl", default="1h", help="TTL of a block in Redis (default %(default)s)")
-    redis.add_argument("--redis-password-file", default=None,
-                       help="file holding the Redis password (the ACL user goes in the URL: redis://USER@host...)")
-    redis.add_argument("--redis-tls-ca-file", default=None, help="CA bundle that signed Redis's certificate (rediss://)")
+    redis.add_argument(
+        "--redis-password-file",
+        default=None,
+        help="file holding the Redis password (the ACL user goes in the URL: redis://USER@host...)",
+    )
+    redis.add_argument(
+        "--redis-tls-ca-file", default=None, help="CA bundle that signed Redis's certificate (rediss://)"
+    )
     redis.add_argument("--redis-tls-cert-file", default=None, help="client certificate, if Redis asks for one")
     redis.add_argument("--redis-tls-key-file", default=None, help="client certificate's private key")
-    redis.add_argument("--redis-hmac-key-file", default=None,
-                       help="file holding a secret of >= 32 bytes (e.g. `openssl rand -hex 32`) that MACs every "
-                            "Redis frame, so Redis write access alone cannot plant KV; the same on every instance")
+    redis.add_argument(
+        "--redis-hmac-key-file",
+        default=None,
+        help="file holding a secret of >= 32 bytes (e.g. `openssl rand -hex 32`) that MACs every "
+        "Redis frame, so Redis write access alone cannot plant KV; the same on every instance",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -120,20 +165,28 @@ def quotas_from(args: argparse.Namespace, authenticator: Authenticator) -> Tenan
 def _warn_weak_hash(authenticator: Authenticator, cache: CacheConfig) -> None:
     tenants = {principal.tenant for principal in authenticator.principals}
     if len(tenants) > 1 and cache.hash_algorithm is HashAlgorithm.XXH3_128:
-        log.warning("%d tenants share this cache with xxh3_128 block hashes; if a tenant may be adversarial, "
-                    "use --hash sha256 (SECURITY.md)", len(tenants))
+        log.warning(
+            "%d tenants share this cache with xxh3_128 block hashes; if a tenant may be adversarial, "
+            "use --hash sha256 (SECURITY.md)",
+            len(tenants),
+        )
 
 
 def remote_factory_from(args: argparse.Namespace) -> Callable[[KVLayout], object] | None:
     """Validated Redis options now; the tier itself is built with the cache (it does no I/O)."""
     if args.redis_url is None:
-        for name in ("redis_password_file", "redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file",
-                     "redis_hmac_key_file"):
+        for name in (
+            "redis_password_file",
+            "redis_tls_ca_file",
+            "redis_tls_cert_file",
+            "redis_tls_key_file",
+            "redis_hmac_key_file",
+        ):
             if getattr(args, name):
                 raise ConfigError(name, "needs --redis-url")
         return None
-    from prefixcache.tiers.redis import RedisTier  # only a service with a Redis tier imports redis
     from prefixcache.codec import MIN_MAC_KEY_BYTES
+    from prefixcache.tiers.redis import RedisTier  # only a service with a Redis tier imports redis
     from prefixcache.tiers.redis_options import RedisOptions
 
     password = None
@@ -145,26 +198,40 @@ def remote_factory_from(args: argparse.Namespace) -> Callable[[KVLayout], object
         with open(args.redis_hmac_key_file, "rb") as handle:
             hmac_key = handle.read().strip()  # the file's bytes are the key (hex text is fine, not decoded)
         if len(hmac_key) < MIN_MAC_KEY_BYTES:
-            raise ConfigError("redis_hmac_key_file", f"must hold at least {MIN_MAC_KEY_BYTES} bytes besides "
-                              f"whitespace, got {len(hmac_key)} (generate one: openssl rand -hex 32)")
+            raise ConfigError(
+                "redis_hmac_key_file",
+                f"must hold at least {MIN_MAC_KEY_BYTES} bytes besides "
+                f"whitespace, got {len(hmac_key)} (generate one: openssl rand -hex 32)",
+            )
         log.info("redis frames are authenticated (HMAC-SHA256, key from --redis-hmac-key-file)")
     if args.redis_timeout_ms < 1:
         raise ConfigError("redis_timeout_ms", "must be >= 1")
-    options = RedisOptions(url=args.redis_url, key_prefix=args.redis_key_prefix,
-                           ttl_s=parse_duration(args.redis_ttl, "redis_ttl"),
-                           socket_timeout_s=args.redis_timeout_ms / 1000, password=password,
-                           tls_ca_file=args.redis_tls_ca_file, tls_cert_file=args.redis_tls_cert_file,
-                           tls_key_file=args.redis_tls_key_file, hmac_key=hmac_key)
+    options = RedisOptions(
+        url=args.redis_url,
+        key_prefix=args.redis_key_prefix,
+        ttl_s=parse_duration(args.redis_ttl, "redis_ttl"),
+        socket_timeout_s=args.redis_timeout_ms / 1000,
+        password=password,
+        tls_ca_file=args.redis_tls_ca_file,
+        tls_cert_file=args.redis_tls_cert_file,
+        tls_key_file=args.redis_tls_key_file,
+        hmac_key=hmac_key,
+    )
     return lambda _layout: RedisTier(options, io_wait=waiting)
 
 
 def options_from(args: argparse.Namespace) -> ServerOptions:
     authenticator = authenticator_from(args)
-    cache = CacheConfig(host_capacity=parse_size(args.host_capacity, "host_capacity"),
-                        device_capacity=parse_size(args.device_capacity, "device_capacity"),
-                        ttl_s=parse_duration(args.ttl, "ttl"), lease_ttl_s=parse_duration(args.lease_ttl, "lease_ttl"),
-                        hash_algorithm=args.hash, max_prompt_tokens=args.max_prompt_tokens,
-                        max_leases=args.max_leases, tenant_quotas=quotas_from(args, authenticator))
+    cache = CacheConfig(
+        host_capacity=parse_size(args.host_capacity, "host_capacity"),
+        device_capacity=parse_size(args.device_capacity, "device_capacity"),
+        ttl_s=parse_duration(args.ttl, "ttl"),
+        lease_ttl_s=parse_duration(args.lease_ttl, "lease_ttl"),
+        hash_algorithm=args.hash,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_leases=args.max_leases,
+        tenant_quotas=quotas_from(args, authenticator),
+    )
     _warn_weak_hash(authenticator, cache)
     if cache.device_capacity and not torch.cuda.is_available():
         raise ConfigError("device_capacity", "needs a CUDA device and none is available")
@@ -173,16 +240,30 @@ def options_from(args: argparse.Namespace) -> ServerOptions:
     if args.shm_name is not None:
         check_name(args.shm_name)
     message_size = parse_size(args.max_message_size, "max_message_size")
-    backend = BackendOptions(cache=cache, block_size=args.block_size, shm_name=args.shm_name,
-                             device="cuda" if cache.device_capacity else None,
-                             remote_factory=remote_factory_from(args))
+    backend = BackendOptions(
+        cache=cache,
+        block_size=args.block_size,
+        shm_name=args.shm_name,
+        device="cuda" if cache.device_capacity else None,
+        remote_factory=remote_factory_from(args),
+    )
     split_host_port(args.listen)
     return ServerOptions(
-        backend=backend, listen=args.listen, authenticator=authenticator,
-        tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host, max_receive_bytes=message_size, max_send_bytes=message_size,
-        max_chunk_bytes=min((4 << 20) - 1024, message_size - (64 << 10)), max_concurrent_rpcs=args.max_concurrent_rpcs,
-        workers=args.workers, stream_workers=args.stream_workers, grace_s=parse_duration(args.grace, "grace"))
+        backend=backend,
+        listen=args.listen,
+        authenticator=authenticator,
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        max_receive_bytes=message_size,
+        max_send_bytes=message_size,
+        max_chunk_bytes=min((4 << 20) - 1024, message_size - (64 << 10)),
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        workers=args.workers,
+        stream_workers=args.stream_workers,
+        grace_s=parse_duration(args.grace, "grace"),
+    )
 
 
 def run(args: argparse.Namespace) -> int:

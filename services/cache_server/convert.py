@@ -12,11 +12,11 @@ import re
 
 import numpy as np
 
+from prefixcache.client import wire
 from prefixcache.config import KVLayout, validate_salt
 from prefixcache.errors import ConfigError, InvalidArgument
 from prefixcache.hashing import MAX_TOKEN_ID
 from prefixcache.results import BlockLocations, CommitResult, LookupResult
-from prefixcache.client import wire
 from prefixcache.rpc import cache_pb2 as pb
 
 from .inspect import BlockReport
@@ -71,8 +71,9 @@ def layout(message: pb.KVLayout, server_block_size: int) -> KVLayout:
     dtype = wire.dtype_of(message.dtype, "layout.dtype")
     block_size = message.block_size or server_block_size
     if block_size != server_block_size:
-        raise InvalidArgument("layout.block_size", f"{block_size} differs from this service's block size "
-                              f"{server_block_size}")
+        raise InvalidArgument(
+            "layout.block_size", f"{block_size} differs from this service's block size {server_block_size}"
+        )
     try:
         return KVLayout(message.layers, message.kv_heads, message.head_dim, block_size, dtype)
     except ConfigError as error:
@@ -120,8 +121,10 @@ def store_header(header: pb.StoreHeader, expected: KVLayout) -> None:
     if header.dtype != expected.dtype.code:
         raise InvalidArgument("header.dtype", f"must be the namespace's {pb.DType.Name(expected.dtype.code)}")
     if tuple(header.block_shape) != expected.block_shape:
-        raise InvalidArgument("header.block_shape", f"{list(header.block_shape)} differs from the namespace's "
-                              f"{list(expected.block_shape)}")
+        raise InvalidArgument(
+            "header.block_shape",
+            f"{list(header.block_shape)} differs from the namespace's {list(expected.block_shape)}",
+        )
     if header.block_count == 0:
         raise InvalidArgument("header.block_count", "must be at least 1")
 
@@ -133,9 +136,14 @@ stats_message = wire.stats_message
 
 def lookup_response(result: LookupResult, lease_ttl_s: float) -> pb.LookupResponse:
     response = pb.LookupResponse(
-        namespace_id=result.namespace_id, prompt_tokens=result.prompt_tokens, hit_tokens=result.hit_tokens,
-        miss_reason=wire.MISS_REASONS[result.miss_reason], lease_id=result.lease_id or 0,
-        lease_ttl_seconds=lease_ttl_s, remote_blocks_declined=result.remote_blocks_declined)
+        namespace_id=result.namespace_id,
+        prompt_tokens=result.prompt_tokens,
+        hit_tokens=result.hit_tokens,
+        miss_reason=wire.MISS_REASONS[result.miss_reason],
+        lease_id=result.lease_id or 0,
+        lease_ttl_seconds=lease_ttl_s,
+        remote_blocks_declined=result.remote_blocks_declined,
+    )
     locations = BlockLocations.of(result.locations)
     if len(locations):
         response.tiers.extend(wire.TIER_TABLE[locations.tiers].tolist())
@@ -149,8 +157,19 @@ def commit_response(result: CommitResult) -> pb.CommitResponse:
 
 def inspect_response(ns_id: str, report: BlockReport) -> pb.InspectResponse:
     return pb.InspectResponse(
-        namespace_id=ns_id, prompt_tokens=report.prompt_tokens, hit_tokens=report.hit_tokens,
+        namespace_id=ns_id,
+        prompt_tokens=report.prompt_tokens,
+        hit_tokens=report.hit_tokens,
         miss_reason=wire.MISS_REASONS[report.miss_reason],
-        blocks=[pb.BlockInfo(block=b.block, tier=TIERS[b.tier], slot=b.slot, ttl_left_seconds=b.ttl_left_s,
-                             last_access_age_seconds=b.last_access_age_s, leased=b.leased)
-                for b in report.blocks])
+        blocks=[
+            pb.BlockInfo(
+                block=b.block,
+                tier=TIERS[b.tier],
+                slot=b.slot,
+                ttl_left_seconds=b.ttl_left_s,
+                last_access_age_seconds=b.last_access_age_s,
+                leased=b.leased,
+            )
+            for b in report.blocks
+        ],
+    )

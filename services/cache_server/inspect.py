@@ -26,7 +26,7 @@ from prefixcache.tiers.base import TierKind
 
 @dataclass(frozen=True)
 class BlockState:
-    block: int               # index of the block in the prompt
+    block: int  # index of the block in the prompt
     tier: TierKind
     slot: int
     ttl_left_s: float
@@ -42,10 +42,13 @@ class BlockReport:
     miss_reason: MissReason | None
 
     @classmethod
-    def empty(cls, prompt_tokens: int, block_size: int) -> "BlockReport":
+    def empty(cls, prompt_tokens: int, block_size: int) -> BlockReport:
         """The report of a namespace that holds nothing."""
-        reason = None if prompt_tokens == 0 else (
-            MissReason.TOO_SHORT if prompt_tokens < block_size else MissReason.NOT_CACHED)
+        reason = (
+            None
+            if prompt_tokens == 0
+            else (MissReason.TOO_SHORT if prompt_tokens < block_size else MissReason.NOT_CACHED)
+        )
         return cls(prompt_tokens, 0, (), reason)
 
 
@@ -74,7 +77,15 @@ def inspect_prefix(cache: PrefixCache, ns_id: str, tokens: np.ndarray) -> BlockR
         if last_access + ttl < now:
             stop = MissReason.EXPIRED
             break
-        states.append(BlockState(i, TierKind(tier), int(index.slot[node]), last_access + ttl - now,
-                                 now - last_access, bool(index.pins[node] > 0)))
+        states.append(
+            BlockState(
+                i,
+                TierKind(tier),
+                int(index.slot[node]),
+                last_access + ttl - now,
+                now - last_access,
+                bool(index.pins[node] > 0),
+            )
+        )
         parent = node
     return BlockReport(len(array), len(states) * size, tuple(states), stop)

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 TRIM_THRESHOLD = 256 << 20  # keep up to 256 MiB of freed heap instead of trimming it
-MMAP_THRESHOLD = 64 << 20   # serve blocks below 64 MiB from the heap, not fresh mmaps
+MMAP_THRESHOLD = 64 << 20  # serve blocks below 64 MiB from the heap, not fresh mmaps
 
 
 def tune_for_large_frames() -> bool:

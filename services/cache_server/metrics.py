@@ -20,12 +20,19 @@ import logging
 import socket
 import socketserver
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
-from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector, ProcessCollector,
-                               make_wsgi_app)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    make_wsgi_app,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -108,8 +115,18 @@ def _tier_gauges(s: StatsSnapshot) -> Iterator[Metric]:
 
 
 # RedisStats counters exported as prefixcache_remote_events_total{event=...} (counts of things).
-REMOTE_EVENTS = ("hits", "misses", "reads_skipped", "read_errors", "spills_queued", "spills_dropped",
-                 "writes_failed", "integrity_failures", "probes_declined", "probe_blocks_declined")
+REMOTE_EVENTS = (
+    "hits",
+    "misses",
+    "reads_skipped",
+    "read_errors",
+    "spills_queued",
+    "spills_dropped",
+    "writes_failed",
+    "integrity_failures",
+    "probes_declined",
+    "probe_blocks_declined",
+)
 BREAKER_SIDES = ("read", "write")
 
 
@@ -146,15 +163,18 @@ class RemoteCollector(Collector):
         events = CounterMetricFamily(f"{PREFIX}_remote_events", "Redis tier events by kind", labels=["event"])
         for name in REMOTE_EVENTS:
             events.add_metric([name], getattr(stats, name))
-        transferred = CounterMetricFamily(f"{PREFIX}_remote_bytes", "Bytes read from / written to Redis",
-                                          labels=["direction"])
+        transferred = CounterMetricFamily(
+            f"{PREFIX}_remote_bytes", "Bytes read from / written to Redis", labels=["direction"]
+        )
         transferred.add_metric(["read"], stats.bytes_read)
         transferred.add_metric(["write"], stats.bytes_written)
         trips = CounterMetricFamily(f"{PREFIX}_remote_breaker_trips", "Times the breaker took the tier down")
         trips.add_metric([], stats.breaker_trips)
-        state = GaugeMetricFamily(f"{PREFIX}_remote_breaker_state",
-                                  "1 for the breaker's current state, per side (up: calls go through)",
-                                  labels=["side", "state"])
+        state = GaugeMetricFamily(
+            f"{PREFIX}_remote_breaker_state",
+            "1 for the breaker's current state, per side (up: calls go through)",
+            labels=["side", "state"],
+        )
         for side in BREAKER_SIDES:
             current = _breaker_state(stats, side)
             for candidate in BreakerState:
@@ -165,9 +185,12 @@ class RemoteCollector(Collector):
         latency.add_metric([], stats.link_latency_s)
         bandwidth = GaugeMetricFamily(f"{PREFIX}_remote_link_bytes_per_second", "Estimated Redis bandwidth")
         bandwidth.add_metric([], stats.link_bytes_per_s)
-        durations = _histogram(f"{PREFIX}_remote_op_duration_seconds", "Redis operation time (read: one "
-                               "pipelined fetch, write: one batch of SETs)", "op",
-                               {"read": stats.read_latency, "write": stats.write_latency})
+        durations = _histogram(
+            f"{PREFIX}_remote_op_duration_seconds",
+            "Redis operation time (read: one pipelined fetch, write: one batch of SETs)",
+            "op",
+            {"read": stats.read_latency, "write": stats.write_latency},
+        )
         yield from (events, transferred, trips, state, queue, latency, bandwidth, durations)
 
 
@@ -179,8 +202,9 @@ class HandlerCollector(Collector):
         self._load = load
 
     def collect(self) -> Iterator[Metric]:
-        calls = GaugeMetricFamily(f"{PREFIX}_unary_calls", "Unary calls by state (queued, running, waiting)",
-                                  labels=["state"])
+        calls = GaugeMetricFamily(
+            f"{PREFIX}_unary_calls", "Unary calls by state (queued, running, waiting)", labels=["state"]
+        )
         for state, n in self._load().items():
             calls.add_metric([state], n)
         yield calls
@@ -209,16 +233,24 @@ class _QuietHandler(WSGIRequestHandler):
 class ServiceMetrics:
     """The registry the exporter serves; `observe` is the servicer's per-call hook."""
 
-    def __init__(self, source: Callable[[], StatsSnapshot | None],
-                 remote: Callable[[], RedisStats | None] | None = None) -> None:
+    def __init__(
+        self, source: Callable[[], StatsSnapshot | None], remote: Callable[[], RedisStats | None] | None = None
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         add_process_collectors(self.registry)
-        self._rpcs = Counter(f"{PREFIX}_rpcs", "RPCs by method and status code", ["method", "code"],
-                             registry=self.registry)
-        self._latency = Histogram(f"{PREFIX}_rpc_duration_seconds", "RPC handling time (Lookup is the hot path)",
-                                  ["method"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
-        self._denied = Counter(f"{PREFIX}_auth_denied", "Calls refused for a missing or wrong token",
-                               registry=self.registry)
+        self._rpcs = Counter(
+            f"{PREFIX}_rpcs", "RPCs by method and status code", ["method", "code"], registry=self.registry
+        )
+        self._latency = Histogram(
+            f"{PREFIX}_rpc_duration_seconds",
+            "RPC handling time (Lookup is the hot path)",
+            ["method"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._denied = Counter(
+            f"{PREFIX}_auth_denied", "Calls refused for a missing or wrong token", registry=self.registry
+        )
         self.registry.register(StatsCollector(source))
         if remote is not None:
             self.registry.register(RemoteCollector(remote))
@@ -236,10 +268,12 @@ class ServiceMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP exporter; returns the bound port."""
-        self._http = make_server(host, port, make_wsgi_app(self.registry), _Server6 if ":" in host else _Server,
-                                 handler_class=_QuietHandler)
-        threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.05},
-                         name="prefixcache-metrics", daemon=True).start()
+        self._http = make_server(
+            host, port, make_wsgi_app(self.registry), _Server6 if ":" in host else _Server, handler_class=_QuietHandler
+        )
+        threading.Thread(
+            target=self._http.serve_forever, kwargs={"poll_interval": 0.05}, name="prefixcache-metrics", daemon=True
+        ).start()
         bound = self._http.server_address[1]
         log.info("metrics on http://%s:%d/metrics", host, bound)
         return bound

@@ -29,15 +29,15 @@ class ServerOptions:
     authenticator: Authenticator = field(default_factory=Authenticator.open, compare=False)
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
-    metrics_port: int | None = None      # None: no exporter; 0: any free port
-    metrics_host: str | None = None      # default: the host of `listen`
-    max_receive_bytes: int = 16 * MIB    # a 1M-token Lookup is ~5 MiB of varints
+    metrics_port: int | None = None  # None: no exporter; 0: any free port
+    metrics_host: str | None = None  # default: the host of `listen`
+    max_receive_bytes: int = 16 * MIB  # a 1M-token Lookup is ~5 MiB of varints
     max_send_bytes: int = 16 * MIB
     max_chunk_bytes: int = 4 * MIB - 1024  # Fetch/Store data per message: whole messages stay <= 4 MiB,
-                                           # which any gRPC client accepts with default settings
-    max_concurrent_rpcs: int = 128       # calls held; beyond: RESOURCE_EXHAUSTED + retry hint (pools.Admission)
-    workers: int = 2                     # unary calls run at once (plus one per call waiting on Redis); pools.py
-    stream_workers: int = 16             # threads for streams (Fetch, Store, reflection); one per open stream
+    # which any gRPC client accepts with default settings
+    max_concurrent_rpcs: int = 128  # calls held; beyond: RESOURCE_EXHAUSTED + retry hint (pools.Admission)
+    workers: int = 2  # unary calls run at once (plus one per call waiting on Redis); pools.py
+    stream_workers: int = 16  # threads for streams (Fetch, Store, reflection); one per open stream
     grace_s: float = 10.0
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0

@@ -26,8 +26,8 @@ import contextlib
 import functools
 import threading
 from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import Callable, Iterator
 
 import grpc
 
@@ -50,11 +50,11 @@ class ElasticPool(futures.ThreadPoolExecutor):
         self._cond = threading.Condition()
         self._queue: deque[tuple[futures.Future, Callable, tuple, dict]] = deque()
         self._threads: list[threading.Thread] = []
-        self._running = 0   # calls started and not finished
-        self._waiting = 0   # of those, calls inside waiting()
-        self._idle = 0      # threads parked for work
+        self._running = 0  # calls started and not finished
+        self._waiting = 0  # of those, calls inside waiting()
+        self._idle = 0  # threads parked for work
         self._notified = 0  # parked threads notified and not yet up
-        self._pending = 0   # threads notified or started for a queued call and not yet up
+        self._pending = 0  # threads notified or started for a queued call and not yet up
         self._closed = False
 
     def submit(self, fn, /, *args, **kwargs) -> futures.Future:
@@ -196,11 +196,15 @@ class StreamsOnOwnPool(grpc.ServerInterceptor):
         return moved[1]
 
     def _move(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        field = ("stream_stream" if handler.response_streaming else "stream_unary") if handler.request_streaming \
+        field = (
+            ("stream_stream" if handler.response_streaming else "stream_unary")
+            if handler.request_streaming
             else "unary_stream"
+        )
         behavior = getattr(handler, field)
-        if getattr(behavior, "experimental_thread_pool", None) is not None \
-                or getattr(behavior, "experimental_non_blocking", False):
+        if getattr(behavior, "experimental_thread_pool", None) is not None or getattr(
+            behavior, "experimental_non_blocking", False
+        ):
             return handler
         return handler._replace(**{field: _on_pool(behavior, self._pool)})
 
@@ -243,8 +247,14 @@ class Admission(grpc.ServerInterceptor):
     The count is the pools' own (queued or running), so a call cancelled before its handler
     ran is never counted twice or leaked."""
 
-    def __init__(self, limit: int, pools: tuple, control_pool: futures.ThreadPoolExecutor,
-                 control: frozenset[str], retry_after_ms: int = 100) -> None:
+    def __init__(
+        self,
+        limit: int,
+        pools: tuple,
+        control_pool: futures.ThreadPoolExecutor,
+        control: frozenset[str],
+        retry_after_ms: int = 100,
+    ) -> None:
         self._limit = limit
         self._pools = pools
         self._control_pool = control_pool
@@ -274,13 +284,16 @@ class Admission(grpc.ServerInterceptor):
         return self._refusal(handler, held)
 
     def _refusal(self, handler: grpc.RpcMethodHandler, held: int) -> grpc.RpcMethodHandler:
-        details = (f"overloaded: {held} calls held, the limit is {self._limit} (--max-concurrent-rpcs); "
-                   f"retry after {self._retry_after_ms} ms or on another instance")
+        details = (
+            f"overloaded: {held} calls held, the limit is {self._limit} (--max-concurrent-rpcs); "
+            f"retry after {self._retry_after_ms} ms or on another instance"
+        )
         trailer = ((RETRY_METADATA, str(self._retry_after_ms)),)
 
         def refuse(_request, context):
             context.set_trailing_metadata(trailer)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+
         refuse = _on_pool(refuse, self._control_pool)  # answered at once, not queued behind the load
         if handler.request_streaming and handler.response_streaming:
             return grpc.stream_stream_rpc_method_handler(refuse)

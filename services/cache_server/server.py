@@ -29,8 +29,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
-from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -48,7 +48,7 @@ from .status import CallTracker
 
 log = logging.getLogger(__name__)
 
-HANDLER_EXIT_S = 0.5    # cancelled handlers return at their next send; a stream handler copies <= 4 MiB first
+HANDLER_EXIT_S = 0.5  # cancelled handlers return at their next send; a stream handler copies <= 4 MiB first
 SHUTDOWN_BOUND_S = 1.0  # past the grace period: cancel, HANDLER_EXIT_S, FENCE_S and the unmap, with margin
 
 
@@ -85,8 +85,11 @@ class CacheServer:
         self.options = options
         self.backend = CacheBackend(options.backend)
         self.tracker = CallTracker()
-        self.metrics = (ServiceMetrics(self.backend.stats, remote=lambda: remote_stats_of(self.backend.cache))
-                        if options.metrics_port is not None else None)
+        self.metrics = (
+            ServiceMetrics(self.backend.stats, remote=lambda: remote_stats_of(self.backend.cache))
+            if options.metrics_port is not None
+            else None
+        )
         self.health = health.HealthServicer()
         self._ticker = Ticker("prefixcache-expire", options.expire_interval_s, self.backend.expire)
         self._stopped = threading.Event()
@@ -97,8 +100,12 @@ class CacheServer:
         self.unary_pool = ElasticPool(options.workers, options.workers + options.max_concurrent_rpcs, "rpc")
         self.stream_pool = CountingPool(options.stream_workers, "rpc-stream")
         self.control_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rpc-control")
-        self.admission = Admission(options.max_concurrent_rpcs, (self.unary_pool, self.stream_pool),
-                                   self.control_pool, HEALTH_METHODS | {f"/{SERVICE_NAME}/Release"})
+        self.admission = Admission(
+            options.max_concurrent_rpcs,
+            (self.unary_pool, self.stream_pool),
+            self.control_pool,
+            HEALTH_METHODS | {f"/{SERVICE_NAME}/Release"},
+        )
         if self.metrics is not None:
             self.metrics.watch_handlers(self.unary_pool.load)
         self._server = self._build_grpc()
@@ -115,8 +122,8 @@ class CacheServer:
         register(server, servicer, self.tracker, self.metrics.observe if self.metrics else _no_observer)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            server)
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+        )
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         return server
@@ -137,21 +144,26 @@ class CacheServer:
         host = self.options.host
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
-    def start(self) -> "CacheServer":
+    def start(self) -> CacheServer:
         self.port = self._bind()
         # Named after the bound address, so a successor on it finds (and reclaims) a dead predecessor's segment.
-        self.backend.claim_segment(self.options.backend.shm_name or segment_name_for(self.options.host, self.port),
-                                   owner=self.address)
+        self.backend.claim_segment(
+            self.options.backend.shm_name or segment_name_for(self.options.host, self.port), owner=self.address
+        )
         self._server.start()
         self._ticker.start()
         if self.metrics is not None:
-            self.metrics_port = self.metrics.serve(self.options.metrics_host or self.options.host,
-                                                   self.options.metrics_port)
+            self.metrics_port = self.metrics.serve(
+                self.options.metrics_host or self.options.host, self.options.metrics_port
+            )
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving prefixcache.v1 on %s (%s, auth %s)", self.address,
-                 "TLS" if self.options.tls_cert_file else "plaintext",
-                 "on" if self.options.authenticator.enabled else "off")
+        log.info(
+            "serving prefixcache.v1 on %s (%s, auth %s)",
+            self.address,
+            "TLS" if self.options.tls_cert_file else "plaintext",
+            "on" if self.options.authenticator.enabled else "off",
+        )
         return self
 
     def shutdown(self, grace_s: float | None = None) -> None:
@@ -172,13 +184,15 @@ class CacheServer:
             self._server.stop(max(0.0, deadline - time.monotonic())).wait()
             copying = self.backend.copies_in_progress()
             if copying:  # unmapping now would pull the memory from under them (SIGSEGV)
-                log.info("%d handler(s) copying out of the host tier as the server stopped; waiting for them",
-                         copying)
+                log.info("%d handler(s) copying out of the host tier as the server stopped; waiting for them", copying)
             # gRPC's stop cancels the calls but does not wait for their handler threads:
             # give them a bounded moment to return, so that few are left inside the tiers.
             if not self.tracker.wait_idle(HANDLER_EXIT_S):
-                log.warning("%d handler(s) still running %.1fs after cancelling; closing around them",
-                            self.tracker.in_flight, HANDLER_EXIT_S)
+                log.warning(
+                    "%d handler(s) still running %.1fs after cancelling; closing around them",
+                    self.tracker.in_flight,
+                    HANDLER_EXIT_S,
+                )
             self._stop_pools()
             self._ticker.stop()
             self.backend.close()

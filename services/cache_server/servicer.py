@@ -8,8 +8,8 @@ codes by status.py, which also wraps each method (timing, calls in flight).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import grpc
 import numpy as np
@@ -26,7 +26,7 @@ from .backend import CacheBackend
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefixCache"].full_name
 MAX_CHUNK_BYTES = (4 << 20) - 1024  # a whole FetchChunk message stays <= 4 MiB
-DEFAULT_CHUNK_BYTES = 1 << 20       # measured fastest through gRPC Python (benchmarks/service_bench.py)
+DEFAULT_CHUNK_BYTES = 1 << 20  # measured fastest through gRPC Python (benchmarks/service_bench.py)
 
 # method -> (request type, response type)
 UNARY_METHODS = {
@@ -42,16 +42,24 @@ UNARY_METHODS = {
     "Flush": (pb.FlushRequest, pb.FlushResponse),
 }
 METHODS = (*UNARY_METHODS, "Fetch", "Store")
-REQUEST_TYPES = {**{name: request for name, (request, _) in UNARY_METHODS.items()},
-                 "Fetch": pb.FetchRequest, "Store": pb.StoreRequest}
+REQUEST_TYPES = {
+    **{name: request for name, (request, _) in UNARY_METHODS.items()},
+    "Fetch": pb.FetchRequest,
+    "Store": pb.StoreRequest,
+}
 
 # The library names its arguments as its Python API does (`count`, `older_than_s`); an error
 # names the field as the method's request message spells it (tests/test_field_names.py).
 PROTO_FIELDS: dict[str, dict[str, str]] = {
     "Attach": {"namespace": "model"},
     "Reserve": {"count": "block_count"},
-    "Store": {"namespace_id": "header.namespace_id", "tokens": "header.tokens", "start_block": "header.start_block",
-              "count": "header.block_count", "kv": "data"},
+    "Store": {
+        "namespace_id": "header.namespace_id",
+        "tokens": "header.tokens",
+        "start_block": "header.start_block",
+        "count": "header.block_count",
+        "kv": "data",
+    },
     "Evict": {"namespace": "namespace_id", "older_than_s": "older_than_seconds", "tokens": "prefix.tokens"},
 }
 
@@ -60,7 +68,7 @@ PROTO_FIELDS: dict[str, dict[str, str]] = {
 class Limits:
     block_size: int
     max_prompt_tokens: int
-    max_chunk_bytes: int = MAX_CHUNK_BYTES          # largest data payload per Fetch/Store message
+    max_chunk_bytes: int = MAX_CHUNK_BYTES  # largest data payload per Fetch/Store message
     default_chunk_bytes: int = DEFAULT_CHUNK_BYTES  # Fetch chunk when the request names none
 
 
@@ -72,7 +80,7 @@ def byte_chunks(views: Iterable[memoryview], limit: int) -> Iterator[tuple[int, 
         position = 0
         while position < len(view):
             take = min(limit - size, len(view) - position)
-            pending.append(view[position:position + take])
+            pending.append(view[position : position + take])
             size += take
             position += take
             if size == limit:
@@ -108,14 +116,18 @@ class PrefixCacheServicer:
         kv_scale = convert.text(request.kv_scale, "kv_scale", required=False)
         ns_id = self._backend.attach(principal, model, revision, layout, convert.salt(request), kv_scale)
         response = pb.AttachResponse(
-            namespace_id=ns_id, layout=convert.layout_message(layout),
+            namespace_id=ns_id,
+            layout=convert.layout_message(layout),
             lease_ttl_seconds=self._backend.options.cache.lease_ttl_s,
-            max_prompt_tokens=self._limits.max_prompt_tokens, max_chunk_bytes=self._limits.max_chunk_bytes)
+            max_prompt_tokens=self._limits.max_prompt_tokens,
+            max_chunk_bytes=self._limits.max_chunk_bytes,
+        )
         if request.same_host and principal.same_host:  # the pools hold every tenant's KV (SECURITY.md)
             host = self._backend.share_handle(TierKind.HOST)
             assert host is not None  # the host tier is always a shared-memory segment
-            response.host_segment.CopyFrom(pb.SharedMemorySegment(name=host.segment, num_slots=host.num_slots,
-                                                                  slot_bytes=host.slot_bytes))
+            response.host_segment.CopyFrom(
+                pb.SharedMemorySegment(name=host.segment, num_slots=host.num_slots, slot_bytes=host.slot_bytes)
+            )
             self._add_device_pool(response)
         return response
 
@@ -123,25 +135,39 @@ class PrefixCacheServicer:
         shared = self._backend.share_handle(TierKind.DEVICE)
         if shared is None or shared.cuda_ipc is None:
             return
-        (device, handle, size, offset, ref_handle, ref_offset, event, sync), num_slots = shared.cuda_ipc, shared.num_slots
-        response.device_pool.CopyFrom(pb.CudaIpcPool(
-            device_index=device, handle=handle, storage_size_bytes=size, storage_offset_bytes=offset,
-            ref_counter_handle=ref_handle, ref_counter_offset=ref_offset, event_handle=event or b"",
-            event_sync_required=sync, num_slots=num_slots))
+        (device, handle, size, offset, ref_handle, ref_offset, event, sync), num_slots = (
+            shared.cuda_ipc,
+            shared.num_slots,
+        )
+        response.device_pool.CopyFrom(
+            pb.CudaIpcPool(
+                device_index=device,
+                handle=handle,
+                storage_size_bytes=size,
+                storage_offset_bytes=offset,
+                ref_counter_handle=ref_handle,
+                ref_counter_offset=ref_offset,
+                event_handle=event or b"",
+                event_sync_required=sync,
+                num_slots=num_slots,
+            )
+        )
 
     def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         principal = self._begin(request, context)
         ns_id = convert.namespace_id(request.namespace_id)
         salt = convert.salt(request)
-        result = self._backend.lookup(principal, ns_id, salt, self._tokens(request.tokens), request.take_lease,
-                                      convert.recompute_cost(request))
+        result = self._backend.lookup(
+            principal, ns_id, salt, self._tokens(request.tokens), request.take_lease, convert.recompute_cost(request)
+        )
         return convert.lookup_response(result, self._backend.remaining_s(result.lease_expires_at))
 
     def Fetch(self, request: pb.FetchRequest, context) -> Iterator[bytes]:
         principal = self._begin(request, context)
         lease_id = convert.positive_id(request.lease_id, "lease_id")
-        limit = convert.chunk_bytes(request.max_chunk_bytes, self._limits.default_chunk_bytes,
-                                    self._limits.max_chunk_bytes)
+        limit = convert.chunk_bytes(
+            request.max_chunk_bytes, self._limits.default_chunk_bytes, self._limits.max_chunk_bytes
+        )
         lease = self._backend.lease(principal, lease_id)
         count = len(lease.locations)
         total = count * self._backend.cache.layout.block_bytes
@@ -165,8 +191,10 @@ class PrefixCacheServicer:
         # Reserved slots are written through the mapped pool; a caller that cannot map it must
         # not commit whatever bytes a freed slot still holds (another tenant's old KV).
         if not principal.same_host:
-            raise NotPermitted(f"{method} is the same-host data plane, which this credential may not use "
-                               "(mark it 'local' in the credentials file); send KV with Store")
+            raise NotPermitted(
+                f"{method} is the same-host data plane, which this credential may not use "
+                "(mark it 'local' in the credentials file); send KV with Store"
+            )
 
     def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         principal = self._begin(request, context)
@@ -175,9 +203,12 @@ class PrefixCacheServicer:
         if request.block_count == 0:
             raise InvalidArgument("block_count", "must be at least 1")
         reservation = self._backend.reserve(principal, ns_id, request.block_count)
-        return pb.ReserveResponse(reservation_id=reservation.id, tier=convert.TIERS[reservation.tier],
-                                  slots=reservation.slots,
-                                  ttl_seconds=self._backend.remaining_s(reservation.expires_at))
+        return pb.ReserveResponse(
+            reservation_id=reservation.id,
+            tier=convert.TIERS[reservation.tier],
+            slots=reservation.slots,
+            ttl_seconds=self._backend.remaining_s(reservation.expires_at),
+        )
 
     def Commit(self, request: pb.CommitRequest, context) -> pb.CommitResponse:
         principal = self._begin(request, context)
@@ -185,8 +216,9 @@ class PrefixCacheServicer:
         ns_id = convert.namespace_id(request.namespace_id)
         salt = convert.salt(request)
         reservation_id = convert.positive_id(request.reservation_id, "reservation_id")
-        result = self._backend.commit(principal, ns_id, salt, self._tokens(request.tokens), reservation_id,
-                                      request.start_block)
+        result = self._backend.commit(
+            principal, ns_id, salt, self._tokens(request.tokens), reservation_id, request.start_block
+        )
         return convert.commit_response(result)
 
     def Store(self, requests: Iterator[wire.StorePart], context) -> pb.CommitResponse:
@@ -206,8 +238,11 @@ class PrefixCacheServicer:
         total = header.block_count * layout.block_bytes
         capacity = self._backend.options.cache.host_capacity
         if total > capacity:
-            raise ResourceExhausted(f"header.block_count: {header.block_count} blocks ({total} bytes) exceed "
-                                    f"the host tier's {capacity} bytes", "header.block_count")
+            raise ResourceExhausted(
+                f"header.block_count: {header.block_count} blocks ({total} bytes) exceed "
+                f"the host tier's {capacity} bytes",
+                "header.block_count",
+            )
         buffer = torch.empty(total, dtype=torch.uint8)
         received = _receive(requests, buffer.numpy())
         if received != total:
@@ -235,8 +270,9 @@ class PrefixCacheServicer:
     def ListNamespaces(self, request: pb.ListNamespacesRequest, context) -> pb.ListNamespacesResponse:
         principal = self._begin(request, context)
         cache = self._backend.cache
-        return wire.namespaces_message(self._backend.namespaces(principal),
-                                       cache.layout.block_bytes if cache is not None else 0)
+        return wire.namespaces_message(
+            self._backend.namespaces(principal), cache.layout.block_bytes if cache is not None else 0
+        )
 
     def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
         principal = self._begin(request, context)
@@ -267,20 +303,26 @@ def _receive(requests: Iterator[wire.StorePart], out: np.ndarray) -> int:
     return offset
 
 
-def register(server: grpc.Server, servicer: PrefixCacheServicer, tracker: status.CallTracker,
-             observe: status.Observer) -> None:
+def register(
+    server: grpc.Server, servicer: PrefixCacheServicer, tracker: status.CallTracker, observe: status.Observer
+) -> None:
     """Add the service's handlers, with parsers that turn junk into INVALID_ARGUMENT."""
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
             status.unary(name, getattr(servicer, name), tracker, observe, PROTO_FIELDS.get(name)),
-            request_deserializer=status.parser(request), response_serializer=response.SerializeToString)
+            request_deserializer=status.parser(request),
+            response_serializer=response.SerializeToString,
+        )
         for name, (request, response) in UNARY_METHODS.items()
     }
     handlers["Fetch"] = grpc.unary_stream_rpc_method_handler(  # yields serialized FetchChunks (wire.py)
         status.streaming("Fetch", servicer.Fetch, tracker, observe, PROTO_FIELDS.get("Fetch")),
-        request_deserializer=status.parser(pb.FetchRequest), response_serializer=None)
+        request_deserializer=status.parser(pb.FetchRequest),
+        response_serializer=None,
+    )
     handlers["Store"] = grpc.stream_unary_rpc_method_handler(
         status.unary("Store", servicer.Store, tracker, observe, PROTO_FIELDS["Store"]),
         request_deserializer=status.parser(pb.StoreRequest, wire.decode_store_request),
-        response_serializer=pb.CommitResponse.SerializeToString)
+        response_serializer=pb.CommitResponse.SerializeToString,
+    )
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -37,11 +37,14 @@ EXAMPLES = """examples:
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "shm", help="list or remove the host tier's shared-memory segments on this machine", epilog=EXAMPLES,
+        "shm",
+        help="list or remove the host tier's shared-memory segments on this machine",
+        epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="List the prefixcache shared-memory segments of this machine, or remove those whose "
-                    "service is gone (a SIGKILLed service's segment stays until then, or until a service "
-                    "starts on the same address). A live service's segment is never removed.")
+        "service is gone (a SIGKILLed service's segment stays until then, or until a service "
+        "starts on the same address). A live service's segment is never removed.",
+    )
     actions = parser.add_subparsers(dest="shm_command", metavar="ACTION", required=True)
     listing = actions.add_parser("list", help="name, owner pid, alive/dead, size and resident bytes of each")
     listing.add_argument("--json", action="store_true", help="one JSON array instead of the table")
@@ -54,14 +57,23 @@ def register(subparsers) -> None:
 
 def _as_dict(info: SegmentInfo) -> dict:
     record = info.record
-    return {"name": info.name, "pid": record.pid, "owner": record.owner, "alive": info.alive,
-            "size_bytes": info.size, "resident_bytes": info.resident, "created": record.created}
+    return {
+        "name": info.name,
+        "pid": record.pid,
+        "owner": record.owner,
+        "alive": info.alive,
+        "size_bytes": info.size,
+        "resident_bytes": info.resident,
+        "created": record.created,
+    }
 
 
 def _table(segments: list[SegmentInfo]) -> str:
     rows = [("NAME", "PID", "STATE", "SIZE", "RESIDENT", "OWNER")]
-    rows += [(s.name, str(s.record.pid), "alive" if s.alive else "dead", mib(s.size), mib(s.resident),
-              s.record.owner or "-") for s in segments]
+    rows += [
+        (s.name, str(s.record.pid), "alive" if s.alive else "dead", mib(s.size), mib(s.resident), s.record.owner or "-")
+        for s in segments
+    ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
@@ -82,8 +94,10 @@ def _clean(directory: Path, names: list[str]) -> int:
             if info is None:
                 raise ConfigError("name", f"{directory / name} is not a prefixcache segment (or does not exist)")
             if info.alive:
-                raise ConfigError("name", f"{info.path} belongs to a running service (pid {info.record.pid}); "
-                                          "stop that service instead")
+                raise ConfigError(
+                    "name",
+                    f"{info.path} belongs to a running service (pid {info.record.pid}); stop that service instead",
+                )
             targets.append(info)
     else:
         targets = [info for info in list_segments(directory) if not info.alive]

@@ -27,15 +27,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from prefixcache.client.wire import WireError
-from prefixcache.errors import (InvalidArgument, LayoutMismatch, PrefixCacheError, ResourceExhausted,
-                                TierUnavailable, UnknownLease)
+from prefixcache.errors import (
+    InvalidArgument,
+    LayoutMismatch,
+    PrefixCacheError,
+    ResourceExhausted,
+    TierUnavailable,
+    UnknownLease,
+)
 
 from .auth import NotPermitted, Unauthenticated
 from .backend import Draining, ServiceMisconfigured
@@ -46,7 +52,7 @@ FIELD_METADATA = "prefixcache-field"
 Observer = Callable[[str, grpc.StatusCode, float], None]
 
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (UnknownLease, grpc.StatusCode.NOT_FOUND),          # before its base class InvalidArgument
+    (UnknownLease, grpc.StatusCode.NOT_FOUND),  # before its base class InvalidArgument
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (LayoutMismatch, grpc.StatusCode.FAILED_PRECONDITION),
     (ServiceMisconfigured, grpc.StatusCode.FAILED_PRECONDITION),
@@ -89,6 +95,7 @@ def parser(message_type, decode: Callable[[bytes], object] | None = None) -> Cal
             return decode(data)
         except (DecodeError, WireError):
             return Malformed(name)
+
     return parse
 
 
@@ -105,7 +112,7 @@ class CallTracker:
         self._count = 0
         self._idle = threading.Condition()
 
-    def __enter__(self) -> "CallTracker":
+    def __enter__(self) -> CallTracker:
         with self._idle:
             self._count += 1
         return self
@@ -132,7 +139,7 @@ def in_proto_terms(failure: Failure, renames: dict[str, str]) -> Failure:
         return failure
     details = failure.details
     if details.startswith(f"{field}:"):
-        details = renames[field] + details[len(field):]
+        details = renames[field] + details[len(field) :]
     return Failure(failure.code, details, renames[field])
 
 
@@ -158,10 +165,12 @@ def _done(observe: Observer, method: str, code: grpc.StatusCode, started: float,
     log.debug("%s %s in %.3f ms%s%s", method, code.name, seconds * 1e3, ": " if details else "", details)
 
 
-def unary(method: str, handler: Callable, tracker: CallTracker, observe: Observer,
-          renames: dict[str, str] | None = None) -> Callable:
+def unary(
+    method: str, handler: Callable, tracker: CallTracker, observe: Observer, renames: dict[str, str] | None = None
+) -> Callable:
     """Wrap a unary-response handler: map typed errors, count it in flight, time it."""
     renames = renames or {}
+
     def wrapped(request, context):
         started = time.perf_counter()
         with tracker:
@@ -174,13 +183,16 @@ def unary(method: str, handler: Callable, tracker: CallTracker, observe: Observe
                 return response
         _done(observe, method, failure.code, started, failure.details)
         _fail(context, failure)
+
     return wrapped
 
 
-def streaming(method: str, handler: Callable, tracker: CallTracker, observe: Observer,
-              renames: dict[str, str] | None = None) -> Callable:
+def streaming(
+    method: str, handler: Callable, tracker: CallTracker, observe: Observer, renames: dict[str, str] | None = None
+) -> Callable:
     """Wrap a response-streaming handler (a generator) the same way."""
     renames = renames or {}
+
     def wrapped(request, context) -> Iterator:
         started = time.perf_counter()
         with tracker:
@@ -193,4 +205,5 @@ def streaming(method: str, handler: Callable, tracker: CallTracker, observe: Obs
                 return
         _done(observe, method, failure.code, started, failure.details)
         _fail(context, failure)
+
     return wrapped

@@ -30,6 +30,7 @@ from rich.console import Console
 from prefixcache.client import CacheClient
 from prefixcache.client.api import Hit
 from prefixcache.errors import PrefixCacheError
+
 from .openai_client import Completion
 from .report import CacheOnlySummary, Percentiles
 from .runner import RunOptions, RunResult, Target, run_schedule_with
@@ -48,7 +49,7 @@ class CacheOnlyOptions:
     preset: ModelPreset
     block_size: int = 16
     verify: bool = True
-    same_host: bool = True           # False: KV moves over the gRPC streams even when co-located
+    same_host: bool = True  # False: KV moves over the gRPC streams even when co-located
     timeout_s: float = 10.0
     auth_token: str | None = None
 
@@ -82,8 +83,12 @@ class _Driver:
 
     def attach(self) -> bool:
         """Attach as a synthetic worker; True when KV moves through shared memory."""
-        attachment = self.client.attach(f"replay-synthetic-{self.options.preset.name}", self.layout,
-                                        revision="synthetic-v1", same_host=self.options.same_host)
+        attachment = self.client.attach(
+            f"replay-synthetic-{self.options.preset.name}",
+            self.layout,
+            revision="synthetic-v1",
+            same_host=self.options.same_host,
+        )
         return attachment.shared_memory
 
     async def send(self, turn: Turn) -> Completion:
@@ -93,13 +98,17 @@ class _Driver:
         try:
             ops = await loop.run_in_executor(self.pool, self._request, tokens)
         except PrefixCacheError as error:
-            return Completion(error=f"{type(error).__name__}: {error}",
-                              latency_s=time.perf_counter() - started)
+            return Completion(error=f"{type(error).__name__}: {error}", latency_s=time.perf_counter() - started)
         self.ops.append(ops)
         hit_tokens = ops.hit_blocks * self.layout.block_size
         error = f"corrupt KV: {ops.corrupt_blocks} block(s) differ" if ops.corrupt_blocks else None
-        return Completion(latency_s=time.perf_counter() - started, prompt_tokens=len(tokens),
-                          completion_tokens=0, cached_tokens=hit_tokens, error=error)
+        return Completion(
+            latency_s=time.perf_counter() - started,
+            prompt_tokens=len(tokens),
+            completion_tokens=0,
+            cached_tokens=hit_tokens,
+            error=error,
+        )
 
     def _request(self, tokens: list[int]) -> OpTimes:
         """One worker-shaped request on a pool thread: lookup, read, store, release."""
@@ -132,39 +141,52 @@ class _Driver:
         return time.perf_counter() - t0, (result.stored, result.deduplicated, result.rejected)
 
 
-def summarize(ops: list[OpTimes], options: CacheOnlyOptions, shared_memory: bool, requests: int,
-              wall_s: float) -> CacheOnlySummary:
+def summarize(
+    ops: list[OpTimes], options: CacheOnlyOptions, shared_memory: bool, requests: int, wall_s: float
+) -> CacheOnlySummary:
     block_bytes = options.preset.layout(options.block_size).block_bytes
     read = sum(o.hit_blocks for o in ops if o.read_s is not None)
     stored = sum(o.blocks_stored for o in ops)
     wall = wall_s if wall_s > 0 else float("inf")
     return CacheOnlySummary(
-        address=options.address, model_size=options.preset.name, block_bytes=block_bytes,
-        shared_memory=shared_memory, verify=options.verify, requests=requests, lookups=len(ops),
+        address=options.address,
+        model_size=options.preset.name,
+        block_bytes=block_bytes,
+        shared_memory=shared_memory,
+        verify=options.verify,
+        requests=requests,
+        lookups=len(ops),
         lookup_s=Percentiles.of([o.lookup_s for o in ops]),
         read_s=Percentiles.of([o.read_s for o in ops if o.read_s is not None]),
         store_s=Percentiles.of([o.store_s for o in ops if o.store_s is not None]),
-        lookups_per_s=len(ops) / wall, blocks_read=read, blocks_stored=stored,
+        lookups_per_s=len(ops) / wall,
+        blocks_read=read,
+        blocks_stored=stored,
         blocks_deduplicated=sum(o.blocks_deduplicated for o in ops),
         blocks_rejected=sum(o.blocks_rejected for o in ops),
-        read_bytes_per_s=read * block_bytes / wall, store_bytes_per_s=stored * block_bytes / wall,
+        read_bytes_per_s=read * block_bytes / wall,
+        store_bytes_per_s=stored * block_bytes / wall,
         verified_blocks=sum(o.verified_blocks for o in ops),
         corrupt_blocks=sum(o.corrupt_blocks for o in ops),
     )
 
 
-async def run_cache_only(schedule: Schedule, token_ids: TokenIds, options: CacheOnlyOptions,
-                         run_options: RunOptions = RunOptions(),
-                         console: Console | None = None) -> tuple[RunResult, CacheOnlySummary]:
+async def run_cache_only(
+    schedule: Schedule,
+    token_ids: TokenIds,
+    options: CacheOnlyOptions,
+    run_options: RunOptions = RunOptions(),
+    console: Console | None = None,
+) -> tuple[RunResult, CacheOnlySummary]:
     """Replay `schedule` against the service at `options.address` (token ids per (conv, turn))."""
     target = Target(f"cache-only ({options.preset.name})", f"grpc://{options.address}", options.preset.name)
-    with ThreadPoolExecutor(max_workers=schedule.config.concurrency,
-                            thread_name_prefix="cache-only") as pool:
+    with ThreadPoolExecutor(max_workers=schedule.config.concurrency, thread_name_prefix="cache-only") as pool:
         driver = _Driver(options, token_ids, pool)
         try:
             shared = await asyncio.get_running_loop().run_in_executor(pool, driver.attach)
-            log.info("cache-only: attached to %s as %s (shared memory: %s)", options.address,
-                     options.preset.name, shared)
+            log.info(
+                "cache-only: attached to %s as %s (shared memory: %s)", options.address, options.preset.name, shared
+            )
             run = await run_schedule_with(schedule, target, driver.send, run_options, console)
         finally:
             driver.client.close()

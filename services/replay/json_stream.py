@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, TextIO
+from typing import Any, TextIO
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class _Buffer:
             return False
         if self.pos > 0:  # drop consumed text so the buffer holds ~one element
             self.consumed_before += self.pos
-            self.text = self.text[self.pos:]
+            self.text = self.text[self.pos :]
             self.pos = 0
         self.text += chunk
         return True
@@ -143,8 +144,7 @@ def _decode_one(buf: _Buffer, decoder: json.JSONDecoder, max_chars: int) -> Any:
         except json.JSONDecodeError as exc:
             if buf.pending() > max_chars:
                 raise JsonArrayError(
-                    f"element at char {buf.offset()} is malformed or larger than "
-                    f"{max_chars} chars: {exc.msg}"
+                    f"element at char {buf.offset()} is malformed or larger than {max_chars} chars: {exc.msg}"
                 ) from exc
             if not buf.fill():
                 return _TRUNCATED
@@ -162,5 +162,6 @@ def _mark_truncated(state: ArrayReadState, buf: _Buffer) -> None:
     state.truncated_at_char = buf.offset()
     log.info(
         "JSON array ends without closing ']' after %d complete elements (tail from char %d)",
-        state.elements, state.truncated_at_char,
+        state.elements,
+        state.truncated_at_char,
     )

@@ -72,8 +72,13 @@ def log_tail(path: Path, lines: int = 20) -> str:
 class LocalStack:
     """Context manager owning the processes it starts (see module invariants)."""
 
-    def __init__(self, log_dir: Path | None = None, startup_timeout_s: float = 180.0,
-                 stop_grace_s: float = 10.0, log_level: str = "INFO") -> None:
+    def __init__(
+        self,
+        log_dir: Path | None = None,
+        startup_timeout_s: float = 180.0,
+        stop_grace_s: float = 10.0,
+        log_level: str = "INFO",
+    ) -> None:
         self._tmp = None if log_dir is not None else tempfile.TemporaryDirectory(prefix="prefixcache-demo-")
         self.log_dir = Path(log_dir if log_dir is not None else self._tmp.name)
         self.startup_timeout_s = startup_timeout_s
@@ -96,27 +101,32 @@ class LocalStack:
             # A new session: a terminal's Ctrl-C reaches only us, and we stop the children in order.
             process = subprocess.Popen(
                 [sys.executable, "-m", "prefixcache_services", "--log-level", self.log_level, *args],
-                stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT, env=_child_env(),
-                cwd=PROJECT_ROOT, start_new_session=True)
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env=_child_env(),
+                cwd=PROJECT_ROOT,
+                start_new_session=True,
+            )
         started = Started(name, process, log_path)
         self._started.append(started)
         log.info("started %s (pid %d), log %s", name, process.pid, log_path)
         return started
 
     def _failed(self, started: Started, problem: str) -> StackError:
-        return StackError(f"{started.name} {problem}; last lines of {started.log_path}:\n"
-                          f"{log_tail(started.log_path)}")
+        return StackError(f"{started.name} {problem}; last lines of {started.log_path}:\n{log_tail(started.log_path)}")
 
     def start_service(self, host_capacity: str = "256MiB", extra: tuple[str, ...] = ()) -> Started:
-        return self._spawn("cache-service", ["serve", "--listen", "127.0.0.1:0",
-                                             "--host-capacity", host_capacity, *extra])
+        return self._spawn(
+            "cache-service", ["serve", "--listen", "127.0.0.1:0", "--host-capacity", host_capacity, *extra]
+        )
 
     def service_address(self, started: Started, deadline: float) -> str:
         """HOST:PORT from the service's readiness line (waits for it until `deadline`)."""
         while True:
             for line in started.log_path.read_text(encoding="utf-8", errors="replace").splitlines():
                 if line.startswith(SERVICE_READY):
-                    return line[len(SERVICE_READY):].strip()
+                    return line[len(SERVICE_READY) :].strip()
             self._check_alive(started, deadline)
             time.sleep(POLL_S)
 

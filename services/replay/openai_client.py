@@ -17,13 +17,13 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
 import codecs
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 import aiohttp
 
@@ -143,12 +143,14 @@ class _Accumulator:
         usage = self.usage or {}
         details = usage.get("prompt_tokens_details") or {}
         return Completion(
-            text="".join(self.parts), ttft_s=self.ttft_s,
+            text="".join(self.parts),
+            ttft_s=self.ttft_s,
             latency_s=time.perf_counter() - self.started,
             prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
             completion_tokens=_int_or_none(usage.get("completion_tokens")),
             cached_tokens=_int_or_none(details.get("cached_tokens")),
-            finish_reason=self.finish_reason, http_status=status,
+            finish_reason=self.finish_reason,
+            http_status=status,
         )
 
 
@@ -159,8 +161,15 @@ def _int_or_none(value: Any) -> int | None:
 class ChatClient:
     """One aiohttp session against one OpenAI-compatible server. Use as an async context manager."""
 
-    def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
-                 timeout_s: float = 300.0, max_connections: int = 256) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 300.0,
+        max_connections: int = 256,
+    ) -> None:
         self.url = chat_completions_url(base_url)
         self.model = model
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -170,8 +179,7 @@ class ChatClient:
 
     async def __aenter__(self) -> ChatClient:
         connector = aiohttp.TCPConnector(limit=self._max_connections)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
-                                              headers=self._headers)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, headers=self._headers)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -181,8 +189,11 @@ class ChatClient:
 
     def request_body(self, messages: Sequence[dict[str, str]], max_tokens: int) -> dict[str, Any]:
         return {
-            "model": self.model, "messages": list(messages), "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": 0,
+            "model": self.model,
+            "messages": list(messages),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0,
             "max_tokens": max_tokens,
         }
 
@@ -207,7 +218,7 @@ class ChatClient:
             return _failed(acc, status, str(exc))
         except (aiohttp.ClientError, UnicodeDecodeError) as exc:
             return _failed(acc, status, f"{type(exc).__name__}: {exc}")
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return _failed(acc, status, "timeout")
         if not acc.done:
             return _failed(acc, status, "stream ended before data: [DONE]")
@@ -216,6 +227,10 @@ class ChatClient:
 
 def _failed(acc: _Accumulator, status: int | None, message: str) -> Completion:
     log.debug("request failed: %s", message)
-    return Completion(text="".join(acc.parts), ttft_s=acc.ttft_s,
-                      latency_s=time.perf_counter() - acc.started, error=message,
-                      http_status=status)
+    return Completion(
+        text="".join(acc.parts),
+        ttft_s=acc.ttft_s,
+        latency_s=time.perf_counter() - acc.started,
+        error=message,
+        http_status=status,
+    )

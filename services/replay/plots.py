@@ -8,8 +8,8 @@ data it still writes a PNG that says so.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -36,8 +36,8 @@ def ttft_series(report: Report) -> dict[str, list[float]]:
     series = {"with cache": [1000 * t.ttft_s for t in ok]}
     if report.baseline_run is not None:
         series["without cache (baseline)"] = [
-            1000 * t.baseline_ttft_s for t in report.turns
-            if t.baseline_error is None and t.baseline_ttft_s is not None]
+            1000 * t.baseline_ttft_s for t in report.turns if t.baseline_error is None and t.baseline_ttft_s is not None
+        ]
     else:
         series["cache misses only"] = [1000 * t.ttft_s for t in ok if t.cached_tokens == 0]
     return series
@@ -68,9 +68,13 @@ def plot_ttft_cdf(report: Report, path: Path) -> Path:
 def hit_rate_points(turns: Sequence[TurnRecord]) -> list[tuple[float, float]]:
     """(completion time s, cumulative token hit rate) for successful turns that reported usage."""
     done = sorted(
-        (t.start_s + t.latency_s, t.prompt_tokens, t.cached_tokens) for t in turns
-        if t.error is None and t.start_s is not None and t.latency_s is not None
-        and t.prompt_tokens and t.cached_tokens is not None
+        (t.start_s + t.latency_s, t.prompt_tokens, t.cached_tokens)
+        for t in turns
+        if t.error is None
+        and t.start_s is not None
+        and t.latency_s is not None
+        and t.prompt_tokens
+        and t.cached_tokens is not None
     )
     points, prompt, cached = [], 0, 0
     for when, p, c in done:
@@ -85,8 +89,7 @@ def plot_hit_rate_over_time(report: Report, path: Path) -> Path:
     ax = fig.add_subplot()
     points = hit_rate_points(report.turns)
     if points:
-        ax.plot([p[0] for p in points], [100 * p[1] for p in points], marker=".",
-                label="cumulative token hit rate")
+        ax.plot([p[0] for p in points], [100 * p[1] for p in points], marker=".", label="cumulative token hit rate")
         ax.legend(loc="lower right")
     else:
         ax.text(0.5, 0.5, "no usage reported", ha="center", transform=ax.transAxes)
@@ -102,5 +105,7 @@ def plot_hit_rate_over_time(report: Report, path: Path) -> Path:
 def write_plots(report: Report, out_dir: Path) -> list[Path]:
     """Write both plots into `out_dir` (created if needed); return their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [plot_ttft_cdf(report, out_dir / "ttft_cdf.png"),
-            plot_hit_rate_over_time(report, out_dir / "hit_rate_over_time.png")]
+    return [
+        plot_ttft_cdf(report, out_dir / "ttft_cdf.png"),
+        plot_hit_rate_over_time(report, out_dir / "hit_rate_over_time.png"),
+    ]

@@ -17,11 +17,11 @@ For servers with another tokenizer the counts are an approximation of theirs.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from .transcripts import Message
 from ..worker.chat import ChatMessage, ChatMLTemplate, Role
 from ..worker.tokenizer import TiktokenTokenizer
+from .transcripts import Message
 
 
 class ChatTokens:

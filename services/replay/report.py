@@ -21,10 +21,11 @@ import dataclasses
 import datetime as dt
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .runner import ABResult, Comparison, RequestRecord, RunResult
 from .schedule import ScheduleConfig
@@ -54,8 +55,7 @@ class Percentiles:
 
     @classmethod
     def of(cls, values: Sequence[float]) -> Percentiles:
-        return cls(len(values), percentile(values, 50), percentile(values, 90),
-                   percentile(values, 99))
+        return cls(len(values), percentile(values, 50), percentile(values, 90), percentile(values, 99))
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ class WorkloadSummary:
     requests: int
     max_turns: int | None
     max_prompt_tokens: int | None
-    max_tokens: int | None   # None in cache-only mode (nothing is generated)
+    max_tokens: int | None  # None in cache-only mode (nothing is generated)
     model: str | None
 
 
@@ -215,34 +215,44 @@ def summarize_run(run: RunResult, block_size: int | None = None) -> RunSummary:
         if rec.completion.error is not None:
             kind = _error_kind(rec.completion.error)
             errors[kind] = errors.get(kind, 0) + 1
-    usage = [(c.prompt_tokens, c.cached_tokens) for c in ok
-             if c.prompt_tokens is not None and c.cached_tokens is not None]
+    usage = [
+        (c.prompt_tokens, c.cached_tokens) for c in ok if c.prompt_tokens is not None and c.cached_tokens is not None
+    ]
     prompt_reported = sum(c.prompt_tokens or 0 for c in ok)
     prompt_hit = sum(p for p, _ in usage)
     cached = sum(c for _, c in usage)
     blocks = None
     if block_size:
-        blocks = _rate(sum(c // block_size for _, c in usage),
-                       sum(p // block_size for p, _ in usage))
+        blocks = _rate(sum(c // block_size for _, c in usage), sum(p // block_size for p, _ in usage))
     completion_tokens = sum(c.completion_tokens or 0 for c in ok)
     wall = run.wall_s if run.wall_s > 0 else float("nan")
     return RunSummary(
-        target=run.target.name, base_url=run.target.base_url, scheduled=run.scheduled,
-        requests=len(run.records), ok=len(ok), errors=len(run.records) - len(ok),
-        not_sent=run.not_sent, error_kinds=errors, wall_s=run.wall_s,
-        prompt_tokens=prompt_reported, cached_tokens=cached, completion_tokens=completion_tokens,
-        cached_tokens_reported=len(usage), token_hit_rate=_rate(cached, prompt_hit),
-        block_hit_rate=blocks, request_hit_rate=_rate(sum(1 for _, c in usage if c), len(usage)),
+        target=run.target.name,
+        base_url=run.target.base_url,
+        scheduled=run.scheduled,
+        requests=len(run.records),
+        ok=len(ok),
+        errors=len(run.records) - len(ok),
+        not_sent=run.not_sent,
+        error_kinds=errors,
+        wall_s=run.wall_s,
+        prompt_tokens=prompt_reported,
+        cached_tokens=cached,
+        completion_tokens=completion_tokens,
+        cached_tokens_reported=len(usage),
+        token_hit_rate=_rate(cached, prompt_hit),
+        block_hit_rate=blocks,
+        request_hit_rate=_rate(sum(1 for _, c in usage if c), len(usage)),
         # Requests that did not report cached_tokens are counted as fully computed.
         prefill_tokens_computed=prompt_reported - cached,
         prefill_tokens_saved=cached,
         ttft_s=Percentiles.of([c.ttft_s for c in ok if c.ttft_s is not None]),
         ttft_hit_s=Percentiles.of([c.ttft_s for c in ok if c.ttft_s is not None and c.cached_tokens]),
-        ttft_miss_s=Percentiles.of([c.ttft_s for c in ok
-                                    if c.ttft_s is not None and c.cached_tokens == 0]),
+        ttft_miss_s=Percentiles.of([c.ttft_s for c in ok if c.ttft_s is not None and c.cached_tokens == 0]),
         latency_s=Percentiles.of([c.latency_s for c in ok if c.latency_s is not None]),
-        throughput=Throughput(_finite(len(ok) / wall), _finite(prompt_reported / wall),
-                              _finite(completion_tokens / wall)),
+        throughput=Throughput(
+            _finite(len(ok) / wall), _finite(prompt_reported / wall), _finite(completion_tokens / wall)
+        ),
     )
 
 
@@ -259,19 +269,23 @@ def _turn_records(cache: RunResult, baseline: RunResult | None) -> tuple[TurnRec
         ca = a[key].completion if key in a else None
         cb = b[key].completion if key in b else None
         match = ca.text == cb.text if ca and cb and ca.ok and cb.ok else None
-        out.append(TurnRecord(
-            conversation_id=key[0], turn_index=key[1],
-            start_s=a[key].start_s if key in a else None,
-            prompt_tokens=ca.prompt_tokens if ca else None,
-            cached_tokens=ca.cached_tokens if ca else None,
-            completion_tokens=ca.completion_tokens if ca else None,
-            ttft_s=ca.ttft_s if ca else None, latency_s=ca.latency_s if ca else None,
-            error=ca.error if ca else "not sent",
-            baseline_ttft_s=cb.ttft_s if cb else None,
-            baseline_latency_s=cb.latency_s if cb else None,
-            baseline_error=(cb.error if cb else "not sent") if baseline else None,
-            output_match=match,
-        ))
+        out.append(
+            TurnRecord(
+                conversation_id=key[0],
+                turn_index=key[1],
+                start_s=a[key].start_s if key in a else None,
+                prompt_tokens=ca.prompt_tokens if ca else None,
+                cached_tokens=ca.cached_tokens if ca else None,
+                completion_tokens=ca.completion_tokens if ca else None,
+                ttft_s=ca.ttft_s if ca else None,
+                latency_s=ca.latency_s if ca else None,
+                error=ca.error if ca else "not sent",
+                baseline_ttft_s=cb.ttft_s if cb else None,
+                baseline_latency_s=cb.latency_s if cb else None,
+                baseline_error=(cb.error if cb else "not sent") if baseline else None,
+                output_match=match,
+            )
+        )
     return tuple(out)
 
 
@@ -282,28 +296,43 @@ def _start(ra: RequestRecord | None, rb: RequestRecord | None) -> float:
 
 def _comparison(c: Comparison) -> ComparisonSummary:
     return ComparisonSummary(
-        compared=c.compared, mismatches=c.mismatches,
+        compared=c.compared,
+        mismatches=c.mismatches,
         mismatched=tuple(MismatchKey(cid, idx) for cid, idx in c.mismatched),
-        only_in_cache_run=c.only_in_cache_run, only_in_baseline_run=c.only_in_baseline_run,
+        only_in_cache_run=c.only_in_cache_run,
+        only_in_baseline_run=c.only_in_baseline_run,
     )
 
 
-def build_report(result: ABResult, config: ScheduleConfig, *, block_size: int | None = None,
-                 service_stats: Mapping[str, Any] | None = None,
-                 cache_only: CacheOnlySummary | None = None, workload: WorkloadSummary | None = None,
-                 generated_at: dt.datetime | None = None, hit_policy: Mapping[str, Any] | None = None) -> Report:
+def build_report(
+    result: ABResult,
+    config: ScheduleConfig,
+    *,
+    block_size: int | None = None,
+    service_stats: Mapping[str, Any] | None = None,
+    cache_only: CacheOnlySummary | None = None,
+    workload: WorkloadSummary | None = None,
+    generated_at: dt.datetime | None = None,
+    hit_policy: Mapping[str, Any] | None = None,
+) -> Report:
     """Assemble the Report of an A/B (or single) replay."""
     if block_size is not None and block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    when = generated_at or dt.datetime.now(dt.timezone.utc)
+    when = generated_at or dt.datetime.now(dt.UTC)
     schedule = {f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
     return Report(
-        schema_version=SCHEMA_VERSION, generated_at=when.isoformat(), block_size=block_size,
-        schedule=schedule, cache_run=summarize_run(result.cache, block_size),
+        schema_version=SCHEMA_VERSION,
+        generated_at=when.isoformat(),
+        block_size=block_size,
+        schedule=schedule,
+        cache_run=summarize_run(result.cache, block_size),
         baseline_run=summarize_run(result.baseline, block_size) if result.baseline else None,
         comparison=_comparison(result.comparison) if result.comparison else None,
-        turns=_turn_records(result.cache, result.baseline), service_stats=service_stats,
-        cache_only=cache_only, workload=workload, hit_policy=hit_policy,
+        turns=_turn_records(result.cache, result.baseline),
+        service_stats=service_stats,
+        cache_only=cache_only,
+        workload=workload,
+        hit_policy=hit_policy,
     )
 
 

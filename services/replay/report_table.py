@@ -6,7 +6,8 @@ seconds as milliseconds).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -60,13 +61,25 @@ _CACHE_ONLY_ROWS: tuple[tuple[str, Callable[[CacheOnlySummary], str]], ...] = (
     ("blocks read / stored", lambda c: f"{c.blocks_read:,} / {c.blocks_stored:,}"),
     ("blocks deduplicated / rejected", lambda c: f"{c.blocks_deduplicated:,} / {c.blocks_rejected:,}"),
     ("read / store throughput", lambda c: f"{_rate(c.read_bytes_per_s)} / {_rate(c.store_bytes_per_s)}"),
-    ("blocks verified / corrupt", lambda c: (f"{c.verified_blocks:,} / {c.corrupt_blocks}"
-                                             if c.verify else "not verified")),
+    (
+        "blocks verified / corrupt",
+        lambda c: f"{c.verified_blocks:,} / {c.corrupt_blocks}" if c.verify else "not verified",
+    ),
 )
 # Rows of the chat table that mean something without a model (no TTFT, no output tokens).
-_CACHE_ONLY_RUN_ROWS = frozenset({"requests ok / sent / scheduled", "errors", "token hit rate",
-                                  "block hit rate", "requests with a hit", "prefill tokens computed",
-                                  "prefill tokens saved", "latency p50 / p90 / p99", "wall time"})
+_CACHE_ONLY_RUN_ROWS = frozenset(
+    {
+        "requests ok / sent / scheduled",
+        "errors",
+        "token hit rate",
+        "block hit rate",
+        "requests with a hit",
+        "prefill tokens computed",
+        "prefill tokens saved",
+        "latency p50 / p90 / p99",
+        "wall time",
+    }
+)
 
 
 def cache_only_table(report: Report) -> Table:
@@ -102,14 +115,21 @@ def service_lines(stats: Mapping[str, Any]) -> list[str]:
     evictions = evictions_by_tier(stats)
     evicted = ", ".join(f"{tier} {n:,}" for tier, n in sorted(evictions.items()) if n) or "none"
     hit_rate = run.get("token_hit_rate")
-    lines = [f"service {stats.get('address')} {scope}: {run['lookups']:,} lookups, "
-             f"token hit rate {_pct(hit_rate)}, {run['tokens_saved']:,} tokens saved, "
-             f"{run['blocks_committed']:,} blocks committed; evictions: {evicted}"]
+    lines = [
+        f"service {stats.get('address')} {scope}: {run['lookups']:,} lookups, "
+        f"token hit rate {_pct(hit_rate)}, {run['tokens_saved']:,} tokens saved, "
+        f"{run['blocks_committed']:,} blocks committed; evictions: {evicted}"
+    ]
     tiers = (stats.get("at_end") or {}).get("tiers", {})
     if tiers:
-        lines.append("service tiers now: " + ", ".join(
-            f"{name} {t['blocks']:,} blocks ({t['bytes_used'] / 2**20:,.1f} of "
-            f"{t['capacity_bytes'] / 2**20:,.0f} MiB)" for name, t in sorted(tiers.items())))
+        lines.append(
+            "service tiers now: "
+            + ", ".join(
+                f"{name} {t['blocks']:,} blocks ({t['bytes_used'] / 2**20:,.1f} of "
+                f"{t['capacity_bytes'] / 2**20:,.0f} MiB)"
+                for name, t in sorted(tiers.items())
+            )
+        )
     return lines
 
 
@@ -137,30 +157,42 @@ def savings_lines(report: Report) -> list[str]:
     run, base = report.cache_run, report.baseline_run
     lines = []
     if run.prompt_tokens:
-        lines.append(f"prefill saved: {run.prefill_tokens_saved:,} of {run.prompt_tokens:,} prompt tokens "
-                     f"({_pct(run.prefill_tokens_saved / run.prompt_tokens)}) came from the cache")
+        lines.append(
+            f"prefill saved: {run.prefill_tokens_saved:,} of {run.prompt_tokens:,} prompt tokens "
+            f"({_pct(run.prefill_tokens_saved / run.prompt_tokens)}) came from the cache"
+        )
     if base is not None and run.ttft_s.p50 and base.ttft_s.p50:
         change = run.ttft_s.p50 / base.ttft_s.p50 - 1
-        lines.append(f"TTFT p50: {_ms(run.ttft_s.p50)} with the cache vs {_ms(base.ttft_s.p50)} without "
-                     f"({100 * change:+.0f}%)")
-    paired = [(t.ttft_s, t.baseline_ttft_s) for t in report.turns
-              if t.cached_tokens and t.ttft_s is not None and t.baseline_ttft_s is not None
-              and t.error is None and t.baseline_error is None]
+        lines.append(
+            f"TTFT p50: {_ms(run.ttft_s.p50)} with the cache vs {_ms(base.ttft_s.p50)} without ({100 * change:+.0f}%)"
+        )
+    paired = [
+        (t.ttft_s, t.baseline_ttft_s)
+        for t in report.turns
+        if t.cached_tokens
+        and t.ttft_s is not None
+        and t.baseline_ttft_s is not None
+        and t.error is None
+        and t.baseline_error is None
+    ]
     if paired:
         # The same requests on both sides: robust to the share of misses and to noise between them.
-        lines.append(f"TTFT p50 of the {len(paired)} requests with a hit: "
-                     f"{_ms(percentile([a for a, _ in paired], 50))} with the cache vs "
-                     f"{_ms(percentile([b for _, b in paired], 50))} without")
+        lines.append(
+            f"TTFT p50 of the {len(paired)} requests with a hit: "
+            f"{_ms(percentile([a for a, _ in paired], 50))} with the cache vs "
+            f"{_ms(percentile([b for _, b in paired], 50))} without"
+        )
     if report.comparison is not None:
         c = report.comparison
         verdict = "PASS" if c.mismatches == 0 and c.compared else "FAIL"
-        lines.append(f"output check: {c.mismatches} mismatches in {c.compared} compared greedy outputs "
-                     f"[{verdict}]")
+        lines.append(f"output check: {c.mismatches} mismatches in {c.compared} compared greedy outputs [{verdict}]")
     if report.cache_only is not None and report.cache_only.verify:
         c = report.cache_only
         verdict = "PASS" if c.corrupt_blocks == 0 else "FAIL"
-        lines.append(f"KV check: {c.corrupt_blocks} corrupt of {c.verified_blocks:,} hit blocks compared "
-                     f"byte for byte [{verdict}]")
+        lines.append(
+            f"KV check: {c.corrupt_blocks} corrupt of {c.verified_blocks:,} hit blocks compared "
+            f"byte for byte [{verdict}]"
+        )
     return lines
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -108,8 +108,7 @@ SendTurn = Callable[[Turn], Awaitable[Completion]]
 class _Run:
     """State of one run in progress; owned by the event loop task running it."""
 
-    def __init__(self, schedule: Schedule, send: SendTurn, options: RunOptions,
-                 on_done: Callable[[], None]) -> None:
+    def __init__(self, schedule: Schedule, send: SendTurn, options: RunOptions, on_done: Callable[[], None]) -> None:
         self.schedule = schedule
         self.send = send
         self.options = options
@@ -145,8 +144,7 @@ class _Run:
                     return
                 start = time.perf_counter()
                 completion = await self._send(turn)
-            self.records.append(RequestRecord(conv.conversation_id, turn.index,
-                                              start - self.t0, completion))
+            self.records.append(RequestRecord(conv.conversation_id, turn.index, start - self.t0, completion))
             self.on_done()
 
     def _skip(self, count: int) -> None:
@@ -169,33 +167,51 @@ def _loop_time_at(perf_deadline: float) -> float:
     return asyncio.get_running_loop().time() + (perf_deadline - time.perf_counter())
 
 
-async def run_schedule(schedule: Schedule, target: Target, options: RunOptions = RunOptions(),
-                       console: Console | None = None) -> RunResult:
+async def run_schedule(
+    schedule: Schedule, target: Target, options: RunOptions = RunOptions(), console: Console | None = None
+) -> RunResult:
     """Replay `schedule` against `target`; a rich progress bar is drawn on `console` if given."""
-    async with ChatClient(target.base_url, target.model, api_key=target.api_key,
-                          timeout_s=options.request_timeout_s) as client:
+    async with ChatClient(
+        target.base_url, target.model, api_key=target.api_key, timeout_s=options.request_timeout_s
+    ) as client:
+
         async def send(turn: Turn) -> Completion:
             return await client.complete(turn.openai_messages(), options.max_tokens)
 
         return await run_schedule_with(schedule, target, send, options, console)
 
 
-async def run_schedule_with(schedule: Schedule, target: Target, send: SendTurn,
-                            options: RunOptions = RunOptions(),
-                            console: Console | None = None) -> RunResult:
+async def run_schedule_with(
+    schedule: Schedule,
+    target: Target,
+    send: SendTurn,
+    options: RunOptions = RunOptions(),
+    console: Console | None = None,
+) -> RunResult:
     """Replay `schedule` in real time through `send` (any transport); `target` only labels it."""
     total = schedule.request_count
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                        MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console, disable=console is None)
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=console is None,
+    )
     with progress:
         task_id = progress.add_task(f"replay -> {target.name}", total=total)
         run = _Run(schedule, send, options, lambda: progress.advance(task_id))
         await asyncio.gather(*(run.conversation(c) for c in schedule.conversations))
     wall = time.perf_counter() - run.t0
     errors = sum(1 for r in run.records if not r.completion.ok)
-    log.info("run %s: %d requests (%d errors, %d not sent) in %.1fs",
-             target.name, len(run.records), errors, run.not_sent, wall)
+    log.info(
+        "run %s: %d requests (%d errors, %d not sent) in %.1fs",
+        target.name,
+        len(run.records),
+        errors,
+        run.not_sent,
+        wall,
+    )
     return RunResult(target, tuple(run.records), wall, total, run.not_sent)
 
 
@@ -206,13 +222,21 @@ def compare_runs(cache: RunResult, baseline: RunResult) -> Comparison:
     both = sorted(a.keys() & b.keys())
     mismatched = tuple(k for k in both if a[k].text != b[k].text)
     return Comparison(
-        compared=len(both), mismatches=len(mismatched), mismatched=mismatched,
-        only_in_cache_run=len(a.keys() - b.keys()), only_in_baseline_run=len(b.keys() - a.keys()),
+        compared=len(both),
+        mismatches=len(mismatched),
+        mismatched=mismatched,
+        only_in_cache_run=len(a.keys() - b.keys()),
+        only_in_baseline_run=len(b.keys() - a.keys()),
     )
 
 
-async def run_ab(schedule: Schedule, cache: Target, baseline: Target | None,
-                 options: RunOptions = RunOptions(), console: Console | None = None) -> ABResult:
+async def run_ab(
+    schedule: Schedule,
+    cache: Target,
+    baseline: Target | None,
+    options: RunOptions = RunOptions(),
+    console: Console | None = None,
+) -> ABResult:
     """Replay against `cache`, then (if given) the same schedule against `baseline`; compare."""
     cache_run = await run_schedule(schedule, cache, options, console)
     if baseline is None:
@@ -220,6 +244,11 @@ async def run_ab(schedule: Schedule, cache: Target, baseline: Target | None,
     base_run = await run_schedule(schedule, baseline, options, console)
     comparison = compare_runs(cache_run, base_run)
     if comparison.mismatches:
-        log.warning("A/B: %d of %d outputs differ between %s and %s", comparison.mismatches,
-                    comparison.compared, cache.name, baseline.name)
+        log.warning(
+            "A/B: %d of %d outputs differ between %s and %s",
+            comparison.mismatches,
+            comparison.compared,
+            cache.name,
+            baseline.name,
+        )
     return ABResult(cache_run, base_run, comparison)

@@ -19,9 +19,9 @@ Invariants of a `Schedule`:
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Iterable, Sequence
 
 from .turns import Turn
 
@@ -33,7 +33,7 @@ class ScheduleError(ValueError):
 class ThinkTime(StrEnum):
     """How the pause between a response and the user's next message is drawn."""
 
-    FIXED = "fixed"              # exactly think_time_s
+    FIXED = "fixed"  # exactly think_time_s
     EXPONENTIAL = "exponential"  # exponential with mean think_time_s
 
 
@@ -94,8 +94,7 @@ def _draw_think(rng: random.Random, config: ScheduleConfig) -> float:
     return rng.expovariate(1.0 / config.think_time_s)
 
 
-def build_schedule(turns_per_conversation: Sequence[Sequence[Turn]],
-                   config: ScheduleConfig) -> Schedule:
+def build_schedule(turns_per_conversation: Sequence[Sequence[Turn]], config: ScheduleConfig) -> Schedule:
     """Plan the replay of the given conversations (each a list of its turns, in load order).
 
     Conversations with no turns (e.g. the first prompt already over the token cap) are dropped.
@@ -117,10 +116,14 @@ def build_schedule(turns_per_conversation: Sequence[Sequence[Turn]],
         # Draw a think time for every transcript turn, not only the kept ones, so the request
         # cap never shifts the random stream seen by later conversations.
         thinks = tuple(_draw_think(rng, config) for _ in range(len(turns) - 1))
-        planned.append(ScheduledConversation(
-            conversation_id=kept[0].conversation_id, start_s=clock, turns=kept,
-            think_times_s=thinks[: len(kept) - 1],
-        ))
+        planned.append(
+            ScheduledConversation(
+                conversation_id=kept[0].conversation_id,
+                start_s=clock,
+                turns=kept,
+                think_times_s=thinks[: len(kept) - 1],
+            )
+        )
         if budget is not None:
             budget -= len(kept)
     return Schedule(config=config, conversations=tuple(planned))

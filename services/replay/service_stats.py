@@ -15,14 +15,25 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from prefixcache.client import CacheClient, ServiceStats
 from prefixcache.stats import StatsSnapshot
 
-_COUNTERS = ("lookups", "request_hits", "request_misses", "block_hits", "block_misses",
-             "token_hits", "tokens_looked_up", "tokens_saved", "blocks_committed",
-             "blocks_deduplicated", "spills_dropped")
+_COUNTERS = (
+    "lookups",
+    "request_hits",
+    "request_misses",
+    "block_hits",
+    "block_misses",
+    "token_hits",
+    "tokens_looked_up",
+    "tokens_saved",
+    "blocks_committed",
+    "blocks_deduplicated",
+    "spills_dropped",
+)
 _MAPS = ("spills", "promotions", "miss_reasons")
 
 
@@ -39,8 +50,10 @@ def snapshot_dict(s: StatsSnapshot) -> dict[str, Any]:
     out["evictions"] = {tier: dict(reasons) for tier, reasons in s.evictions.items()}
     out["uptime_s"] = s.uptime_s
     out["active_leases"] = s.active_leases
-    out["tiers"] = {t.kind.label: {"blocks": t.blocks, "bytes_used": t.bytes_used,
-                                   "capacity_bytes": t.capacity_bytes} for t in s.tiers}
+    out["tiers"] = {
+        t.kind.label: {"blocks": t.blocks, "bytes_used": t.bytes_used, "capacity_bytes": t.capacity_bytes}
+        for t in s.tiers
+    }
     out["remote_up"] = s.remote_up
     out["token_hit_rate"] = s.token_hit_rate
     out["block_hit_rate"] = s.block_hit_rate
@@ -56,8 +69,9 @@ def delta_dict(before: StatsSnapshot, after: StatsSnapshot) -> dict[str, Any]:
     """Counter increments between two snapshots of the same service."""
     out: dict[str, Any] = {name: getattr(after, name) - getattr(before, name) for name in _COUNTERS}
     out.update({name: _map_delta(getattr(after, name), getattr(before, name)) for name in _MAPS})
-    out["evictions"] = {tier: _map_delta(reasons, before.evictions.get(tier, {}))
-                        for tier, reasons in after.evictions.items()}
+    out["evictions"] = {
+        tier: _map_delta(reasons, before.evictions.get(tier, {})) for tier, reasons in after.evictions.items()
+    }
     looked_up = out["tokens_looked_up"]
     out["token_hit_rate"] = out["token_hits"] / looked_up if looked_up else None
     return out

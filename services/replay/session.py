@@ -27,6 +27,8 @@ from rich.console import Console
 
 from prefixcache.client import ServiceStats
 from prefixcache.errors import PrefixCacheError
+
+from . import worker_metrics
 from .cache_only import CacheOnlyOptions, run_cache_only
 from .prompt_tokens import ChatTokens
 from .report import Report, WorkloadSummary, build_report
@@ -34,7 +36,6 @@ from .runner import ABResult, RunOptions, Target, run_ab
 from .schedule import Schedule, ScheduleConfig, build_schedule
 from .service_stats import fetch_stats, stats_section
 from .workload import Workload, WorkloadSpec, load_workload
-from . import worker_metrics
 
 log = logging.getLogger(__name__)
 
@@ -64,21 +65,34 @@ def plan(options: ReplayOptions) -> Plan:
     workload = load_workload(options.workload, tokens.count)
     schedule = build_schedule(workload.turns, options.schedule)
     if schedule.request_count == 0:
-        raise ReplayError(f"nothing to replay from {options.workload.source}: no conversation has a "
-                          f"turn under --max-prompt-tokens {options.workload.max_prompt_tokens}")
+        raise ReplayError(
+            f"nothing to replay from {options.workload.source}: no conversation has a "
+            f"turn under --max-prompt-tokens {options.workload.max_prompt_tokens}"
+        )
     loaded = workload.loaded
-    log.info("replaying %d requests from %d conversations (%s: %d records read%s)",
-             schedule.request_count, len(schedule.conversations), options.workload.source,
-             loaded.records_read, ", file truncated" if loaded.truncated else "")
+    log.info(
+        "replaying %d requests from %d conversations (%s: %d records read%s)",
+        schedule.request_count,
+        len(schedule.conversations),
+        options.workload.source,
+        loaded.records_read,
+        ", file truncated" if loaded.truncated else "",
+    )
     return Plan(workload, schedule, tokens)
 
 
 def _workload_record(options: ReplayOptions, p: Plan, max_tokens: int | None, model: str) -> WorkloadSummary:
     w = options.workload
-    return WorkloadSummary(source=w.source, source_truncated=p.workload.loaded.truncated,
-                          conversations=len(p.schedule.conversations), requests=p.schedule.request_count,
-                          max_turns=w.max_turns, max_prompt_tokens=w.max_prompt_tokens,
-                          max_tokens=max_tokens, model=model)
+    return WorkloadSummary(
+        source=w.source,
+        source_truncated=p.workload.loaded.truncated,
+        conversations=len(p.schedule.conversations),
+        requests=p.schedule.request_count,
+        max_turns=w.max_turns,
+        max_prompt_tokens=w.max_prompt_tokens,
+        max_tokens=max_tokens,
+        model=model,
+    )
 
 
 def models_url(base_url: str) -> str:
@@ -97,8 +111,10 @@ async def discover_model(base_url: str, api_key: str | None = None, timeout_s: f
                 body = await response.json()
         return str(body["data"][0]["id"])
     except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError) as error:
-        raise ReplayError(f"cannot list the models at {url} ({type(error).__name__}: {error}); "
-                          "is the server up? pass --model NAME to skip this") from None
+        raise ReplayError(
+            f"cannot list the models at {url} ({type(error).__name__}: {error}); "
+            "is the server up? pass --model NAME to skip this"
+        ) from None
 
 
 class _Stats:
@@ -123,24 +139,34 @@ class _Stats:
             return {"address": self.address, "error": str(error)}
 
 
-def run_chat(options: ReplayOptions, target: Target, baseline: Target | None,
-             stats_address: str | None = None, auth_token: str | None = None,
-             console: Console | None = None, prepared: Plan | None = None) -> Report:
+def run_chat(
+    options: ReplayOptions,
+    target: Target,
+    baseline: Target | None,
+    stats_address: str | None = None,
+    auth_token: str | None = None,
+    console: Console | None = None,
+    prepared: Plan | None = None,
+) -> Report:
     """Replay against an OpenAI-compatible `target` (and `baseline` after it, for A/B)."""
     p = prepared or plan(options)
     stats = _Stats(stats_address, auth_token)
     stats.start()
     decisions = worker_metrics.scrape(target.base_url)  # the reference worker's hit decisions, if it is one
     result: ABResult = asyncio.run(run_ab(p.schedule, target, baseline, options.run, console))
-    return build_report(result, options.schedule, block_size=options.block_size,
-                        service_stats=stats.section(),
-                        workload=_workload_record(options, p, options.run.max_tokens, target.model),
-                        hit_policy=worker_metrics.section(target.base_url, decisions,
-                                                          worker_metrics.scrape(target.base_url)))
+    return build_report(
+        result,
+        options.schedule,
+        block_size=options.block_size,
+        service_stats=stats.section(),
+        workload=_workload_record(options, p, options.run.max_tokens, target.model),
+        hit_policy=worker_metrics.section(target.base_url, decisions, worker_metrics.scrape(target.base_url)),
+    )
 
 
-def run_cache(options: ReplayOptions, cache: CacheOnlyOptions, stats_address: str | None = None,
-              console: Console | None = None) -> Report:
+def run_cache(
+    options: ReplayOptions, cache: CacheOnlyOptions, stats_address: str | None = None, console: Console | None = None
+) -> Report:
     """Cache-only replay: the service at `cache.address` driven as a worker would, synthetic KV."""
     p = plan(options)
     token_ids = {(t.conversation_id, t.index): p.tokens.tokens(t.messages) for t in p.schedule.requests()}
@@ -148,13 +174,19 @@ def run_cache(options: ReplayOptions, cache: CacheOnlyOptions, stats_address: st
     stats = _Stats(stats_address or cache.address, cache.auth_token)
     stats.start()
     run, summary = asyncio.run(run_cache_only(p.schedule, token_ids, cache, options.run, console))
-    return build_report(ABResult(run, None, None), options.schedule, block_size=options.block_size,
-                        service_stats=stats.section(), cache_only=summary,
-                        workload=_workload_record(options, p, None, cache.preset.name))
+    return build_report(
+        ABResult(run, None, None),
+        options.schedule,
+        block_size=options.block_size,
+        service_stats=stats.section(),
+        cache_only=summary,
+        workload=_workload_record(options, p, None, cache.preset.name),
+    )
 
 
-def write_outputs(report: Report, json_path: Path | None, plots_dir: Path | None,
-                  console: Console | None = None) -> None:
+def write_outputs(
+    report: Report, json_path: Path | None, plots_dir: Path | None, console: Console | None = None
+) -> None:
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(report.to_json() + "\n", encoding="utf-8")

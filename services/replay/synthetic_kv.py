@@ -18,9 +18,9 @@ bytes matter, so compare with `equal_blocks`, never with float comparisons.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -46,12 +46,17 @@ class ModelPreset:
         return KVLayout(self.layers, self.kv_heads, self.head_dim, block_size, self.dtype)
 
 
-PRESETS: Mapping[str, ModelPreset] = MappingProxyType({p.name: p for p in (
-    ModelPreset("tiny", 4, 2, 32, note="the worker's built-in model: 1 KiB/token"),
-    ModelPreset("qwen2.5-0.5b", 24, 2, 64, note="12 KiB/token"),
-    ModelPreset("llama3-8b", 32, 8, 128, note="128 KiB/token, 2 MiB per 16-token block"),
-    ModelPreset("llama3-70b", 80, 8, 128, note="320 KiB/token, 5 MiB per 16-token block"),
-)})
+PRESETS: Mapping[str, ModelPreset] = MappingProxyType(
+    {
+        p.name: p
+        for p in (
+            ModelPreset("tiny", 4, 2, 32, note="the worker's built-in model: 1 KiB/token"),
+            ModelPreset("qwen2.5-0.5b", 24, 2, 64, note="12 KiB/token"),
+            ModelPreset("llama3-8b", 32, 8, 128, note="128 KiB/token, 2 MiB per 16-token block"),
+            ModelPreset("llama3-70b", 80, 8, 128, note="320 KiB/token, 5 MiB per 16-token block"),
+        )
+    }
+)
 
 
 def preset(name: str) -> ModelPreset:
@@ -79,7 +84,7 @@ class SyntheticKV:
         hasher = xxhash.xxh3_64()
         seeds = []
         for i in range(count):
-            hasher.update(ids[i * size:(i + 1) * size].tobytes())
+            hasher.update(ids[i * size : (i + 1) * size].tobytes())
             seeds.append(hasher.intdigest())
         return seeds
 

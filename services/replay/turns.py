@@ -15,8 +15,8 @@ Invariants of the turns of one conversation:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from .transcripts import Conversation, Message, Role
 

@@ -49,14 +49,20 @@ def scrape(base_url: str, timeout_s: float = 5.0) -> Scrape | None:
 
 def parse(text: str) -> Scrape | None:
     """Samples of a Prometheus text exposition, or None when it has none of the worker's decisions."""
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(text) for s in family.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
     return samples if any(name == _DECISIONS for name, _ in samples) else None
 
 
 def _by_label(scrape: Scrape, name: str, label: str) -> dict[str, float]:
-    return {dict(labels)[label]: value for (sample, labels), value in scrape.items()
-            if sample == name and label in dict(labels)}
+    return {
+        dict(labels)[label]: value
+        for (sample, labels), value in scrape.items()
+        if sample == name and label in dict(labels)
+    }
 
 
 def _delta(before: Scrape, after: Scrape, name: str, label: str) -> dict[str, float]:
@@ -68,13 +74,15 @@ def section(base_url: str, before: Scrape | None, after: Scrape | None) -> dict[
     """The report's `hit_policy` section from scrapes before and after the run (see the module docstring)."""
     if before is None or after is None:
         return None
-    declined = after.get(("prefixcache_worker_remote_blocks_declined_total", ()), 0.0) \
-        - before.get(("prefixcache_worker_remote_blocks_declined_total", ()), 0.0)
+    declined = after.get(("prefixcache_worker_remote_blocks_declined_total", ()), 0.0) - before.get(
+        ("prefixcache_worker_remote_blocks_declined_total", ()), 0.0
+    )
     return {
         "url": metrics_url(base_url),
         "decisions": {k: int(v) for k, v in _delta(before, after, _DECISIONS, "decision").items()},
-        "hit_blocks": {k: int(v) for k, v in _delta(before, after, "prefixcache_worker_hit_blocks_total",
-                                                   "outcome").items()},
+        "hit_blocks": {
+            k: int(v) for k, v in _delta(before, after, "prefixcache_worker_hit_blocks_total", "outcome").items()
+        },
         "remote_blocks_declined": int(declined),
         "estimated_seconds": _delta(before, after, "prefixcache_worker_hit_estimated_seconds_total", "estimate"),
         "estimates": {

@@ -43,9 +43,9 @@ class WorkloadSpec:
 
 @dataclass(frozen=True)
 class Workload:
-    turns: tuple[tuple[Turn, ...], ...]   # per selected conversation, in source order
-    loaded: LoadResult                    # the last read of the source
-    exhausted: bool                       # the source ran out before N conversations qualified
+    turns: tuple[tuple[Turn, ...], ...]  # per selected conversation, in source order
+    loaded: LoadResult  # the last read of the source
+    exhausted: bool  # the source ran out before N conversations qualified
 
     @property
     def request_count(self) -> int:
@@ -55,8 +55,7 @@ class Workload:
 def _select(loaded: LoadResult, spec: WorkloadSpec, count: TokenCounter) -> list[tuple[Turn, ...]]:
     picked: list[tuple[Turn, ...]] = []
     for conv in loaded.conversations:
-        turns = conversation_turns(conv, count, max_turns=spec.max_turns,
-                                   max_prompt_tokens=spec.max_prompt_tokens)
+        turns = conversation_turns(conv, count, max_turns=spec.max_turns, max_prompt_tokens=spec.max_prompt_tokens)
         if turns:
             picked.append(tuple(turns))
             if len(picked) == spec.conversations:
@@ -80,6 +79,9 @@ def load_workload(spec: WorkloadSpec, count: TokenCounter) -> Workload:
             break
         limit *= 2
     if exhausted and len(picked) < spec.conversations:
-        log.warning("ShareGPT has only %d conversations with a turn under the caps (asked for %d)",
-                    len(picked), spec.conversations)
+        log.warning(
+            "ShareGPT has only %d conversations with a turn under the caps (asked for %d)",
+            len(picked),
+            spec.conversations,
+        )
     return Workload(tuple(picked), loaded, exhausted and len(picked) < spec.conversations)

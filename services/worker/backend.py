@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -30,10 +30,12 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter("prefixcache_worker_requests", "Requests served", ["outcome"], registry=registry)
         self.prompt_tokens = Counter("prefixcache_worker_prompt_tokens", "Prompt tokens received", registry=registry)
-        self.cached_tokens = Counter("prefixcache_worker_cached_tokens", "Prompt tokens loaded from the cache",
-                                     registry=registry)
-        self.ttft = Histogram("prefixcache_worker_ttft_seconds", "Time to first token", buckets=_TTFT_BUCKETS,
-                              registry=registry)
+        self.cached_tokens = Counter(
+            "prefixcache_worker_cached_tokens", "Prompt tokens loaded from the cache", registry=registry
+        )
+        self.ttft = Histogram(
+            "prefixcache_worker_ttft_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=registry
+        )
 
 
 class TextStream:
@@ -63,7 +65,7 @@ class TextStream:
         return "" if self.stopped else self._emit(self._decode(self._ids))
 
     def _emit(self, text: str) -> str:
-        piece = text[self._sent:] if len(text) > self._sent else ""
+        piece = text[self._sent :] if len(text) > self._sent else ""
         self._sent = max(self._sent, len(text))
         return piece
 
@@ -103,8 +105,10 @@ class InferenceBackend:
         if bad is not None:  # before the cache lookup: the service would reject it too
             raise ApiError(f"token id {bad} is outside the model vocabulary [0, {self._vocab})", "prompt")
         if not self.engine.fits(len(tokens) + 1):
-            raise ApiError(f"the prompt has {len(tokens)} tokens; the model allows {loaded.max_positions}",
-                           "messages" if request.kind == "chat" else "prompt")
+            raise ApiError(
+                f"the prompt has {len(tokens)} tokens; the model allows {loaded.max_positions}",
+                "messages" if request.kind == "chat" else "prompt",
+            )
         return tokens
 
     def tokenize(self, request: TokenizeRequest) -> dict:
@@ -114,9 +118,14 @@ class InferenceBackend:
         tokens = self._encode(request.messages, request.prompt, "messages" if request.messages else "prompt")
         cached = None if self.cache is None else self.cache.cached_blocks(tokens, request.cache_salt)
         block_size = None if self.cache is None else self.cache.layout.block_size
-        return {"count": len(tokens), "max_model_len": self.engine.loaded.max_positions, "tokens": tokens,
-                "block_size": block_size, "cached_blocks": cached,
-                "cached_tokens": None if cached is None else cached * block_size}
+        return {
+            "count": len(tokens),
+            "max_model_len": self.engine.loaded.max_positions,
+            "tokens": tokens,
+            "block_size": block_size,
+            "cached_blocks": cached,
+            "cached_tokens": None if cached is None else cached * block_size,
+        }
 
     def detokenize(self, tokens: list[int]) -> str:
         try:
@@ -131,8 +140,11 @@ class InferenceBackend:
         if request.max_tokens is None:
             return max(1, left)
         if request.max_tokens > left:  # OpenAI's answer, rather than a silently shorter reply
-            raise ApiError(f"This model's maximum context length is {limit} tokens; the prompt has "
-                           f"{prompt_tokens} and max_tokens asks for {request.max_tokens} more", "max_tokens")
+            raise ApiError(
+                f"This model's maximum context length is {limit} tokens; the prompt has "
+                f"{prompt_tokens} and max_tokens asks for {request.max_tokens} more",
+                "max_tokens",
+            )
         return request.max_tokens
 
     def _check_ids(self, request: GenerationRequest) -> None:
@@ -162,9 +174,15 @@ class InferenceBackend:
         try:
             try:
                 stops = self.engine.loaded.stop_token_ids | request.stop_token_ids
-                generation = self.engine.generate(tokens, prefix.blocks, max_tokens=max_tokens,
-                                                  stop_token_ids=stops, sampling=request.sampling,
-                                                  seed=request.seed, should_stop=cancelled.is_set)
+                generation = self.engine.generate(
+                    tokens,
+                    prefix.blocks,
+                    max_tokens=max_tokens,
+                    stop_token_ids=stops,
+                    sampling=request.sampling,
+                    seed=request.seed,
+                    should_stop=cancelled.is_set,
+                )
             except ValueError as error:
                 raise ApiError(str(error), "prompt") from None
             if self.cache is not None:
@@ -173,8 +191,9 @@ class InferenceBackend:
             self.metrics.prompt_tokens.inc(len(tokens))
             self.metrics.cached_tokens.inc(prefix.tokens)
             if request.echo:
-                echoed = request.prompt if isinstance(request.prompt, str) else \
-                    self.engine.loaded.tokenizer.decode(tokens)
+                echoed = (
+                    request.prompt if isinstance(request.prompt, str) else self.engine.loaded.tokenizer.decode(tokens)
+                )
                 yield Piece(echoed, (), echo=True)
             yield from self._stream(generation, request, started_at)
             self.metrics.requests.labels("ok" if not cancelled.is_set() else "cancelled").inc()
@@ -184,7 +203,9 @@ class InferenceBackend:
                     start_block = prefix.hit.blocks if prefix.hit else 0
                     count = self.cache.blocks_to_store(tokens, start_block)
                     if count:
-                        kv = self.engine.extract_blocks(generation.cache, start_block, count, self.cache.layout.block_size)
+                        kv = self.engine.extract_blocks(
+                            generation.cache, start_block, count, self.cache.layout.block_size
+                        )
                         self.cache.store(tokens, kv, start_block, request.cache_salt)
                 self.cache.release(prefix.hit)
 
@@ -208,6 +229,7 @@ class InferenceBackend:
         tail = text.flush()
         if tail or logprobs:
             yield Piece(tail, tuple(logprobs))
-        reason = FinishReason.STOP if text.stopped or generation.finish_reason is FinishReason.STOP \
-            else FinishReason.LENGTH
+        reason = (
+            FinishReason.STOP if text.stopped or generation.finish_reason is FinishReason.STOP else FinishReason.LENGTH
+        )
         yield Finished(reason, count)

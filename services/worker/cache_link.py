@@ -40,9 +40,9 @@ from prefixcache.config import KVLayout
 from prefixcache.errors import InvalidArgument, PrefixCacheError
 from prefixcache.tiers.breaker import Backoff, CircuitBreaker
 
+from .engine import PrefillResult
 from .events import LinkState
 from .hit_policy import Decision, HitPolicy, Offer, ReadPath
-from .engine import PrefillResult
 from .model import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -63,9 +63,17 @@ class Prefix:
 
 
 class CacheLink:
-    def __init__(self, address: str, loaded: LoadedModel, block_size: int, deadline_s: float,
-                 registry: CollectorRegistry, auth_token: str | None = None,
-                 clock: Callable[[], float] = time.monotonic, policy: HitPolicy | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        loaded: LoadedModel,
+        block_size: int,
+        deadline_s: float,
+        registry: CollectorRegistry,
+        auth_token: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        policy: HitPolicy | None = None,
+    ) -> None:
         kv = loaded.kv
         self.layout = KVLayout(kv.layers, kv.kv_heads, kv.head_dim, block_size, kv.dtype)
         self.model_id, self.revision = loaded.model_id, loaded.weights_digest
@@ -77,8 +85,12 @@ class CacheLink:
         self._failed = False  # the link went down since the client's channel was opened
         self._breaker = CircuitBreaker("cache link", 1, Backoff(RETRY_MIN_S, RETRY_MAX_S), clock=clock)
         self._lock = threading.Lock()
-        self.fallbacks = Counter("prefixcache_worker_cache_fallbacks", "Requests served without the cache "
-                                 "because it failed or was down", ["stage"], registry=registry)
+        self.fallbacks = Counter(
+            "prefixcache_worker_cache_fallbacks",
+            "Requests served without the cache because it failed or was down",
+            ["stage"],
+            registry=registry,
+        )
         self.policy = policy if policy is not None else HitPolicy(registry)  # load or recompute (hit_policy.py)
 
     def _new_client(self) -> CacheClient:
@@ -116,15 +128,24 @@ class CacheLink:
                 self._client.close()
                 self._client = self._new_client()
             try:
-                self._client.attach(self.model_id, self.layout, revision=self.revision, same_host=True,
-                                    timeout_s=max(self.deadline_s, 1.0))
+                self._client.attach(
+                    self.model_id,
+                    self.layout,
+                    revision=self.revision,
+                    same_host=True,
+                    timeout_s=max(self.deadline_s, 1.0),
+                )
             except PrefixCacheError as error:
                 self._down("attach", error)
                 return False
             self._attached, self._failed = True, False
             self._breaker.record_success()
-            log.info("cache link up (%s, namespace %s, shared memory %s)", self._client.address,
-                     self._client.attachment.namespace_id, self._client.attachment.shared_memory)
+            log.info(
+                "cache link up (%s, namespace %s, shared memory %s)",
+                self._client.address,
+                self._client.attachment.namespace_id,
+                self._client.attachment.shared_memory,
+            )
             return True
 
     def _down(self, stage: str, error: Exception) -> None:
@@ -159,12 +180,12 @@ class CacheLink:
         for the policy's estimate of that path)."""
         target = hit
         if decision.path is ReadPath.MAPPED and decision.blocks < hit.blocks:
-            target = replace(hit, locations=hit.locations[:decision.blocks])
+            target = replace(hit, locations=hit.locations[: decision.blocks])
         started = time.perf_counter()
         blocks = self._client.read(target)
         assert decision.path is not None  # a decision that loads blocks has a path
         self.policy.observe_read(decision.path, blocks.numel() * blocks.element_size(), time.perf_counter() - started)
-        return blocks[:decision.blocks]
+        return blocks[: decision.blocks]
 
     def observe(self, prefill: PrefillResult, prefix_blocks: torch.Tensor | None) -> None:
         """One real prefill, for the policy's load-or-recompute estimates."""
@@ -174,8 +195,9 @@ class CacheLink:
         """The Lookup (with a lease), or None after counting the failure."""
         for retried in (False, True):
             try:
-                return self._client.lookup(tokens, cache_salt=salt, take_lease=True,
-                                           recompute_s_per_token=self.policy.recompute_s_per_token())
+                return self._client.lookup(
+                    tokens, cache_salt=salt, take_lease=True, recompute_s_per_token=self.policy.recompute_s_per_token()
+                )
             except InvalidArgument as error:
                 if error.field == "namespace_id" and not retried:  # as the proto names it
                     # The service restarted and forgot this worker's namespace: attach again at

@@ -40,9 +40,7 @@ def _check_attention_shape(text: PreTrainedConfig) -> None:
         raise UnsupportedModelError("chunked attention (attention_chunk_size) drops old tokens")
     v_head_dim = getattr(text, "v_head_dim", None)
     if v_head_dim is not None and v_head_dim != _head_dim(text):
-        raise UnsupportedModelError(
-            f"value head_dim {v_head_dim} differs from key head_dim {_head_dim(text)}"
-        )
+        raise UnsupportedModelError(f"value head_dim {v_head_dim} differs from key head_dim {_head_dim(text)}")
 
 
 def check_plain_kv(config: PreTrainedConfig) -> None:
@@ -64,9 +62,7 @@ def check_plain_kv(config: PreTrainedConfig) -> None:
     if odd:
         window = getattr(text, "sliding_window", None)
         detail = f" (sliding_window={window})" if window is not None else ""
-        raise UnsupportedModelError(
-            f"the model's cache would use {odd} layers{detail}, not plain full-attention KV"
-        )
+        raise UnsupportedModelError(f"the model's cache would use {odd} layers{detail}, not plain full-attention KV")
 
 
 def probe_kv_layout(model: PreTrainedModel) -> KVLayout:
@@ -82,7 +78,7 @@ def probe_kv_layout(model: PreTrainedModel) -> KVLayout:
             f"cache has {len(cache.layers)} layers with shapes {sorted(shapes)}, expected "
             f"{text.num_hidden_layers} layers of one shape"
         )
-    (key_shape, value_shape), = shapes
+    ((key_shape, value_shape),) = shapes
     if key_shape != value_shape or key_shape[0] != 1 or key_shape[2] != 1:
         raise UnsupportedModelError(f"unexpected KV shapes keys={key_shape} values={value_shape}")
     dtype = cache.layers[0].keys.dtype

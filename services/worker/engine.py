@@ -207,8 +207,7 @@ class Engine:
             raise ValueError("the prompt has no tokens")
         if not self.fits(len(token_ids)):
             raise ValueError(
-                f"prompt of {len(token_ids)} tokens exceeds the model's "
-                f"{self.loaded.max_positions} positions"
+                f"prompt of {len(token_ids)} tokens exceeds the model's {self.loaded.max_positions} positions"
             )
         ids = torch.tensor(list(token_ids), device=self._model.device)
         if ids.dtype != torch.long:
@@ -218,9 +217,7 @@ class Engine:
             raise ValueError(f"token id {bad} is outside the model vocabulary [0, {self._vocab})")
         return ids.unsqueeze(0)
 
-    def _initial_cache(
-        self, prompt_len: int, prefix_blocks: torch.Tensor | None
-    ) -> tuple[DynamicCache, int]:
+    def _initial_cache(self, prompt_len: int, prefix_blocks: torch.Tensor | None) -> tuple[DynamicCache, int]:
         if prefix_blocks is None:
             return DynamicCache(config=self._model.config), 0
         block_size = validate_blocks(prefix_blocks, self.kv, self._model.device)
@@ -243,9 +240,7 @@ class Engine:
         bucket = bucket_length(computed)
         return bucket if limit is None else max(computed, min(bucket, limit - prefix))
 
-    def prefill(
-        self, token_ids: Sequence[int], prefix_blocks: torch.Tensor | None = None
-    ) -> PrefillResult:
+    def prefill(self, token_ids: Sequence[int], prefix_blocks: torch.Tensor | None = None) -> PrefillResult:
         """Load `prefix_blocks` (covering the first n * block_size tokens) and compute the rest."""
         ids = self._prompt_tensor(token_ids)
         n = ids.shape[1]
@@ -333,9 +328,7 @@ class Engine:
             prompt=token_ids,
         )
 
-    def extract_blocks(
-        self, cache: DynamicCache, first_block: int, n_blocks: int, block_size: int
-    ) -> torch.Tensor:
+    def extract_blocks(self, cache: DynamicCache, first_block: int, n_blocks: int, block_size: int) -> torch.Tensor:
         """Contiguous copy [n_blocks, layers, 2, kv_heads, block_size, head_dim] of the KV of
         tokens [first_block * block_size, (first_block + n_blocks) * block_size)."""
         return extract_blocks(cache, first_block, n_blocks, block_size)

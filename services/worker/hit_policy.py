@@ -28,8 +28,8 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -42,24 +42,24 @@ from prefixcache.transfer import TransferEstimate, TransferMeter
 log = logging.getLogger(__name__)
 
 # Priors, used until this worker has measured its own (and again after `STALE_S` without samples).
-MAPPED_PRIOR = TransferEstimate(latency_s=20e-6, bytes_per_s=4e9)    # a memcpy out of shared memory
-STREAM_PRIOR = TransferEstimate(latency_s=1e-3, bytes_per_s=300e6)   # gRPC Python on loopback
-INSTALL_PRIOR = TransferEstimate(latency_s=50e-6, bytes_per_s=4e9)   # blocks -> the model's KV cache
-PREFILL_PRIOR = TransferEstimate(latency_s=5e-3, bytes_per_s=5e3)    # "bytes" are tokens: 5k tokens/s
+MAPPED_PRIOR = TransferEstimate(latency_s=20e-6, bytes_per_s=4e9)  # a memcpy out of shared memory
+STREAM_PRIOR = TransferEstimate(latency_s=1e-3, bytes_per_s=300e6)  # gRPC Python on loopback
+INSTALL_PRIOR = TransferEstimate(latency_s=50e-6, bytes_per_s=4e9)  # blocks -> the model's KV cache
+PREFILL_PRIOR = TransferEstimate(latency_s=5e-3, bytes_per_s=5e3)  # "bytes" are tokens: 5k tokens/s
 STALE_S = 600.0
 CALIBRATION_TOKENS = (64, 512)
 
 
 class Verdict(enum.Enum):
-    TAKEN = "taken"          # every usable block is loaded
-    PARTIAL = "partial"      # a leading part of them is loaded, the rest recomputed
+    TAKEN = "taken"  # every usable block is loaded
+    PARTIAL = "partial"  # a leading part of them is loaded, the rest recomputed
     RECOMPUTE = "recompute"  # a hit was offered but recomputing it is faster
-    MISS = "miss"            # nothing usable was offered
+    MISS = "miss"  # nothing usable was offered
 
 
 class ReadPath(enum.Enum):
     MAPPED = "shared_memory"  # host tier shared memory (or the device pool by CUDA IPC)
-    STREAM = "stream"         # the service's Fetch stream
+    STREAM = "stream"  # the service's Fetch stream
 
 
 @dataclass(frozen=True)
@@ -98,10 +98,10 @@ class Estimates:
 @dataclass(frozen=True)
 class Decision:
     verdict: Verdict
-    blocks: int               # blocks to load, 0 for RECOMPUTE and MISS
-    path: ReadPath | None     # how they are read (for RECOMPUTE: the best path, turned down)
-    load_s: float             # estimated time to read and install the best option's blocks
-    recompute_s: float        # estimated time to prefill those blocks' tokens instead
+    blocks: int  # blocks to load, 0 for RECOMPUTE and MISS
+    path: ReadPath | None  # how they are read (for RECOMPUTE: the best path, turned down)
+    load_s: float  # estimated time to read and install the best option's blocks
+    recompute_s: float  # estimated time to prefill those blocks' tokens instead
 
     @property
     def saved_s(self) -> float:
@@ -122,8 +122,9 @@ def choose(offer: Offer, estimates: Estimates, always_take: bool = False) -> Dec
         options.append((ReadPath.MAPPED, mapped, estimates.mapped.seconds(nbytes) + estimates.install.seconds(nbytes)))
     if offer.mapped_blocks < offer.usable_blocks:
         count = offer.usable_blocks
-        load = (estimates.stream.seconds(offer.leased_blocks * offer.block_bytes)
-                + estimates.install.seconds(count * offer.block_bytes))
+        load = estimates.stream.seconds(offer.leased_blocks * offer.block_bytes) + estimates.install.seconds(
+            count * offer.block_bytes
+        )
         options.append((ReadPath.STREAM, count, load))
     path, count, load = max(options, key=lambda option: option[1] * block_s - option[2])
     recompute = count * block_s
@@ -135,20 +136,41 @@ def choose(offer: Offer, estimates: Estimates, always_take: bool = False) -> Dec
 
 class _Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.decisions = Counter("prefixcache_worker_hit_decisions", "Per request: cached prefix taken, partly "
-                                 "taken, recomputed instead, or nothing usable offered", ["decision"], registry=registry)
-        self.blocks = Counter("prefixcache_worker_hit_blocks", "Offered hit blocks loaded, or declined because "
-                              "recomputing them was estimated faster", ["outcome"], registry=registry)
-        self.remote_declined = Counter("prefixcache_worker_remote_blocks_declined", "Blocks the service did not "
-                                       "fetch from Redis because this worker recomputes them faster", registry=registry)
-        self.saved = Counter("prefixcache_worker_hit_estimated_seconds", "Estimated seconds of the options chosen: "
-                             "loading them, or prefilling them instead", ["estimate"], registry=registry)
-        self.prefill = Gauge("prefixcache_worker_prefill_seconds_per_token", "Estimated marginal prefill cost",
-                             registry=registry)
-        self.latency = Gauge("prefixcache_worker_transfer_latency_seconds", "Estimated fixed cost per transfer",
-                             ["path"], registry=registry)
-        self.rate = Gauge("prefixcache_worker_transfer_bytes_per_second", "Estimated transfer rate",
-                          ["path"], registry=registry)
+        self.decisions = Counter(
+            "prefixcache_worker_hit_decisions",
+            "Per request: cached prefix taken, partly taken, recomputed instead, or nothing usable offered",
+            ["decision"],
+            registry=registry,
+        )
+        self.blocks = Counter(
+            "prefixcache_worker_hit_blocks",
+            "Offered hit blocks loaded, or declined because recomputing them was estimated faster",
+            ["outcome"],
+            registry=registry,
+        )
+        self.remote_declined = Counter(
+            "prefixcache_worker_remote_blocks_declined",
+            "Blocks the service did not fetch from Redis because this worker recomputes them faster",
+            registry=registry,
+        )
+        self.saved = Counter(
+            "prefixcache_worker_hit_estimated_seconds",
+            "Estimated seconds of the options chosen: loading them, or prefilling them instead",
+            ["estimate"],
+            registry=registry,
+        )
+        self.prefill = Gauge(
+            "prefixcache_worker_prefill_seconds_per_token", "Estimated marginal prefill cost", registry=registry
+        )
+        self.latency = Gauge(
+            "prefixcache_worker_transfer_latency_seconds",
+            "Estimated fixed cost per transfer",
+            ["path"],
+            registry=registry,
+        )
+        self.rate = Gauge(
+            "prefixcache_worker_transfer_bytes_per_second", "Estimated transfer rate", ["path"], registry=registry
+        )
         for label in ("taken", "partial", "recompute", "miss"):
             self.decisions.labels(label)
         for label in ("loaded", "declined"):
@@ -158,20 +180,27 @@ class _Metrics:
 class HitPolicy:
     """Online estimates + `choose` + metrics; see the module docstring."""
 
-    def __init__(self, registry: CollectorRegistry, clock: Callable[[], float] = time.monotonic,
-                 always_take: bool = False) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, clock: Callable[[], float] = time.monotonic, always_take: bool = False
+    ) -> None:
         self.always_take = always_take
         self._prefill = TransferMeter(PREFILL_PRIOR, stale_s=STALE_S, clock=clock)
-        self._paths = {ReadPath.MAPPED: TransferMeter(MAPPED_PRIOR, stale_s=STALE_S, clock=clock),
-                       ReadPath.STREAM: TransferMeter(STREAM_PRIOR, stale_s=STALE_S, clock=clock)}
+        self._paths = {
+            ReadPath.MAPPED: TransferMeter(MAPPED_PRIOR, stale_s=STALE_S, clock=clock),
+            ReadPath.STREAM: TransferMeter(STREAM_PRIOR, stale_s=STALE_S, clock=clock),
+        }
         self._install = TransferMeter(INSTALL_PRIOR, stale_s=STALE_S, clock=clock)
         self.metrics = _Metrics(registry)
         self._publish()
 
     # -- estimates ----------------------------------------------------------
     def estimates(self) -> Estimates:
-        return Estimates(self._prefill.estimate(), self._paths[ReadPath.MAPPED].estimate(),
-                         self._paths[ReadPath.STREAM].estimate(), self._install.estimate())
+        return Estimates(
+            self._prefill.estimate(),
+            self._paths[ReadPath.MAPPED].estimate(),
+            self._paths[ReadPath.STREAM].estimate(),
+            self._install.estimate(),
+        )
 
     def recompute_s_per_token(self) -> float | None:
         """The budget sent with each Lookup: this worker's marginal prefill seconds per token
@@ -192,8 +221,12 @@ class HitPolicy:
         for size in sizes:
             self.observe(engine.prefill([(1000 + i) % vocab for i in range(size)]))
         estimate = self._prefill.estimate()
-        log.info("prefill: %.2f ms + %.1f us/token (%.0f tokens/s marginal)", estimate.latency_s * 1e3,
-                 1e6 / estimate.bytes_per_s, estimate.bytes_per_s)
+        log.info(
+            "prefill: %.2f ms + %.1f us/token (%.0f tokens/s marginal)",
+            estimate.latency_s * 1e3,
+            1e6 / estimate.bytes_per_s,
+            estimate.bytes_per_s,
+        )
         return estimate
 
     # -- per request ----------------------------------------------------------
@@ -207,9 +240,15 @@ class HitPolicy:
         if decision.blocks:
             metrics.saved.labels("load").inc(decision.load_s)
             metrics.saved.labels("recompute").inc(decision.recompute_s)
-        log.debug("hit decision %s: %d of %d blocks by %s (load %.2f ms vs recompute %.2f ms)",
-                  decision.verdict.value, decision.blocks, offer.usable_blocks,
-                  decision.path.value if decision.path else "-", decision.load_s * 1e3, decision.recompute_s * 1e3)
+        log.debug(
+            "hit decision %s: %d of %d blocks by %s (load %.2f ms vs recompute %.2f ms)",
+            decision.verdict.value,
+            decision.blocks,
+            offer.usable_blocks,
+            decision.path.value if decision.path else "-",
+            decision.load_s * 1e3,
+            decision.recompute_s * 1e3,
+        )
         return decision
 
     def observe_read(self, path: ReadPath, nbytes: int, seconds: float) -> None:
@@ -220,7 +259,10 @@ class HitPolicy:
     def _publish(self) -> None:
         estimates = self.estimates()
         self.metrics.prefill.set(estimates.prefill_s_per_token)
-        for label, estimate in (("shared_memory", estimates.mapped), ("stream", estimates.stream),
-                                ("install", estimates.install)):
+        for label, estimate in (
+            ("shared_memory", estimates.mapped),
+            ("stream", estimates.stream),
+            ("install", estimates.install),
+        ):
             self.metrics.latency.labels(label).set(estimate.latency_s)
             self.metrics.rate.labels(label).set(estimate.bytes_per_s)

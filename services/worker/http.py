@@ -20,8 +20,9 @@ import hmac
 import json
 import logging
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator, Protocol
+from typing import Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -29,7 +30,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prefixcache.version import version
 
 from .events import Finished, Piece, RequestKind, Started
-from .openai_api import ApiError, GenerationRequest, ResponseShaper, parse_detokenize, parse_request, parse_tokenize, usage
+from .openai_api import (
+    ApiError,
+    GenerationRequest,
+    ResponseShaper,
+    parse_detokenize,
+    parse_request,
+    parse_tokenize,
+    usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +49,9 @@ class Backend(Protocol):
 
     @property
     def cache_state(self) -> str:
-        """"off" (--no-cache), or the cache link's "up" / "down" / "pending"."""
+        """ "off" (--no-cache), or the cache link's "up" / "down" / "pending"."""
 
-    def generate(self, request: GenerationRequest, cancelled: threading.Event
-                 ) -> Iterator[Started | Piece | Finished]:
+    def generate(self, request: GenerationRequest, cancelled: threading.Event) -> Iterator[Started | Piece | Finished]:
         """Runs on the inference thread: Started, then text pieces, then Finished."""
 
     def tokenize(self, request) -> dict:
@@ -69,16 +77,18 @@ class WorkerApp:
         self._api_key = None if api_key is None else api_key.encode()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
         self.app = web.Application(client_max_size=8 * 1024 * 1024, middlewares=[self._errors, self._auth])
-        self.app.add_routes([
-            web.post("/v1/chat/completions", self.chat),
-            web.post("/v1/completions", self.completions),
-            web.get("/v1/models", self.models),
-            web.post("/tokenize", self.tokenize),
-            web.post("/detokenize", self.detokenize),
-            web.get("/version", self.version),
-            web.get("/health", self.health),
-            web.get("/metrics", self.metrics),
-        ])
+        self.app.add_routes(
+            [
+                web.post("/v1/chat/completions", self.chat),
+                web.post("/v1/completions", self.completions),
+                web.get("/v1/models", self.models),
+                web.post("/tokenize", self.tokenize),
+                web.post("/detokenize", self.detokenize),
+                web.get("/version", self.version),
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics),
+            ]
+        )
         self.app.on_shutdown.append(self._shutdown)
 
     @web.middleware
@@ -87,8 +97,7 @@ class WorkerApp:
             return await handler(request)
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key):
-            raise ApiError("Incorrect API key provided (Authorization: Bearer KEY)", status=401,
-                           code="invalid_api_key")
+            raise ApiError("Incorrect API key provided (Authorization: Bearer KEY)", status=401, code="invalid_api_key")
         return await handler(request)
 
     @web.middleware
@@ -108,12 +117,12 @@ class WorkerApp:
 
     async def health(self, _request: web.Request) -> web.Response:
         # Healthy whatever the cache's state: the worker fails open and serves without it.
-        return web.json_response({"status": "ok", "model": self.backend.model_name,
-                                  "cache": self.backend.cache_state})
+        return web.json_response({"status": "ok", "model": self.backend.model_name, "cache": self.backend.cache_state})
 
     async def models(self, _request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.backend.model_name, "object": "model", "owned_by": "prefixcache"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.backend.model_name, "object": "model", "owned_by": "prefixcache"}]}
+        )
 
     async def version(self, _request: web.Request) -> web.Response:
         return web.json_response({"version": version()})
@@ -154,8 +163,13 @@ class WorkerApp:
             cancelled.set()  # a no-op when finished; stops generation on disconnect
             await asyncio.shield(future)
 
-    def _pump(self, parsed: GenerationRequest, cancelled: threading.Event, events: asyncio.Queue,
-              loop: asyncio.AbstractEventLoop) -> None:
+    def _pump(
+        self,
+        parsed: GenerationRequest,
+        cancelled: threading.Event,
+        events: asyncio.Queue,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         end = _End()
         try:
             if not cancelled.is_set():
@@ -194,8 +208,17 @@ class WorkerApp:
         except ApiError:
             raise
         except Exception as error:  # noqa: BLE001 - reported to this client only
-            return web.json_response({"error": {"message": f"generation failed: {error}",
-                                                "type": "server_error", "param": None, "code": None}}, status=500)
+            return web.json_response(
+                {
+                    "error": {
+                        "message": f"generation failed: {error}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": None,
+                    }
+                },
+                status=500,
+            )
         body = usage(started.prompt_tokens, finished.completion_tokens, started.cached_tokens)
         return web.json_response(shaper.full("".join(pieces), finished.finish_reason, body, tuple(logprobs)))
 
@@ -217,8 +240,11 @@ class WorkerApp:
                 elif isinstance(event, Finished):
                     await send(shaper.chunk("", event.finish_reason))
                     if parsed.include_usage:
-                        await send(shaper.usage_chunk(usage(started.prompt_tokens, event.completion_tokens,
-                                                            started.cached_tokens)))
+                        await send(
+                            shaper.usage_chunk(
+                                usage(started.prompt_tokens, event.completion_tokens, started.cached_tokens)
+                            )
+                        )
                 else:
                     if event.echo:
                         shaper.skip_text(event.text)

@@ -26,7 +26,9 @@ from prefixcache.config import KVLayout
 def validate_blocks(blocks: torch.Tensor, layout: KVLayout, device: torch.device) -> int:
     """Check `blocks` against the layout (any block size); return the block size."""
     if blocks.dim() != 6:
-        raise ValueError(f"prefix blocks must be 6-D [n, layers, 2, kv_heads, block_size, head_dim], got {tuple(blocks.shape)}")
+        raise ValueError(
+            f"prefix blocks must be 6-D [n, layers, 2, kv_heads, block_size, head_dim], got {tuple(blocks.shape)}"
+        )
     n, layers, two, kv_heads, block_size, head_dim = blocks.shape
     if n < 1 or block_size < 1:
         raise ValueError(f"prefix blocks shape {tuple(blocks.shape)} holds no block")
@@ -56,15 +58,11 @@ def cache_length(cache: DynamicCache) -> int:
     return cache.get_seq_length()
 
 
-def extract_blocks(
-    cache: DynamicCache, first_block: int, n_blocks: int, block_size: int
-) -> torch.Tensor:
+def extract_blocks(cache: DynamicCache, first_block: int, n_blocks: int, block_size: int) -> torch.Tensor:
     """Contiguous copy `[n_blocks, layers, 2, kv_heads, block_size, head_dim]` of the cache's
     tokens `[first_block * block_size, (first_block + n_blocks) * block_size)`."""
     if first_block < 0 or n_blocks < 0 or block_size < 1:
-        raise ValueError(
-            f"bad block range: first_block={first_block} n_blocks={n_blocks} block_size={block_size}"
-        )
+        raise ValueError(f"bad block range: first_block={first_block} n_blocks={n_blocks} block_size={block_size}")
     start, end = first_block * block_size, (first_block + n_blocks) * block_size
     if end > cache_length(cache):
         raise ValueError(f"blocks cover tokens [{start}, {end}) but the cache holds {cache_length(cache)}")

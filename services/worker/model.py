@@ -36,6 +36,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from prefixcache.config import MODEL_DTYPES, DType, KVLayout
+
 from .attention import register_prefix_exact_attention
 from .chat import ChatMessage, ChatMLTemplate, ChatRenderer, HFChatTemplate
 from .compat import check_plain_kv, probe_kv_layout
@@ -109,7 +110,9 @@ def _state_digest(model: PreTrainedModel, recipe: dict) -> str:
 
 def checkpoint_digest(path: Path) -> str:
     """sha256 streamed over config.json and the weight files of a checkpoint directory."""
-    files = sorted(p for p in path.iterdir() if p.is_file() and (p.name == "config.json" or p.suffix in _WEIGHT_SUFFIXES))
+    files = sorted(
+        p for p in path.iterdir() if p.is_file() and (p.name == "config.json" or p.suffix in _WEIGHT_SUFFIXES)
+    )
     if not any(p.suffix in _WEIGHT_SUFFIXES for p in files):
         raise ValueError(f"{path} has no weight files ({', '.join(_WEIGHT_SUFFIXES)})")
     digest = hashlib.sha256()
@@ -209,8 +212,12 @@ def load_model(
             raise ValueError(f"model spec {spec!r} is neither {TINY_SPEC!r} nor a local checkpoint directory")
         loaded = _load_path(path, parsed, attention)
     logger.info(
-        "loaded model %s (%s, %s, digest %s): %s", loaded.model_id, loaded.kv.dtype.value,
-        attention.value, loaded.weights_digest[:12], loaded.kv,
+        "loaded model %s (%s, %s, digest %s): %s",
+        loaded.model_id,
+        loaded.kv.dtype.value,
+        attention.value,
+        loaded.weights_digest[:12],
+        loaded.kv,
     )
     return loaded
 
@@ -239,4 +246,3 @@ def configure_torch_threads(threads: int | None = None) -> int:
     torch.set_num_threads(n)
     logger.info("torch intra-op threads: %d", n)
     return n
-

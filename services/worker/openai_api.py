@@ -31,17 +31,52 @@ MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 MAX_STOP_TOKEN_IDS = 64
 
-_COMMON = frozenset({
-    "model", "frequency_penalty", "presence_penalty", "logit_bias", "max_tokens", "n", "seed", "stop",
-    "stream", "stream_options", "temperature", "top_p", "user", "logprobs",
-    # vLLM's extensions
-    "top_k", "min_p", "repetition_penalty", "stop_token_ids", "cache_salt",
-})
+_COMMON = frozenset(
+    {
+        "model",
+        "frequency_penalty",
+        "presence_penalty",
+        "logit_bias",
+        "max_tokens",
+        "n",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "temperature",
+        "top_p",
+        "user",
+        "logprobs",
+        # vLLM's extensions
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "stop_token_ids",
+        "cache_salt",
+    }
+)
 CHAT_FIELDS = _COMMON | {
-    "messages", "max_completion_tokens", "top_logprobs", "metadata", "store", "modalities", "audio",
-    "parallel_tool_calls", "prediction", "prompt_cache_key", "prompt_cache_retention", "reasoning_effort",
-    "response_format", "safety_identifier", "service_tier", "tool_choice", "tools", "functions",
-    "function_call", "verbosity", "web_search_options",
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "metadata",
+    "store",
+    "modalities",
+    "audio",
+    "parallel_tool_calls",
+    "prediction",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "reasoning_effort",
+    "response_format",
+    "safety_identifier",
+    "service_tier",
+    "tool_choice",
+    "tools",
+    "functions",
+    "function_call",
+    "verbosity",
+    "web_search_options",
 }
 COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix"}
 
@@ -61,15 +96,20 @@ _UNSUPPORTED: dict[str, tuple[str, Callable[[object], bool]]] = {
     "store": ("completions are not stored", lambda v: v is False),
     "service_tier": ("only the default service tier exists", lambda v: v in ("auto", "default")),
     "prompt_cache_retention": ("prompt cache retention is set by the cache service's --ttl", lambda v: False),
-    "response_format": ("only response_format {\"type\": \"text\"} is supported",
-                        lambda v: v == {"type": "text"}),
+    "response_format": ('only response_format {"type": "text"} is supported', lambda v: v == {"type": "text"}),
     "suffix": ("suffix (fill-in-the-middle) is not supported", lambda v: False),
 }
 
 
 class ApiError(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.param = param
         self.status = status
@@ -85,7 +125,7 @@ class GenerationRequest:
     kind: RequestKind
     messages: tuple[tuple[str, str], ...]  # chat only: (system | user | assistant, text)
     prompt: str | tuple[int, ...]  # completion only
-    max_tokens: int | None         # None: what the context leaves after the prompt (chat's default)
+    max_tokens: int | None  # None: what the context leaves after the prompt (chat's default)
     sampling: SamplingParams
     seed: int | None
     stop: tuple[str, ...]
@@ -93,7 +133,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     cache_salt: str | None
-    echo: bool = False             # completions: the prompt's text leads the output
+    echo: bool = False  # completions: the prompt's text leads the output
 
     @property
     def temperature(self) -> float:
@@ -140,9 +180,13 @@ def _metadata(body: dict) -> None:
     value = body.get("metadata")
     if value is None:
         return
-    if (not isinstance(value, dict) or len(value) > 16
-            or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
-                       for k, v in value.items())):
+    if (
+        not isinstance(value, dict)
+        or len(value) > 16
+        or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in value.items()
+        )
+    ):
         raise ApiError("'metadata' must map up to 16 keys (<= 64 characters) to strings (<= 512)", "metadata")
 
 
@@ -152,15 +196,17 @@ def _stop(body: dict) -> tuple[str, ...]:
         return ()
     if isinstance(stop, str):
         stop = [stop]
-    if (not isinstance(stop, list) or len(stop) > MAX_STOP_SEQUENCES
-            or not all(isinstance(s, str) and s for s in stop)):
+    if not isinstance(stop, list) or len(stop) > MAX_STOP_SEQUENCES or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(f"'stop' must be a non-empty string or a list of up to {MAX_STOP_SEQUENCES}", "stop")
     return tuple(stop)
 
 
 def _token_ids(value, param: str, limit: int) -> tuple[int, ...]:
-    if (not isinstance(value, list) or len(value) > limit
-            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)):
+    if (
+        not isinstance(value, list)
+        or len(value) > limit
+        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    ):
         raise ApiError(f"'{param}' must be a list of up to {limit} token ids (integers >= 0)", param)
     return tuple(value)
 
@@ -173,10 +219,15 @@ def _logit_bias(body: dict) -> dict[int, float]:
         raise ApiError("'logit_bias' must map up to 300 token ids to a bias in [-100, 100]", "logit_bias")
     bias = {}
     for key, number in value.items():
-        if not (isinstance(key, str) and key.isdigit()) or isinstance(number, bool) \
-                or not isinstance(number, (int, float)) or not -100 <= number <= 100:
-            raise ApiError(f"'logit_bias' must map token ids to a bias in [-100, 100], got {key!r}: {number!r}",
-                           "logit_bias")
+        if (
+            not (isinstance(key, str) and key.isdigit())
+            or isinstance(number, bool)
+            or not isinstance(number, (int, float))
+            or not -100 <= number <= 100
+        ):
+            raise ApiError(
+                f"'logit_bias' must map token ids to a bias in [-100, 100], got {key!r}: {number!r}", "logit_bias"
+            )
         bias[int(key)] = float(number)
     return bias
 
@@ -190,10 +241,13 @@ def _content(content, i: int) -> str:
             if not isinstance(part, dict) or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if isinstance(kind, str) and kind != "text":
-                    raise ApiError(f"messages[{i}].content[{j}] is a {kind!r} part; only text parts are "
-                                   "supported", f"messages[{i}].content[{j}].type")
-                raise ApiError(f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": ...}}",
-                               f"messages[{i}].content[{j}]")
+                    raise ApiError(
+                        f"messages[{i}].content[{j}] is a {kind!r} part; only text parts are supported",
+                        f"messages[{i}].content[{j}].type",
+                    )
+                raise ApiError(
+                    f'messages[{i}].content[{j}] must be {{"type": "text", "text": ...}}', f"messages[{i}].content[{j}]"
+                )
             if part.get("type") != "text":
                 raise ApiError(f"messages[{i}].content[{j}].type must be 'text'", f"messages[{i}].content[{j}].type")
             texts.append(part["text"])
@@ -201,8 +255,9 @@ def _content(content, i: int) -> str:
     raise ApiError(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
-_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "function_call", "refusal", "audio",
-                             "tool_call_id"})
+_MESSAGE_FIELDS = frozenset(
+    {"role", "content", "name", "tool_calls", "function_call", "refusal", "audio", "tool_call_id"}
+)
 
 
 def _messages(body: dict) -> tuple[tuple[str, str], ...]:
@@ -217,8 +272,7 @@ def _messages(body: dict) -> tuple[tuple[str, str], ...]:
         if role in ("tool", "function"):
             raise ApiError(f"messages[{i}].role {role!r}: tool calling is not supported", f"messages[{i}].role")
         if role not in ("system", "developer", "user", "assistant"):
-            raise ApiError(f"messages[{i}].role must be system, developer, user or assistant",
-                           f"messages[{i}].role")
+            raise ApiError(f"messages[{i}].role must be system, developer, user or assistant", f"messages[{i}].role")
         for name in message:
             if name not in _MESSAGE_FIELDS:
                 raise ApiError(f"messages[{i}].{name} is not a message field", f"messages[{i}].{name}")
@@ -236,8 +290,11 @@ def _prompt(body: dict) -> str | tuple[int, ...]:
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                   for t in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    ):
         return tuple(prompt)
     raise ApiError("'prompt' must be a non-empty string or list of token ids (one prompt per request)", "prompt")
 
@@ -250,14 +307,18 @@ def _check_fields(body: dict, kind: str) -> None:
         if name in _UNSUPPORTED and value is not None:
             why, neutral = _UNSUPPORTED[name]
             if not neutral(value):
-                raise ApiError(f"'{name}' = {json.dumps(value)[:80]} is not supported: {why}", name,
-                               code="unsupported_parameter")
+                raise ApiError(
+                    f"'{name}' = {json.dumps(value)[:80]} is not supported: {why}", name, code="unsupported_parameter"
+                )
     stream_options = body.get("stream_options")
     if isinstance(stream_options, dict):
         for name, value in stream_options.items():
             if name == "include_obfuscation" and value is not None and value is not False:
-                raise ApiError("stream_options.include_obfuscation is not supported",
-                               "stream_options.include_obfuscation", code="unsupported_parameter")
+                raise ApiError(
+                    "stream_options.include_obfuscation is not supported",
+                    "stream_options.include_obfuscation",
+                    code="unsupported_parameter",
+                )
             if name not in ("include_usage", "include_obfuscation"):
                 raise ApiError(f"stream_options.{name} is not a stream option", f"stream_options.{name}")
 
@@ -283,7 +344,8 @@ def _sampling(body: dict, kind: str) -> SamplingParams:
         raise ApiError("'repetition_penalty' must be in (0, 2], got 0", "repetition_penalty")
     return SamplingParams(
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0, False)),
-        top_p=float(top_p), top_k=top_k,
+        top_p=float(top_p),
+        top_k=top_k,
         min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0, False)),
         presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0, False)),
         frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0, False)),
@@ -299,8 +361,12 @@ def check_model(body_model, served: str) -> None:
     if not isinstance(body_model, str):
         raise ApiError("'model' must be a string", "model")
     if body_model != served:
-        raise ApiError(f"The model `{body_model}` does not exist (this worker serves `{served}`)", "model",
-                       status=404, code="model_not_found")
+        raise ApiError(
+            f"The model `{body_model}` does not exist (this worker serves `{served}`)",
+            "model",
+            status=404,
+            code="model_not_found",
+        )
 
 
 def parse_request(raw: bytes, kind: str, served_model: str | None = None) -> GenerationRequest:
@@ -340,8 +406,9 @@ def parse_request(raw: bytes, kind: str, served_model: str | None = None) -> Gen
         sampling=sampling,
         seed=_number(body, "seed", None, 0, 2**63 - 1, True),
         stop=_stop(body),
-        stop_token_ids=frozenset(() if stop_ids is None else _token_ids(stop_ids, "stop_token_ids",
-                                                                         MAX_STOP_TOKEN_IDS)),
+        stop_token_ids=frozenset(
+            () if stop_ids is None else _token_ids(stop_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS)
+        ),
         stream=stream,
         include_usage=include_usage,
         cache_salt=salt,
@@ -391,9 +458,12 @@ def parse_detokenize(raw: bytes, served_model: str) -> list[int]:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 @dataclass(frozen=True)
@@ -428,25 +498,37 @@ class ResponseShaper:
         if not self.logprobs:
             return None
         if self.kind == "chat":
-            return {"content": [{"token": e.text, "logprob": e.logprob, "bytes": list(e.raw),
-                                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)}
-                                                  for t, b, lp in e.top]} for e in entries],
-                    "refusal": None}
+            return {
+                "content": [
+                    {
+                        "token": e.text,
+                        "logprob": e.logprob,
+                        "bytes": list(e.raw),
+                        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)} for t, b, lp in e.top],
+                    }
+                    for e in entries
+                ],
+                "refusal": None,
+            }
         offsets = []
         for e in entries:
             offsets.append(self._offset)
             self._offset += len(e.text)
-        return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
-                # vLLM's shape: the k most likely, plus the chosen token
-                "top_logprobs": [{**{t: lp for t, _, lp in e.top}, e.text: e.logprob} for e in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": [e.text for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            # vLLM's shape: the k most likely, plus the chosen token
+            "top_logprobs": [{**{t: lp for t, _, lp in e.top}, e.text: e.logprob} for e in entries],
+            "text_offset": offsets,
+        }
 
     def skip_text(self, text: str) -> None:
         """Echoed prompt text: later tokens' text offsets start after it."""
         self._offset += len(text)
 
-    def chunk(self, text: str, finish_reason: str | None, first: bool = False,
-              logprobs: tuple[Logprob, ...] = ()) -> dict:
+    def chunk(
+        self, text: str, finish_reason: str | None, first: bool = False, logprobs: tuple[Logprob, ...] = ()
+    ) -> dict:
         if self.kind == "chat":
             delta = {"content": text}
             if first:

@@ -65,8 +65,9 @@ class SamplingParams:
     @property
     def touches_logits(self) -> bool:
         """Whether anything but temperature and truncation changes the logits."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
 
 
 GREEDY = SamplingParams()
@@ -82,8 +83,9 @@ class TokenLogprob:
 class Sampler:
     """Applies one request's `SamplingParams`; fed every chosen token through `choose`."""
 
-    def __init__(self, params: SamplingParams, prompt: Sequence[int], vocab: int,
-                 generator: torch.Generator | None) -> None:
+    def __init__(
+        self, params: SamplingParams, prompt: Sequence[int], vocab: int, generator: torch.Generator | None
+    ) -> None:
         bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"logit_bias names token {bad}, outside the vocabulary [0, {vocab})")

@@ -100,9 +100,7 @@ class TiktokenTokenizer:
             mergeable_ranks=base._mergeable_ranks,
             special_tokens={**base._special_tokens, **CHATML_TOKENS},
         )
-        self._assigned = frozenset(base._mergeable_ranks.values()) | frozenset(
-            self._enc._special_tokens.values()
-        )
+        self._assigned = frozenset(base._mergeable_ranks.values()) | frozenset(self._enc._special_tokens.values())
         logger.debug("loaded %s from %s", CL100K_ENCODING_NAME, path)
 
     @property
@@ -129,10 +127,7 @@ class TiktokenTokenizer:
         _check_ids(ids, self.vocab_size)
         if all(i in self._assigned for i in ids):
             return self._enc.decode(ids)
-        pieces = (
-            self._enc.decode_single_token_bytes(i) if i in self._assigned else _REPLACEMENT
-            for i in ids
-        )
+        pieces = (self._enc.decode_single_token_bytes(i) if i in self._assigned else _REPLACEMENT for i in ids)
         return b"".join(pieces).decode("utf-8", errors="replace")
 
 

@@ -46,9 +46,17 @@ def _model(directory: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         tie_word_embeddings=True, initializer_range=0.1)  # 0.1: greedy output varies
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+    )  # 0.1: greedy output varies
     torch.manual_seed(1234)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
     return directory
@@ -101,8 +109,13 @@ def _start(workdir: Path, name: str, model: Path, steps: list[dict], connector: 
     spec.write_text(json.dumps({"model": str(model), "apc": apc, "connector": connector, "steps": steps}))
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
     with out.with_suffix(".log").open("w") as log:
-        process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "vllm_driver.py"), str(spec), str(out)],
-                                   cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "vllm_driver.py"), str(spec), str(out)],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     return Engine(name, process, out)
 
 
@@ -133,8 +146,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "a": [turn for conv in convs for turn in conv[:2]] + [conv[0] for conv in own],
         "b": [conv[2] for conv in convs[:4]] + [conv[1] for conv in convs[:2]],  # a new turn, and repeats
         "b2": [conv[2] for conv in convs[4:]] + [conv[1] for conv in convs[4:6]],
-        "c": [turn for conv in convs[:4] for turn in conv] * 3,                # served while s1 dies
-        "e": [conv[0] + _tokens(rng, 7) for conv in own],                      # only Redis holds these
+        "c": [turn for conv in convs[:4] for turn in conv] * 3,  # served while s1 dies
+        "e": [conv[0] + _tokens(rng, 7) for conv in own],  # only Redis holds these
     }
     fresh = _conversations(rng, 3, _tokens(rng, 40))
     prompts["d1"] = [conv[0] for conv in fresh]
@@ -155,27 +168,55 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
         s2.start()
         connector = {"hit_policy": "always", "timeout_s": 5.0, "lookup_timeout_s": 5.0}
         order = ["b", "b2", "c", "d1", "d2", "e", "f2", "s_b"]
-        a = _start(workdir, "A", model, [_gen("a", prompts["a"]), _gen("s_a", prompts["s_a"], salts=["tenant-1"])],
-                   {"cache": s1.address, **connector}, apc=False)
+        a = _start(
+            workdir,
+            "A",
+            model,
+            [_gen("a", prompts["a"]), _gen("s_a", prompts["s_a"], salts=["tenant-1"])],
+            {"cache": s1.address, **connector},
+            apc=False,
+        )
         ref = _start(workdir, "REF", model, [_gen(k, prompts[k]) for k in order], None, apc=False)
-        apc = _start(workdir, "APC", model, [_gen("a", prompts["a"]), _gen("b", prompts["b"]), _gen("b2", prompts["b2"])],
-                     None, apc=True)
+        apc = _start(
+            workdir,
+            "APC",
+            model,
+            [_gen("a", prompts["a"]), _gen("b", prompts["b"]), _gen("b2", prompts["b2"])],
+            None,
+            apc=True,
+        )
         engines += [a, ref, apc]
         results = {"A": a.result()}
-        blocks = {tuple(p[:k * BS]) for p in prompts["a"] for k in range(1, len(p) // BS + 1)}
+        blocks = {tuple(p[: k * BS]) for p in prompts["a"] for k in range(1, len(p) // BS + 1)}
         with redis.client() as raw:  # A's blocks reach Redis by s1's write-through
             assert poll(lambda: sum(1 for _ in raw.scan_iter(match=f"{s1.redis_key_prefix}*")) >= len(blocks), 60)
-        b1 = _start(workdir, "B1", model, [
-            _gen("b", prompts["b"]),
-            _gen("s_b", prompts["s_b"], salts=["tenant-1", "tenant-2", None]),
-            {"barrier": "kill"},
-            _gen("c", prompts["c"], kill_pid_after_s=[s1.process.pid, KILL_AFTER_S], max_tokens=32),
-            {"barrier": "restart"},
-            _gen("d1", prompts["d1"]), _gen("d2", prompts["d2"]),
-            {"barrier": "short_lease"},
-            _gen("f1", prompts["f1"]), _gen("f2", prompts["f2"])], {"cache": s1.address, **connector}, apc=False)
-        b2 = _start(workdir, "B2", model, [_gen("b2", prompts["b2"]), {"barrier": "corrupt"}, _gen("e", prompts["e"])],
-                    {"cache": s2.address, **connector}, apc=True)
+        b1 = _start(
+            workdir,
+            "B1",
+            model,
+            [
+                _gen("b", prompts["b"]),
+                _gen("s_b", prompts["s_b"], salts=["tenant-1", "tenant-2", None]),
+                {"barrier": "kill"},
+                _gen("c", prompts["c"], kill_pid_after_s=[s1.process.pid, KILL_AFTER_S], max_tokens=32),
+                {"barrier": "restart"},
+                _gen("d1", prompts["d1"]),
+                _gen("d2", prompts["d2"]),
+                {"barrier": "short_lease"},
+                _gen("f1", prompts["f1"]),
+                _gen("f2", prompts["f2"]),
+            ],
+            {"cache": s1.address, **connector},
+            apc=False,
+        )
+        b2 = _start(
+            workdir,
+            "B2",
+            model,
+            [_gen("b2", prompts["b2"]), {"barrier": "corrupt"}, _gen("e", prompts["e"])],
+            {"cache": s2.address, **connector},
+            apc=True,
+        )
         engines += [b1, b2]
         b1.wait_barrier("kill")
         b1.go("kill")
@@ -251,8 +292,10 @@ def test_outputs_equal_a_vllm_without_the_connector_and_no_worse_than_apc(scenar
     apc_b, apc_b2 = (_mismatches(apc[k]["outputs"], ref[k]["outputs"]) for k in ("b", "b2"))
     host = _mismatches(scenario["B1"]["steps"]["b"]["outputs"], ref["b"]["outputs"])
     via_redis = _mismatches(scenario["B2"]["steps"]["b2"]["outputs"], ref["b2"]["outputs"])
-    print(f"mismatching prompts: host tier {host} vs APC {apc_b} of {len(ref['b']['outputs'])}; "
-          f"via Redis {via_redis} vs APC {apc_b2} of {len(ref['b2']['outputs'])}")
+    print(
+        f"mismatching prompts: host tier {host} vs APC {apc_b} of {len(ref['b']['outputs'])}; "
+        f"via Redis {via_redis} vs APC {apc_b2} of {len(ref['b2']['outputs'])}"
+    )
     assert host <= apc_b and via_redis <= apc_b2
     assert host == 0 and via_redis == 0
 

@@ -25,15 +25,23 @@ from prefixcache.integrations.vllm.paged import (
 H, N, D, BLOCKS, LAYERS = 2, 32, 16, 9, 3
 
 
-@pytest.mark.parametrize(("extra", "field"), [
-    ({}, "cache"), ({"cache": "nohost"}, "cache"), ({"cache": "h:1", "hit_policy": "sometimes"}, "hit_policy"),
-    ({"cache": "h:1", "timeout_s": 0}, "timeout_s"), ({"cache": "h:1", "timeout_s": "1"}, "timeout_s"),
-    ({"cache": "h:1", "lookup_timeout_s": -1}, "lookup_timeout_s"), ({"cache": "h:1", "cachesalt": "x"}, "cachesalt"),
-    ({"cache": "h:1", "auth_token": "a", "auth_token_file": "/x"}, "auth_token_file"),
-    ({"cache": "h:1", "auth_token_file": "/nonexistent/token"}, "auth_token_file"),
-    ({"cache": "h:1", "cache_salt_source": "config"}, "cache_salt"),
-    ({"cache": "h:1", "same_host": "yes"}, "same_host"), ({"cache": "h:1", "weights_digest": "md5"}, "weights_digest"),
-])
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({}, "cache"),
+        ({"cache": "nohost"}, "cache"),
+        ({"cache": "h:1", "hit_policy": "sometimes"}, "hit_policy"),
+        ({"cache": "h:1", "timeout_s": 0}, "timeout_s"),
+        ({"cache": "h:1", "timeout_s": "1"}, "timeout_s"),
+        ({"cache": "h:1", "lookup_timeout_s": -1}, "lookup_timeout_s"),
+        ({"cache": "h:1", "cachesalt": "x"}, "cachesalt"),
+        ({"cache": "h:1", "auth_token": "a", "auth_token_file": "/x"}, "auth_token_file"),
+        ({"cache": "h:1", "auth_token_file": "/nonexistent/token"}, "auth_token_file"),
+        ({"cache": "h:1", "cache_salt_source": "config"}, "cache_salt"),
+        ({"cache": "h:1", "same_host": "yes"}, "same_host"),
+        ({"cache": "h:1", "weights_digest": "md5"}, "weights_digest"),
+    ],
+)
 def test_bad_extra_config_names_the_key(extra: dict, field: str) -> None:
     with pytest.raises(ConfigError) as error:
         ConnectorSettings.parse(extra)
@@ -94,11 +102,14 @@ def _paged(packing: KVPacking, physical_nhd: bool) -> list[torch.Tensor]:
     return layers
 
 
-@pytest.mark.parametrize(("packing", "nhd", "views"), [
-    (KVPacking.TOKEN_STACKED, False, _vllm_cpu_views),
-    (KVPacking.CONTENT_SPLIT, False, _vllm_flash_views),   # HND
-    (KVPacking.CONTENT_SPLIT, True, _vllm_flash_views),    # NHD
-])
+@pytest.mark.parametrize(
+    ("packing", "nhd", "views"),
+    [
+        (KVPacking.TOKEN_STACKED, False, _vllm_cpu_views),
+        (KVPacking.CONTENT_SPLIT, False, _vllm_flash_views),  # HND
+        (KVPacking.CONTENT_SPLIT, True, _vllm_flash_views),  # NHD
+    ],
+)
 def test_a_loaded_block_is_what_the_backend_reads_and_gathers_back_bit_exact(packing, nhd, views) -> None:
     layout = KVLayout(layers=LAYERS, kv_heads=H, head_dim=D, block_size=N, dtype="bfloat16")
     tensors = _paged(packing, nhd)

@@ -32,9 +32,21 @@ SALT_SOURCES = ("request", "config", "none")
 DIGEST_MODES = ("sampled", "full", "off")
 _SAMPLE_BYTES = 1 << 20  # bytes hashed at the start, middle and end of each weight file
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-_KNOWN_KEYS = {"cache", "auth_token", "auth_token_file", "timeout_s", "lookup_timeout_s", "hit_policy",
-               "cache_salt", "cache_salt_source", "revision", "weights_digest", "same_host",
-               "tls_root_cert_file", "prefill_tokens_per_s"}
+_KNOWN_KEYS = {
+    "cache",
+    "auth_token",
+    "auth_token_file",
+    "timeout_s",
+    "lookup_timeout_s",
+    "hit_policy",
+    "cache_salt",
+    "cache_salt_source",
+    "revision",
+    "weights_digest",
+    "same_host",
+    "tls_root_cert_file",
+    "prefill_tokens_per_s",
+}
 
 # vLLM's cache_dtype -> the cache's element type name ("auto" means the model's dtype).
 _VLLM_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -42,16 +54,16 @@ _VLLM_KV_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    cache: str                       # host:port of the prefixcache service
+    cache: str  # host:port of the prefixcache service
     auth_token: str | None = None
-    timeout_s: float = 2.0           # every RPC but Lookup (Fetch/Store streams grow with their size)
-    lookup_timeout_s: float = 0.5    # the scheduler waits this long at most per request
-    hit_policy: str = "auto"         # always: load every usable block; auto: only when faster than prefill
-    cache_salt: str | None = None    # salt for every request without its own (cache_salt_source=config)
+    timeout_s: float = 2.0  # every RPC but Lookup (Fetch/Store streams grow with their size)
+    lookup_timeout_s: float = 0.5  # the scheduler waits this long at most per request
+    hit_policy: str = "auto"  # always: load every usable block; auto: only when faster than prefill
+    cache_salt: str | None = None  # salt for every request without its own (cache_salt_source=config)
     cache_salt_source: str = "request"  # request: vLLM's per-request cache_salt (else `cache_salt`)
-    revision: str = ""               # overrides vLLM's model revision in the namespace
+    revision: str = ""  # overrides vLLM's model revision in the namespace
     weights_digest: str = "sampled"
-    same_host: bool = True           # map the service's shared memory when it is on this host
+    same_host: bool = True  # map the service's shared memory when it is on this host
     tls_root_cert_file: str | None = None
     prefill_tokens_per_s: float = 0.0  # auto policy's prefill rate before the worker measured one
 
@@ -60,7 +72,9 @@ class ConnectorSettings:
         extra = dict(extra or {})
         unknown = sorted(set(extra) - _KNOWN_KEYS)
         if unknown:
-            raise ConfigError(unknown[0], f"unknown kv_connector_extra_config key (known: {', '.join(sorted(_KNOWN_KEYS))})")
+            raise ConfigError(
+                unknown[0], f"unknown kv_connector_extra_config key (known: {', '.join(sorted(_KNOWN_KEYS))})"
+            )
         cache = extra.get("cache")
         if not isinstance(cache, str) or ":" not in cache:
             raise ConfigError("cache", f"must be the service address HOST:PORT, got {cache!r}")
@@ -81,12 +95,20 @@ class ConnectorSettings:
         for key in ("timeout_s", "lookup_timeout_s", "prefill_tokens_per_s"):
             if key in extra:
                 value = extra[key]
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
-                        or value == float("inf") or (value == 0 and key != "prefill_tokens_per_s"):
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or not value >= 0
+                    or value == float("inf")
+                    or (value == 0 and key != "prefill_tokens_per_s")
+                ):
                     raise ConfigError(key, f"must be a positive number, got {value!r}")
                 values[key] = float(value)
-        for key, allowed in (("hit_policy", HIT_POLICIES), ("cache_salt_source", SALT_SOURCES),
-                             ("weights_digest", DIGEST_MODES)):
+        for key, allowed in (
+            ("hit_policy", HIT_POLICIES),
+            ("cache_salt_source", SALT_SOURCES),
+            ("weights_digest", DIGEST_MODES),
+        ):
             if key in extra:
                 if extra[key] not in allowed:
                     raise ConfigError(key, f"must be one of {', '.join(allowed)}, got {extra[key]!r}")
@@ -119,7 +141,7 @@ class ConnectorSettings:
 @dataclass(frozen=True)
 class VllmNamespace:
     model: str
-    revision: str   # "<revision>|weights=<digest>|tp=<rank>/<size>": what besides the layout splits KV
+    revision: str  # "<revision>|weights=<digest>|tp=<rank>/<size>": what besides the layout splits KV
     layout: KVLayout
 
 
@@ -142,7 +164,9 @@ def weights_digest(model: str, mode: str = "sampled") -> str:
     path = Path(model)
     if mode == "off" or not path.is_dir():
         return ""
-    files = sorted(p for p in path.iterdir() if p.is_file() and (p.name == "config.json" or p.suffix in _WEIGHT_SUFFIXES))
+    files = sorted(
+        p for p in path.iterdir() if p.is_file() and (p.name == "config.json" or p.suffix in _WEIGHT_SUFFIXES)
+    )
     digest = hashlib.sha256(mode.encode())
     for file in files:
         size = file.stat().st_size
@@ -157,18 +181,25 @@ def weights_digest(model: str, mode: str = "sampled") -> str:
     return digest.hexdigest()
 
 
-def namespace_of(vllm_config: Any, settings: ConnectorSettings, layers: int, kv_heads: int, head_dim: int,
-                 tp_rank: int) -> VllmNamespace:
+def namespace_of(
+    vllm_config: Any, settings: ConnectorSettings, layers: int, kv_heads: int, head_dim: int, tp_rank: int
+) -> VllmNamespace:
     model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
     tp_size = vllm_config.parallel_config.tensor_parallel_size
-    layout = KVLayout(layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=cache_config.block_size,
-                      dtype=kv_dtype_of(cache_config.cache_dtype, model_config.dtype))
+    layout = KVLayout(
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=cache_config.block_size,
+        dtype=kv_dtype_of(cache_config.cache_dtype, model_config.dtype),
+    )
     revision = settings.revision or (model_config.revision or "")
     digest = weights_digest(model_config.model, settings.weights_digest)
     parts = [revision, f"weights={digest[:32]}" if digest else "weights=unknown", f"tp={tp_rank}/{tp_size}"]
     name = model_config.served_model_name if isinstance(model_config.served_model_name, str) else model_config.model
-    return VllmNamespace(model=os.path.basename(str(name).rstrip("/")) or str(name), revision="|".join(parts),
-                         layout=layout)
+    return VllmNamespace(
+        model=os.path.basename(str(name).rstrip("/")) or str(name), revision="|".join(parts), layout=layout
+    )
 
 
 def describe(settings: ConnectorSettings) -> str:

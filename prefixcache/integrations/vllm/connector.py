@@ -48,19 +48,23 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         self.settings = ConnectorSettings.parse(transfer.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise ConfigError("tensor_parallel_size", "PrefixCacheConnector supports tensor_parallel_size=1 and "
-                                                      "pipeline_parallel_size=1 only")
+            raise ConfigError(
+                "tensor_parallel_size",
+                "PrefixCacheConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only",
+            )
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-            raise ConfigError("kv_cache_groups", "PrefixCacheConnector needs one full-attention KV cache group "
-                                                 f"(got {len(groups)})")
+            raise ConfigError(
+                "kv_cache_groups", f"PrefixCacheConnector needs one full-attention KV cache group (got {len(groups)})"
+            )
         spec = groups[0].kv_cache_spec
         if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
             raise ConfigError("head_size_v", "keys and values of different head sizes are not supported")
         self.layer_names = list(groups[0].layer_names)
         self.block_size = vllm_config.cache_config.block_size
-        namespace = namespace_of(vllm_config, self.settings, len(self.layer_names), spec.num_kv_heads,
-                                 spec.head_size, tp_rank=0)
+        namespace = namespace_of(
+            vllm_config, self.settings, len(self.layer_names), spec.num_kv_heads, spec.head_size, tp_rank=0
+        )
         self.stats = StatsBox()
         role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self.link = CacheLink(self.settings, namespace, role_name)
@@ -70,8 +74,13 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             if transfer.kv_load_failure_policy != "recompute":
                 transfer.kv_load_failure_policy = "recompute"  # read by the scheduler right after this
             self._scheduler = SchedulerSide(self.link, self.stats, self.block_size)
-            log.info("prefixcache: connector %s, namespace %s/%s %s", describe(self.settings), namespace.model,
-                     namespace.revision, namespace.layout)
+            log.info(
+                "prefixcache: connector %s, namespace %s/%s %s",
+                describe(self.settings),
+                namespace.model,
+                namespace.revision,
+                namespace.layout,
+            )
         else:
             self._worker = WorkerSide(self.link, self.stats)
 
@@ -90,12 +99,19 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         layers = [PagedLayer.of(kv_caches[name], packing, head_size) for name in self.layer_names]
         assert self._worker is not None
         self._worker.paged = PagedCache(layers)
-        log.info("prefixcache worker: %d layers of %s paged KV (%s, %s) on %s", len(layers), backend,
-                 packing.value, tuple(kv_caches[self.layer_names[0]].shape), layers[0].keys.device)
+        log.info(
+            "prefixcache worker: %d layers of %s paged KV (%s, %s) on %s",
+            len(layers),
+            backend,
+            packing.value,
+            tuple(kv_caches[self.layer_names[0]].shape),
+            layers[0].keys.device,
+        )
 
     def _backend_name(self) -> str:
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention.attention import Attention
+
         layers = get_layers_from_vllm_config(self._vllm_config, Attention, self.layer_names)
         return layers[self.layer_names[0]].get_attn_backend().get_name()
 
@@ -151,6 +167,11 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         return PrefixCacheStats(dict(data)) if data is not None else PrefixCacheStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> PrefixCachePromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PrefixCachePromMetrics:
         return PrefixCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -34,8 +34,11 @@ T = TypeVar("T")
 
 def service_level(error: PrefixCacheError) -> bool:
     """True when the error means the service (not this one request) is unusable: re-attach."""
-    return (not isinstance(error, InvalidArgument) or isinstance(error, UnknownNamespace)
-            or error.field in ("namespace", "namespace_id"))  # the service forgot us: it restarted
+    return (
+        not isinstance(error, InvalidArgument)
+        or isinstance(error, UnknownNamespace)
+        or error.field in ("namespace", "namespace_id")
+    )  # the service forgot us: it restarted
 
 
 class CacheLink:
@@ -62,14 +65,17 @@ class CacheLink:
                 return None
             self._next_try = time.monotonic() + RETRY_S
             s = self.settings
-            client = CacheClient(s.cache, auth_token=s.auth_token, timeout_s=s.timeout_s,
-                                 tls_root_cert_file=s.tls_root_cert_file)
+            client = CacheClient(
+                s.cache, auth_token=s.auth_token, timeout_s=s.timeout_s, tls_root_cert_file=s.tls_root_cert_file
+            )
             try:
-                attachment = client.attach(self.namespace.model, self.namespace.layout, self.namespace.revision,
-                                           same_host=s.same_host)
+                attachment = client.attach(
+                    self.namespace.model, self.namespace.layout, self.namespace.revision, same_host=s.same_host
+                )
                 if attachment.layout != self.namespace.layout:
-                    raise PrefixCacheError(f"service answered layout {attachment.layout}, "
-                                           f"vLLM needs {self.namespace.layout}")
+                    raise PrefixCacheError(
+                        f"service answered layout {attachment.layout}, vLLM needs {self.namespace.layout}"
+                    )
             except PrefixCacheError as error:
                 client.close()
                 self._set_state(False, error)
@@ -109,11 +115,20 @@ class CacheLink:
         self._up = up
         if up:
             a = self._attachment
-            log.info("prefixcache %s: attached to %s as namespace %s (%s)", self.role, self.settings.cache,
-                     a.namespace_id if a else "?", "shared memory" if a and a.shared_memory else "gRPC streams")
+            log.info(
+                "prefixcache %s: attached to %s as namespace %s (%s)",
+                self.role,
+                self.settings.cache,
+                a.namespace_id if a else "?",
+                "shared memory" if a and a.shared_memory else "gRPC streams",
+            )
         else:
-            log.warning("prefixcache %s: service %s unusable (%s); prefilling without the cache until it returns",
-                        self.role, self.settings.cache, error)
+            log.warning(
+                "prefixcache %s: service %s unusable (%s); prefilling without the cache until it returns",
+                self.role,
+                self.settings.cache,
+                error,
+            )
 
     def close(self) -> None:
         with self._lock:

@@ -18,21 +18,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 class LoadOp:
     request_id: str
     namespace_id: str
-    host_segment: str            # the segment the slots live in ("" when read by stream)
+    host_segment: str  # the segment the slots live in ("" when read by stream)
     lease_id: int
-    lease_deadline: float        # time.monotonic() (system-wide clock) before which the lease is live
+    lease_deadline: float  # time.monotonic() (system-wide clock) before which the lease is live
     prompt_tokens: int
-    hit_tokens: int              # the whole leased hit (a Fetch stream moves all of it)
-    tiers: tuple[int, ...]       # of every leased block, root first
+    hit_tokens: int  # the whole leased hit (a Fetch stream moves all of it)
+    tiers: tuple[int, ...]  # of every leased block, root first
     slots: tuple[int, ...]
-    first_block: int             # the first leased block to load (vLLM computed those before it)
-    block_ids: tuple[int, ...]   # vLLM blocks for leased blocks first_block.. in order
+    first_block: int  # the first leased block to load (vLLM computed those before it)
+    block_ids: tuple[int, ...]  # vLLM blocks for leased blocks first_block.. in order
 
 
 @dataclass(frozen=True)
 class SaveOp:
     request_id: str
-    tokens: tuple[int, ...]      # the prompt up to the end of the last saved block
+    tokens: tuple[int, ...]  # the prompt up to the end of the last saved block
     start_block: int
     block_ids: tuple[int, ...]
     cache_salt: str | None

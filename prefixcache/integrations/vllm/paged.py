@@ -38,8 +38,11 @@ class KVPacking(enum.Enum):
     CONTENT_SPLIT = "content_split"  # FLASH_ATTN, FLASHINFER: per token [K | V]
 
 
-_PACKING_OF_BACKEND = {"CPU_ATTN": KVPacking.TOKEN_STACKED, "FLASH_ATTN": KVPacking.CONTENT_SPLIT,
-                       "FLASHINFER": KVPacking.CONTENT_SPLIT}
+_PACKING_OF_BACKEND = {
+    "CPU_ATTN": KVPacking.TOKEN_STACKED,
+    "FLASH_ATTN": KVPacking.CONTENT_SPLIT,
+    "FLASHINFER": KVPacking.CONTENT_SPLIT,
+}
 
 
 def packing_of_backend(name: str) -> KVPacking:
@@ -52,21 +55,25 @@ def packing_of_backend(name: str) -> KVPacking:
 
 @dataclass(frozen=True)
 class PagedLayer:
-    keys: torch.Tensor    # [num_blocks, kv_heads, block_size, head_size], a view of vLLM's cache
+    keys: torch.Tensor  # [num_blocks, kv_heads, block_size, head_size], a view of vLLM's cache
     values: torch.Tensor
 
     @classmethod
     def of(cls, tensor: torch.Tensor, packing: KVPacking, head_size: int) -> PagedLayer:
         if tensor.dim() != 4 or tensor.shape[-1] != 2 * head_size:
-            raise ConfigError("kv_caches", f"expected [blocks, kv_heads, block_size, {2 * head_size}], "
-                                           f"got {tuple(tensor.shape)}")
+            raise ConfigError(
+                "kv_caches", f"expected [blocks, kv_heads, block_size, {2 * head_size}], got {tuple(tensor.shape)}"
+            )
         blocks, heads, block_size, _ = tensor.shape
         if packing is KVPacking.CONTENT_SPLIT:
             return cls(tensor[..., :head_size], tensor[..., head_size:])
         sb, sh, sn, sc = tensor.stride()
         if sc != 1 or sn != 2 * head_size:
-            raise ConfigError("kv_caches", f"CPU paged cache strides {tensor.stride()} are not block-contiguous "
-                                           "(LBHNC); cannot split keys from values")
+            raise ConfigError(
+                "kv_caches",
+                f"CPU paged cache strides {tensor.stride()} are not block-contiguous "
+                "(LBHNC); cannot split keys from values",
+            )
         shape = (blocks, heads, block_size, head_size)
         strides = (sb, sh, head_size, 1)
         half = block_size * head_size
@@ -99,8 +106,9 @@ class PagedCache:
         """Canonical blocks `[n, layers, 2, H, N, D]` (on CPU) of vLLM blocks block_ids."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         first = self.layers[0].keys
-        out = torch.empty((len(block_ids), len(self.layers), 2, *first.shape[1:]), dtype=first.dtype,
-                          device=self.device)
+        out = torch.empty(
+            (len(block_ids), len(self.layers), 2, *first.shape[1:]), dtype=first.dtype, device=self.device
+        )
         for number, layer in enumerate(self.layers):
             torch.index_select(layer.keys, 0, index, out=out[:, number, 0])
             torch.index_select(layer.values, 0, index, out=out[:, number, 1])

@@ -35,17 +35,21 @@ from .stats import StatsBox
 log = logging.getLogger(LOGGER)
 
 # Priors of the `auto` hit policy (services/worker/hit_policy.py measures these on the reference worker).
-MAPPED_LOAD = TransferEstimate(latency_s=100e-6, bytes_per_s=2e9)   # shared memory -> staging -> paged cache
-STREAM_LOAD = TransferEstimate(latency_s=2e-3, bytes_per_s=300e6)   # gRPC Fetch stream on loopback
+MAPPED_LOAD = TransferEstimate(latency_s=100e-6, bytes_per_s=2e9)  # shared memory -> staging -> paged cache
+STREAM_LOAD = TransferEstimate(latency_s=2e-3, bytes_per_s=300e6)  # gRPC Fetch stream on loopback
 PREFILL_PRIOR_TOKENS_PER_S = 5e3
 
 
-def worth_loading(tokens: int, block_size: int, block_bytes: int, mapped: bool, leased_blocks: int,
-                  prefill_tokens_per_s: float) -> bool:
+def worth_loading(
+    tokens: int, block_size: int, block_bytes: int, mapped: bool, leased_blocks: int, prefill_tokens_per_s: float
+) -> bool:
     """The `auto` policy: is copying `tokens` (whole blocks) expected to beat prefilling them?
     A mapped load copies just those blocks; a stream load moves the whole lease."""
-    load_s = (MAPPED_LOAD.seconds(tokens // block_size * block_bytes) if mapped
-              else STREAM_LOAD.seconds(leased_blocks * block_bytes))
+    load_s = (
+        MAPPED_LOAD.seconds(tokens // block_size * block_bytes)
+        if mapped
+        else STREAM_LOAD.seconds(leased_blocks * block_bytes)
+    )
     return load_s < tokens / prefill_tokens_per_s
 
 
@@ -55,9 +59,9 @@ class _Request:
     salt: str | None
     hit: Hit | None = None
     attachment: Attachment | None = None
-    local_tokens: int = 0       # computed by vLLM's own prefix cache
-    external_tokens: int = 0    # promised to vLLM from the cache
-    cached_blocks: int = 0      # blocks of this prompt the cache holds (saves start here)
+    local_tokens: int = 0  # computed by vLLM's own prefix cache
+    external_tokens: int = 0  # promised to vLLM from the cache
+    cached_blocks: int = 0  # blocks of this prompt the cache holds (saves start here)
     block_ids: list[int] = field(default_factory=list)
     load_pending: bool = False
     saved: bool = False
@@ -87,9 +91,15 @@ class SchedulerSide:
         self.stats.add(lookups=1)
         recompute = None if self.settings.hit_policy == "always" else 1.0 / self._prefill_tokens_per_s
         try:
-            answer = self.link.call(lambda client, _: client.lookup(
-                prompt, cache_salt=state.salt, take_lease=True, timeout_s=self.settings.lookup_timeout_s,
-                recompute_s_per_token=recompute))
+            answer = self.link.call(
+                lambda client, _: client.lookup(
+                    prompt,
+                    cache_salt=state.salt,
+                    take_lease=True,
+                    timeout_s=self.settings.lookup_timeout_s,
+                    recompute_s_per_token=recompute,
+                )
+            )
         except PrefixCacheError as error:
             if service_level(error):
                 self.link.failed(error)
@@ -103,8 +113,12 @@ class SchedulerSide:
         client = client[0] if client is not None else None
         if not self._valid(hit, attachment, len(prompt), state.salt):
             self._release(client, hit)
-            self.link.failed(PrefixCacheError(f"invalid Lookup answer for {len(prompt)} tokens: "
-                                              f"{hit.hit_tokens} hit tokens in {hit.blocks} blocks"))
+            self.link.failed(
+                PrefixCacheError(
+                    f"invalid Lookup answer for {len(prompt)} tokens: "
+                    f"{hit.hit_tokens} hit tokens in {hit.blocks} blocks"
+                )
+            )
             self.stats.add(lookup_errors=1)
             return 0
         state.cached_blocks = hit.hit_tokens // self.block_size
@@ -121,19 +135,29 @@ class SchedulerSide:
 
     def _valid(self, hit: Hit, attachment: Attachment, prompt_tokens: int, salt: str | None) -> bool:
         # A salted lookup answers in the salted namespace, whose id differs from the attached one.
-        return ((salt is not None or hit.namespace_id == attachment.namespace_id) and hit.prompt_tokens == prompt_tokens
-                and 0 <= hit.hit_tokens <= prompt_tokens and hit.hit_tokens % self.block_size == 0
-                and hit.blocks == hit.hit_tokens // self.block_size
-                and (hit.blocks == 0 or hit.lease_id is not None)
-                and bool(np.all(np.isin(hit.locations.tiers, (int(TierKind.DEVICE), int(TierKind.HOST))))))
+        return (
+            (salt is not None or hit.namespace_id == attachment.namespace_id)
+            and hit.prompt_tokens == prompt_tokens
+            and 0 <= hit.hit_tokens <= prompt_tokens
+            and hit.hit_tokens % self.block_size == 0
+            and hit.blocks == hit.hit_tokens // self.block_size
+            and (hit.blocks == 0 or hit.lease_id is not None)
+            and bool(np.all(np.isin(hit.locations.tiers, (int(TierKind.DEVICE), int(TierKind.HOST)))))
+        )
 
     def _worth_loading(self, external: int, local: int, hit: Hit, attachment: Attachment) -> bool:
         if self.settings.hit_policy == "always":
             return True
         first, end = local // self.block_size, (local + external) // self.block_size
         mapped = attachment.shared_memory and bool(np.all(hit.locations.tiers[first:end] == int(TierKind.HOST)))
-        return worth_loading(external, attachment.layout.block_size, attachment.layout.block_bytes, mapped,
-                             hit.blocks, self._prefill_tokens_per_s)
+        return worth_loading(
+            external,
+            attachment.layout.block_size,
+            attachment.layout.block_bytes,
+            mapped,
+            hit.blocks,
+            self._prefill_tokens_per_s,
+        )
 
     # -- update_state_after_alloc ---------------------------------------------------------
     def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
@@ -143,8 +167,12 @@ class SchedulerSide:
         state.block_ids = list(block_ids)
         if num_external_tokens > 0 and state.hit is not None:
             if num_external_tokens != state.external_tokens:  # vLLM trimmed it (e.g. a local sub-block tail)
-                log.debug("request %s: vLLM loads %d of %d offered tokens", request.request_id,
-                          num_external_tokens, state.external_tokens)
+                log.debug(
+                    "request %s: vLLM loads %d of %d offered tokens",
+                    request.request_id,
+                    num_external_tokens,
+                    state.external_tokens,
+                )
                 state.external_tokens = num_external_tokens // self.block_size * self.block_size
             state.load_pending = state.external_tokens > 0
             self.stats.add(hits=1, external_tokens=state.external_tokens)
@@ -177,11 +205,21 @@ class SchedulerSide:
         if state.load_pending and state.hit is not None and state.attachment is not None:
             hit, first = state.hit, state.local_tokens // bs
             end = first + state.external_tokens // bs
-            meta.loads.append(LoadOp(req_id, hit.namespace_id, state.attachment.host_segment, int(hit.lease_id),
-                                     float(hit.lease_deadline), hit.prompt_tokens, hit.hit_tokens,
-                                     tuple(int(t) for t in hit.locations.tiers),
-                                     tuple(int(s) for s in hit.locations.slots), first,
-                                     tuple(state.block_ids[first:end])))
+            meta.loads.append(
+                LoadOp(
+                    req_id,
+                    hit.namespace_id,
+                    state.attachment.host_segment,
+                    int(hit.lease_id),
+                    float(hit.lease_deadline),
+                    hit.prompt_tokens,
+                    hit.hit_tokens,
+                    tuple(int(t) for t in hit.locations.tiers),
+                    tuple(int(s) for s in hit.locations.slots),
+                    first,
+                    tuple(state.block_ids[first:end]),
+                )
+            )
             state.load_pending, state.hit = False, None  # the worker owns the lease now
             state.cached_blocks = max(state.cached_blocks, end)
         prompt = state.request.prompt_token_ids or ()
@@ -190,8 +228,9 @@ class SchedulerSide:
             full = len(prompt) // bs
             start = state.cached_blocks
             if full > start and len(state.block_ids) >= full:
-                meta.saves.append(SaveOp(req_id, tuple(prompt[:full * bs]), start,
-                                         tuple(state.block_ids[start:full]), state.salt))
+                meta.saves.append(
+                    SaveOp(req_id, tuple(prompt[: full * bs]), start, tuple(state.block_ids[start:full]), state.salt)
+                )
 
     # -- request_finished -----------------------------------------------------------------
     def finished(self, request: Any) -> None:

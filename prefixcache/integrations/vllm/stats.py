@@ -19,9 +19,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-FIELDS = ("lookups", "hits", "misses", "lookup_errors", "offered_tokens", "external_tokens",
-          "loaded_blocks", "loaded_tokens", "load_seconds", "load_failures",
-          "saved_blocks", "save_deduplicated", "save_rejected", "save_seconds", "save_failures", "saves_dropped")
+FIELDS = (
+    "lookups",
+    "hits",
+    "misses",
+    "lookup_errors",
+    "offered_tokens",
+    "external_tokens",
+    "loaded_blocks",
+    "loaded_tokens",
+    "load_seconds",
+    "load_failures",
+    "saved_blocks",
+    "save_deduplicated",
+    "save_rejected",
+    "save_seconds",
+    "save_failures",
+    "saves_dropped",
+)
 _DESCRIPTIONS = {
     "lookups": "Lookups the scheduler sent to prefixcache",
     "hits": "Requests that loaded a prefix from prefixcache",
@@ -85,15 +100,20 @@ class StatsBox:
 
 
 class PrefixCachePromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {}
         for key in FIELDS:
-            counter = self._counter_cls(name=f"vllm:prefixcache_{key}", documentation=_DESCRIPTIONS[key],
-                                        labelnames=labelnames)
-            self._counters[key] = {engine: counter.labels(*values)
-                                   for engine, values in per_engine_labelvalues.items()}
+            counter = self._counter_cls(
+                name=f"vllm:prefixcache_{key}", documentation=_DESCRIPTIONS[key], labelnames=labelnames
+            )
+            self._counters[key] = {engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():

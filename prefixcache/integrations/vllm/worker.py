@@ -65,13 +65,20 @@ class WorkerSide:
             except (PrefixCacheError, RuntimeError, ValueError) as error:
                 self._load_errors.update(op.block_ids)
                 self.stats.add(load_failures=1)
-                log.debug("prefixcache worker: load of %d blocks for %s failed (%s); vLLM recomputes them",
-                         len(op.block_ids), op.request_id, error)
+                log.debug(
+                    "prefixcache worker: load of %d blocks for %s failed (%s); vLLM recomputes them",
+                    len(op.block_ids),
+                    op.request_id,
+                    error,
+                )
                 continue
             finally:
                 self._release(op.lease_id)
-            self.stats.add(loaded_blocks=len(op.block_ids), load_seconds=time.perf_counter() - started,
-                           loaded_tokens=len(op.block_ids) * self.link.layout.block_size)
+            self.stats.add(
+                loaded_blocks=len(op.block_ids),
+                load_seconds=time.perf_counter() - started,
+                loaded_tokens=len(op.block_ids) * self.link.layout.block_size,
+            )
 
     def _load_one(self, op: LoadOp) -> None:
         if self.paged is None:
@@ -93,12 +100,26 @@ class WorkerSide:
         part = slice(op.first_block, end)
         try:
             if mapped and bool(np.all(np.isin(tiers[part], list(mapped)))):
-                hit = Hit(op.namespace_id, op.prompt_tokens, len(op.block_ids) * self.link.layout.block_size,
-                          BlockLocations(tiers[part], slots[part]), None, op.lease_id, op.lease_deadline)
+                hit = Hit(
+                    op.namespace_id,
+                    op.prompt_tokens,
+                    len(op.block_ids) * self.link.layout.block_size,
+                    BlockLocations(tiers[part], slots[part]),
+                    None,
+                    op.lease_id,
+                    op.lease_deadline,
+                )
                 blocks = client.read(hit)
             else:  # the Fetch stream always carries the whole lease
-                hit = Hit(op.namespace_id, op.prompt_tokens, op.hit_tokens, BlockLocations(tiers, slots), None,
-                          op.lease_id, op.lease_deadline)
+                hit = Hit(
+                    op.namespace_id,
+                    op.prompt_tokens,
+                    op.hit_tokens,
+                    BlockLocations(tiers, slots),
+                    None,
+                    op.lease_id,
+                    op.lease_deadline,
+                )
                 blocks = client.read(hit)[part]
         except PrefixCacheError as error:
             if service_level(error):  # an unreachable or restarted service, not an expired lease
@@ -154,8 +175,11 @@ class WorkerSide:
     def _store(self, op: SaveOp, kv: torch.Tensor) -> None:
         started = time.perf_counter()
         try:
-            answer = self.link.call(lambda client, _: client.store(list(op.tokens), kv, start_block=op.start_block,
-                                                                     cache_salt=op.cache_salt))
+            answer = self.link.call(
+                lambda client, _: client.store(
+                    list(op.tokens), kv, start_block=op.start_block, cache_salt=op.cache_salt
+                )
+            )
         except PrefixCacheError as error:
             self.stats.add(save_failures=1)
             if service_level(error):
@@ -167,8 +191,12 @@ class WorkerSide:
             self.stats.add(save_failures=1)
             return
         result = answer[0]
-        self.stats.add(saved_blocks=result.stored, save_deduplicated=result.deduplicated,
-                       save_rejected=result.rejected, save_seconds=time.perf_counter() - started)
+        self.stats.add(
+            saved_blocks=result.stored,
+            save_deduplicated=result.deduplicated,
+            save_rejected=result.rejected,
+            save_seconds=time.perf_counter() - started,
+        )
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until queued saves are stored (tests, shutdown); False on timeout."""
