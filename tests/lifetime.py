@@ -4,7 +4,12 @@
   it when the pytest process dies, even by SIGKILL (no finalizer runs then). PDEATHSIG follows the
   *thread* that forked the child, so the tie is made only from the main thread, where fixtures run;
   a child launched from another thread is untied (its owner's teardown still stops it). The tie
-  survives exec (not for set-uid binaries), so redis-server and `python -m prefixcache_services` keep it.
+  survives exec (not for set-uid binaries), so redis-server and `python -m prefixcache_services`
+  keep it. It is set by util-linux's `setpriv --pdeathsig`, which then execs the command (same
+  pid), not by a `preexec_fn`: a preexec_fn makes Popen fork() instead of vfork(), and in a
+  process with gRPC running its fork handlers restart the poller in the child, where close_fds
+  then closes the epoll fd and the child aborts before exec ("epoll_wait error: Bad file
+  descriptor", exit -6: seen here, and grpc/grpc#43157).
 - The session janitor (`start_janitor`, this module's `__main__`): a small process in its own
   session that waits for the pytest process to end (EOF on a pipe only pytest holds), then removes
   the shared-memory segments of processes of that session (owner record pid or parent pid == the
@@ -15,9 +20,8 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import signal
+import shutil
 import subprocess
 import sys
 import threading
@@ -27,26 +31,14 @@ from pathlib import Path
 from prefixcache.errors import ConfigError
 from prefixcache.tiers.shm import SHM_DIR, SegmentInfo, list_segments, remove_if_dead
 
-PR_SET_PDEATHSIG = 1
+SETPRIV = shutil.which("setpriv")  # util-linux, on every Debian/Ubuntu machine
 JANITOR_WAIT_S = 30.0  # for the session's children to finish dying after the pytest process did
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _die_with(parent_pid: int):
-    prctl = _libc.prctl
-
-    def tie() -> None:  # runs in the child between fork and exec
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before the tie was made
-            os._exit(1)
-
-    return tie
 
 
 def popen(args, **kwargs) -> subprocess.Popen:
     """subprocess.Popen, the child killed by the kernel when this process dies (from the main thread)."""
-    if threading.current_thread() is threading.main_thread() and "preexec_fn" not in kwargs:
-        kwargs["preexec_fn"] = _die_with(os.getpid())
+    if SETPRIV and isinstance(args, (list, tuple)) and threading.current_thread() is threading.main_thread():
+        args = [SETPRIV, "--pdeathsig", "KILL", "--", *args]
     return subprocess.Popen(args, **kwargs)
 
 
