@@ -14,6 +14,10 @@ report:
 - B2 (fresh, connector -> s2, a second service over the same Redis, prefix caching on): loads
   A's prefixes through Redis; after every Redis value is corrupted, prompts only Redis holds
   are misses with reference outputs.
+- fp8 KV (`kv_cache_dtype="fp8"`, stored byte for byte): FA (connector -> s3, a third service
+  over the same Redis keyspace) looks up prompts A's bf16 blocks are in Redis for and must
+  miss, then saves them as fp8; FB (fresh, -> s3) loads them; FR (-> s2, whose layout is bf16)
+  has its Attach refused, runs without the cache and gives the fp8 reference outputs.
 """
 
 from __future__ import annotations
@@ -95,10 +99,12 @@ class Engine:
         return self.out.with_suffix(".log").read_text(errors="replace")[-4000:]
 
 
-def _start(workdir: Path, name: str, model: Path, steps: list[dict], connector: dict | None, apc: bool) -> Engine:
+def _start(workdir: Path, name: str, model: Path, steps: list[dict], connector: dict | None, apc: bool,
+           kv_cache_dtype: str = "auto") -> Engine:
     spec = workdir / f"{name}.spec.json"
     out = workdir / f"{name}.json"
-    spec.write_text(json.dumps({"model": str(model), "apc": apc, "connector": connector, "steps": steps}))
+    spec.write_text(json.dumps({"model": str(model), "apc": apc, "connector": connector, "steps": steps,
+                                "kv_cache_dtype": kv_cache_dtype}))
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
     with out.with_suffix(".log").open("w") as log:
         process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "vllm_driver.py"), str(spec), str(out)],
@@ -142,18 +148,26 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
     late = _conversations(rng, 3, _tokens(rng, 40))
     prompts["f1"] = [conv[0] for conv in late]
     prompts["f2"] = [conv[1] for conv in late]
+    prompts["a8"] = [turn for conv in convs[:2] for turn in conv[:2]]  # A saved these as bf16
+    prompts["b8"] = [conv[2] for conv in convs[:2]] + [conv[1] for conv in convs[:2]]
     salted = _tokens(rng, 150)
     prompts["s_a"] = [salted]
     prompts["s_b"] = [salted + _tokens(rng, 9)] * 3
     redis = RedisServer(workdir / "redis").start()
     s1 = CacheService(workdir / "s1", redis_url=redis.url, extra_args=["--block-size", str(BS)])
     s2 = CacheService(workdir / "s2", redis_url=redis.url, extra_args=["--block-size", str(BS)])
-    s2.redis_key_prefix = s1.redis_key_prefix  # one shared Redis keyspace
+    s3 = CacheService(workdir / "s3", redis_url=redis.url, extra_args=["--block-size", str(BS)])
+    s2.redis_key_prefix = s3.redis_key_prefix = s1.redis_key_prefix  # one shared Redis keyspace
     engines: list[Engine] = []
     try:
         s1.start()
         s2.start()
+        s3.start()
+        _pin_bf16_layout(s2)  # so FR's fp8 Attach is refused whichever engine reaches s2 first
         connector = {"hit_policy": "always", "timeout_s": 5.0, "lookup_timeout_s": 5.0}
+        fr = _start(workdir, "FR", model, [_gen("a8", prompts["a8"]), _gen("b8", prompts["b8"])],
+                    {"cache": s2.address, **connector}, apc=False, kv_cache_dtype="fp8")
+        engines.append(fr)
         order = ["b", "b2", "c", "d1", "d2", "e", "f2", "s_b"]
         a = _start(workdir, "A", model, [_gen("a", prompts["a"]), _gen("s_a", prompts["s_a"], salts=["tenant-1"])],
                    {"cache": s1.address, **connector}, apc=False)
@@ -176,7 +190,13 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
             _gen("f1", prompts["f1"]), _gen("f2", prompts["f2"])], {"cache": s1.address, **connector}, apc=False)
         b2 = _start(workdir, "B2", model, [_gen("b2", prompts["b2"]), {"barrier": "corrupt"}, _gen("e", prompts["e"])],
                     {"cache": s2.address, **connector}, apc=True)
-        engines += [b1, b2]
+        fa = _start(workdir, "FA", model, [_gen("a8", prompts["a8"])], {"cache": s3.address, **connector}, apc=False,
+                    kv_cache_dtype="fp8")
+        engines += [b1, b2, fa]
+        results["FA"] = fa.result()
+        fb = _start(workdir, "FB", model, [_gen("b8", prompts["b8"])], {"cache": s3.address, **connector}, apc=False,
+                    kv_cache_dtype="fp8")
+        engines.append(fb)
         b1.wait_barrier("kill")
         b1.go("kill")
         b1.wait_barrier("restart")
@@ -193,6 +213,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
         b2.go("corrupt")
         results["B2"] = b2.result()
         results["REF"], results["APC"] = ref.result(), apc.result()
+        results["FB"], results["FR"] = fb.result(), fr.result()
         results["corrupted"] = corrupted
         results["prompts"] = prompts
         (workdir / "results.json").write_text(json.dumps(results))
@@ -204,9 +225,21 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
             if engine.process.poll() is None:
                 engine.process.send_signal(signal.SIGKILL)
                 engine.process.wait(timeout=30)
-        for service in (s1, s2):
+        for service in (s1, s2, s3):
             service.stop()
         redis.stop()
+
+
+def _pin_bf16_layout(service: CacheService) -> None:
+    """Fix the service's one layout to the bf16 engines' (the first Attach does), as B2 would."""
+    from prefixcache.client.api import CacheClient
+    from prefixcache.config import DType, KVLayout
+
+    client = CacheClient(service.address, timeout_s=10.0)
+    try:
+        client.attach("pin", KVLayout(layers=2, kv_heads=2, head_dim=32, block_size=BS, dtype=DType.BFLOAT16))
+    finally:
+        client.close()
 
 
 def _expected_external(prompt: list[int], saved: list[list[int]]) -> int:
@@ -295,3 +328,32 @@ def test_a_request_cache_salt_shares_only_with_the_same_salt(scenario: dict) -> 
     assert expected == 128
     assert s_b["cached"] == [expected, 0, 0]  # same salt; another salt; no salt
     assert s_b["outputs"] == scenario["REF"]["steps"]["s_b"]["outputs"]
+
+
+def test_fp8_kv_is_stored_and_loaded_byte_for_byte_and_never_shares_with_bf16(scenario: dict) -> None:
+    prompts, steps = scenario["prompts"], {k: scenario[k]["steps"] for k in ("FA", "FB", "FR")}
+    fa, fb = steps["FA"]["a8"], steps["FB"]["b8"]
+    # FA looked up prompts whose bf16 blocks A had written to the Redis keyspace s3 shares: no hit.
+    assert fa["cached"] == [0] * len(prompts["a8"])
+    assert fa["metrics"].get("misses") == len(prompts["a8"]) and fa["metrics"].get("loaded_tokens", 0) == 0
+    assert fa["metrics"].get("saved_blocks", 0) > 0
+    # FB, fresh, loads FA's fp8 blocks: all but the last block of each shared prefix.
+    expected = [_expected_external(p, prompts["a8"]) for p in prompts["b8"]]
+    assert all(e >= 2 * BS for e in expected)
+    assert fb["cached"] == expected
+    assert fb["metrics"].get("loaded_tokens") == sum(expected) and fb["metrics"].get("load_failures", 0) == 0
+    # FR's fp8 Attach to a bf16 service was refused: no external tokens, it prefilled everything.
+    for name in ("a8", "b8"):
+        fr = steps["FR"][name]
+        assert fr["cached"] == [0] * len(prompts[name])
+        assert fr["metrics"].get("loaded_tokens", 0) == 0 and fr["metrics"].get("hits", 0) == 0
+    assert steps["FR"]["b8"]["metrics"].get("lookup_errors", 0) >= len(prompts["a8"]) + len(prompts["b8"])
+    # Outputs: FR (fp8, no cache) equals FA on the prompts both computed, and FB's loaded run.
+    assert steps["FR"]["a8"]["outputs"] == fa["outputs"]
+    mismatches = _mismatches(fb["outputs"], steps["FR"]["b8"]["outputs"])
+    b1 = scenario["B1"]["steps"]["b"]["metrics"]
+    fp8_ms = 1000 * fb["metrics"]["load_seconds"] / (fb["metrics"]["loaded_tokens"] / BS)
+    bf16_ms = 1000 * b1["load_seconds"] / (b1["loaded_tokens"] / BS)
+    print(f"fp8: {sum(expected)} tokens loaded, {mismatches} of {len(expected)} prompts mismatch; "
+          f"load {fp8_ms:.2f} ms/block (8 KiB) vs bf16 {bf16_ms:.2f} ms/block (16 KiB)")
+    assert mismatches == 0

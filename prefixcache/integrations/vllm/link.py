@@ -66,7 +66,7 @@ class CacheLink:
                                  tls_root_cert_file=s.tls_root_cert_file)
             try:
                 attachment = client.attach(self.namespace.model, self.namespace.layout, self.namespace.revision,
-                                           same_host=s.same_host)
+                                           same_host=s.same_host, kv_scale=self.namespace.kv_scale)
                 if attachment.layout != self.namespace.layout:
                     raise PrefixCacheError(f"service answered layout {attachment.layout}, "
                                            f"vLLM needs {self.namespace.layout}")
