@@ -91,8 +91,9 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         check_layer_scales(self.link.namespace.kv_scale, self._layer_scales())
         assert self._worker is not None
         self._worker.paged = PagedCache(layers, self.link.layout.dtype.torch)
-        log.info("prefixcache worker: %d layers of %s paged KV (%s, %s) on %s", len(layers), backend,
-                 packing.value, tuple(kv_caches[self.layer_names[0]].shape), layers[0].keys.device)
+        first = kv_caches[self.layer_names[0]]
+        log.info("prefixcache worker: %d layers of %s paged KV (%s, %s %s, stored as %s) on %s", len(layers), backend,
+                 packing.value, tuple(first.shape), first.dtype, self.link.layout.dtype.value, first.device)
 
     def _attention_layers(self) -> dict[str, Any]:
         from vllm.config import get_layers_from_vllm_config
