@@ -1,6 +1,6 @@
 """PrefixCacheConnector end to end: real vLLM engines, real cache services, a real redis-server.
 
-One module-scoped scenario runs five engines (vLLM takes tens of seconds to start, so each
+One module-scoped scenario runs eight engines (vLLM takes tens of seconds to start, so each
 engine performs several checks; tests/vllm_driver.py) and the tests assert on what they
 report:
 - A (connector -> service s1, vLLM prefix caching off) serves multi-turn conversations and
@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -108,6 +109,13 @@ class Engine:
             return {}
         pairs = (item.split("=") for item in lines[-1].split("totals:", 1)[1].split(","))
         return {key.strip(): float(value) for key, value in pairs}
+
+    def measured_prefill(self) -> tuple[float, float, int] | None:
+        """The scheduler's shutdown line: vLLM's step cost as the auto policy measured it
+        (ms a step, tokens/s, steps timed); None if the line is missing."""
+        found = re.findall(r"measured step cost ([\d.e+-]+) ms \+ ([\d.e+-]+) tokens/s \((\d+) steps\)",
+                           self.out.with_suffix(".log").read_text(errors="replace"))
+        return (float(found[-1][0]), float(found[-1][1]), int(found[-1][2])) if found else None
 
 
 def _start(workdir: Path, name: str, model: Path, steps: list[dict], connector: dict | None, apc: bool,
@@ -227,6 +235,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
         results["REF"], results["APC"] = ref.result(), apc.result()
         results["FB"], results["FR"] = fb.result(), fr.result()
         results["totals"] = {engine.name: engine.worker_totals() for engine in engines}
+        results["prefill"] = {engine.name: engine.measured_prefill() for engine in engines}
         results["corrupted"] = corrupted
         results["prompts"] = prompts
         (workdir / "results.json").write_text(json.dumps(results))
@@ -371,3 +380,13 @@ def test_fp8_kv_is_stored_and_loaded_byte_for_byte_and_never_shares_with_bf16(sc
           f"{1000 * fp8['load_seconds'] / fp8['loaded_blocks']:.2f} ms/block (8 KiB blocks) vs bf16 "
           f"{1000 * bf16['load_seconds'] / bf16['loaded_blocks']:.2f} ms/block (16 KiB) in B1")
     assert mismatches == 0
+
+
+def test_the_scheduler_measures_vllms_own_step_cost(scenario: dict) -> None:
+    # The auto policy's prefill rate comes from timing vLLM's steps (B1 served 7 batches of 8+ steps).
+    measured = scenario["prefill"]["B1"]
+    assert measured is not None, "no 'measured step cost' line in B1's log"
+    step_ms, tokens_per_s, steps = measured
+    print(f"B1's vLLM as the connector measured it: {step_ms:.3g} ms a step + {tokens_per_s:.4g} tokens/s "
+          f"over {steps} steps")
+    assert steps >= 8 and 0 < tokens_per_s < 1e12 and step_ms >= 0
