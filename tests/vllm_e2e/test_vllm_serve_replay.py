@@ -11,6 +11,7 @@ BASE (no connector). `--enable-prompt-tokens-details` makes vLLM report
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -28,6 +29,8 @@ from tests.worker_procs import CacheService
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_READY_S = 420
+# The CLI's module: `services` in the tree, installed as `prefixcache_services` where packaging maps it.
+SERVICES = "prefixcache_services" if importlib.util.find_spec("prefixcache_services") else "services"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 WORDS = ["cache", "block", "prefix", "token", "model", "layer", "query", "value", "key", "head", "batch", "prompt",
@@ -121,7 +124,7 @@ def replay(tmp_path_factory: pytest.TempPathFactory) -> dict:
             assert process.poll() is None, (workdir / f"{name}.log").read_text(errors="replace")[-4000:]
         report = workdir / "report.json"
         run = subprocess.run(
-            [sys.executable, "-m", "services", "replay", "--target", cache_url, "--compare-no-cache", base_url,
+            [sys.executable, "-m", SERVICES, "replay", "--target", cache_url, "--compare-no-cache", base_url,
              "--dataset", str(workdir / "chats.jsonl"), "--conversations", "4", "--max-turns", "3",
              "--max-tokens", "8", "--concurrency", "2", "--block-size", str(BS), "--cache-stats", service.address,
              "--json", str(report), "--no-progress"],
