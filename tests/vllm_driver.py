@@ -3,6 +3,7 @@
     python tests/vllm_driver.py SPEC.json OUT.json
 
 SPEC: {"model": DIR, "apc": bool, "connector": {kv_connector_extra_config} | null,
+"kv_cache_dtype": "auto" | "fp8" | ...,
 "max_model_len": int, "steps": [...]} with steps
 - {"generate": NAME, "prompts": [[token ids]...], "salts": [str|null...]?, "max_tokens": n,
    "kill_pid_after_s": [pid, seconds]?}: greedy outputs and num_cached_tokens per prompt;
@@ -70,6 +71,7 @@ def main(spec_path: str, out_path: str) -> None:
         max_model_len=spec.get("max_model_len", 2048),
         enable_prefix_caching=bool(spec.get("apc")),
         max_num_seqs=spec.get("max_num_seqs", 16),
+        kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
         seed=0,
         disable_log_stats=False,
         **kwargs,

@@ -1,6 +1,6 @@
 """PrefixCacheConnector end to end: real vLLM engines, real cache services, a real redis-server.
 
-One module-scoped scenario runs five engines (vLLM takes tens of seconds to start, so each
+One module-scoped scenario runs eight engines (vLLM takes tens of seconds to start, so each
 engine performs several checks; tests/vllm_driver.py) and the tests assert on what they
 report:
 - A (connector -> service s1, vLLM prefix caching off) serves multi-turn conversations and
@@ -14,6 +14,11 @@ report:
 - B2 (fresh, connector -> s2, a second service over the same Redis, prefix caching on): loads
   A's prefixes through Redis; after every Redis value is corrupted, prompts only Redis holds
   are misses with reference outputs.
+- fp8 KV (`kv_cache_dtype="fp8"`, stored byte for byte): FA (connector -> s3, a third service
+  over the same Redis keyspace) looks up a prompt whose bf16 blocks A wrote to Redis and must
+  miss, then serves and saves more of A's prompts as fp8; FB (fresh, -> s3) loads them; FR
+  (-> s2, whose layout is bf16) has its Attach refused, runs without the cache and gives the
+  fp8 reference outputs.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -39,7 +45,7 @@ MAX_TOKENS = 8
 KILL_AFTER_S = 0.2
 DRIVER_TIMEOUT_S = 420
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.process, pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _model(directory: Path) -> Path:
@@ -102,11 +108,45 @@ class Engine:
     def log(self) -> str:
         return self.out.with_suffix(".log").read_text(errors="replace")[-4000:]
 
+    def worker_totals(self) -> dict[str, float]:
+        """The worker's shutdown line `prefixcache worker totals: k=v, ...` (seconds as floats:
+        vLLM's metrics reader rounds the connector's second counters)."""
+        lines = [
+            line
+            for line in self.out.with_suffix(".log").read_text(errors="replace").splitlines()
+            if "prefixcache worker totals:" in line
+        ]
+        if not lines:
+            return {}
+        pairs = (item.split("=") for item in lines[-1].split("totals:", 1)[1].split(","))
+        return {key.strip(): float(value) for key, value in pairs}
 
-def _start(workdir: Path, name: str, model: Path, steps: list[dict], connector: dict | None, apc: bool) -> Engine:
+    def measured_prefill(self) -> tuple[float, float, int] | None:
+        """The scheduler's shutdown line: vLLM's step cost as the auto policy measured it
+        (ms a step, tokens/s, steps timed); None if the line is missing."""
+        found = re.findall(
+            r"measured step cost ([\d.e+-]+) ms \+ ([\d.e+-]+) tokens/s \((\d+) steps\)",
+            self.out.with_suffix(".log").read_text(errors="replace"),
+        )
+        return (float(found[-1][0]), float(found[-1][1]), int(found[-1][2])) if found else None
+
+
+def _start(
+    workdir: Path,
+    name: str,
+    model: Path,
+    steps: list[dict],
+    connector: dict | None,
+    apc: bool,
+    kv_cache_dtype: str = "auto",
+) -> Engine:
     spec = workdir / f"{name}.spec.json"
     out = workdir / f"{name}.json"
-    spec.write_text(json.dumps({"model": str(model), "apc": apc, "connector": connector, "steps": steps}))
+    spec.write_text(
+        json.dumps(
+            {"model": str(model), "apc": apc, "connector": connector, "steps": steps, "kv_cache_dtype": kv_cache_dtype}
+        )
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
     with out.with_suffix(".log").open("w") as log:
         process = subprocess.Popen(
@@ -155,18 +195,34 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
     late = _conversations(rng, 3, _tokens(rng, 40))
     prompts["f1"] = [conv[0] for conv in late]
     prompts["f2"] = [conv[1] for conv in late]
+    prompts["x8"] = [convs[2][0]]  # A saved it as bf16; alone in its step, so only Redis could serve it
+    prompts["a8"] = [turn for conv in convs[:2] for turn in conv[:2]]  # A saved these as bf16 too
+    prompts["b8"] = [conv[2] for conv in convs[:2]] + [conv[1] for conv in convs[:2]]
     salted = _tokens(rng, 150)
     prompts["s_a"] = [salted]
     prompts["s_b"] = [salted + _tokens(rng, 9)] * 3
     redis = RedisServer(workdir / "redis").start()
     s1 = CacheService(workdir / "s1", redis_url=redis.url, extra_args=["--block-size", str(BS)])
     s2 = CacheService(workdir / "s2", redis_url=redis.url, extra_args=["--block-size", str(BS)])
-    s2.redis_key_prefix = s1.redis_key_prefix  # one shared Redis keyspace
+    s3 = CacheService(workdir / "s3", redis_url=redis.url, extra_args=["--block-size", str(BS)])
+    s2.redis_key_prefix = s3.redis_key_prefix = s1.redis_key_prefix  # one shared Redis keyspace
     engines: list[Engine] = []
     try:
         s1.start()
         s2.start()
+        s3.start()
+        _pin_bf16_layout(s2)  # so FR's fp8 Attach is refused whichever engine reaches s2 first
         connector = {"hit_policy": "always", "timeout_s": 5.0, "lookup_timeout_s": 5.0}
+        fr = _start(
+            workdir,
+            "FR",
+            model,
+            [_gen("a8", prompts["a8"]), _gen("b8", prompts["b8"])],
+            {"cache": s2.address, **connector},
+            apc=False,
+            kv_cache_dtype="fp8",
+        )
+        engines.append(fr)
         order = ["b", "b2", "c", "d1", "d2", "e", "f2", "s_b"]
         a = _start(
             workdir,
@@ -217,7 +273,27 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
             {"cache": s2.address, **connector},
             apc=True,
         )
-        engines += [b1, b2]
+        fa = _start(
+            workdir,
+            "FA",
+            model,
+            [_gen("x8", prompts["x8"]), _gen("a8", prompts["a8"])],
+            {"cache": s3.address, **connector},
+            apc=False,
+            kv_cache_dtype="fp8",
+        )
+        engines += [b1, b2, fa]
+        results["FA"] = fa.result()
+        fb = _start(
+            workdir,
+            "FB",
+            model,
+            [_gen("b8", prompts["b8"])],
+            {"cache": s3.address, **connector},
+            apc=False,
+            kv_cache_dtype="fp8",
+        )
+        engines.append(fb)
         b1.wait_barrier("kill")
         b1.go("kill")
         b1.wait_barrier("restart")
@@ -234,6 +310,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
         b2.go("corrupt")
         results["B2"] = b2.result()
         results["REF"], results["APC"] = ref.result(), apc.result()
+        results["FB"], results["FR"] = fb.result(), fr.result()
+        results["totals"] = {engine.name: engine.worker_totals() for engine in engines}
+        results["prefill"] = {engine.name: engine.measured_prefill() for engine in engines}
         results["corrupted"] = corrupted
         results["prompts"] = prompts
         (workdir / "results.json").write_text(json.dumps(results))
@@ -245,9 +324,21 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
             if engine.process.poll() is None:
                 engine.process.send_signal(signal.SIGKILL)
                 engine.process.wait(timeout=30)
-        for service in (s1, s2):
+        for service in (s1, s2, s3):
             service.stop()
         redis.stop()
+
+
+def _pin_bf16_layout(service: CacheService) -> None:
+    """Fix the service's one layout to the bf16 engines' (the first Attach does), as B2 would."""
+    from prefixcache.client.api import CacheClient
+    from prefixcache.config import DType, KVLayout
+
+    client = CacheClient(service.address, timeout_s=10.0)
+    try:
+        client.attach("pin", KVLayout(layers=2, kv_heads=2, head_dim=32, block_size=BS, dtype=DType.BFLOAT16))
+    finally:
+        client.close()
 
 
 def _expected_external(prompt: list[int], saved: list[list[int]]) -> int:
@@ -338,3 +429,47 @@ def test_a_request_cache_salt_shares_only_with_the_same_salt(scenario: dict) -> 
     assert expected == 128
     assert s_b["cached"] == [expected, 0, 0]  # same salt; another salt; no salt
     assert s_b["outputs"] == scenario["REF"]["steps"]["s_b"]["outputs"]
+
+
+def test_fp8_kv_is_stored_and_loaded_byte_for_byte_and_never_shares_with_bf16(scenario: dict) -> None:
+    prompts, steps = scenario["prompts"], {k: scenario[k]["steps"] for k in ("FA", "FB", "FR")}
+    x8, fa, fb = steps["FA"]["x8"], steps["FA"]["a8"], steps["FB"]["b8"]
+    # FA's first lookup: a prompt whose bf16 blocks A had written to the Redis keyspace s3 shares.
+    assert _expected_external(prompts["x8"][0], prompts["a"]) >= 2 * BS
+    assert x8["cached"] == [0] and x8["metrics"].get("misses") == 1 and x8["metrics"].get("hits", 0) == 0
+    assert fa["metrics"].get("saved_blocks", 0) > 0
+    # FB, fresh, loads FA's fp8 blocks: all but the last block of each shared prefix.
+    expected = [_expected_external(p, prompts["x8"] + prompts["a8"]) for p in prompts["b8"]]
+    assert all(e >= 2 * BS for e in expected)
+    assert fb["cached"] == expected
+    assert fb["metrics"].get("loaded_tokens") == sum(expected) and fb["metrics"].get("load_failures", 0) == 0
+    # FR's fp8 Attach to a bf16 service was refused: no external tokens, it prefilled everything.
+    for name in ("a8", "b8"):
+        fr = steps["FR"][name]
+        assert fr["cached"] == [0] * len(prompts[name])
+        assert fr["metrics"].get("loaded_tokens", 0) == 0 and fr["metrics"].get("hits", 0) == 0
+    assert steps["FR"]["b8"]["metrics"].get("lookup_errors", 0) >= len(prompts["a8"]) + len(prompts["b8"])
+    # Outputs: FR (fp8, no cache) equals FA (which loaded its own earlier fp8 saves for some
+    # of a8, vLLM's batching permitting) and FB (which loaded most of every prompt).
+    assert steps["FR"]["a8"]["outputs"] == fa["outputs"]
+    mismatches = _mismatches(fb["outputs"], steps["FR"]["b8"]["outputs"])
+    fp8, bf16 = scenario["totals"]["FB"], scenario["totals"]["B1"]
+    assert fp8.get("loaded_blocks") == sum(expected) / BS
+    print(
+        f"fp8: {sum(expected)} tokens loaded, {mismatches} of {len(expected)} prompts mismatch; load "
+        f"{1000 * fp8['load_seconds'] / fp8['loaded_blocks']:.2f} ms/block (8 KiB blocks) vs bf16 "
+        f"{1000 * bf16['load_seconds'] / bf16['loaded_blocks']:.2f} ms/block (16 KiB) in B1"
+    )
+    assert mismatches == 0
+
+
+def test_the_scheduler_measures_vllms_own_step_cost(scenario: dict) -> None:
+    # The auto policy's prefill rate comes from timing vLLM's steps (B1 served 7 batches of 8+ steps).
+    measured = scenario["prefill"]["B1"]
+    assert measured is not None, "no 'measured step cost' line in B1's log"
+    step_ms, tokens_per_s, steps = measured
+    print(
+        f"B1's vLLM as the connector measured it: {step_ms:.3g} ms a step + {tokens_per_s:.4g} tokens/s "
+        f"over {steps} steps"
+    )
+    assert steps >= 8 and 0 < tokens_per_s < 1e12 and step_ms >= 0

@@ -4,15 +4,18 @@ and the paged-KV views checked against the very reinterpretations vLLM's backend
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from prefixcache.config import KVLayout
+from prefixcache.config import DType, KVLayout
 from prefixcache.errors import ConfigError
 from prefixcache.integrations.vllm.config import (
     ConnectorSettings,
+    check_layer_scales,
     kv_dtype_of,
+    kv_scale_of,
     weights_digest,
 )
 from prefixcache.integrations.vllm.paged import (
@@ -21,6 +24,8 @@ from prefixcache.integrations.vllm.paged import (
     PagedLayer,
     packing_of_backend,
 )
+
+pytestmark = pytest.mark.unit
 
 H, N, D, BLOCKS, LAYERS = 2, 32, 16, 9, 3
 
@@ -63,6 +68,58 @@ def test_kv_dtype_follows_vllm_cache_dtype() -> None:
     assert kv_dtype_of("auto", torch.float16).value == "float16"
     with pytest.raises(ConfigError) as error:
         kv_dtype_of("turboquant", torch.bfloat16)
+    assert error.value.field == "cache_dtype"
+
+
+def test_fp8_cache_dtypes_and_their_scale_source_split_the_namespace() -> None:
+    from vllm.config import CacheConfig
+
+    assert kv_dtype_of("fp8", torch.bfloat16) is DType.FLOAT8_E4M3FN
+    assert kv_dtype_of("fp8_e4m3", torch.bfloat16) is DType.FLOAT8_E4M3FN
+    assert kv_dtype_of("fp8_e5m2", torch.bfloat16) is DType.FLOAT8_E5M2
+
+    def config(cache_dtype: str, quantization: str | None = None, scheme: dict | None = None, skip=()):
+        hf = SimpleNamespace(quantization_config={"kv_cache_scheme": scheme} if quantization else None)
+        return SimpleNamespace(
+            cache_config=CacheConfig(cache_dtype=cache_dtype, kv_cache_dtype_skip_layers=list(skip)),
+            model_config=SimpleNamespace(quantization=quantization, hf_config=hf),
+        )
+
+    assert kv_scale_of(config("auto")) == ""
+    unit = kv_scale_of(config("fp8"))
+    assert unit == "scales=unit"
+    assert {kv_scale_of(config(d)) for d in ("fp8", "fp8_e4m3", "fp8_e5m2")} == {unit}  # the dtype splits e5m2
+    static = kv_scale_of(config("fp8", "compressed-tensors", {"num_bits": 8, "strategy": "tensor"}))
+    head = kv_scale_of(config("fp8", "compressed-tensors", {"num_bits": 8, "strategy": "attn_head"}))
+    assert len({unit, static, head}) == 3 and static.startswith("scales=checkpoint:compressed-tensors:")
+    with pytest.raises(ConfigError) as error:
+        kv_scale_of(config("fp8", skip=["0"]))
+    assert error.value.field == "kv_cache_dtype_skip_layers"
+    check_layer_scales(unit, {"l0": (1.0, 1.0)})
+    check_layer_scales(static, {"l0": (0.02, 0.5)})  # checkpoint scales: covered by the weights digest
+    with pytest.raises(ConfigError) as error:
+        check_layer_scales(unit, {"l0": (1.0, 1.0), "l1": (0.5, 1.0)})
+    assert error.value.field == "kv_scale" and "l1" in str(error.value)
+
+
+@pytest.mark.parametrize("dtype", [DType.FLOAT8_E4M3FN, DType.FLOAT8_E5M2])
+def test_fp8_held_as_uint8_round_trips_byte_for_byte(dtype: DType) -> None:
+    # vLLM allocates an fp8 cache as uint8; blocks leave and enter it as the namespace's float8 type.
+    storage = torch.randint(0, 256, (BLOCKS, H, N, 2 * D), dtype=torch.uint8)
+    paged = PagedCache(
+        [PagedLayer.of(storage[:, :, :, :].clone(), KVPacking.TOKEN_STACKED, D) for _ in range(LAYERS)], dtype.torch
+    )
+    blocks = paged.gather([4, 1])
+    assert blocks.dtype == dtype.torch
+    other = PagedCache(
+        [PagedLayer.of(torch.zeros_like(storage), KVPacking.TOKEN_STACKED, D) for _ in range(LAYERS)], dtype.torch
+    )
+    other.load(blocks, [0, 7])
+    for a, b in zip(paged.layers, other.layers, strict=True):
+        assert torch.equal(a.keys[[4, 1]], b.keys[[0, 7]]) and torch.equal(a.values[[4, 1]], b.values[[0, 7]])
+    assert torch.equal(other.gather([0, 7]).view(torch.uint8), blocks.view(torch.uint8))  # no conversion
+    with pytest.raises(ConfigError) as error:
+        PagedCache(paged.layers, torch.bfloat16)
     assert error.value.field == "cache_dtype"
 
 
@@ -153,3 +210,48 @@ def test_the_auto_policy_loads_only_what_beats_prefill() -> None:
     assert worth_loading(32, 32, block, mapped=True, leased_blocks=40, prefill_tokens_per_s=5e3)
     # the stream path pays for the whole lease: one usable block of a 40-block lease is not worth it
     assert not worth_loading(32, 32, block, mapped=False, leased_blocks=40, prefill_tokens_per_s=5e3)
+
+
+class _Clock:
+    """A clock the test advances (the meter's injected time source)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_auto_policy_measures_vllms_prefill_rate_from_its_steps() -> None:
+    from prefixcache.integrations.vllm.scheduler import PrefillMeter, worth_loading
+
+    clock = _Clock()
+    meter = PrefillMeter(5e3, clock=clock)
+    assert meter.tokens_per_s == 5e3 and meter.estimate().samples == 0  # the prior before any step
+    # vLLM's steps: 20 ms a step + 2000 tokens/s (a slow CPU), prefill and decode steps mixed.
+    for tokens in [512, 4, 4, 256, 4, 1024, 8, 128] * 3:
+        meter.step(tokens)
+        clock.now += 0.020 + tokens / 2000
+    meter.step(0)
+    estimate = meter.estimate()
+    assert estimate.samples == 24
+    assert estimate.latency_s == pytest.approx(0.020, rel=1e-6) and meter.tokens_per_s == pytest.approx(2000, rel=1e-6)
+    block = 32 * 2 * 8 * 2 * 128 * 2
+    # At the measured 2000 tokens/s one block's recompute (16 ms) is slower than streaming a
+    # 10-block lease (~11 ms); at the prior's 5000 tokens/s (6.4 ms) it is not.
+    assert not worth_loading(32, 32, block, mapped=False, leased_blocks=10, prefill_tokens_per_s=5e3)
+    assert worth_loading(32, 32, block, mapped=False, leased_blocks=10, prefill_tokens_per_s=meter.tokens_per_s)
+
+    # What is not vLLM's compute stays out: the connector's own Lookups, the planned loads, idle waits.
+    clock = _Clock()
+    meter = PrefillMeter(5e3, clock=clock)
+    for tokens in [64, 640] * 4:
+        meter.step(tokens, load_s=0.5)  # the worker copies for 0.5 s inside this step's forward
+        clock.now += 0.5 + 0.010 + tokens / 1000
+        meter.exclude(0.3)  # a Lookup in the next step's scheduling
+        clock.now += 0.3
+    meter.step(64)
+    clock.now += 30.0  # the engine waited 30 s for a request...
+    meter.idle()  # ...which the scheduler saw arrive with nothing running
+    meter.step(64)
+    assert meter.estimate().samples == 8 and meter.tokens_per_s == pytest.approx(1000, rel=1e-6)

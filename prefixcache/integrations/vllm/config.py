@@ -3,7 +3,8 @@
 `ConnectorSettings.parse` validates `kv_connector_extra_config`; every error is a
 `ConfigError` naming the key as the user spells it. `namespace_of` derives what makes KV
 incompatible: model name, revision, a weights digest, the KV layout (layers, KV heads,
-head size, vLLM's block size, KV dtype) and the tensor-parallel rank and size.
+head size, vLLM's block size, KV dtype), the KV scale settings of an fp8 cache (`kv_scale_of`)
+and the tensor-parallel rank and size.
 
 Invariants:
 - The namespace block size is vLLM's block size (one vLLM block = one cache block), so a
@@ -11,6 +12,11 @@ Invariants:
 - The cache stores blocks in its one canonical layout `[layers, 2, kv_heads, block_size,
   head_dim]`; vLLM's physical paged layout (CPU's LBHNC, CUDA's NHD/HND) is converted at
   copy time and is therefore *not* part of the namespace.
+- An fp8 cache (`cache_dtype` fp8 / fp8_e4m3 / fp8_e5m2) is stored byte for byte; its
+  `kv_scale` names where vLLM's k/v scales come from, so differently scaled fp8 never shares.
+  vLLM 0.32 has no runtime scale calculation: scales are 1.0 unless the checkpoint's
+  quantization config supplies them (then they are weights, covered by the weights digest,
+  which must therefore be on). The worker checks the claim against its layers' actual scales.
 - The weights digest is a pure function of the checkpoint's bytes that it samples (see
   `weights_digest`): the same files on two machines give the same digest.
 """
@@ -143,6 +149,49 @@ class VllmNamespace:
     model: str
     revision: str  # "<revision>|weights=<digest>|tp=<rank>/<size>": what besides the layout splits KV
     layout: KVLayout
+    kv_scale: str = ""  # fp8 only: "scales=<source>" (kv_scale_of)
+
+
+UNIT_SCALES = "unit"  # kv_scale_of's source when vLLM quantizes with k_scale = v_scale = 1.0
+
+
+def kv_scale_of(vllm_config: Any) -> str:
+    """What besides the dtype makes two fp8 caches incompatible: the source of vLLM's k/v scales.
+
+    "" for an unquantized cache. vLLM 0.32 quantizes K and V with per-layer `k_scale` /
+    `v_scale`; without a quantized checkpoint they are 1.0 (`set_default_quant_scales`), with
+    one they are loaded from it (`BaseKVCacheMethod`), named here by the quantization method
+    and the checkpoint's `kv_cache_scheme`; their values are then part of the weights digest.
+    """
+    cache_config, model_config = vllm_config.cache_config, vllm_config.model_config
+    if cache_config.cache_dtype not in _VLLM_KV_DTYPES:
+        return ""
+    if getattr(cache_config, "kv_cache_dtype_skip_layers", None):
+        raise ConfigError(
+            "kv_cache_dtype_skip_layers",
+            "layers left unquantized in an fp8 cache mix two KV dtypes; the connector stores one dtype per namespace",
+        )
+    quantization = getattr(model_config, "quantization", None)
+    if not quantization:
+        source = UNIT_SCALES
+    else:
+        hf_quant = getattr(model_config.hf_config, "quantization_config", None) or {}
+        scheme = hf_quant.get("kv_cache_scheme") if isinstance(hf_quant, dict) else None
+        source = f"checkpoint:{quantization}:" + json.dumps(scheme, sort_keys=True, separators=(",", ":"))
+    return f"scales={source}"[:512]  # the format itself is layout.dtype (fp8 = fp8_e4m3 share)
+
+
+def check_layer_scales(kv_scale: str, scales: dict[str, tuple[float, float]]) -> None:
+    """The worker's check that `kv_scale` tells the truth: unit scales must be 1.0 in every layer."""
+    if not kv_scale.endswith(f"scales={UNIT_SCALES}"):
+        return
+    for name, (k_scale, v_scale) in scales.items():
+        if k_scale != 1.0 or v_scale != 1.0:
+            raise ConfigError(
+                "kv_scale",
+                f"layer {name} quantizes KV with k_scale={k_scale}, v_scale={v_scale}, "
+                "not the 1.0 the namespace was derived with",
+            )
 
 
 def kv_dtype_of(cache_dtype: str, model_dtype: Any) -> DType:
@@ -195,10 +244,20 @@ def namespace_of(
     )
     revision = settings.revision or (model_config.revision or "")
     digest = weights_digest(model_config.model, settings.weights_digest)
+    kv_scale = kv_scale_of(vllm_config)
+    if kv_scale and not kv_scale.endswith(f"scales={UNIT_SCALES}") and not digest:
+        raise ConfigError(
+            "weights_digest",
+            "fp8 KV scales loaded from the checkpoint are weights: the namespace "
+            "needs a weights digest (sampled or full) of a local checkpoint",
+        )
     parts = [revision, f"weights={digest[:32]}" if digest else "weights=unknown", f"tp={tp_rank}/{tp_size}"]
     name = model_config.served_model_name if isinstance(model_config.served_model_name, str) else model_config.model
     return VllmNamespace(
-        model=os.path.basename(str(name).rstrip("/")) or str(name), revision="|".join(parts), layout=layout
+        model=os.path.basename(str(name).rstrip("/")) or str(name),
+        revision="|".join(parts),
+        layout=layout,
+        kv_scale=kv_scale,
     )
 
 

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ...errors import ConfigError
-from .config import ConnectorSettings, describe, namespace_of
+from .config import ConnectorSettings, check_layer_scales, describe, namespace_of
 from .link import LOGGER, CacheLink
 from .metadata import PrefixCacheMetadata
 from .paged import PagedCache, PagedLayer, packing_of_backend
@@ -75,11 +75,12 @@ class PrefixCacheConnector(KVConnectorBase_V1):
                 transfer.kv_load_failure_policy = "recompute"  # read by the scheduler right after this
             self._scheduler = SchedulerSide(self.link, self.stats, self.block_size)
             log.info(
-                "prefixcache: connector %s, namespace %s/%s %s",
+                "prefixcache: connector %s, namespace %s/%s %s%s",
                 describe(self.settings),
                 namespace.model,
                 namespace.revision,
                 namespace.layout,
+                f" kv_scale={namespace.kv_scale}" if namespace.kv_scale else "",
             )
         else:
             self._worker = WorkerSide(self.link, self.stats)
@@ -97,23 +98,36 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         if missing:
             raise ConfigError("kv_caches", f"no KV tensor for layer {missing[0]}")
         layers = [PagedLayer.of(kv_caches[name], packing, head_size) for name in self.layer_names]
+        check_layer_scales(self.link.namespace.kv_scale, self._layer_scales())
         assert self._worker is not None
-        self._worker.paged = PagedCache(layers)
+        self._worker.paged = PagedCache(layers, self.link.layout.dtype.torch)
+        first = kv_caches[self.layer_names[0]]
         log.info(
-            "prefixcache worker: %d layers of %s paged KV (%s, %s) on %s",
+            "prefixcache worker: %d layers of %s paged KV (%s, %s %s, stored as %s) on %s",
             len(layers),
             backend,
             packing.value,
-            tuple(kv_caches[self.layer_names[0]].shape),
-            layers[0].keys.device,
+            tuple(first.shape),
+            first.dtype,
+            self.link.layout.dtype.value,
+            first.device,
         )
 
-    def _backend_name(self) -> str:
+    def _attention_layers(self) -> dict[str, Any]:
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention.attention import Attention
 
-        layers = get_layers_from_vllm_config(self._vllm_config, Attention, self.layer_names)
-        return layers[self.layer_names[0]].get_attn_backend().get_name()
+        return get_layers_from_vllm_config(self._vllm_config, Attention, self.layer_names)
+
+    def _backend_name(self) -> str:
+        return self._attention_layers()[self.layer_names[0]].get_attn_backend().get_name()
+
+    def _layer_scales(self) -> dict[str, tuple[float, float]]:
+        """Each layer's (k_scale, v_scale) as vLLM quantizes KV with them (host copies, after weight loading)."""
+        return {
+            name: (float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0)))
+            for name, layer in self._attention_layers().items()
+        }
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -138,6 +152,14 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.close()
         else:
+            if self._scheduler is not None:
+                e = self._scheduler.prefill.estimate()
+                log.info(
+                    "prefixcache scheduler: vLLM's measured step cost %.3g ms + %.4g tokens/s (%s)",
+                    1000 * e.latency_s,
+                    e.bytes_per_s,
+                    f"{e.samples} steps" if e.samples else "the prior",
+                )
             self.link.close()
 
     # -- scheduler role -----------------------------------------------------------------

@@ -70,7 +70,11 @@ class CacheLink:
             )
             try:
                 attachment = client.attach(
-                    self.namespace.model, self.namespace.layout, self.namespace.revision, same_host=s.same_host
+                    self.namespace.model,
+                    self.namespace.layout,
+                    self.namespace.revision,
+                    same_host=s.same_host,
+                    kv_scale=self.namespace.kv_scale,
                 )
                 if attachment.layout != self.namespace.layout:
                     raise PrefixCacheError(

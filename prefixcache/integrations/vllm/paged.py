@@ -85,8 +85,19 @@ class PagedLayer:
 class PagedCache:
     """vLLM's layers in model order, with copies to and from canonical cache blocks."""
 
-    def __init__(self, layers: list[PagedLayer]) -> None:
+    def __init__(self, layers: list[PagedLayer], dtype: torch.dtype | None = None) -> None:
+        """`dtype`: the cache's element type of the blocks (default: vLLM's tensors' own). vLLM
+        holds an fp8 cache in uint8 tensors (`STR_DTYPE_TO_TORCH_DTYPE["fp8"]`); the cache names
+        the format (float8_e4m3fn / float8_e5m2), and the two are the same bytes, viewed."""
         self.layers = layers
+        self.dtype = dtype or layers[0].keys.dtype
+        paged = layers[0].keys.dtype
+        if paged.itemsize != self.dtype.itemsize:
+            raise ConfigError(
+                "cache_dtype",
+                f"vLLM's paged cache holds {paged} elements, the namespace's "
+                f"{self.dtype} is another size; bytes cannot be reinterpreted",
+            )
 
     @property
     def device(self) -> torch.device:
@@ -96,14 +107,16 @@ class PagedCache:
         """vLLM block block_ids[i] <- canonical block blocks[i] (`[n, layers, 2, H, N, D]`, any device)."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         source = blocks.to(self.device, non_blocking=True)
-        if source.dtype != self.layers[0].keys.dtype:  # e.g. fp8 held as uint8: same bytes, never converted
+        if source.dtype != self.layers[0].keys.dtype:  # fp8 held as uint8: same bytes, never converted
+            if source.dtype.itemsize != self.layers[0].keys.dtype.itemsize:
+                raise ValueError(f"blocks of {source.dtype} cannot be viewed as vLLM's {self.layers[0].keys.dtype}")
             source = source.view(self.layers[0].keys.dtype)
         for number, layer in enumerate(self.layers):
             layer.keys.index_copy_(0, index, source[:, number, 0])
             layer.values.index_copy_(0, index, source[:, number, 1])
 
     def gather(self, block_ids: list[int]) -> torch.Tensor:
-        """Canonical blocks `[n, layers, 2, H, N, D]` (on CPU) of vLLM blocks block_ids."""
+        """Canonical blocks `[n, layers, 2, H, N, D]` (on CPU, in `self.dtype`) of vLLM blocks block_ids."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         first = self.layers[0].keys
         out = torch.empty(
@@ -112,4 +125,4 @@ class PagedCache:
         for number, layer in enumerate(self.layers):
             torch.index_select(layer.keys, 0, index, out=out[:, number, 0])
             torch.index_select(layer.values, 0, index, out=out[:, number, 1])
-        return out.cpu()
+        return out.cpu().view(self.dtype)  # uint8-held fp8 -> the namespace's float8 type, same bytes

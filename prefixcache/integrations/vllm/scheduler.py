@@ -14,11 +14,15 @@ Invariants:
 - Saves start at the block the cache already holds for this prompt (the hit's end), so the
   service's "commit after a cached prefix" rule holds; the service verifies tokens itself.
 - Any service failure means 0 external tokens: the request prefills normally.
+- The `auto` policy's prefill rate is vLLM's own, measured by `PrefillMeter` from the steps
+  this side sees (the prior only until a few steps were timed, and again once they are stale).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +31,7 @@ import numpy as np
 from ...client.api import Attachment, Hit
 from ...errors import PrefixCacheError
 from ...tiers.base import TierKind
-from ...transfer import TransferEstimate
+from ...transfer import TransferEstimate, TransferMeter
 from .link import LOGGER, CacheLink, service_level
 from .metadata import LoadOp, PrefixCacheMetadata, SaveOp
 from .stats import StatsBox
@@ -38,6 +42,56 @@ log = logging.getLogger(LOGGER)
 MAPPED_LOAD = TransferEstimate(latency_s=100e-6, bytes_per_s=2e9)  # shared memory -> staging -> paged cache
 STREAM_LOAD = TransferEstimate(latency_s=2e-3, bytes_per_s=300e6)  # gRPC Fetch stream on loopback
 PREFILL_PRIOR_TOKENS_PER_S = 5e3
+PREFILL_PRIOR_STEP_S = 5e-3  # a step's fixed cost in the prior (the reference worker's prior too)
+MAX_STEP_S = 60.0  # a longer gap between two steps is not a step (the engine waited)
+PREFILL_STALE_S = 120.0  # older measurements give way to the prior again
+
+
+class PrefillMeter:
+    """vLLM's own step cost, `seconds = per-step latency + tokens / tokens_per_s`, learned online.
+
+    vLLM calls `build_connector_meta` once per step, right after scheduling it; the time from
+    one call to the next is that step's forward (and output processing) plus the next step's
+    scheduling. `step(tokens)` closes the previous step's interval and opens this one's; from
+    it are taken the time the connector itself spent in the interval (its Lookups, `exclude`)
+    and the estimated time of the step's planned loads (the worker copies them inside the
+    forward, so they are not vLLM's compute). A gap in which vLLM had no request (`idle`) is
+    not a step. The fit is `TransferMeter`'s with "bytes" = scheduled tokens (prefill and
+    decode alike: a forward costs per token), so its bandwidth is the marginal tokens per
+    second that a hit saves. Not thread-safe: the scheduler's one thread owns it.
+    """
+
+    def __init__(self, prior_tokens_per_s: float, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._meter = TransferMeter(
+            TransferEstimate(PREFILL_PRIOR_STEP_S, prior_tokens_per_s), stale_s=PREFILL_STALE_S, clock=clock
+        )
+        self._open: tuple[float, int, float] | None = None  # (start, tokens, planned load seconds)
+        self._excluded = 0.0
+
+    def step(self, tokens: int, load_s: float = 0.0) -> None:
+        now = self._clock()
+        if self._open is not None:
+            started, previous, previous_load_s = self._open
+            seconds = now - started - self._excluded - previous_load_s
+            if previous > 0 and 0 < seconds < MAX_STEP_S:
+                self._meter.observe(previous, seconds)
+        self._open, self._excluded = ((now, tokens, load_s) if tokens > 0 else None), 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """Time inside the open interval that was the connector's, not vLLM's (a Lookup)."""
+        self._excluded += seconds
+
+    def idle(self) -> None:
+        """vLLM had nothing running: the open interval includes waiting for requests."""
+        self._open, self._excluded = None, 0.0
+
+    def estimate(self) -> TransferEstimate:
+        return self._meter.estimate()
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self._meter.estimate().bytes_per_s
 
 
 def worth_loading(
@@ -74,12 +128,14 @@ class SchedulerSide:
         self.block_size = block_size
         self.settings = link.settings
         self._requests: dict[str, _Request] = {}
-        self._prefill_tokens_per_s = self.settings.prefill_tokens_per_s or PREFILL_PRIOR_TOKENS_PER_S
+        self.prefill = PrefillMeter(self.settings.prefill_tokens_per_s or PREFILL_PRIOR_TOKENS_PER_S)
 
     # -- get_num_new_matched_tokens ------------------------------------------------------
     def match(self, request: Any, num_computed_tokens: int) -> int:
         state = self._requests.get(request.request_id)
         if state is None:
+            if not self._requests:
+                self.prefill.idle()  # no request was running: vLLM waited for this one
             state = _Request(request, self.settings.salt_for(getattr(request, "cache_salt", None)))
             self._requests[request.request_id] = state
         self._drop_lease(state)
@@ -89,7 +145,8 @@ class SchedulerSide:
         if usable <= num_computed_tokens:
             return 0  # nothing to gain; saves still start at vLLM's own local blocks' worth of 0
         self.stats.add(lookups=1)
-        recompute = None if self.settings.hit_policy == "always" else 1.0 / self._prefill_tokens_per_s
+        recompute = None if self.settings.hit_policy == "always" else 1.0 / self.prefill.tokens_per_s
+        started = time.perf_counter()
         try:
             answer = self.link.call(
                 lambda client, _: client.lookup(
@@ -105,6 +162,8 @@ class SchedulerSide:
                 self.link.failed(error)
             self.stats.add(lookup_errors=1)
             return 0
+        finally:
+            self.prefill.exclude(time.perf_counter() - started)
         if answer is None:
             self.stats.add(lookup_errors=1)
             return 0
@@ -156,7 +215,7 @@ class SchedulerSide:
             attachment.layout.block_bytes,
             mapped,
             hit.blocks,
-            self._prefill_tokens_per_s,
+            self.prefill.tokens_per_s,
         )
 
     # -- update_state_after_alloc ---------------------------------------------------------
@@ -198,6 +257,9 @@ class SchedulerSide:
             if new_ids is not None:
                 state.block_ids = list(new_ids[0]) if req_id in resumed else state.block_ids + list(new_ids[0])
             self._plan(state, req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), meta)
+        block_bytes = self.link.layout.block_bytes
+        load_s = sum(MAPPED_LOAD.seconds(len(op.block_ids) * block_bytes) for op in meta.loads)
+        self.prefill.step(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0), load_s)
         return meta
 
     def _plan(self, state: _Request, req_id: str, computed_after_step: int, meta: PrefixCacheMetadata) -> None:
