@@ -36,7 +36,7 @@ from .placement import Placement
 from .quota import TenantLedger
 from .remote_link import RemoteLink
 from .results import BlockLocations, CommitResult, LookupResult
-from .stats import Counters, EvictionReason, StatsSnapshot, TierSnapshot, snapshot_dicts
+from .stats import Counters, EvictionReason, StatsSnapshot, TierSnapshot, snapshot_of
 from .tiers.base import RemoteTier, SlotTier, TierKind
 from .transfer import ProbeBudget
 
@@ -548,24 +548,14 @@ class PrefixCache:
             remote: dict[str, float] = {}
             if self.remote_link is not None:
                 remote_up, remote = self.remote_link.is_up(), self.remote_link.figures()
-            return StatsSnapshot(
+            return snapshot_of(
+                c,
                 uptime_s=self.clock() - self._started,
-                lookups=c.lookups,
-                request_hits=c.request_hits,
-                request_misses=c.request_misses,
-                block_hits=c.block_hits,
-                block_misses=c.block_misses,
-                token_hits=c.token_hits,
-                tokens_looked_up=c.tokens_looked_up,
-                tokens_saved=c.token_hits,
-                blocks_committed=c.blocks_committed,
-                blocks_deduplicated=c.blocks_deduplicated,
                 active_leases=self.leases.lease_count(),
                 tiers=tuple(tiers),
                 spills_dropped=c.spills_dropped,
                 remote_up=remote_up,
                 remote=remote,
-                **snapshot_dicts(c),
             )
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ from .config import TenantQuota, TenantQuotas
 from .index import RadixIndex
 from .leases import LeaseTable
 from .placement import Placement
-from .stats import Counters, EvictionReason, StatsSnapshot, TierSnapshot, snapshot_dicts
+from .stats import Counters, EvictionReason, StatsSnapshot, TierSnapshot, snapshot_of
 from .tiers.base import SlotTier, TierKind
 
 Members = Callable[[np.ndarray], np.ndarray]
@@ -147,24 +147,13 @@ class TenantLedger:
             capacity = tier.capacity_bytes if limit is None else min(tier.capacity_bytes, limit * self._block_bytes)
             snapshots.append(TierSnapshot(kind, blocks, blocks * self._block_bytes, capacity))
         own = sum(1 for lease in self._leases.leases() if self.tenant(lease.namespace) == tenant)
-        figures = snapshot_dicts(c)
-        figures.update(spills={}, promotions={})
-        return StatsSnapshot(
+        return snapshot_of(
+            c,
             uptime_s=uptime_s,
-            lookups=c.lookups,
-            request_hits=c.request_hits,
-            request_misses=c.request_misses,
-            block_hits=c.block_hits,
-            block_misses=c.block_misses,
-            token_hits=c.token_hits,
-            tokens_looked_up=c.tokens_looked_up,
-            tokens_saved=c.token_hits,
-            blocks_committed=c.blocks_committed,
-            blocks_deduplicated=c.blocks_deduplicated,
             active_leases=own,
             tiers=tuple(snapshots),
             spills_dropped=0,
             remote_up=remote_up,
             remote={},
-            **figures,
+            moves=False,
         )

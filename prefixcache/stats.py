@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 from .index import MissReason
 from .tiers.base import TierKind
@@ -93,17 +92,46 @@ class StatsSnapshot:
         return self.block_hits / total if total else 0.0
 
 
-def snapshot_dicts(counters: Counters) -> dict[str, dict[str, Any]]:
-    """The counter maps keyed by their public label strings."""
+def snapshot_of(
+    counters: Counters,
+    *,
+    uptime_s: float,
+    active_leases: int,
+    tiers: tuple[TierSnapshot, ...],
+    spills_dropped: int,
+    remote_up: bool | None,
+    remote: dict[str, float],
+    moves: bool = True,
+) -> StatsSnapshot:
+    """The snapshot of `counters` (the whole cache's, or one tenant's: `moves=False` leaves out
+    spills and promotions, which are not counted per tenant). The one place that maps counters
+    to snapshot fields."""
+    c = counters
     evictions: dict[str, dict[str, int]] = {}
-    for (tier, reason), count in counters.evictions.items():
+    for (tier, reason), count in c.evictions.items():
         evictions.setdefault(tier.label, {})[reason.value] = count
-    return {
-        "spills": {tier.label: n for tier, n in counters.spills.items()},
-        "promotions": {tier.label: n for tier, n in counters.promotions.items()},
-        "evictions": evictions,
-        "miss_reasons": {reason.value: n for reason, n in counters.miss_reasons.items()},
-    }
+    return StatsSnapshot(
+        uptime_s=uptime_s,
+        lookups=c.lookups,
+        request_hits=c.request_hits,
+        request_misses=c.request_misses,
+        block_hits=c.block_hits,
+        block_misses=c.block_misses,
+        token_hits=c.token_hits,
+        tokens_looked_up=c.tokens_looked_up,
+        tokens_saved=c.token_hits,
+        blocks_committed=c.blocks_committed,
+        blocks_deduplicated=c.blocks_deduplicated,
+        active_leases=active_leases,
+        tiers=tiers,
+        spills={tier.label: n for tier, n in c.spills.items()} if moves else {},
+        spills_dropped=spills_dropped,
+        promotions={tier.label: n for tier, n in c.promotions.items()} if moves else {},
+        evictions=evictions,
+        miss_reasons={reason.value: n for reason, n in c.miss_reasons.items()},
+        remote_up=remote_up,
+        remote=remote,
+    )
 
 
-__all__ = ["Counters", "EvictionReason", "MissReason", "StatsSnapshot", "TierSnapshot", "snapshot_dicts"]
+__all__ = ["Counters", "EvictionReason", "MissReason", "StatsSnapshot", "TierSnapshot", "snapshot_of"]
