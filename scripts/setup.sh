@@ -23,6 +23,5 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   pip install -q --disable-pip-version-check -e ".[test]"
   touch "$stamp"
 fi
-
-# The vLLM connector tests' own environment (.venv-vllm), once per clone.
-[ "${PREFIXCACHE_SKIP_VLLM:-0}" = "1" ] || bash scripts/setup_vllm.sh
+# The vLLM connector tests' environment (.venv-vllm) is scripts/setup_vllm.sh, which
+# scripts/test.sh runs; the demo and plain development need only .venv.

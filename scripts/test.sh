@@ -6,7 +6,7 @@
 # Arguments go to the main run; PREFIXCACHE_SKIP_VLLM_TESTS=1 leaves the vLLM run out (local use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PREFIXCACHE_SKIP_VLLM=1 bash scripts/setup.sh
+bash scripts/setup.sh
 . .venv/bin/activate
 status=0
 python -m pytest -q -p no:cacheprovider --ignore=tests/vllm_e2e "$@" || status=$?
