@@ -33,6 +33,7 @@ import numpy as np
 
 from .blockmap import BlockMap
 from .hashing import BlockHash
+from .native import core
 from .touchlog import TouchLog
 
 ROOT = -1
@@ -46,6 +47,14 @@ class MissReason(enum.Enum):
     NOT_CACHED = "not_cached"
     EXPIRED = "expired"
     VERIFICATION_FAILED = "verification_failed"
+
+
+_STOPS: dict[int, MissReason | None] = {
+    core.STOP_NONE: None,
+    core.STOP_NOT_CACHED: MissReason.NOT_CACHED,
+    core.STOP_EXPIRED: MissReason.EXPIRED,
+    core.STOP_VERIFICATION_FAILED: MissReason.VERIFICATION_FAILED,
+}
 
 
 @dataclass(frozen=True)
@@ -96,45 +105,28 @@ class RadixIndex:
 
     # -- matching ---------------------------------------------------------
     def match(self, namespace: int, hashes: list[BlockHash], blocks: np.ndarray, now: float, ttl_s: float) -> Match:
-        """Longest verified, unexpired chain for `hashes` (blocks: `[n, block_size]` u32)."""
+        """Longest verified, unexpired chain for `hashes` (blocks: `[n, block_size]` u32, C-contiguous).
+
+        One call of the compiled core (`_core.match`): it probes every hash, then walks the found
+        rows and cuts at the first whose chain (parent, the namespace of the first), tokens or age
+        fail; verification wins a tie with expiry.
+        """
         if not hashes:
             return Match(_NO_ROWS, None, _NO_ROWS)
-        found = self.map.get_many(hashes)
-        rows, missing = found, found < 0
-        stop: MissReason | None = None
-        if missing.any():
-            stop = MissReason.NOT_CACHED
-            rows = found[: int(missing.argmax())]
-        if not rows.size:
-            return Match(rows, stop, found)
-        return Match(*self._verify(rows, stop, namespace, blocks, now - ttl_s), found)
-
-    def _verify(
-        self, rows: np.ndarray, stop: MissReason | None, namespace: int, blocks: np.ndarray, oldest: float
-    ) -> tuple[np.ndarray, MissReason | None]:
-        """Cut `rows` at the first block whose chain, tokens or age fail (verification wins ties).
-
-        Only the first row's namespace needs checking: every later row must be the child of
-        the row before it, and a child always shares its parent's namespace.
-        """
-        count, first = len(rows), int(rows[0])
-        first_bad = count
-        if self.namespace[first] != namespace or self.parent[first] != ROOT:
-            first_bad = 0
-        else:
-            broken = self.parent[rows][1:] != rows[:-1]
-            if broken.any():
-                first_bad = int(broken.argmax()) + 1
-            mismatch = np.take(self.tokens, rows, axis=0) != blocks[:count]
-            if mismatch.any():  # rare: find the rows only then
-                first_bad = min(first_bad, int(mismatch.any(axis=1).argmax()))
-        expired = self.last_access[rows] < oldest
-        first_expired = int(expired.argmax()) if expired.any() else count
-        if first_bad <= first_expired and first_bad < count:
-            return rows[:first_bad], MissReason.VERIFICATION_FAILED
-        if first_expired < count:
-            return rows[:first_expired], MissReason.EXPIRED
-        return rows, stop
+        found = np.empty(len(hashes), dtype=np.int64)
+        matched, stop = core.match(
+            self.map.table,
+            hashes,
+            self.parent,
+            self.namespace,
+            self.tokens,
+            self.last_access,
+            blocks,
+            namespace,
+            now - ttl_s,
+            found,
+        )
+        return Match(found[:matched], _STOPS[stop], found)
 
     # -- mutation -----------------------------------------------------------
     def add(
@@ -152,13 +144,11 @@ class RadixIndex:
         tier: int,
         slots: Sequence[int],
         now: float,
-        found: np.ndarray | None = None,
     ) -> list[int]:
         """Insert consecutive blocks under `parent` (block i+1 the child of block i), vectorised.
 
         Raises KeyError, changing nothing, if any hash is already indexed or repeats in `hashes`.
-        `found`: the block map's rows for `hashes` from a `match` made since the last change (a
-        commit's), so they are not probed twice. The caller touches the path afterwards.
+        The caller touches the path afterwards.
         """
         count = len(hashes)
         if not count:
@@ -166,7 +156,7 @@ class RadixIndex:
         if count > len(self._free_rows):
             raise RuntimeError("index is full (more blocks than tier slots)")
         nodes = self._free_rows[len(self._free_rows) - count :][::-1].tolist()
-        self.map.insert_many(hashes, nodes, found)  # all or nothing
+        self.map.insert_many(hashes, nodes)  # all or nothing
         del self._free_rows[len(self._free_rows) - count :]
         rows = np.asarray(nodes, dtype=np.int64)
         self.parent[rows[0]] = parent

@@ -1,0 +1,750 @@
+/* prefixcache._core: the index's per-block loops, compiled (issue 17).
+ *
+ * - xxh3_128 / xxh3_chain: the block hashes (hashing.py), h_i = xxh3_128(h_{i-1} || tokens_i),
+ *   digests in xxHash's canonical (big-endian) byte order, as python-xxhash's xxh3_128_digest.
+ * - HashTable: the block map's open-addressing table (blockmap.py) over arrays that Python owns
+ *   (numpy, viewed through the buffer protocol): find, get_many, insert_many, place.
+ * - match: probe every hash of a prompt and verify the chain (parent links, namespace, token ids,
+ *   TTL) in one call (index.py's RadixIndex.match).
+ *
+ * Arrays come in through the buffer protocol and must be C-contiguous with the expected item
+ * type; anything else is a TypeError or ValueError that names the argument. No state lives here
+ * beyond the buffers a HashTable holds (released with it).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+
+#define BUCKET 4     /* cells per bucket (blockmap.BUCKET) */
+#define EMPTY (-1)   /* a never-used cell: ends a probe path */
+#define DELETED (-2) /* a tombstone: free for an insert, not the end of a search */
+#define ROOT (-1)    /* parent of a namespace's first block (index.ROOT) */
+
+/* Stop reasons of `match` (index.py maps them onto MissReason). */
+enum { STOP_NONE = 0, STOP_NOT_CACHED = 1, STOP_EXPIRED = 2, STOP_VERIFICATION_FAILED = 3 };
+
+/* ---- buffers ------------------------------------------------------------------------------- */
+
+/* The item kind of a struct-module format code: 'i' signed, 'u' unsigned, 'f' float, 0 other. */
+static char
+format_kind(const char *format)
+{
+    if (format == NULL) {
+        return 'u'; /* plain bytes */
+    }
+    if (*format == '@' || *format == '=' || *format == '<') {
+        format++;
+    }
+    if (format[0] == 0 || format[1] != 0) {
+        return 0;
+    }
+    switch (format[0]) {
+    case 'b': case 'h': case 'i': case 'l': case 'q': case 'n':
+        return 'i';
+    case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N':
+        return 'u';
+    case 'f': case 'd':
+        return 'f';
+    default:
+        return 0;
+    }
+}
+
+static const char *
+kind_name(char kind, Py_ssize_t itemsize)
+{
+    if (kind == 'i') {
+        return itemsize == 2 ? "int16" : itemsize == 4 ? "int32" : "int64";
+    }
+    if (kind == 'u') {
+        return itemsize == 4 ? "uint32" : "uint64";
+    }
+    return "float64";
+}
+
+/* A C-contiguous buffer of `ndim` dimensions (0: any) whose items are `kind` of `itemsize` bytes.
+ * On failure sets a TypeError/ValueError naming `name` and returns -1 (nothing to release). */
+static int
+get_array(PyObject *obj, const char *name, char kind, Py_ssize_t itemsize, int ndim, int writable, Py_buffer *view)
+{
+    const char *want = kind_name(kind, itemsize);
+    if (!PyObject_CheckBuffer(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a C-contiguous %s array, got %.100s", name, want,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int flags = PyBUF_FORMAT | PyBUF_STRIDES | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: expected a %sC-contiguous %s array, got an unreadable %.100s", name,
+                     writable ? "writable " : "", want, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (format_kind(view->format) != kind || view->itemsize != itemsize) {
+        PyErr_Format(PyExc_TypeError, "%s: expected %s items, got format '%s' of %zd bytes", name, want,
+                     view->format ? view->format : "B", view->itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    if (ndim && view->ndim != ndim) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %d dimension(s), got %d", name, ndim, view->ndim);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    if (!PyBuffer_IsContiguous(view, 'C')) {
+        PyErr_Format(PyExc_ValueError, "%s: must be C-contiguous (pass numpy.ascontiguousarray(...))", name);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static Py_ssize_t
+length_of(const Py_buffer *view)
+{
+    return view->len / view->itemsize;
+}
+
+static int
+index_arg(PyObject *obj, const char *name, Py_ssize_t low, Py_ssize_t *out)
+{
+    Py_ssize_t value = PyLong_Check(obj) ? PyLong_AsSsize_t(obj) : -1;
+    if (!PyLong_Check(obj) || (value == -1 && PyErr_Occurred()) || value < low) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s: expected an integer >= %zd", name, low);
+        return -1;
+    }
+    *out = value;
+    return 0;
+}
+
+/* ---- hashing ------------------------------------------------------------------------------- */
+
+static void
+digest_into(const void *data, size_t size, unsigned char *out)
+{
+    XXH128_canonical_t canonical;
+    XXH128_canonicalFromHash(&canonical, XXH3_128bits(data, size));
+    memcpy(out, canonical.digest, 16);
+}
+
+static PyObject *
+core_xxh3_128(PyObject *module, PyObject *arg)
+{
+    Py_buffer data;
+    unsigned char out[16];
+    if (PyObject_GetBuffer(arg, &data, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    digest_into(data.buf, (size_t)data.len, out);
+    PyBuffer_Release(&data);
+    return PyBytes_FromStringAndSize((const char *)out, 16);
+}
+
+/* xxh3_chain(root, tokens, block_size) -> list[bytes]: the chained digest of every full block. */
+static PyObject *
+core_xxh3_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer root, tokens;
+    Py_ssize_t block_size;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "xxh3_chain(root, tokens, block_size) takes 3 arguments");
+        return NULL;
+    }
+    if (index_arg(args[2], "block_size", 1, &block_size) < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &root, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "root: expected bytes, got %.100s", Py_TYPE(args[0])->tp_name);
+        return NULL;
+    }
+    if (get_array(args[1], "tokens", 'u', 4, 1, 0, &tokens) < 0) {
+        PyBuffer_Release(&root);
+        return NULL;
+    }
+    Py_ssize_t count = length_of(&tokens) / block_size;
+    size_t stride = (size_t)block_size * 4;
+    size_t head = root.len > 16 ? (size_t)root.len : 16;
+    unsigned char *scratch = PyMem_RawMalloc(head + stride + (size_t)count * 16 + 1);
+    PyObject *list = NULL;
+    if (scratch == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    unsigned char *digests = scratch + head + stride;
+    Py_BEGIN_ALLOW_THREADS
+    const unsigned char *source = tokens.buf;
+    size_t parent = (size_t)root.len;
+    memcpy(scratch, root.buf, parent);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        /* parent digest || block i, hashed as one message */
+        memcpy(scratch + parent, source + (size_t)i * stride, stride);
+        digest_into(scratch, parent + stride, digests + 16 * i);
+        memcpy(scratch, digests + 16 * i, 16);
+        parent = 16;
+    }
+    Py_END_ALLOW_THREADS
+    list = PyList_New(count);
+    for (Py_ssize_t i = 0; list != NULL && i < count; i++) {
+        PyObject *digest = PyBytes_FromStringAndSize((const char *)digests + 16 * i, 16);
+        if (digest == NULL) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, i, digest);
+    }
+done:
+    PyMem_RawFree(scratch);
+    PyBuffer_Release(&root);
+    PyBuffer_Release(&tokens);
+    return list;
+}
+
+/* ---- the block map's table ------------------------------------------------------------------- */
+
+#define MAX_WORDS 8 /* digests of up to 64 bytes */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer cells_view, cell_of_view, words_view;
+    int held; /* the three views are held */
+    int32_t *cells;   /* [buckets * BUCKET]: a row, EMPTY or DELETED */
+    int32_t *cell_of; /* [capacity]: the cell holding a row, EMPTY when unmapped */
+    uint64_t *words;  /* [word_count][capacity]: word k of row r at k * capacity + r */
+    Py_ssize_t capacity, buckets, digest_size;
+    uint64_t mask;
+    int word_count;
+} HashTable;
+
+static void
+split(const HashTable *t, const char *digest, uint64_t *query)
+{
+    memset(query, 0, sizeof(uint64_t) * MAX_WORDS);
+    memcpy(query, digest, (size_t)t->digest_size);
+}
+
+static int
+row_is(const HashTable *t, int32_t row, const uint64_t *query)
+{
+    for (int k = 0; k < t->word_count; k++) {
+        if (t->words[(Py_ssize_t)k * t->capacity + row] != query[k]) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* The cell holding `query`'s row (>= 0), or -1 - the first free cell on its probe path, or
+ * PY_SSIZE_T_MIN when the table has neither (it never does: blockmap.py rebuilds before). */
+static Py_ssize_t
+find(const HashTable *t, const uint64_t *query)
+{
+    uint64_t bucket = query[0] & t->mask;
+    Py_ssize_t free = -1;
+    for (Py_ssize_t step = 0; step < t->buckets; step++) {
+        int has_empty = 0;
+        const int32_t *cells = t->cells + bucket * BUCKET;
+        for (int j = 0; j < BUCKET; j++) {
+            int32_t row = cells[j];
+            if (row < 0) {
+                if (free < 0) {
+                    free = (Py_ssize_t)(bucket * BUCKET) + j;
+                }
+                has_empty |= row == EMPTY;
+            } else if (row_is(t, row, query)) {
+                return (Py_ssize_t)(bucket * BUCKET) + j;
+            }
+        }
+        if (has_empty) { /* nothing on this path overflowed past a bucket with an empty cell */
+            return -1 - free;
+        }
+        bucket = (bucket + 1) & t->mask;
+    }
+    return free >= 0 ? -1 - free : PY_SSIZE_T_MIN;
+}
+
+static int
+check_digest(const HashTable *t, PyObject *digest, Py_ssize_t i)
+{
+    if (!PyBytes_Check(digest) || PyBytes_GET_SIZE(digest) != t->digest_size) {
+        PyErr_Format(PyExc_ValueError, "digests[%zd]: expected bytes of length %zd", i, t->digest_size);
+        return -1;
+    }
+    return 0;
+}
+
+/* Rows of `digests` (a list or tuple) into `out`, -1 where unmapped (a foreign size never is). */
+static int
+get_many_into(const HashTable *t, PyObject *digests, int64_t *out)
+{
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(digests);
+    PyObject **items = PySequence_Fast_ITEMS(digests);
+    uint64_t query[MAX_WORDS];
+    for (Py_ssize_t i = 0; i < count; i++) { /* the home buckets are random: fetch them early */
+        if (PyBytes_Check(items[i]) && PyBytes_GET_SIZE(items[i]) == t->digest_size) {
+            uint64_t first = 0;
+            memcpy(&first, PyBytes_AS_STRING(items[i]), t->digest_size < 8 ? (size_t)t->digest_size : 8);
+            __builtin_prefetch(t->cells + (first & t->mask) * BUCKET);
+        }
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        out[i] = -1;
+        if (!PyBytes_Check(items[i]) || PyBytes_GET_SIZE(items[i]) != t->digest_size) {
+            continue;
+        }
+        split(t, PyBytes_AS_STRING(items[i]), query);
+        Py_ssize_t cell = find(t, query);
+        if (cell >= 0) {
+            out[i] = t->cells[cell];
+        }
+    }
+    return 0;
+}
+
+static void
+table_release(HashTable *t)
+{
+    if (t->held) {
+        PyBuffer_Release(&t->cells_view);
+        PyBuffer_Release(&t->cell_of_view);
+        PyBuffer_Release(&t->words_view);
+        t->held = 0;
+    }
+}
+
+static int
+table_init(HashTable *t, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"cells", "cell_of", "words", "digest_size", NULL};
+    PyObject *cells, *cell_of, *words;
+    Py_ssize_t digest_size;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOn", names, &cells, &cell_of, &words, &digest_size)) {
+        return -1;
+    }
+    table_release(t);
+    if (digest_size < 1 || digest_size > 8 * MAX_WORDS) {
+        PyErr_Format(PyExc_ValueError, "digest_size: expected 1..%d bytes, got %zd", 8 * MAX_WORDS, digest_size);
+        return -1;
+    }
+    if (get_array(cells, "cells", 'i', 4, 0, 1, &t->cells_view) < 0) {
+        return -1;
+    }
+    if (get_array(cell_of, "cell_of", 'i', 4, 1, 1, &t->cell_of_view) < 0) {
+        PyBuffer_Release(&t->cells_view);
+        return -1;
+    }
+    if (get_array(words, "words", 'u', 8, 0, 1, &t->words_view) < 0) {
+        PyBuffer_Release(&t->cells_view);
+        PyBuffer_Release(&t->cell_of_view);
+        return -1;
+    }
+    t->held = 1;
+    t->digest_size = digest_size;
+    t->word_count = (int)((digest_size + 7) / 8);
+    t->capacity = length_of(&t->cell_of_view);
+    t->buckets = length_of(&t->cells_view) / BUCKET;
+    if (t->buckets < 1 || t->buckets * BUCKET != length_of(&t->cells_view) || (t->buckets & (t->buckets - 1))) {
+        PyErr_SetString(PyExc_ValueError, "cells: expected a power of two of 4-cell buckets");
+        table_release(t);
+        return -1;
+    }
+    if (length_of(&t->words_view) != (Py_ssize_t)t->word_count * t->capacity) {
+        PyErr_Format(PyExc_ValueError, "words: expected %d x %zd words", t->word_count, t->capacity);
+        table_release(t);
+        return -1;
+    }
+    t->cells = t->cells_view.buf;
+    t->cell_of = t->cell_of_view.buf;
+    t->words = t->words_view.buf;
+    t->mask = (uint64_t)t->buckets - 1;
+    return 0;
+}
+
+static void
+table_dealloc(HashTable *t)
+{
+    table_release(t);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static int
+ready(const HashTable *t)
+{
+    if (!t->held) {
+        PyErr_SetString(PyExc_RuntimeError, "HashTable is not initialised");
+        return 0;
+    }
+    return 1;
+}
+
+/* get(digest) -> row or -1 */
+static PyObject *
+table_get(HashTable *t, PyObject *digest)
+{
+    uint64_t query[MAX_WORDS];
+    if (!ready(t)) {
+        return NULL;
+    }
+    if (!PyBytes_Check(digest) || PyBytes_GET_SIZE(digest) != t->digest_size) {
+        return PyLong_FromLong(-1);
+    }
+    split(t, PyBytes_AS_STRING(digest), query);
+    Py_ssize_t cell = find(t, query);
+    return PyLong_FromLong(cell >= 0 ? t->cells[cell] : -1);
+}
+
+/* get_many(digests, out): out[i] = row of digests[i], -1 where unmapped. */
+static PyObject *
+table_get_many(HashTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer out;
+    if (!ready(t)) {
+        return NULL;
+    }
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "get_many(digests, out) takes 2 arguments");
+        return NULL;
+    }
+    PyObject *digests = PySequence_Fast(args[0], "digests: expected a list of bytes");
+    if (digests == NULL) {
+        return NULL;
+    }
+    if (get_array(args[1], "out", 'i', 8, 1, 1, &out) < 0) {
+        Py_DECREF(digests);
+        return NULL;
+    }
+    if (length_of(&out) != PySequence_Fast_GET_SIZE(digests)) {
+        PyErr_SetString(PyExc_ValueError, "out: expected one int64 per digest");
+    } else {
+        get_many_into(t, digests, out.buf);
+    }
+    PyBuffer_Release(&out);
+    Py_DECREF(digests);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* Put unmapped `row` (its words already written) into the first free cell of its probe path;
+ * returns 1 when that cell was EMPTY (0 for a tombstone), -1 with an error when none is free. */
+static int
+place_row(HashTable *t, int32_t row, Py_ssize_t cell)
+{
+    if (cell == PY_SSIZE_T_MIN) {
+        PyErr_SetString(PyExc_RuntimeError, "block map table has no free cell");
+        return -1;
+    }
+    int was_empty = t->cells[cell] == EMPTY;
+    t->cells[cell] = row;
+    t->cell_of[row] = (int32_t)cell;
+    return was_empty;
+}
+
+/* insert_many(digests, rows) -> EMPTY cells used. Maps digests[i] to rows[i] (unmapped rows);
+ * raises KeyError, changing nothing, if a digest is mapped already or repeats in the batch,
+ * ValueError for a digest of a foreign size or a row out of range or mapped. */
+static PyObject *
+table_insert_many(HashTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer rows_view;
+    if (!ready(t)) {
+        return NULL;
+    }
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "insert_many(digests, rows) takes 2 arguments");
+        return NULL;
+    }
+    PyObject *digests = PySequence_Fast(args[0], "digests: expected a list of bytes");
+    if (digests == NULL) {
+        return NULL;
+    }
+    if (get_array(args[1], "rows", 'i', 8, 1, 0, &rows_view) < 0) {
+        Py_DECREF(digests);
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(digests);
+    PyObject **items = PySequence_Fast_ITEMS(digests);
+    const int64_t *rows = rows_view.buf;
+    Py_ssize_t *undo = NULL; /* [cell, previous content] per placed digest */
+    long used = 0;
+    if (length_of(&rows_view) != count) {
+        PyErr_SetString(PyExc_ValueError, "rows: expected one row per digest");
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (check_digest(t, items[i], i) < 0) {
+            goto fail;
+        }
+        if (rows[i] < 0 || rows[i] >= t->capacity || t->cell_of[rows[i]] != EMPTY) {
+            PyErr_Format(PyExc_ValueError, "rows[%zd]: %lld is out of range or mapped already", i,
+                         (long long)rows[i]);
+            goto fail;
+        }
+    }
+    undo = PyMem_Malloc(sizeof(Py_ssize_t) * 2 * (size_t)(count + 1));
+    if (undo == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    uint64_t query[MAX_WORDS];
+    for (Py_ssize_t i = 0; i < count; i++) {
+        split(t, PyBytes_AS_STRING(items[i]), query);
+        Py_ssize_t cell = find(t, query);
+        int was_empty = -1;
+        if (cell >= 0) {
+            PyErr_SetString(PyExc_KeyError, "digest already mapped (or repeated in the batch)");
+        } else {
+            cell = cell == PY_SSIZE_T_MIN ? cell : -1 - cell;
+            int32_t previous = cell >= 0 ? t->cells[cell] : EMPTY;
+            was_empty = place_row(t, (int32_t)rows[i], cell);
+            undo[2 * i] = cell;
+            undo[2 * i + 1] = previous;
+        }
+        if (was_empty < 0) {
+            for (Py_ssize_t j = i - 1; j >= 0; j--) { /* all or nothing */
+                t->cells[undo[2 * j]] = (int32_t)undo[2 * j + 1];
+                t->cell_of[rows[j]] = EMPTY;
+            }
+            goto fail;
+        }
+        used += was_empty;
+        for (int k = 0; k < t->word_count; k++) {
+            t->words[(Py_ssize_t)k * t->capacity + rows[i]] = query[k];
+        }
+    }
+    PyMem_Free(undo);
+    PyBuffer_Release(&rows_view);
+    Py_DECREF(digests);
+    return PyLong_FromLong(used);
+fail:
+    PyMem_Free(undo);
+    PyBuffer_Release(&rows_view);
+    Py_DECREF(digests);
+    return NULL;
+}
+
+/* place(rows) -> EMPTY cells used: put unmapped rows whose words are stored (a rebuild) back. */
+static PyObject *
+table_place(HashTable *t, PyObject *arg)
+{
+    Py_buffer rows_view;
+    if (!ready(t) || get_array(arg, "rows", 'i', 8, 1, 0, &rows_view) < 0) {
+        return NULL;
+    }
+    const int64_t *rows = rows_view.buf;
+    long used = 0;
+    uint64_t query[MAX_WORDS];
+    for (Py_ssize_t i = 0; i < length_of(&rows_view); i++) {
+        if (rows[i] < 0 || rows[i] >= t->capacity || t->cell_of[rows[i]] != EMPTY) {
+            PyErr_Format(PyExc_ValueError, "rows[%zd]: %lld is out of range or mapped already", i,
+                         (long long)rows[i]);
+            break;
+        }
+        memset(query, 0, sizeof(query));
+        for (int k = 0; k < t->word_count; k++) {
+            query[k] = t->words[(Py_ssize_t)k * t->capacity + rows[i]];
+        }
+        Py_ssize_t cell = find(t, query);
+        if (cell >= 0) {
+            PyErr_Format(PyExc_ValueError, "rows[%zd]: its digest is mapped already", i);
+            break;
+        }
+        int was_empty = place_row(t, (int32_t)rows[i], cell == PY_SSIZE_T_MIN ? cell : -1 - cell);
+        if (was_empty < 0) {
+            break;
+        }
+        used += was_empty;
+    }
+    PyBuffer_Release(&rows_view);
+    return PyErr_Occurred() ? NULL : PyLong_FromLong(used);
+}
+
+static PyMethodDef table_methods[] = {
+    {"get", (PyCFunction)table_get, METH_O, "get(digest) -> row, or -1 when unmapped"},
+    {"get_many", (PyCFunction)(void (*)(void))table_get_many, METH_FASTCALL,
+     "get_many(digests, out): out[i] = row of digests[i] (int64), -1 when unmapped"},
+    {"insert_many", (PyCFunction)(void (*)(void))table_insert_many, METH_FASTCALL,
+     "insert_many(digests, rows) -> EMPTY cells used; KeyError (nothing changed) on a mapped or repeated digest"},
+    {"place", (PyCFunction)table_place, METH_O,
+     "place(rows) -> EMPTY cells used: re-place unmapped rows by their stored digests"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject HashTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "prefixcache._core.HashTable",
+    .tp_doc = "HashTable(cells, cell_of, words, digest_size): the block map's table over caller-owned arrays",
+    .tp_basicsize = sizeof(HashTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)table_init,
+    .tp_dealloc = (destructor)table_dealloc,
+    .tp_methods = table_methods,
+};
+
+/* ---- match ----------------------------------------------------------------------------------- */
+
+/* match(table, digests, parent, namespace, tokens, last_access, blocks, ns, oldest, found)
+ *     -> (matched, stop)
+ * found[i] = the table's row for digests[i] (-1 absent), for every digest. The match is the
+ * longest prefix of found that is all present, starts at a ROOT row of namespace `ns`, links
+ * each row to the one before (parent), holds the prompt's tokens (blocks[i] == tokens[row]) and
+ * was used at or after `oldest`; it stops at the first failing row, verification winning ties
+ * with expiry. stop: 0 every digest matched, 1 not cached, 2 expired, 3 verification failed. */
+static PyObject *
+core_match(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer parent_v, namespace_v, tokens_v, access_v, blocks_v, found_v;
+    int held = 0;
+    PyObject *digests = NULL, *result = NULL;
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError,
+                        "match(table, digests, parent, namespace, tokens, last_access, blocks, ns, oldest, found) "
+                        "takes 10 arguments");
+        return NULL;
+    }
+    if (!PyObject_TypeCheck(args[0], &HashTableType)) {
+        PyErr_SetString(PyExc_TypeError, "table: expected a HashTable");
+        return NULL;
+    }
+    HashTable *t = (HashTable *)args[0];
+    if (!ready(t)) {
+        return NULL;
+    }
+    long ns = PyLong_Check(args[7]) ? PyLong_AsLong(args[7]) : -1;
+    if (!PyLong_Check(args[7]) || PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "ns: expected an int");
+        return NULL;
+    }
+    double oldest = PyFloat_AsDouble(args[8]);
+    if (oldest == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "oldest: expected a float");
+        return NULL;
+    }
+    digests = PySequence_Fast(args[1], "digests: expected a list of bytes");
+    if (digests == NULL) {
+        return NULL;
+    }
+    if (get_array(args[2], "parent", 'i', 4, 1, 0, &parent_v) < 0) goto done;
+    held = 1;
+    if (get_array(args[3], "namespace", 'i', 2, 1, 0, &namespace_v) < 0) goto done;
+    held = 2;
+    if (get_array(args[4], "tokens", 'u', 4, 2, 0, &tokens_v) < 0) goto done;
+    held = 3;
+    if (get_array(args[5], "last_access", 'f', 8, 1, 0, &access_v) < 0) goto done;
+    held = 4;
+    if (get_array(args[6], "blocks", 'u', 4, 2, 0, &blocks_v) < 0) goto done;
+    held = 5;
+    if (get_array(args[9], "found", 'i', 8, 1, 1, &found_v) < 0) goto done;
+    held = 6;
+
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(digests);
+    Py_ssize_t capacity = t->capacity, block_size = tokens_v.shape[1];
+    if (length_of(&parent_v) != capacity || length_of(&namespace_v) != capacity || tokens_v.shape[0] != capacity ||
+        length_of(&access_v) != capacity) {
+        PyErr_Format(PyExc_ValueError, "parent, namespace, tokens, last_access: expected %zd rows (the table's)",
+                     capacity);
+        goto done;
+    }
+    if (blocks_v.shape[1] != block_size || blocks_v.shape[0] < count) {
+        PyErr_Format(PyExc_ValueError, "blocks: expected at least %zd rows of %zd tokens", count, block_size);
+        goto done;
+    }
+    if (length_of(&found_v) != count) {
+        PyErr_SetString(PyExc_ValueError, "found: expected one int64 per digest");
+        goto done;
+    }
+    int64_t *found = found_v.buf;
+    get_many_into(t, digests, found);
+    const int32_t *parent = parent_v.buf;
+    const int16_t *namespace = namespace_v.buf;
+    const uint32_t *tokens = tokens_v.buf, *blocks = blocks_v.buf;
+    const double *access = access_v.buf;
+    size_t stride = (size_t)block_size * sizeof(uint32_t);
+    int stop = STOP_NONE;
+    Py_ssize_t matched = 0;
+    for (; matched < count; matched++) {
+        int64_t row = found[matched];
+        if (row < 0) {
+            stop = STOP_NOT_CACHED;
+            break;
+        }
+        int64_t expected_parent = matched ? found[matched - 1] : ROOT;
+        if (parent[row] != expected_parent || (matched == 0 && namespace[row] != ns) ||
+            memcmp(tokens + row * block_size, blocks + matched * block_size, stride) != 0) {
+            stop = STOP_VERIFICATION_FAILED;
+            break;
+        }
+        if (access[row] < oldest) {
+            stop = STOP_EXPIRED;
+            break;
+        }
+    }
+    result = Py_BuildValue("(ni)", matched, stop);
+done:
+    switch (held) { /* release what was taken, last first */
+    case 6: PyBuffer_Release(&found_v); /* fall through */
+    case 5: PyBuffer_Release(&blocks_v); /* fall through */
+    case 4: PyBuffer_Release(&access_v); /* fall through */
+    case 3: PyBuffer_Release(&tokens_v); /* fall through */
+    case 2: PyBuffer_Release(&namespace_v); /* fall through */
+    case 1: PyBuffer_Release(&parent_v); /* fall through */
+    default: break;
+    }
+    Py_DECREF(digests);
+    return result;
+}
+
+/* ---- module ---------------------------------------------------------------------------------- */
+
+static PyMethodDef core_methods[] = {
+    {"xxh3_128", (PyCFunction)core_xxh3_128, METH_O, "xxh3_128(data) -> 16-byte canonical digest"},
+    {"xxh3_chain", (PyCFunction)(void (*)(void))core_xxh3_chain, METH_FASTCALL,
+     "xxh3_chain(root, tokens, block_size) -> list of the chained digests of every full block"},
+    {"match", (PyCFunction)(void (*)(void))core_match, METH_FASTCALL,
+     "match(table, digests, parent, namespace, tokens, last_access, blocks, ns, oldest, found) -> (matched, stop)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef core_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "prefixcache._core",
+    .m_doc = "prefixcache's compiled core: block hashing, the block map's table, prompt matching",
+    .m_size = -1,
+    .m_methods = core_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__core(void)
+{
+    if (PyType_Ready(&HashTableType) < 0) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&core_module);
+    if (module == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&HashTableType);
+    if (PyModule_AddObject(module, "HashTable", (PyObject *)&HashTableType) < 0 ||
+        PyModule_AddIntConstant(module, "STOP_NONE", STOP_NONE) < 0 ||
+        PyModule_AddIntConstant(module, "STOP_NOT_CACHED", STOP_NOT_CACHED) < 0 ||
+        PyModule_AddIntConstant(module, "STOP_EXPIRED", STOP_EXPIRED) < 0 ||
+        PyModule_AddIntConstant(module, "STOP_VERIFICATION_FAILED", STOP_VERIFICATION_FAILED) < 0 ||
+        PyModule_AddObject(module, "XXHASH_VERSION",
+                           PyUnicode_FromFormat("%d.%d.%d", XXH_VERSION_MAJOR, XXH_VERSION_MINOR,
+                                                XXH_VERSION_RELEASE)) < 0) {
+        Py_DECREF(&HashTableType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
