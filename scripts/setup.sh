@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepares a fresh machine: a virtual env in .venv with the pinned CPU torch
 # first (a looser pin would download a multi-GB CUDA build), then this project
-# with its test extras, and Debian's redis-server when the binary is missing.
+# with its test extras (building the compiled core, prefixcache/_core.c, in place: gcc and the
+# Python headers), and Debian's redis-server when the binary is missing.
 # Idempotent: re-running it only installs what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,8 +21,9 @@ stamp=.venv/.prefixcache-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   pip install -q --disable-pip-version-check --upgrade pip
   pip install -q --disable-pip-version-check torch==2.13.0
-  pip install -q --disable-pip-version-check -e ".[test]"
+  pip install -q --disable-pip-version-check -e ".[test]"  # builds the compiled core in place too
   touch "$stamp"
 fi
+bash scripts/build_core.sh .venv/bin/python  # rebuilds prefixcache/_core.c's .so when its sources changed
 # The vLLM connector tests' environment (.venv-vllm) is scripts/setup_vllm.sh, which
 # scripts/test.sh runs; the demo and plain development need only .venv.
