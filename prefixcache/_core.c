@@ -4,8 +4,9 @@
  *   digests in xxHash's canonical (big-endian) byte order, as python-xxhash's xxh3_128_digest.
  * - HashTable: the block map's open-addressing table (blockmap.py) over arrays that Python owns
  *   (numpy, viewed through the buffer protocol): find, get_many, insert_many, place.
- * - match: probe every hash of a prompt and verify the chain (parent links, namespace, token ids,
- *   TTL) in one call (index.py's RadixIndex.match).
+ * - IndexCore: the index's per-row loops over its arrays (index.py): match (probe every hash of
+ *   a prompt and verify the chain: parent links, namespace, token ids, TTL, in one call),
+ *   add_chain (fill a new chain's rows), touch (log a path in LRU order).
  *
  * Arrays come in through the buffer protocol and must be C-contiguous with the expected item
  * type; anything else is a TypeError or ValueError that names the argument. No state lives here
@@ -59,7 +60,7 @@ static const char *
 kind_name(char kind, Py_ssize_t itemsize)
 {
     if (kind == 'i') {
-        return itemsize == 2 ? "int16" : itemsize == 4 ? "int32" : "int64";
+        return itemsize == 1 ? "int8" : itemsize == 2 ? "int16" : itemsize == 4 ? "int32" : "int64";
     }
     if (kind == 'u') {
         return itemsize == 4 ? "uint32" : "uint64";
@@ -589,87 +590,198 @@ static PyTypeObject HashTableType = {
     .tp_methods = table_methods,
 };
 
-/* ---- match ----------------------------------------------------------------------------------- */
+/* ---- the index's rows ---------------------------------------------------------------------- */
 
-/* match(table, digests, parent, namespace, tokens, last_access, blocks, ns, oldest, found)
- *     -> (matched, stop)
+/* IndexCore(table, parent, namespace, tier, slot, tick, last_access, pins, children, tokens):
+ * the per-row arrays of one RadixIndex (index.py), held for the object's life (numpy arrays of
+ * fixed size: the pointers stay valid). */
+enum { A_PARENT, A_NAMESPACE, A_TIER, A_SLOT, A_TICK, A_ACCESS, A_PINS, A_CHILDREN, A_TOKENS, A_COUNT };
+
+static const struct {
+    const char *name;
+    char kind;
+    Py_ssize_t itemsize;
+    int ndim;
+} index_arrays[A_COUNT] = {
+    {"parent", 'i', 4, 1},  {"namespace", 'i', 2, 1},   {"tier", 'i', 1, 1}, {"slot", 'i', 4, 1},
+    {"tick", 'i', 8, 1},    {"last_access", 'f', 8, 1}, {"pins", 'i', 4, 1}, {"children", 'i', 4, 1},
+    {"tokens", 'u', 4, 2},
+};
+
+typedef struct {
+    PyObject_HEAD
+    HashTable *table;
+    Py_buffer views[A_COUNT];
+    int held;
+    Py_ssize_t capacity, block_size;
+    int32_t *parent, *slot, *pins, *children;
+    int16_t *namespace;
+    int8_t *tier;
+    int64_t *tick;
+    double *access;
+    uint32_t *tokens;
+} IndexCore;
+
+static void
+index_release(IndexCore *x)
+{
+    for (int a = 0; a < x->held; a++) {
+        PyBuffer_Release(&x->views[a]);
+    }
+    x->held = 0;
+    Py_CLEAR(x->table);
+}
+
+static int
+index_init(IndexCore *x, PyObject *args, PyObject *kwargs)
+{
+    PyObject *objects[A_COUNT + 1];
+    index_release(x);
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs)) {
+        PyErr_SetString(PyExc_TypeError, "IndexCore takes positional arguments only");
+        return -1;
+    }
+    if (!PyArg_UnpackTuple(args, "IndexCore", A_COUNT + 1, A_COUNT + 1, &objects[0], &objects[1], &objects[2],
+                           &objects[3], &objects[4], &objects[5], &objects[6], &objects[7], &objects[8], &objects[9])) {
+        return -1;
+    }
+    if (!PyObject_TypeCheck(objects[0], &HashTableType) || !((HashTable *)objects[0])->held) {
+        PyErr_SetString(PyExc_TypeError, "table: expected an initialised HashTable");
+        return -1;
+    }
+    for (int a = 0; a < A_COUNT; a++) {
+        if (get_array(objects[a + 1], index_arrays[a].name, index_arrays[a].kind, index_arrays[a].itemsize,
+                      index_arrays[a].ndim, 1, &x->views[a]) < 0) {
+            index_release(x);
+            return -1;
+        }
+        x->held = a + 1;
+    }
+    x->table = (HashTable *)objects[0];
+    Py_INCREF(x->table);
+    x->capacity = x->table->capacity;
+    x->block_size = x->views[A_TOKENS].shape[1];
+    for (int a = 0; a < A_COUNT; a++) {
+        Py_ssize_t rows = a == A_TOKENS ? x->views[a].shape[0] : length_of(&x->views[a]);
+        if (rows != x->capacity) {
+            PyErr_Format(PyExc_ValueError, "%s: expected %zd rows (the table's capacity), got %zd",
+                         index_arrays[a].name, x->capacity, rows);
+            index_release(x);
+            return -1;
+        }
+    }
+    x->parent = x->views[A_PARENT].buf;
+    x->namespace = x->views[A_NAMESPACE].buf;
+    x->tier = x->views[A_TIER].buf;
+    x->slot = x->views[A_SLOT].buf;
+    x->tick = x->views[A_TICK].buf;
+    x->access = x->views[A_ACCESS].buf;
+    x->pins = x->views[A_PINS].buf;
+    x->children = x->views[A_CHILDREN].buf;
+    x->tokens = x->views[A_TOKENS].buf;
+    return 0;
+}
+
+static void
+index_dealloc(IndexCore *x)
+{
+    index_release(x);
+    Py_TYPE(x)->tp_free((PyObject *)x);
+}
+
+static int
+index_ready(const IndexCore *x)
+{
+    if (!x->held || !x->table->held) {
+        PyErr_SetString(PyExc_RuntimeError, "IndexCore is not initialised");
+        return 0;
+    }
+    return 1;
+}
+
+/* A C-contiguous [rows, block_size] uint32 buffer with at least `rows` rows. */
+static int
+get_blocks(const IndexCore *x, PyObject *obj, Py_ssize_t rows, Py_buffer *view)
+{
+    if (get_array(obj, "blocks", 'u', 4, 2, 0, view) < 0) {
+        return -1;
+    }
+    if (view->shape[1] != x->block_size || view->shape[0] < rows) {
+        PyErr_Format(PyExc_ValueError, "blocks: expected at least %zd rows of %zd tokens, got [%zd, %zd]", rows,
+                     x->block_size, view->shape[0], view->shape[1]);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* Rows given as an int64 array, each in [0, capacity). */
+static int
+get_rows(const IndexCore *x, PyObject *obj, const char *name, Py_buffer *view)
+{
+    if (get_array(obj, name, 'i', 8, 1, 0, view) < 0) {
+        return -1;
+    }
+    const int64_t *rows = view->buf;
+    for (Py_ssize_t i = 0; i < length_of(view); i++) {
+        if (rows[i] < 0 || rows[i] >= x->capacity) {
+            PyErr_Format(PyExc_ValueError, "%s[%zd]: row %lld outside [0, %zd)", name, i, (long long)rows[i],
+                         x->capacity);
+            PyBuffer_Release(view);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* match(digests, blocks, ns, oldest, found) -> (matched, stop)
  * found[i] = the table's row for digests[i] (-1 absent), for every digest. The match is the
  * longest prefix of found that is all present, starts at a ROOT row of namespace `ns`, links
  * each row to the one before (parent), holds the prompt's tokens (blocks[i] == tokens[row]) and
  * was used at or after `oldest`; it stops at the first failing row, verification winning ties
  * with expiry. stop: 0 every digest matched, 1 not cached, 2 expired, 3 verification failed. */
 static PyObject *
-core_match(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+index_match(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer parent_v, namespace_v, tokens_v, access_v, blocks_v, found_v;
-    int held = 0;
-    PyObject *digests = NULL, *result = NULL;
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError,
-                        "match(table, digests, parent, namespace, tokens, last_access, blocks, ns, oldest, found) "
-                        "takes 10 arguments");
+    Py_buffer blocks_v, found_v;
+    if (!index_ready(x)) {
         return NULL;
     }
-    if (!PyObject_TypeCheck(args[0], &HashTableType)) {
-        PyErr_SetString(PyExc_TypeError, "table: expected a HashTable");
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "match(digests, blocks, ns, oldest, found) takes 5 arguments");
         return NULL;
     }
-    HashTable *t = (HashTable *)args[0];
-    if (!ready(t)) {
-        return NULL;
-    }
-    long ns = PyLong_Check(args[7]) ? PyLong_AsLong(args[7]) : -1;
-    if (!PyLong_Check(args[7]) || PyErr_Occurred()) {
-        PyErr_Clear();
+    if (!PyLong_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "ns: expected an int");
         return NULL;
     }
-    double oldest = PyFloat_AsDouble(args[8]);
-    if (oldest == -1.0 && PyErr_Occurred()) {
+    long ns = PyLong_AsLong(args[2]);
+    double oldest = PyFloat_AsDouble(args[3]);
+    if (PyErr_Occurred()) {
         PyErr_Clear();
-        PyErr_SetString(PyExc_TypeError, "oldest: expected a float");
+        PyErr_SetString(PyExc_TypeError, "ns: expected an int, oldest: expected a float");
         return NULL;
     }
-    digests = PySequence_Fast(args[1], "digests: expected a list of bytes");
+    PyObject *digests = PySequence_Fast(args[0], "digests: expected a list of bytes");
     if (digests == NULL) {
         return NULL;
     }
-    if (get_array(args[2], "parent", 'i', 4, 1, 0, &parent_v) < 0) goto done;
-    held = 1;
-    if (get_array(args[3], "namespace", 'i', 2, 1, 0, &namespace_v) < 0) goto done;
-    held = 2;
-    if (get_array(args[4], "tokens", 'u', 4, 2, 0, &tokens_v) < 0) goto done;
-    held = 3;
-    if (get_array(args[5], "last_access", 'f', 8, 1, 0, &access_v) < 0) goto done;
-    held = 4;
-    if (get_array(args[6], "blocks", 'u', 4, 2, 0, &blocks_v) < 0) goto done;
-    held = 5;
-    if (get_array(args[9], "found", 'i', 8, 1, 1, &found_v) < 0) goto done;
-    held = 6;
-
     Py_ssize_t count = PySequence_Fast_GET_SIZE(digests);
-    Py_ssize_t capacity = t->capacity, block_size = tokens_v.shape[1];
-    if (length_of(&parent_v) != capacity || length_of(&namespace_v) != capacity || tokens_v.shape[0] != capacity ||
-        length_of(&access_v) != capacity) {
-        PyErr_Format(PyExc_ValueError, "parent, namespace, tokens, last_access: expected %zd rows (the table's)",
-                     capacity);
-        goto done;
+    PyObject *result = NULL;
+    if (get_blocks(x, args[1], count, &blocks_v) < 0) {
+        goto no_blocks;
     }
-    if (blocks_v.shape[1] != block_size || blocks_v.shape[0] < count) {
-        PyErr_Format(PyExc_ValueError, "blocks: expected at least %zd rows of %zd tokens", count, block_size);
-        goto done;
+    if (get_array(args[4], "found", 'i', 8, 1, 1, &found_v) < 0) {
+        goto no_found;
     }
     if (length_of(&found_v) != count) {
         PyErr_SetString(PyExc_ValueError, "found: expected one int64 per digest");
         goto done;
     }
     int64_t *found = found_v.buf;
-    get_many_into(t, digests, found);
-    const int32_t *parent = parent_v.buf;
-    const int16_t *namespace = namespace_v.buf;
-    const uint32_t *tokens = tokens_v.buf, *blocks = blocks_v.buf;
-    const double *access = access_v.buf;
-    size_t stride = (size_t)block_size * sizeof(uint32_t);
+    get_many_into(x->table, digests, found);
+    const uint32_t *blocks = blocks_v.buf;
+    Py_ssize_t bs = x->block_size;
     int stop = STOP_NONE;
     Py_ssize_t matched = 0;
     for (; matched < count; matched++) {
@@ -679,30 +791,171 @@ core_match(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         int64_t expected_parent = matched ? found[matched - 1] : ROOT;
-        if (parent[row] != expected_parent || (matched == 0 && namespace[row] != ns) ||
-            memcmp(tokens + row * block_size, blocks + matched * block_size, stride) != 0) {
+        if (x->parent[row] != expected_parent || (matched == 0 && x->namespace[row] != ns) ||
+            memcmp(x->tokens + row * bs, blocks + matched * bs, (size_t)bs * sizeof(uint32_t)) != 0) {
             stop = STOP_VERIFICATION_FAILED;
             break;
         }
-        if (access[row] < oldest) {
+        if (x->access[row] < oldest) {
             stop = STOP_EXPIRED;
             break;
         }
     }
     result = Py_BuildValue("(ni)", matched, stop);
 done:
-    switch (held) { /* release what was taken, last first */
-    case 6: PyBuffer_Release(&found_v); /* fall through */
-    case 5: PyBuffer_Release(&blocks_v); /* fall through */
-    case 4: PyBuffer_Release(&access_v); /* fall through */
-    case 3: PyBuffer_Release(&tokens_v); /* fall through */
-    case 2: PyBuffer_Release(&namespace_v); /* fall through */
-    case 1: PyBuffer_Release(&parent_v); /* fall through */
-    default: break;
-    }
+    PyBuffer_Release(&found_v);
+no_found:
+    PyBuffer_Release(&blocks_v);
+no_blocks:
     Py_DECREF(digests);
     return result;
 }
+
+/* add_chain(rows, parent, ns, tier, slots, blocks, now): fill the rows of a chain just mapped in
+ * the table (block i+1 the child of block i, the first the child of `parent`, ROOT or a live row):
+ * links, namespace, tier, slots, tokens, time; tick 0 and no pins (the caller touches the path);
+ * children 1 but the last's 0, and one more child for `parent`. */
+static PyObject *
+index_add_chain(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer rows_v, slots_v, blocks_v;
+    if (!index_ready(x)) {
+        return NULL;
+    }
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "add_chain(rows, parent, ns, tier, slots, blocks, now) takes 7 arguments");
+        return NULL;
+    }
+    long parent = PyLong_Check(args[1]) ? PyLong_AsLong(args[1]) : -2;
+    long ns = PyLong_Check(args[2]) ? PyLong_AsLong(args[2]) : -1;
+    long tier = PyLong_Check(args[3]) ? PyLong_AsLong(args[3]) : -1;
+    double now = PyFloat_AsDouble(args[6]);
+    if (PyErr_Occurred() || parent < ROOT || parent >= x->capacity || ns < 0 || ns > INT16_MAX || tier < 0 ||
+        tier > INT8_MAX) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "parent: expected ROOT or a row, ns: a namespace row, tier: a tier, now: "
+                                          "a float");
+        return NULL;
+    }
+    if (get_rows(x, args[0], "rows", &rows_v) < 0) {
+        return NULL;
+    }
+    Py_ssize_t count = length_of(&rows_v);
+    PyObject *result = NULL;
+    if (get_array(args[4], "slots", 'i', 8, 1, 0, &slots_v) < 0) {
+        goto no_slots;
+    }
+    if (get_blocks(x, args[5], count, &blocks_v) < 0) {
+        goto no_blocks;
+    }
+    if (length_of(&slots_v) != count) {
+        PyErr_SetString(PyExc_ValueError, "slots: expected one slot per row");
+        goto done;
+    }
+    const int64_t *rows = rows_v.buf, *slots = slots_v.buf;
+    const uint32_t *blocks = blocks_v.buf;
+    Py_ssize_t bs = x->block_size;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int64_t row = rows[i];
+        x->parent[row] = (int32_t)(i ? rows[i - 1] : parent);
+        x->namespace[row] = (int16_t)ns;
+        x->tier[row] = (int8_t)tier;
+        x->slot[row] = (int32_t)slots[i];
+        x->access[row] = now;
+        x->tick[row] = 0; /* below every logged tick, and not in the LRU scan until touched */
+        x->pins[row] = 0;
+        x->children[row] = i + 1 < count;
+        memcpy(x->tokens + row * bs, blocks + i * bs, (size_t)bs * sizeof(uint32_t));
+    }
+    if (count && parent != ROOT) {
+        x->children[parent] += 1;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&blocks_v);
+no_blocks:
+    PyBuffer_Release(&slots_v);
+no_slots:
+    PyBuffer_Release(&rows_v);
+    return result;
+}
+
+/* touch(log_rows, path, position, tick, now): log the root-first `path` leaf first at
+ * log_rows[position..] (a touch log's entries, touchlog.py), giving the entry at position + j the
+ * tick `tick + j`, and mark the path used at `now`. */
+static PyObject *
+index_touch(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer log_v, path_v;
+    Py_ssize_t position;
+    if (!index_ready(x)) {
+        return NULL;
+    }
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "touch(log_rows, path, position, tick, now) takes 5 arguments");
+        return NULL;
+    }
+    if (index_arg(args[2], "position", 0, &position) < 0) {
+        return NULL;
+    }
+    long long tick = PyLong_Check(args[3]) ? PyLong_AsLongLong(args[3]) : -1;
+    double now = PyFloat_AsDouble(args[4]);
+    if (PyErr_Occurred() || tick < 0) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "tick: expected an integer >= 0, now: a float");
+        return NULL;
+    }
+    if (get_array(args[0], "log_rows", 'i', 4, 1, 1, &log_v) < 0) {
+        return NULL;
+    }
+    if (get_rows(x, args[1], "path", &path_v) < 0) {
+        PyBuffer_Release(&log_v);
+        return NULL;
+    }
+    Py_ssize_t count = length_of(&path_v);
+    if (position + count > length_of(&log_v)) {
+        PyErr_Format(PyExc_ValueError, "position: %zd entries from %zd overrun the log's %zd", count, position,
+                     length_of(&log_v));
+    } else {
+        const int64_t *path = path_v.buf;
+        int32_t *log = log_v.buf;
+        for (Py_ssize_t j = 0; j < count; j++) {
+            int64_t row = path[count - 1 - j];
+            log[position + j] = (int32_t)row;
+            x->tick[row] = tick + j;
+            x->access[row] = now;
+        }
+    }
+    PyBuffer_Release(&path_v);
+    PyBuffer_Release(&log_v);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef index_methods[] = {
+    {"match", (PyCFunction)(void (*)(void))index_match, METH_FASTCALL,
+     "match(digests, blocks, ns, oldest, found) -> (matched, stop): probe and verify a prompt's chain"},
+    {"add_chain", (PyCFunction)(void (*)(void))index_add_chain, METH_FASTCALL,
+     "add_chain(rows, parent, ns, tier, slots, blocks, now): fill the rows of a newly mapped chain"},
+    {"touch", (PyCFunction)(void (*)(void))index_touch, METH_FASTCALL,
+     "touch(log_rows, path, position, tick, now): log a root-first path leaf first and mark it used"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject IndexCoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "prefixcache._core.IndexCore",
+    .tp_doc = "IndexCore(table, parent, namespace, tier, slot, tick, last_access, pins, children, tokens): "
+              "kernels over one index's rows",
+    .tp_basicsize = sizeof(IndexCore),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)index_init,
+    .tp_dealloc = (destructor)index_dealloc,
+    .tp_methods = index_methods,
+};
 
 /* ---- module ---------------------------------------------------------------------------------- */
 
@@ -710,8 +963,6 @@ static PyMethodDef core_methods[] = {
     {"xxh3_128", (PyCFunction)core_xxh3_128, METH_O, "xxh3_128(data) -> 16-byte canonical digest"},
     {"xxh3_chain", (PyCFunction)(void (*)(void))core_xxh3_chain, METH_FASTCALL,
      "xxh3_chain(root, tokens, block_size) -> list of the chained digests of every full block"},
-    {"match", (PyCFunction)(void (*)(void))core_match, METH_FASTCALL,
-     "match(table, digests, parent, namespace, tokens, last_access, blocks, ns, oldest, found) -> (matched, stop)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -726,7 +977,7 @@ static struct PyModuleDef core_module = {
 PyMODINIT_FUNC
 PyInit__core(void)
 {
-    if (PyType_Ready(&HashTableType) < 0) {
+    if (PyType_Ready(&HashTableType) < 0 || PyType_Ready(&IndexCoreType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&core_module);
@@ -734,7 +985,9 @@ PyInit__core(void)
         return NULL;
     }
     Py_INCREF(&HashTableType);
+    Py_INCREF(&IndexCoreType);
     if (PyModule_AddObject(module, "HashTable", (PyObject *)&HashTableType) < 0 ||
+        PyModule_AddObject(module, "IndexCore", (PyObject *)&IndexCoreType) < 0 ||
         PyModule_AddIntConstant(module, "STOP_NONE", STOP_NONE) < 0 ||
         PyModule_AddIntConstant(module, "STOP_NOT_CACHED", STOP_NOT_CACHED) < 0 ||
         PyModule_AddIntConstant(module, "STOP_EXPIRED", STOP_EXPIRED) < 0 ||
@@ -742,7 +995,6 @@ PyInit__core(void)
         PyModule_AddObject(module, "XXHASH_VERSION",
                            PyUnicode_FromFormat("%d.%d.%d", XXH_VERSION_MAJOR, XXH_VERSION_MINOR,
                                                 XXH_VERSION_RELEASE)) < 0) {
-        Py_DECREF(&HashTableType);
         Py_DECREF(module);
         return NULL;
     }

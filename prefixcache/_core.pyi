@@ -19,16 +19,25 @@ class HashTable:
     def insert_many(self, digests: Sequence[bytes], rows: np.ndarray, /) -> int: ...
     def place(self, rows: np.ndarray, /) -> int: ...
 
-def match(
-    table: HashTable,
-    digests: Sequence[bytes],
-    parent: np.ndarray,
-    namespace: np.ndarray,
-    tokens: np.ndarray,
-    last_access: np.ndarray,
-    blocks: np.ndarray,
-    ns: int,
-    oldest: float,
-    found: np.ndarray,
-    /,
-) -> tuple[int, int]: ...
+class IndexCore:
+    def __init__(
+        self,
+        table: HashTable,
+        parent: np.ndarray,
+        namespace: np.ndarray,
+        tier: np.ndarray,
+        slot: np.ndarray,
+        tick: np.ndarray,
+        last_access: np.ndarray,
+        pins: np.ndarray,
+        children: np.ndarray,
+        tokens: np.ndarray,
+        /,
+    ) -> None: ...
+    def match(
+        self, digests: Sequence[bytes], blocks: np.ndarray, ns: int, oldest: float, found: np.ndarray, /
+    ) -> tuple[int, int]: ...
+    def add_chain(
+        self, rows: np.ndarray, parent: int, ns: int, tier: int, slots: np.ndarray, blocks: np.ndarray, now: float, /
+    ) -> None: ...
+    def touch(self, log_rows: np.ndarray, path: np.ndarray, position: int, tick: int, now: float, /) -> None: ...

@@ -91,6 +91,18 @@ class RadixIndex:
         self.tokens = np.zeros((capacity, block_size), dtype=np.uint32)
         self.map = BlockMap(capacity, digest_size)
         self.log = TouchLog(capacity, self.tick, self.tier)
+        self.core = core.IndexCore(
+            self.map.table,
+            self.parent,
+            self.namespace,
+            self.tier,
+            self.slot,
+            self.tick,
+            self.last_access,
+            self.pins,
+            self.children,
+            self.tokens,
+        )
         self._free_rows = array.array("i", range(capacity - 1, -1, -1))
 
     def __len__(self) -> int:
@@ -107,25 +119,14 @@ class RadixIndex:
     def match(self, namespace: int, hashes: list[BlockHash], blocks: np.ndarray, now: float, ttl_s: float) -> Match:
         """Longest verified, unexpired chain for `hashes` (blocks: `[n, block_size]` u32, C-contiguous).
 
-        One call of the compiled core (`_core.match`): it probes every hash, then walks the found
+        One call of the compiled core (`IndexCore.match`): it probes every hash, then walks the found
         rows and cuts at the first whose chain (parent, the namespace of the first), tokens or age
         fail; verification wins a tie with expiry.
         """
         if not hashes:
             return Match(_NO_ROWS, None, _NO_ROWS)
         found = np.empty(len(hashes), dtype=np.int64)
-        matched, stop = core.match(
-            self.map.table,
-            hashes,
-            self.parent,
-            self.namespace,
-            self.tokens,
-            self.last_access,
-            blocks,
-            namespace,
-            now - ttl_s,
-            found,
-        )
+        matched, stop = self.core.match(hashes, blocks, namespace, now - ttl_s, found)
         return Match(found[:matched], _STOPS[stop], found)
 
     # -- mutation -----------------------------------------------------------
@@ -145,7 +146,8 @@ class RadixIndex:
         slots: Sequence[int],
         now: float,
     ) -> list[int]:
-        """Insert consecutive blocks under `parent` (block i+1 the child of block i), vectorised.
+        """Insert consecutive blocks under `parent` (block i+1 the child of block i): two calls of
+        the compiled core (the block map's insert, then `IndexCore.add_chain` fills the rows).
 
         Raises KeyError, changing nothing, if any hash is already indexed or repeats in `hashes`.
         The caller touches the path afterwards.
@@ -158,20 +160,15 @@ class RadixIndex:
         nodes = self._free_rows[len(self._free_rows) - count :][::-1].tolist()
         self.map.insert_many(hashes, nodes)  # all or nothing
         del self._free_rows[len(self._free_rows) - count :]
-        rows = np.asarray(nodes, dtype=np.int64)
-        self.parent[rows[0]] = parent
-        self.parent[rows[1:]] = rows[:-1]
-        self.namespace[rows] = namespace
-        self.tier[rows] = tier
-        self.slot[rows] = slots
-        self.last_access[rows] = now
-        self.tick[rows] = 0  # below every logged tick, and not in the LRU scan until touched
-        self.pins[rows] = 0
-        self.children[rows] = 1
-        self.children[rows[-1]] = 0
-        self.tokens[rows] = tokens
-        if parent != ROOT:
-            self.children[parent] += 1
+        self.core.add_chain(
+            np.asarray(nodes, dtype=np.int64),
+            parent,
+            namespace,
+            tier,
+            np.asarray(slots, dtype=np.int64),
+            np.ascontiguousarray(tokens, dtype=np.uint32),
+            now,
+        )
         return nodes
 
     def remove(self, node: int) -> None:
@@ -221,8 +218,8 @@ class RadixIndex:
         rows = np.asarray(path, dtype=np.int64)
         if not rows.size:
             return
-        self.log.append(rows[::-1])
-        self.last_access[rows] = now
+        position = self.log.claim(len(rows))
+        self.core.touch(self.log.rows, rows, position, self.log.base + position, now)
 
     def pin(self, path: Sequence[int] | np.ndarray) -> None:
         """One more pin on each node of a path (a path holds no node twice)."""

@@ -37,14 +37,15 @@ class TouchLog:
         self.end = 0
         self.head = 0
 
-    def append(self, nodes: np.ndarray) -> None:
-        """Give `nodes` (oldest first) the next ticks."""
-        count = len(nodes)
+    def claim(self, count: int) -> int:
+        """The position of `count` new entries (compacting first when they do not fit). The caller
+        writes them, and gives each node its tick `base + position` (the index's `touch`, one call
+        of the compiled core)."""
         if self.end + count > len(self.rows):
             self.compact()
-        self.rows[self.end : self.end + count] = nodes
-        self.tick[nodes] = self.base + np.arange(self.end, self.end + count)
+        position = self.end
         self.end += count
+        return position
 
     def compact(self) -> None:
         """Rewrite the log as the live nodes in tick order, with fresh ticks above all old ones."""

@@ -49,7 +49,8 @@ def test_the_core_is_the_compiled_extension_and_the_index_uses_it() -> None:
 def test_an_unbuilt_tree_fails_at_import_naming_the_build_command(tmp_path: Path) -> None:
     shutil.copytree(ROOT_DIR / "prefixcache", tmp_path / "prefixcache", ignore=shutil.ignore_patterns("*.so"))
     done = subprocess.run(
-        [sys.executable, "-c", "import prefixcache.hashing"],
+        # -S: no site-packages, so no editable install's finder can bring a built core from elsewhere
+        [sys.executable, "-S", "-c", "import prefixcache.native"],
         cwd=tmp_path,
         env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
         capture_output=True,
@@ -161,46 +162,58 @@ def test_match_of_a_very_long_prompt() -> None:
     assert len(more.rows) == count and more.stop is MissReason.NOT_CACHED
 
 
-def test_match_rejects_bad_buffers_naming_the_argument() -> None:
+def test_the_index_kernels_reject_bad_buffers_naming_the_argument() -> None:
     blocks = np.arange(2 * BS, dtype=np.uint32).reshape(2, BS)
     idx, hashes, _ = indexed(4, blocks)
 
-    def call(**bad: object) -> None:
-        args: dict[str, object] = {
-            "table": idx.map.table,
-            "digests": hashes,
-            "parent": idx.parent,
-            "namespace": idx.namespace,
-            "tokens": idx.tokens,
-            "last_access": idx.last_access,
-            "blocks": blocks,
-            "ns": 0,
-            "oldest": 0.0,
-            "found": np.empty(2, dtype=np.int64),
-        }
+    def match(**bad: object) -> None:
+        args: dict[str, object] = {"digests": hashes, "blocks": blocks, "ns": 0, "oldest": 0.0}
+        args["found"] = np.empty(2, dtype=np.int64)
         args.update(bad)
-        core.match(*args.values())  # type: ignore[arg-type]
+        idx.core.match(*args.values())  # type: ignore[arg-type]
 
-    call()
+    match()
+    strided = np.arange(4 * BS, dtype=np.uint32).reshape(2, 2 * BS)[:, ::2]
     cases = [
-        ({"blocks": np.arange(4 * BS, dtype=np.uint32).reshape(2, 2 * BS)[:, ::2]}, "blocks: must be C-contiguous"),
+        ({"blocks": strided}, "blocks: must be C-contiguous"),
         ({"blocks": blocks.astype(np.int32)}, "blocks: expected uint32"),
-        ({"blocks": blocks[:1]}, "blocks: expected at least 2 rows"),
+        ({"blocks": blocks[:1]}, "blocks: expected at least 2 rows of 16 tokens"),
+        ({"blocks": np.zeros((2, 4), dtype=np.uint32)}, "blocks: expected at least 2 rows of 16 tokens"),
         ({"found": np.empty(2, dtype=np.int32)}, "found: expected int64"),
         ({"found": np.empty(3, dtype=np.int64)}, "found: expected one int64 per digest"),
-        ({"parent": idx.parent.astype(np.int64)}, "parent: expected int32"),
-        ({"last_access": idx.last_access.astype(np.float32)}, "last_access: expected float64"),
-        ({"table": object()}, "table: expected a HashTable"),
         ({"ns": "0"}, "ns: expected an int"),
         ({"digests": 5}, "digests: expected a list of bytes"),
     ]
     for bad, message in cases:
         with pytest.raises((TypeError, ValueError), match=message):
-            call(**bad)
+            match(**bad)
     readonly = np.empty(2, dtype=np.int64)
     readonly.flags.writeable = False
     with pytest.raises(TypeError, match="found: expected a writable"):
-        call(found=readonly)
+        match(found=readonly)
+    with pytest.raises(ValueError, match=r"path\[1\]: row 9 outside \[0, 4\)"):
+        idx.core.touch(idx.log.rows, np.array([0, 9]), 0, 1, 0.0)
+    with pytest.raises(TypeError, match="log_rows: expected int32"):
+        idx.core.touch(idx.log.rows.astype(np.int64), np.array([0]), 0, 1, 0.0)
+    with pytest.raises(ValueError, match="position: 2 entries from"):
+        idx.core.touch(idx.log.rows, np.array([0, 1]), len(idx.log.rows) - 1, 1, 0.0)
+    with pytest.raises(ValueError, match="slots: expected one slot per row"):
+        idx.core.add_chain(np.array([2, 3]), ROOT, 0, 1, np.array([0]), blocks, 0.0)
+    with pytest.raises(TypeError, match="parent: expected int32"):
+        core.IndexCore(idx.map.table, idx.parent.astype(np.int64), *[np.empty(0)] * 8)
+    with pytest.raises(ValueError, match="tokens: expected 4 rows"):
+        core.IndexCore(
+            idx.map.table,
+            idx.parent,
+            idx.namespace,
+            idx.tier,
+            idx.slot,
+            idx.tick,
+            idx.last_access,
+            idx.pins,
+            idx.children,
+            idx.tokens[:2],
+        )
 
 
 def test_hash_table_checks_its_arrays_and_rolls_back_a_failed_batch() -> None:
