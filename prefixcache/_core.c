@@ -715,19 +715,61 @@ get_blocks(const IndexCore *x, PyObject *obj, Py_ssize_t rows, Py_buffer *view)
     return 0;
 }
 
-/* Rows given as an int64 array, each in [0, capacity). */
-static int
-get_rows(const IndexCore *x, PyObject *obj, const char *name, Py_buffer *view)
+/* Rows given as an int64 array or a list/tuple of ints, each in [0, capacity). */
+typedef struct {
+    const int64_t *rows;
+    Py_ssize_t count;
+    Py_buffer view;
+    int has_view;
+    int64_t *owned; /* the converted list or tuple */
+} Rows;
+
+static void
+release_rows(Rows *r)
 {
-    if (get_array(obj, name, 'i', 8, 1, 0, view) < 0) {
-        return -1;
+    if (r->has_view) {
+        PyBuffer_Release(&r->view);
+        r->has_view = 0;
     }
-    const int64_t *rows = view->buf;
-    for (Py_ssize_t i = 0; i < length_of(view); i++) {
-        if (rows[i] < 0 || rows[i] >= x->capacity) {
-            PyErr_Format(PyExc_ValueError, "%s[%zd]: row %lld outside [0, %zd)", name, i, (long long)rows[i],
+    PyMem_Free(r->owned);
+    r->owned = NULL;
+}
+
+static int
+get_rows(const IndexCore *x, PyObject *obj, const char *name, Rows *r)
+{
+    memset(r, 0, sizeof(*r));
+    if (PyList_Check(obj) || PyTuple_Check(obj)) {
+        r->count = PySequence_Fast_GET_SIZE(obj);
+        PyObject **items = PySequence_Fast_ITEMS(obj);
+        r->owned = PyMem_Malloc(sizeof(int64_t) * (size_t)(r->count + 1));
+        if (r->owned == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < r->count; i++) {
+            r->owned[i] = PyLong_AsLongLong(items[i]);
+            if (r->owned[i] == -1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_TypeError, "%s[%zd]: expected an int", name, i);
+                release_rows(r);
+                return -1;
+            }
+        }
+        r->rows = r->owned;
+    } else {
+        if (get_array(obj, name, 'i', 8, 1, 0, &r->view) < 0) {
+            return -1;
+        }
+        r->has_view = 1;
+        r->rows = r->view.buf;
+        r->count = length_of(&r->view);
+    }
+    for (Py_ssize_t i = 0; i < r->count; i++) {
+        if (r->rows[i] < 0 || r->rows[i] >= x->capacity) {
+            PyErr_Format(PyExc_ValueError, "%s[%zd]: row %lld outside [0, %zd)", name, i, (long long)r->rows[i],
                          x->capacity);
-            PyBuffer_Release(view);
+            release_rows(r);
             return -1;
         }
     }
@@ -818,7 +860,8 @@ no_blocks:
 static PyObject *
 index_add_chain(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer rows_v, slots_v, blocks_v;
+    Py_buffer slots_v, blocks_v;
+    Rows rows_v;
     if (!index_ready(x)) {
         return NULL;
     }
@@ -840,7 +883,7 @@ index_add_chain(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
     if (get_rows(x, args[0], "rows", &rows_v) < 0) {
         return NULL;
     }
-    Py_ssize_t count = length_of(&rows_v);
+    Py_ssize_t count = rows_v.count;
     PyObject *result = NULL;
     if (get_array(args[4], "slots", 'i', 8, 1, 0, &slots_v) < 0) {
         goto no_slots;
@@ -852,7 +895,7 @@ index_add_chain(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "slots: expected one slot per row");
         goto done;
     }
-    const int64_t *rows = rows_v.buf, *slots = slots_v.buf;
+    const int64_t *rows = rows_v.rows, *slots = slots_v.buf;
     const uint32_t *blocks = blocks_v.buf;
     Py_ssize_t bs = x->block_size;
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -876,7 +919,7 @@ done:
 no_blocks:
     PyBuffer_Release(&slots_v);
 no_slots:
-    PyBuffer_Release(&rows_v);
+    release_rows(&rows_v);
     return result;
 }
 
@@ -886,7 +929,8 @@ no_slots:
 static PyObject *
 index_touch(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer log_v, path_v;
+    Py_buffer log_v;
+    Rows path_v;
     Py_ssize_t position;
     if (!index_ready(x)) {
         return NULL;
@@ -912,12 +956,12 @@ index_touch(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
         PyBuffer_Release(&log_v);
         return NULL;
     }
-    Py_ssize_t count = length_of(&path_v);
+    Py_ssize_t count = path_v.count;
     if (position + count > length_of(&log_v)) {
         PyErr_Format(PyExc_ValueError, "position: %zd entries from %zd overrun the log's %zd", count, position,
                      length_of(&log_v));
     } else {
-        const int64_t *path = path_v.buf;
+        const int64_t *path = path_v.rows;
         int32_t *log = log_v.buf;
         for (Py_ssize_t j = 0; j < count; j++) {
             int64_t row = path[count - 1 - j];
@@ -926,11 +970,48 @@ index_touch(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
             x->access[row] = now;
         }
     }
-    PyBuffer_Release(&path_v);
+    release_rows(&path_v);
     PyBuffer_Release(&log_v);
     if (PyErr_Occurred()) {
         return NULL;
     }
+    Py_RETURN_NONE;
+}
+
+/* pin(path): one more pin on each row of a path (a path holds no row twice). */
+static PyObject *
+index_pin(IndexCore *x, PyObject *path)
+{
+    Rows r;
+    if (!index_ready(x) || get_rows(x, path, "path", &r) < 0) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < r.count; i++) {
+        x->pins[r.rows[i]] += 1;
+    }
+    release_rows(&r);
+    Py_RETURN_NONE;
+}
+
+/* unpin(path): one pin less on each row; RuntimeError, changing nothing, if one has none. */
+static PyObject *
+index_unpin(IndexCore *x, PyObject *path)
+{
+    Rows r;
+    if (!index_ready(x) || get_rows(x, path, "path", &r) < 0) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < r.count; i++) {
+        if (x->pins[r.rows[i]] <= 0) {
+            release_rows(&r);
+            PyErr_SetString(PyExc_RuntimeError, "unpinned more than pinned");
+            return NULL;
+        }
+    }
+    for (Py_ssize_t i = 0; i < r.count; i++) {
+        x->pins[r.rows[i]] -= 1;
+    }
+    release_rows(&r);
     Py_RETURN_NONE;
 }
 
@@ -941,6 +1022,8 @@ static PyMethodDef index_methods[] = {
      "add_chain(rows, parent, ns, tier, slots, blocks, now): fill the rows of a newly mapped chain"},
     {"touch", (PyCFunction)(void (*)(void))index_touch, METH_FASTCALL,
      "touch(log_rows, path, position, tick, now): log a root-first path leaf first and mark it used"},
+    {"pin", (PyCFunction)index_pin, METH_O, "pin(path): one more pin on each row"},
+    {"unpin", (PyCFunction)index_unpin, METH_O, "unpin(path): one pin less on each row (RuntimeError if one has none)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -38,6 +38,18 @@ class IndexCore:
         self, digests: Sequence[bytes], blocks: np.ndarray, ns: int, oldest: float, found: np.ndarray, /
     ) -> tuple[int, int]: ...
     def add_chain(
-        self, rows: np.ndarray, parent: int, ns: int, tier: int, slots: np.ndarray, blocks: np.ndarray, now: float, /
+        self,
+        rows: Sequence[int] | np.ndarray,
+        parent: int,
+        ns: int,
+        tier: int,
+        slots: np.ndarray,
+        blocks: np.ndarray,
+        now: float,
+        /,
     ) -> None: ...
-    def touch(self, log_rows: np.ndarray, path: np.ndarray, position: int, tick: int, now: float, /) -> None: ...
+    def touch(
+        self, log_rows: np.ndarray, path: Sequence[int] | np.ndarray, position: int, tick: int, now: float, /
+    ) -> None: ...
+    def pin(self, path: Sequence[int] | np.ndarray, /) -> None: ...
+    def unpin(self, path: Sequence[int] | np.ndarray, /) -> None: ...

@@ -161,7 +161,7 @@ class RadixIndex:
         self.map.insert_many(hashes, nodes)  # all or nothing
         del self._free_rows[len(self._free_rows) - count :]
         self.core.add_chain(
-            np.asarray(nodes, dtype=np.int64),
+            nodes,
             parent,
             namespace,
             tier,
@@ -215,21 +215,19 @@ class RadixIndex:
 
     def touch(self, path: Sequence[int] | np.ndarray, now: float) -> None:
         """Mark a root-first path used now; the root ends with the highest tick."""
-        rows = np.asarray(path, dtype=np.int64)
-        if not rows.size:
+        count = len(path)
+        if not count:
             return
-        position = self.log.claim(len(rows))
-        self.core.touch(self.log.rows, rows, position, self.log.base + position, now)
+        position = self.log.claim(count)
+        self.core.touch(self.log.rows, _rows(path), position, self.log.base + position, now)
 
     def pin(self, path: Sequence[int] | np.ndarray) -> None:
         """One more pin on each node of a path (a path holds no node twice)."""
-        self.pins[np.asarray(path, dtype=np.int64)] += 1
+        self.core.pin(_rows(path))
 
     def unpin(self, path: Sequence[int] | np.ndarray) -> None:
-        rows = np.asarray(path, dtype=np.int64)
-        if (self.pins[rows] <= 0).any():
-            raise RuntimeError("unpinned more than pinned")
-        self.pins[rows] -= 1
+        """One pin less on each node; RuntimeError, changing nothing, if one has none."""
+        self.core.unpin(_rows(path))
 
     def move(self, node: int, tier: int, slot: int) -> None:
         self.tier[node] = tier
@@ -271,3 +269,10 @@ class RadixIndex:
             path.append(node)
             node = int(self.parent[node])
         return path[::-1]
+
+
+def _rows(path: Sequence[int] | np.ndarray) -> list[int] | tuple[int, ...] | np.ndarray:
+    """A path as the compiled core takes it: a list or tuple of ints, or an int64 array."""
+    if isinstance(path, (list, tuple)) or (isinstance(path, np.ndarray) and path.dtype == np.int64):
+        return path
+    return np.asarray(path, dtype=np.int64)
