@@ -124,6 +124,66 @@ index_arg(PyObject *obj, const char *name, Py_ssize_t low, Py_ssize_t *out)
     return 0;
 }
 
+/* Rows (or slots) given as an int64 array or a list/tuple of ints, each in [0, limit). */
+typedef struct {
+    const int64_t *rows;
+    Py_ssize_t count;
+    Py_buffer view;
+    int has_view;
+    int64_t *owned; /* the converted list or tuple */
+} Rows;
+
+static void
+release_rows(Rows *r)
+{
+    if (r->has_view) {
+        PyBuffer_Release(&r->view);
+        r->has_view = 0;
+    }
+    PyMem_Free(r->owned);
+    r->owned = NULL;
+}
+
+static int
+get_rows(PyObject *obj, const char *name, Py_ssize_t limit, Rows *r)
+{
+    memset(r, 0, sizeof(*r));
+    if (PyList_Check(obj) || PyTuple_Check(obj)) {
+        r->count = PySequence_Fast_GET_SIZE(obj);
+        PyObject **items = PySequence_Fast_ITEMS(obj);
+        r->owned = PyMem_Malloc(sizeof(int64_t) * (size_t)(r->count + 1));
+        if (r->owned == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < r->count; i++) {
+            r->owned[i] = PyLong_AsLongLong(items[i]);
+            if (r->owned[i] == -1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_TypeError, "%s[%zd]: expected an int", name, i);
+                release_rows(r);
+                return -1;
+            }
+        }
+        r->rows = r->owned;
+    } else {
+        if (get_array(obj, name, 'i', 8, 1, 0, &r->view) < 0) {
+            return -1;
+        }
+        r->has_view = 1;
+        r->rows = r->view.buf;
+        r->count = length_of(&r->view);
+    }
+    for (Py_ssize_t i = 0; i < r->count; i++) {
+        if (r->rows[i] < 0 || r->rows[i] >= limit) {
+            PyErr_Format(PyExc_ValueError, "%s[%zd]: %lld outside [0, %zd)", name, i, (long long)r->rows[i], limit);
+            release_rows(r);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* ---- hashing ------------------------------------------------------------------------------- */
 
 static void
@@ -454,7 +514,7 @@ place_row(HashTable *t, int32_t row, Py_ssize_t cell)
 static PyObject *
 table_insert_many(HashTable *t, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer rows_view;
+    Rows rows_view;
     if (!ready(t)) {
         return NULL;
     }
@@ -466,16 +526,16 @@ table_insert_many(HashTable *t, PyObject *const *args, Py_ssize_t nargs)
     if (digests == NULL) {
         return NULL;
     }
-    if (get_array(args[1], "rows", 'i', 8, 1, 0, &rows_view) < 0) {
+    if (get_rows(args[1], "rows", t->capacity, &rows_view) < 0) {
         Py_DECREF(digests);
         return NULL;
     }
     Py_ssize_t count = PySequence_Fast_GET_SIZE(digests);
     PyObject **items = PySequence_Fast_ITEMS(digests);
-    const int64_t *rows = rows_view.buf;
+    const int64_t *rows = rows_view.rows;
     Py_ssize_t *undo = NULL; /* [cell, previous content] per placed digest */
     long used = 0;
-    if (length_of(&rows_view) != count) {
+    if (rows_view.count != count) {
         PyErr_SetString(PyExc_ValueError, "rows: expected one row per digest");
         goto fail;
     }
@@ -483,7 +543,7 @@ table_insert_many(HashTable *t, PyObject *const *args, Py_ssize_t nargs)
         if (check_digest(t, items[i], i) < 0) {
             goto fail;
         }
-        if (rows[i] < 0 || rows[i] >= t->capacity || t->cell_of[rows[i]] != EMPTY) {
+        if (t->cell_of[rows[i]] != EMPTY) {
             PyErr_Format(PyExc_ValueError, "rows[%zd]: %lld is out of range or mapped already", i,
                          (long long)rows[i]);
             goto fail;
@@ -521,12 +581,12 @@ table_insert_many(HashTable *t, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     PyMem_Free(undo);
-    PyBuffer_Release(&rows_view);
+    release_rows(&rows_view);
     Py_DECREF(digests);
     return PyLong_FromLong(used);
 fail:
     PyMem_Free(undo);
-    PyBuffer_Release(&rows_view);
+    release_rows(&rows_view);
     Py_DECREF(digests);
     return NULL;
 }
@@ -715,67 +775,6 @@ get_blocks(const IndexCore *x, PyObject *obj, Py_ssize_t rows, Py_buffer *view)
     return 0;
 }
 
-/* Rows given as an int64 array or a list/tuple of ints, each in [0, capacity). */
-typedef struct {
-    const int64_t *rows;
-    Py_ssize_t count;
-    Py_buffer view;
-    int has_view;
-    int64_t *owned; /* the converted list or tuple */
-} Rows;
-
-static void
-release_rows(Rows *r)
-{
-    if (r->has_view) {
-        PyBuffer_Release(&r->view);
-        r->has_view = 0;
-    }
-    PyMem_Free(r->owned);
-    r->owned = NULL;
-}
-
-static int
-get_rows(const IndexCore *x, PyObject *obj, const char *name, Rows *r)
-{
-    memset(r, 0, sizeof(*r));
-    if (PyList_Check(obj) || PyTuple_Check(obj)) {
-        r->count = PySequence_Fast_GET_SIZE(obj);
-        PyObject **items = PySequence_Fast_ITEMS(obj);
-        r->owned = PyMem_Malloc(sizeof(int64_t) * (size_t)(r->count + 1));
-        if (r->owned == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        for (Py_ssize_t i = 0; i < r->count; i++) {
-            r->owned[i] = PyLong_AsLongLong(items[i]);
-            if (r->owned[i] == -1 && PyErr_Occurred()) {
-                PyErr_Clear();
-                PyErr_Format(PyExc_TypeError, "%s[%zd]: expected an int", name, i);
-                release_rows(r);
-                return -1;
-            }
-        }
-        r->rows = r->owned;
-    } else {
-        if (get_array(obj, name, 'i', 8, 1, 0, &r->view) < 0) {
-            return -1;
-        }
-        r->has_view = 1;
-        r->rows = r->view.buf;
-        r->count = length_of(&r->view);
-    }
-    for (Py_ssize_t i = 0; i < r->count; i++) {
-        if (r->rows[i] < 0 || r->rows[i] >= x->capacity) {
-            PyErr_Format(PyExc_ValueError, "%s[%zd]: row %lld outside [0, %zd)", name, i, (long long)r->rows[i],
-                         x->capacity);
-            release_rows(r);
-            return -1;
-        }
-    }
-    return 0;
-}
-
 /* match(digests, blocks, ns, oldest, found) -> (matched, stop)
  * found[i] = the table's row for digests[i] (-1 absent), for every digest. The match is the
  * longest prefix of found that is all present, starts at a ROOT row of namespace `ns`, links
@@ -860,8 +859,8 @@ no_blocks:
 static PyObject *
 index_add_chain(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer slots_v, blocks_v;
-    Rows rows_v;
+    Py_buffer blocks_v;
+    Rows rows_v, slots_v;
     if (!index_ready(x)) {
         return NULL;
     }
@@ -880,22 +879,22 @@ index_add_chain(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
                                           "a float");
         return NULL;
     }
-    if (get_rows(x, args[0], "rows", &rows_v) < 0) {
+    if (get_rows(args[0], "rows", x->capacity, &rows_v) < 0) {
         return NULL;
     }
     Py_ssize_t count = rows_v.count;
     PyObject *result = NULL;
-    if (get_array(args[4], "slots", 'i', 8, 1, 0, &slots_v) < 0) {
+    if (get_rows(args[4], "slots", INT32_MAX, &slots_v) < 0) {
         goto no_slots;
     }
     if (get_blocks(x, args[5], count, &blocks_v) < 0) {
         goto no_blocks;
     }
-    if (length_of(&slots_v) != count) {
+    if (slots_v.count != count) {
         PyErr_SetString(PyExc_ValueError, "slots: expected one slot per row");
         goto done;
     }
-    const int64_t *rows = rows_v.rows, *slots = slots_v.buf;
+    const int64_t *rows = rows_v.rows, *slots = slots_v.rows;
     const uint32_t *blocks = blocks_v.buf;
     Py_ssize_t bs = x->block_size;
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -917,7 +916,7 @@ index_add_chain(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
 done:
     PyBuffer_Release(&blocks_v);
 no_blocks:
-    PyBuffer_Release(&slots_v);
+    release_rows(&slots_v);
 no_slots:
     release_rows(&rows_v);
     return result;
@@ -952,7 +951,7 @@ index_touch(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
     if (get_array(args[0], "log_rows", 'i', 4, 1, 1, &log_v) < 0) {
         return NULL;
     }
-    if (get_rows(x, args[1], "path", &path_v) < 0) {
+    if (get_rows(args[1], "path", x->capacity, &path_v) < 0) {
         PyBuffer_Release(&log_v);
         return NULL;
     }
@@ -983,7 +982,7 @@ static PyObject *
 index_pin(IndexCore *x, PyObject *path)
 {
     Rows r;
-    if (!index_ready(x) || get_rows(x, path, "path", &r) < 0) {
+    if (!index_ready(x) || get_rows(path, "path", x->capacity, &r) < 0) {
         return NULL;
     }
     for (Py_ssize_t i = 0; i < r.count; i++) {
@@ -998,7 +997,7 @@ static PyObject *
 index_unpin(IndexCore *x, PyObject *path)
 {
     Rows r;
-    if (!index_ready(x) || get_rows(x, path, "path", &r) < 0) {
+    if (!index_ready(x) || get_rows(path, "path", x->capacity, &r) < 0) {
         return NULL;
     }
     for (Py_ssize_t i = 0; i < r.count; i++) {

@@ -84,7 +84,9 @@ class BlockMap:
     def insert_many(self, digests: Sequence[bytes], rows: Sequence[int] | np.ndarray) -> None:
         """Map `digests[i]` to unmapped `rows[i]`; raises KeyError, changing nothing, if a digest is
         mapped already or repeats in `digests` (ValueError for a digest of a foreign size)."""
-        self._empty -= self.table.insert_many(digests, np.asarray(rows, dtype=np.int64))
+        self._empty -= self.table.insert_many(
+            digests, rows if isinstance(rows, list) else np.asarray(rows, dtype=np.int64)
+        )
         self._count += len(digests)
         if self._empty < self._min_empty:
             self.rebuild()

@@ -165,7 +165,7 @@ class RadixIndex:
             parent,
             namespace,
             tier,
-            np.asarray(slots, dtype=np.int64),
+            _rows(slots),
             np.ascontiguousarray(tokens, dtype=np.uint32),
             now,
         )

@@ -191,7 +191,7 @@ def test_the_index_kernels_reject_bad_buffers_naming_the_argument() -> None:
     readonly.flags.writeable = False
     with pytest.raises(TypeError, match="found: expected a writable"):
         match(found=readonly)
-    with pytest.raises(ValueError, match=r"path\[1\]: row 9 outside \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"path\[1\]: 9 outside \[0, 4\)"):
         idx.core.touch(idx.log.rows, np.array([0, 9]), 0, 1, 0.0)
     with pytest.raises(TypeError, match="log_rows: expected int32"):
         idx.core.touch(idx.log.rows.astype(np.int64), np.array([0]), 0, 1, 0.0)
