@@ -6,7 +6,8 @@
  *   (numpy, viewed through the buffer protocol): find, get_many, insert_many, place.
  * - IndexCore: the index's per-row loops over its arrays (index.py): match (probe every hash of
  *   a prompt and verify the chain: parent links, namespace, token ids, TTL, in one call),
- *   add_chain (fill a new chain's rows), touch (log a path in LRU order).
+ *   add_chain (fill a new chain's rows), touch (log a path in LRU order), pins, remove_many.
+ * - current_entries: the touch log's scan step (touchlog.py).
  *
  * Arrays come in through the buffer protocol and must be C-contiguous with the expected item
  * type; anything else is a TypeError or ValueError that names the argument. No state lives here
@@ -1014,6 +1015,76 @@ index_unpin(IndexCore *x, PyObject *path)
     Py_RETURN_NONE;
 }
 
+static int
+compare_rows(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* remove_many(rows): retire distinct live, unpinned rows each of whose children is among them
+ * (what removing each leaf in turn, descendants first, leaves behind): tier -1, one child less
+ * for each parent. Checked before any change (KeyError on a repeat, RuntimeError otherwise).
+ * The block map's cells are the caller's (BlockMap.delete_many). O(n log n) in the rows given. */
+static PyObject *
+index_remove_many(IndexCore *x, PyObject *arg)
+{
+    Rows r;
+    if (!index_ready(x) || get_rows(arg, "rows", x->capacity, &r) < 0) {
+        return NULL;
+    }
+    Py_ssize_t n = r.count;
+    int64_t *sorted = PyMem_Malloc(sizeof(int64_t) * (size_t)(n + 1));
+    int32_t *lost = PyMem_Calloc((size_t)(n + 1), sizeof(int32_t)); /* children among the rows, by sorted position */
+    if (sorted == NULL || lost == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (x->tier[r.rows[i]] < 0) {
+            PyErr_SetString(PyExc_RuntimeError, "a node to remove is not live");
+            goto done;
+        }
+    }
+    memcpy(sorted, r.rows, sizeof(int64_t) * (size_t)n);
+    qsort(sorted, (size_t)n, sizeof(int64_t), compare_rows);
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (sorted[i] == sorted[i - 1]) {
+            PyErr_Format(PyExc_KeyError, "rows: %lld repeats", (long long)sorted[i]);
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t row = r.rows[i];
+        int64_t parent = x->parent[row];
+        const int64_t *at = parent == ROOT ? NULL : bsearch(&parent, sorted, (size_t)n, sizeof(int64_t), compare_rows);
+        if (at != NULL) {
+            lost[at - sorted] += 1;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (x->children[sorted[i]] != lost[i] || x->pins[sorted[i]]) {
+            PyErr_SetString(PyExc_RuntimeError, "nodes to remove have children outside them, or pins");
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t row = r.rows[i];
+        if (x->parent[row] != ROOT) {
+            x->children[x->parent[row]] -= 1;
+        }
+        x->tier[row] = -1;
+    }
+done:
+    PyMem_Free(sorted);
+    PyMem_Free(lost);
+    release_rows(&r);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef index_methods[] = {
     {"match", (PyCFunction)(void (*)(void))index_match, METH_FASTCALL,
      "match(digests, blocks, ns, oldest, found) -> (matched, stop): probe and verify a prompt's chain"},
@@ -1023,6 +1094,8 @@ static PyMethodDef index_methods[] = {
      "touch(log_rows, path, position, tick, now): log a root-first path leaf first and mark it used"},
     {"pin", (PyCFunction)index_pin, METH_O, "pin(path): one more pin on each row"},
     {"unpin", (PyCFunction)index_unpin, METH_O, "unpin(path): one pin less on each row (RuntimeError if one has none)"},
+    {"remove_many", (PyCFunction)index_remove_many, METH_O,
+     "remove_many(rows): retire live unpinned rows closed under children (the map's cells are the caller's)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1039,12 +1112,88 @@ static PyTypeObject IndexCoreType = {
     .tp_methods = index_methods,
 };
 
+/* ---- the touch log ---------------------------------------------------------------------------- */
+
+/* current_entries(log_rows, tick, tier, position, stop, base, out) -> (count, leading)
+ * The touch log's (touchlog.py) current entries among log_rows[position:stop]: a row that is live
+ * (tier >= 0) and still carries the entry's tick (base + its position), into out[:count] in log
+ * order; `leading` counts the entries before the first current one (stop - position if none). */
+static PyObject *
+core_current_entries(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer log_v, tick_v, tier_v, out_v;
+    Py_ssize_t position, stop;
+    long long base;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "current_entries(log_rows, tick, tier, position, stop, base, out) takes 7 "
+                                         "arguments");
+        return NULL;
+    }
+    if (index_arg(args[3], "position", 0, &position) < 0 || index_arg(args[4], "stop", position, &stop) < 0) {
+        return NULL;
+    }
+    base = PyLong_Check(args[5]) ? PyLong_AsLongLong(args[5]) : -1;
+    if (base < 0) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "base: expected an integer >= 0");
+        return NULL;
+    }
+    if (get_array(args[0], "log_rows", 'i', 4, 1, 0, &log_v) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (get_array(args[1], "tick", 'i', 8, 1, 0, &tick_v) < 0) {
+        goto no_tick;
+    }
+    if (get_array(args[2], "tier", 'i', 1, 1, 0, &tier_v) < 0) {
+        goto no_tier;
+    }
+    if (get_array(args[6], "out", 'i', 8, 1, 1, &out_v) < 0) {
+        goto no_out;
+    }
+    Py_ssize_t rows = length_of(&tick_v);
+    if (length_of(&tier_v) != rows) {
+        PyErr_SetString(PyExc_ValueError, "tier: expected as many rows as tick");
+        goto done;
+    }
+    if (stop > length_of(&log_v) || length_of(&out_v) < stop - position) {
+        PyErr_SetString(PyExc_ValueError, "stop: past the log, or out: shorter than stop - position");
+        goto done;
+    }
+    const int32_t *log = log_v.buf;
+    const int64_t *tick = tick_v.buf;
+    const int8_t *tier = tier_v.buf;
+    int64_t *out = out_v.buf;
+    Py_ssize_t count = 0, leading = stop - position;
+    for (Py_ssize_t j = position; j < stop; j++) {
+        int32_t row = log[j];
+        if (row >= 0 && row < rows && tier[row] >= 0 && tick[row] == base + j) {
+            if (!count) {
+                leading = j - position;
+            }
+            out[count++] = row;
+        }
+    }
+    result = Py_BuildValue("(nn)", count, leading);
+done:
+    PyBuffer_Release(&out_v);
+no_out:
+    PyBuffer_Release(&tier_v);
+no_tier:
+    PyBuffer_Release(&tick_v);
+no_tick:
+    PyBuffer_Release(&log_v);
+    return result;
+}
+
 /* ---- module ---------------------------------------------------------------------------------- */
 
 static PyMethodDef core_methods[] = {
     {"xxh3_128", (PyCFunction)core_xxh3_128, METH_O, "xxh3_128(data) -> 16-byte canonical digest"},
     {"xxh3_chain", (PyCFunction)(void (*)(void))core_xxh3_chain, METH_FASTCALL,
      "xxh3_chain(root, tokens, block_size) -> list of the chained digests of every full block"},
+    {"current_entries", (PyCFunction)(void (*)(void))core_current_entries, METH_FASTCALL,
+     "current_entries(log_rows, tick, tier, position, stop, base, out) -> (count, leading)"},
     {NULL, NULL, 0, NULL},
 };
 

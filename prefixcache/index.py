@@ -186,31 +186,14 @@ class RadixIndex:
 
     def remove_many(self, nodes: Sequence[int] | np.ndarray) -> None:
         """Drop distinct unpinned nodes each of whose children is among them (what `remove` of each
-        in turn, descendants first, leaves behind), in a few vectorised steps. Checked before any
-        change; costs O(len(nodes)), not O(capacity)."""
+        in turn, descendants first, leaves behind): one call of the compiled core for the rows, one
+        vectorised store for the block map. Checked before any change; costs O(len(nodes)), not
+        O(capacity)."""
         rows = np.asarray(nodes, dtype=np.int64)
         if not rows.size:
             return
-        if (self.tier[rows] < 0).any():
-            raise RuntimeError("a node to remove is not live")
-        parents = self.parent[rows]
-        ordered = np.sort(parents[parents != ROOT]).astype(np.int64)
-        if ordered.size:  # each parent once, with the children it loses
-            first = np.empty(len(ordered), dtype=bool)
-            first[0] = True
-            np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-            losers = ordered[first]
-            lost = np.diff(np.append(np.flatnonzero(first), len(ordered)))
-            at = np.minimum(np.searchsorted(losers, rows), len(losers) - 1)
-            removed = np.where(losers[at] == rows, lost[at], 0)  # children removed with each node
-        else:
-            losers = lost = _NO_ROWS
-            removed = np.zeros(len(rows), dtype=np.int64)
-        if (self.children[rows] != removed).any() or self.pins[rows].any():
-            raise RuntimeError("nodes to remove have children outside them, or pins")
-        self.map.delete_many(rows)  # raises, changing nothing, if a row repeats
-        self.children[losers] -= lost.astype(np.int32)
-        self.tier[rows] = -1
+        self.core.remove_many(rows)  # raises, changing nothing (KeyError for a repeat)
+        self.map.delete_many(rows)  # live rows are mapped: cannot fail now
         self._free_rows.frombytes(rows.astype(np.int32).tobytes())
 
     def touch(self, path: Sequence[int] | np.ndarray, now: float) -> None:

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from .native import core
+
 _SCAN_CHUNK = 256  # entries examined per vectorised step of a scan
 
 
@@ -71,14 +73,13 @@ class TouchLog:
         position, advancing = self.head, True
         while position < self.end:
             stop = min(position + _SCAN_CHUNK, self.end)
-            nodes = self.rows[position:stop].astype(np.int64)
-            current = (self.tier[nodes] >= 0) & (self.tick[nodes] == self.base + np.arange(position, stop))
+            out = np.empty(stop - position, dtype=np.int64)
+            count, leading = core.current_entries(self.rows, self.tick, self.tier, position, stop, self.base, out)
             if advancing:
-                kept = np.flatnonzero(current)
-                leading = int(kept[0]) if kept.size else stop - position
                 self.head = position + leading
                 advancing = leading == stop - position
-            chosen = nodes[current & eligible(nodes)]
+            nodes = out[:count]
+            chosen = nodes[eligible(nodes)] if count else nodes
             if chosen.size:
                 yield chosen
             position = stop

@@ -233,3 +233,24 @@ def test_hash_table_checks_its_arrays_and_rolls_back_a_failed_batch() -> None:
         table.insert_many([b], [0])
     with pytest.raises(ValueError, match=r"digests\[0\]: expected bytes of length 16"):
         table.insert_many([b"short"], [1])
+
+
+def test_the_touch_log_scan_step_keeps_only_current_entries() -> None:
+    """current_entries: live rows still carrying the entry's tick, in log order, and how many
+    stale ones led; bad buffers are named."""
+    tick = np.array([5, 2, 9, 0], dtype=np.int64)
+    tier = np.array([1, 1, -1, 1], dtype=np.int8)
+    log = np.array([1, 3, 0, 2, -1, 0], dtype=np.int32)  # base 1: entry j carries tick 1 + j
+    out = np.empty(6, dtype=np.int64)
+    # entry 0 (row 1, tick 2 != 1) stale, 1 (row 3, 0 != 2) stale, 2 (row 0, 5 != 3) stale,
+    # 3 (row 2) dead, 4 empty, 5 (row 0, tick 5 == 1 + 4? no: 6) stale -> nothing current
+    assert core.current_entries(log, tick, tier, 0, 6, 1, out) == (0, 6)
+    tick[0], tick[1] = 6, 1  # row 0 current at entry 5, row 1 at entry 0
+    assert core.current_entries(log, tick, tier, 0, 6, 1, out) == (2, 0) and out[:2].tolist() == [1, 0]
+    assert core.current_entries(log, tick, tier, 1, 6, 1, out) == (1, 4) and out[:1].tolist() == [0]
+    with pytest.raises(ValueError, match="stop: expected an integer >= 3"):
+        core.current_entries(log, tick, tier, 3, 2, 1, out)
+    with pytest.raises(TypeError, match="tier: expected int8"):
+        core.current_entries(log, tick, tier.astype(np.int32), 0, 6, 1, out)
+    with pytest.raises(ValueError, match="stop: past the log"):
+        core.current_entries(log, tick, tier, 0, 7, 1, np.empty(7, dtype=np.int64))
