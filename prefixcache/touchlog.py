@@ -71,9 +71,9 @@ class TouchLog:
     def scan_chunks(self, eligible: Callable[[np.ndarray], np.ndarray]) -> Iterator[np.ndarray]:
         """`scan` a chunk at a time: int64 arrays of the eligible current nodes, oldest first."""
         position, advancing = self.head, True
+        out = np.empty(_SCAN_CHUNK, dtype=np.int64)  # reused: what is yielded is a copy
         while position < self.end:
             stop = min(position + _SCAN_CHUNK, self.end)
-            out = np.empty(stop - position, dtype=np.int64)
             count, leading = core.current_entries(self.rows, self.tick, self.tier, position, stop, self.base, out)
             if advancing:
                 self.head = position + leading
