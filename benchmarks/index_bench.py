@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from prefixcache.cache import PrefixCache  # noqa: E402
 from prefixcache.config import CacheConfig, HashAlgorithm, KVLayout, Namespace  # noqa: E402
 from prefixcache.hashing import Hasher  # noqa: E402
+from prefixcache.native import core  # noqa: E402
 from prefixcache.tiers.host import HostTier  # noqa: E402
 
 BLOCK = 16
@@ -262,7 +263,7 @@ def machine() -> dict:
         "python": platform.python_version(),
         "numpy": np.__version__,
         "torch": torch.__version__,
-        "xxhash": xxhash.VERSION,
+        "xxhash": f"{xxhash.VERSION} (the core's vendored xxHash {core.XXHASH_VERSION})",
         "load_average_at_start": list(os.getloadavg()),
     }
 
@@ -333,10 +334,10 @@ def update_docs(path: Path, results: dict) -> None:
             f"{TARGET_META_BYTES:.0f} B per block — **{meta:.0f} B** (tracemalloc), "
             f"{'met' if meta <= TARGET_META_BYTES else 'NOT met'}.",
             "",
-            "Where the lookup time goes: chained hashing of the 512 blocks is about half (one C call per "
-            "block; the chain is sequential by definition), then one vectorised probe of the block map "
-            "(`prefixcache/blockmap.py`, 4-cell buckets, scalar fallback for the rare overflowed entry), the "
-            "vectorised chain/namespace/token/TTL verification, and the touch. Locations come back as two "
+            "Where the lookup time goes: chained hashing of the 512 blocks (one call of the compiled core, "
+            "`prefixcache/_core.c`; the chain is sequential by definition), then one more call that probes "
+            "the block map (4-cell buckets) for every hash and verifies chain/namespace/tokens/TTL, and the "
+            "touch (one call). Locations come back as two "
             "arrays (`BlockLocations`), not 512 objects. The p99 column is dominated by preemption on this "
             "shared 2-vCPU machine; the CPU-time columns leave that out.",
             "",
