@@ -11,7 +11,7 @@
  *
  * Arrays come in through the buffer protocol and must be C-contiguous with the expected item
  * type; anything else is a TypeError or ValueError that names the argument. No state lives here
- * beyond the buffers a HashTable holds (released with it).
+ * beyond the buffers a HashTable or an IndexCore holds (released with it).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

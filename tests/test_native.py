@@ -170,7 +170,7 @@ def test_the_index_kernels_reject_bad_buffers_naming_the_argument() -> None:
         args: dict[str, object] = {"digests": hashes, "blocks": blocks, "ns": 0, "oldest": 0.0}
         args["found"] = np.empty(2, dtype=np.int64)
         args.update(bad)
-        idx.core.match(*args.values())  # type: ignore[arg-type]
+        idx.core.match(*args.values())
 
     match()
     strided = np.arange(4 * BS, dtype=np.uint32).reshape(2, 2 * BS)[:, ::2]
