@@ -6,7 +6,8 @@
  *   (numpy, viewed through the buffer protocol): find, get_many, insert_many, place.
  * - IndexCore: the index's per-row loops over its arrays (index.py): match (probe every hash of
  *   a prompt and verify the chain: parent links, namespace, token ids, TTL, in one call),
- *   add_chain (fill a new chain's rows), touch (log a path in LRU order), pins, remove_many.
+ *   add_chain (fill a new chain's rows), touch (log a path in LRU order), pins, eviction's
+ *   leaf-first picking (pick_leaves) and batch removal (remove_many).
  * - current_entries: the touch log's scan step (touchlog.py).
  *
  * Arrays come in through the buffer protocol and must be C-contiguous with the expected item
@@ -681,6 +682,7 @@ typedef struct {
     int64_t *tick;
     double *access;
     uint32_t *tokens;
+    int32_t *gone; /* pick_leaves: children of each row picked so far (zero between picks); lazy */
 } IndexCore;
 
 static void
@@ -691,6 +693,8 @@ index_release(IndexCore *x)
     }
     x->held = 0;
     Py_CLEAR(x->table);
+    PyMem_RawFree(x->gone);
+    x->gone = NULL;
 }
 
 static int
@@ -1085,6 +1089,73 @@ done:
     Py_RETURN_NONE;
 }
 
+/* pick_leaves(nodes, out, count) -> count: extend the victims out[:count] from `nodes` (eligible
+ * rows in LRU order, one touch-log chunk) as evicting each in turn would: a row goes when it has
+ * no children or all of them were picked before it; stops when out is full. forget_picks(victims)
+ * must follow the last pick (it zeroes the per-row counts the picks left). */
+static PyObject *
+index_pick_leaves(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
+{
+    Rows nodes;
+    Py_buffer out_v;
+    Py_ssize_t count = 0;
+    if (!index_ready(x)) {
+        return NULL;
+    }
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "pick_leaves(nodes, out, count) takes 3 arguments");
+        return NULL;
+    }
+    if (x->gone == NULL && (x->gone = PyMem_RawCalloc((size_t)x->capacity + 1, sizeof(int32_t))) == NULL) {
+        return PyErr_NoMemory();
+    }
+    if (get_rows(args[0], "nodes", x->capacity, &nodes) < 0) {
+        return NULL;
+    }
+    if (get_array(args[1], "out", 'i', 8, 1, 1, &out_v) < 0) {
+        release_rows(&nodes);
+        return NULL;
+    }
+    if (index_arg(args[2], "count", 0, &count) == 0 && count > length_of(&out_v)) {
+        PyErr_SetString(PyExc_ValueError, "count: more than out holds");
+    }
+    if (!PyErr_Occurred()) {
+        int64_t *out = out_v.buf;
+        Py_ssize_t size = length_of(&out_v);
+        for (Py_ssize_t i = 0; i < nodes.count && count < size; i++) {
+            int64_t row = nodes.rows[i];
+            int32_t kids = x->children[row];
+            if (kids == 0 || kids == x->gone[row]) {
+                out[count++] = row;
+                if (x->parent[row] != ROOT) {
+                    x->gone[x->parent[row]] += 1;
+                }
+            }
+        }
+    }
+    PyBuffer_Release(&out_v);
+    release_rows(&nodes);
+    return PyErr_Occurred() ? NULL : PyLong_FromSsize_t(count);
+}
+
+/* forget_picks(victims): zero the counts pick_leaves left (call before the rows are reused). */
+static PyObject *
+index_forget_picks(IndexCore *x, PyObject *arg)
+{
+    Rows victims;
+    if (!index_ready(x) || get_rows(arg, "victims", x->capacity, &victims) < 0) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; x->gone != NULL && i < victims.count; i++) {
+        int32_t parent = x->parent[victims.rows[i]];
+        if (parent != ROOT) {
+            x->gone[parent] = 0;
+        }
+    }
+    release_rows(&victims);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef index_methods[] = {
     {"match", (PyCFunction)(void (*)(void))index_match, METH_FASTCALL,
      "match(digests, blocks, ns, oldest, found) -> (matched, stop): probe and verify a prompt's chain"},
@@ -1094,6 +1165,9 @@ static PyMethodDef index_methods[] = {
      "touch(log_rows, path, position, tick, now): log a root-first path leaf first and mark it used"},
     {"pin", (PyCFunction)index_pin, METH_O, "pin(path): one more pin on each row"},
     {"unpin", (PyCFunction)index_unpin, METH_O, "unpin(path): one pin less on each row (RuntimeError if one has none)"},
+    {"pick_leaves", (PyCFunction)(void (*)(void))index_pick_leaves, METH_FASTCALL,
+     "pick_leaves(nodes, out, count) -> count: leaf-first victims from an LRU chunk"},
+    {"forget_picks", (PyCFunction)index_forget_picks, METH_O, "forget_picks(victims): end a pick"},
     {"remove_many", (PyCFunction)index_remove_many, METH_O,
      "remove_many(rows): retire live unpinned rows closed under children (the map's cells are the caller's)"},
     {NULL, NULL, 0, NULL},

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import array
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -224,6 +224,32 @@ class RadixIndex:
         added but not yet touched is not offered (every add is followed by a touch).
         """
         return self.log.scan(lambda nodes: (self.tier[nodes] == tier) & (self.pins[nodes] == 0))
+
+    def lru_leaves(
+        self, tier: int, wanted: int, members: Callable[[np.ndarray], np.ndarray] | None = None
+    ) -> np.ndarray:
+        """Up to `wanted` unpinned nodes of `tier` (among `members`, a mask over node rows) that
+        evicting the LRU nodes in turn would drop from a last tier, in that order: a node goes once
+        it has no children left, so every cached prefix stays contiguous. Read from the touch log
+        (O(entries scanned), not O(blocks cached)); the picking is the compiled core's. Nothing
+        changes but the log's head (leading stale entries)."""
+        out = np.empty(max(wanted, 0), dtype=np.int64)
+        count = 0
+        if not len(out):
+            return out
+
+        def eligible(nodes: np.ndarray) -> np.ndarray:
+            ok = (self.tier[nodes] == tier) & (self.pins[nodes] == 0)
+            return np.asarray(ok & members(nodes)) if members is not None else ok
+
+        try:
+            for nodes in self.log.scan_chunks(eligible):
+                count = self.core.pick_leaves(nodes, out, count)
+                if count >= len(out):
+                    break
+        finally:
+            self.core.forget_picks(out[:count])
+        return out[:count]
 
     def select(self, mask: np.ndarray) -> list[int]:
         """Live nodes where `mask` holds, descendants before ancestors."""

@@ -254,3 +254,45 @@ def test_the_touch_log_scan_step_keeps_only_current_entries() -> None:
         core.current_entries(log, tick, tier.astype(np.int32), 0, 6, 1, out)
     with pytest.raises(ValueError, match="stop: past the log"):
         core.current_entries(log, tick, tier, 0, 7, 1, np.empty(7, dtype=np.int64))
+
+
+def reference_leaves(idx: RadixIndex, tier: int, wanted: int, members: np.ndarray | None) -> list[int]:
+    """Placement's leaf-first pick over the touch log, in Python (what `lru_leaves` must equal)."""
+    gone: dict[int, int] = {}
+    victims: list[int] = []
+    for node in idx.log.scan(lambda n: (idx.tier[n] == tier) & (idx.pins[n] == 0) & (members is None or members[n])):
+        kids = int(idx.children[node])
+        if len(victims) < wanted and (not kids or kids == gone.get(node)):
+            victims.append(node)
+            gone[int(idx.parent[node])] = gone.get(int(idx.parent[node]), 0) + 1
+    return victims
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_lru_leaves_picks_what_evicting_each_lru_node_in_turn_would(seed: int) -> None:
+    rnd = np.random.default_rng(seed)
+    idx = RadixIndex(400, BS)
+    paths: list[list[int]] = []
+    for i in range(60):  # a forest: new roots, or branches off a random point of an earlier path
+        base = paths[int(rnd.integers(len(paths)))] if paths and rnd.random() < 0.7 else []
+        keep = base[: int(rnd.integers(len(base) + 1))]
+        count = int(rnd.integers(1, 6))
+        blocks = rnd.integers(0, 2**32, size=(count, BS), dtype=np.uint32)
+        hashes = [bytes(rnd.integers(0, 256, 16, dtype=np.uint8)) for _ in range(count)]
+        nodes = idx.add_chain(0, keep[-1] if keep else ROOT, hashes, blocks, int(rnd.integers(1, 3)), [0] * count, 0.0)
+        paths.append(keep + nodes)
+        idx.touch(paths[-1], float(i))
+        if rnd.random() < 0.3:  # an older path used again
+            idx.touch(paths[int(rnd.integers(len(paths)))], float(i))
+    idx.pin(paths[3])
+    members = rnd.random(idx.capacity) < 0.8
+    for tier in (1, 2):
+        for wanted in (0, 1, 7, 50, 1000):
+            for mask in (None, members):
+                want = reference_leaves(idx, tier, wanted, mask)
+                got = idx.lru_leaves(tier, wanted, None if mask is None else (lambda n, m=mask: m[n]))
+                assert got.tolist() == want
+    # the per-row counts are cleared after each pick: a second pick gives the same answer
+    assert idx.lru_leaves(1, 50).tolist() == idx.lru_leaves(1, 50).tolist() == reference_leaves(idx, 1, 50, None)
+    with pytest.raises(ValueError, match="count: more than out holds"):
+        idx.core.pick_leaves(np.array([0]), np.empty(1, dtype=np.int64), 2)
