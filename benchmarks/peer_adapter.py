@@ -4,8 +4,9 @@
         --all --runs 3 --peers sglang --adapter peer_adapter:Adapter
 
 What each timed call does, through the cache's public paths (nothing is switched off):
-- match: `PrefixCache.lookup` — validate the tokens, chain-hash every full block (xxh3_128),
-  probe the block map, verify parent chain, namespace, token ids and TTL, touch the path (LRU).
+- match: `PrefixCache.lookup` — validate the tokens, chain-hash every full block (xxh3_128, one
+  call of the compiled core), probe the block map and verify parent chain, namespace, token ids
+  and TTL (one more call), touch the path (LRU).
 - insert: `PrefixCache.store` of the full blocks after the hit (`start_block` = hit blocks):
   match for the commit (hashing again: store is a separate call, as over the wire), reserve host
   slots, write the blocks' bytes, index them, touch the path.
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prefixcache.cache import PrefixCache  # noqa: E402
 from prefixcache.config import CacheConfig, KVLayout, Namespace  # noqa: E402
+from prefixcache.native import core  # noqa: E402
 from prefixcache.tiers.base import TierKind  # noqa: E402
 from prefixcache.tiers.host import HostTier  # noqa: E402
 
@@ -47,6 +49,7 @@ class Adapter:
         self.kv = torch.zeros((longest // bs + 1, *layout.block_shape), dtype=torch.float16)
         self.info = {
             "impl": "PrefixCache.lookup / store / Placement.make_room (leaf-first LRU)",
+            "core": f"prefixcache/_core.c (xxHash {core.XXHASH_VERSION})",
             "hash": "xxh3_128 chain",
             "host_slots": slots,
             "block_bytes": layout.block_bytes,

@@ -367,7 +367,6 @@ class PrefixCache:
                 tier,
                 reservation.slots[first : first + new],
                 now,
-                match.found[cached : cached + new],
             )
             if self.remote_link is not None:
                 for node in nodes:

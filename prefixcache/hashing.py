@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from typing import NewType, cast
 
 import numpy as np
-import xxhash
 
 from .config import HashAlgorithm, Namespace
 from .errors import InvalidArgument
+from .native import core
 
 BlockHash = NewType("BlockHash", bytes)
 Tokens = Sequence[int] | np.ndarray  # token ids as callers pass them (see `token_array`)
@@ -52,13 +52,13 @@ def encode_namespace(namespace: Namespace) -> bytes:
 
 
 def token_array(tokens: Tokens) -> np.ndarray:
-    """Tokens as a little-endian u32 array; raises InvalidArgument("tokens") for anything else.
+    """Tokens as a C-contiguous little-endian u32 array; raises InvalidArgument("tokens") for anything else.
 
     Accepted: a sequence of Python ints (converted through `array.array`,
     ~3x faster than numpy for lists) or a 1-d integer array/tensor. Floats,
     strings, bools arrays and ids outside [0, 2^32) are rejected, never truncated.
     """
-    if isinstance(tokens, np.ndarray) and tokens.dtype == _U32 and tokens.ndim == 1:
+    if isinstance(tokens, np.ndarray) and tokens.dtype == _U32 and tokens.ndim == 1 and tokens.flags.c_contiguous:
         return tokens
     if isinstance(tokens, (str, bytes, bytearray, memoryview)):
         raise InvalidArgument("tokens", f"expected a list of token ids, got {type(tokens).__name__}")
@@ -89,15 +89,17 @@ def _sha256(data: bytes) -> bytes:
 
 
 class Hasher:
-    """Computes root and chained block hashes with one algorithm."""
+    """Computes root and chained block hashes with one algorithm.
+
+    xxh3_128 (the default) is the compiled core's (prefixcache/_core.c): one C call hashes a
+    whole prompt. SHA-256, and a subclass that brings its own `digest` (tests force collisions
+    with one), chain through `digest` block by block.
+    """
 
     def __init__(self, algorithm: HashAlgorithm = HashAlgorithm.XXH3_128) -> None:
         self.algorithm = algorithm
-        self._digest: Callable[[bytes], bytes]
-        if algorithm is HashAlgorithm.XXH3_128:
-            self._digest = xxhash.xxh3_128_digest  # bound directly: a wrapper costs ~40 ns a block
-        else:
-            self._digest = _sha256
+        self._compiled = algorithm is HashAlgorithm.XXH3_128
+        self._digest: Callable[[bytes], bytes] = core.xxh3_128 if self._compiled else _sha256
 
     def digest(self, data: bytes) -> BlockHash:
         return BlockHash(self._digest(data))
@@ -111,13 +113,17 @@ class Hasher:
         return self.digest(encode_namespace(namespace))
 
     def block_hashes(self, root: BlockHash, tokens: np.ndarray, block_size: int) -> list[BlockHash]:
-        """Chained hashes of every full block of `tokens` (a u32 array from `token_array`)."""
+        """Chained hashes of every full block of `tokens` (a C-contiguous u32 array from `token_array`)."""
+        if type(self).digest is Hasher.digest:
+            if self._compiled:
+                return cast(list[BlockHash], core.xxh3_chain(root, tokens, block_size))
+            digest: Callable[[bytes], bytes] = self._digest  # the raw function skips a frame per block
+        else:
+            digest = self.digest  # a subclass's own
         raw = tokens.tobytes()
         stride = block_size * 4
         hashes: list[bytes] = []
         parent: bytes = root
-        # The raw function skips a Python frame per block; a subclass's own `digest` still wins.
-        digest: Callable[[bytes], bytes] = self._digest if type(self).digest is Hasher.digest else self.digest
         for start in range(0, (len(tokens) // block_size) * stride, stride):
             parent = digest(parent + raw[start : start + stride])
             hashes.append(parent)

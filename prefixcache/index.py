@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import array
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from .blockmap import BlockMap
 from .hashing import BlockHash
+from .native import core
 from .touchlog import TouchLog
 
 ROOT = -1
@@ -46,6 +47,14 @@ class MissReason(enum.Enum):
     NOT_CACHED = "not_cached"
     EXPIRED = "expired"
     VERIFICATION_FAILED = "verification_failed"
+
+
+_STOPS: dict[int, MissReason | None] = {
+    core.STOP_NONE: None,
+    core.STOP_NOT_CACHED: MissReason.NOT_CACHED,
+    core.STOP_EXPIRED: MissReason.EXPIRED,
+    core.STOP_VERIFICATION_FAILED: MissReason.VERIFICATION_FAILED,
+}
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,18 @@ class RadixIndex:
         self.tokens = np.zeros((capacity, block_size), dtype=np.uint32)
         self.map = BlockMap(capacity, digest_size)
         self.log = TouchLog(capacity, self.tick, self.tier)
+        self.core = core.IndexCore(
+            self.map.table,
+            self.parent,
+            self.namespace,
+            self.tier,
+            self.slot,
+            self.tick,
+            self.last_access,
+            self.pins,
+            self.children,
+            self.tokens,
+        )
         self._free_rows = array.array("i", range(capacity - 1, -1, -1))
 
     def __len__(self) -> int:
@@ -96,45 +117,17 @@ class RadixIndex:
 
     # -- matching ---------------------------------------------------------
     def match(self, namespace: int, hashes: list[BlockHash], blocks: np.ndarray, now: float, ttl_s: float) -> Match:
-        """Longest verified, unexpired chain for `hashes` (blocks: `[n, block_size]` u32)."""
+        """Longest verified, unexpired chain for `hashes` (blocks: `[n, block_size]` u32, C-contiguous).
+
+        One call of the compiled core (`IndexCore.match`): it probes every hash, then walks the found
+        rows and cuts at the first whose chain (parent, the namespace of the first), tokens or age
+        fail; verification wins a tie with expiry.
+        """
         if not hashes:
             return Match(_NO_ROWS, None, _NO_ROWS)
-        found = self.map.get_many(hashes)
-        rows, missing = found, found < 0
-        stop: MissReason | None = None
-        if missing.any():
-            stop = MissReason.NOT_CACHED
-            rows = found[: int(missing.argmax())]
-        if not rows.size:
-            return Match(rows, stop, found)
-        return Match(*self._verify(rows, stop, namespace, blocks, now - ttl_s), found)
-
-    def _verify(
-        self, rows: np.ndarray, stop: MissReason | None, namespace: int, blocks: np.ndarray, oldest: float
-    ) -> tuple[np.ndarray, MissReason | None]:
-        """Cut `rows` at the first block whose chain, tokens or age fail (verification wins ties).
-
-        Only the first row's namespace needs checking: every later row must be the child of
-        the row before it, and a child always shares its parent's namespace.
-        """
-        count, first = len(rows), int(rows[0])
-        first_bad = count
-        if self.namespace[first] != namespace or self.parent[first] != ROOT:
-            first_bad = 0
-        else:
-            broken = self.parent[rows][1:] != rows[:-1]
-            if broken.any():
-                first_bad = int(broken.argmax()) + 1
-            mismatch = np.take(self.tokens, rows, axis=0) != blocks[:count]
-            if mismatch.any():  # rare: find the rows only then
-                first_bad = min(first_bad, int(mismatch.any(axis=1).argmax()))
-        expired = self.last_access[rows] < oldest
-        first_expired = int(expired.argmax()) if expired.any() else count
-        if first_bad <= first_expired and first_bad < count:
-            return rows[:first_bad], MissReason.VERIFICATION_FAILED
-        if first_expired < count:
-            return rows[:first_expired], MissReason.EXPIRED
-        return rows, stop
+        found = np.empty(len(hashes), dtype=np.int64)
+        matched, stop = self.core.match(hashes, blocks, namespace, now - ttl_s, found)
+        return Match(found[:matched], _STOPS[stop], found)
 
     # -- mutation -----------------------------------------------------------
     def add(
@@ -152,13 +145,12 @@ class RadixIndex:
         tier: int,
         slots: Sequence[int],
         now: float,
-        found: np.ndarray | None = None,
     ) -> list[int]:
-        """Insert consecutive blocks under `parent` (block i+1 the child of block i), vectorised.
+        """Insert consecutive blocks under `parent` (block i+1 the child of block i): two calls of
+        the compiled core (the block map's insert, then `IndexCore.add_chain` fills the rows).
 
         Raises KeyError, changing nothing, if any hash is already indexed or repeats in `hashes`.
-        `found`: the block map's rows for `hashes` from a `match` made since the last change (a
-        commit's), so they are not probed twice. The caller touches the path afterwards.
+        The caller touches the path afterwards.
         """
         count = len(hashes)
         if not count:
@@ -166,22 +158,17 @@ class RadixIndex:
         if count > len(self._free_rows):
             raise RuntimeError("index is full (more blocks than tier slots)")
         nodes = self._free_rows[len(self._free_rows) - count :][::-1].tolist()
-        self.map.insert_many(hashes, nodes, found)  # all or nothing
+        self.map.insert_many(hashes, nodes)  # all or nothing
         del self._free_rows[len(self._free_rows) - count :]
-        rows = np.asarray(nodes, dtype=np.int64)
-        self.parent[rows[0]] = parent
-        self.parent[rows[1:]] = rows[:-1]
-        self.namespace[rows] = namespace
-        self.tier[rows] = tier
-        self.slot[rows] = slots
-        self.last_access[rows] = now
-        self.tick[rows] = 0  # below every logged tick, and not in the LRU scan until touched
-        self.pins[rows] = 0
-        self.children[rows] = 1
-        self.children[rows[-1]] = 0
-        self.tokens[rows] = tokens
-        if parent != ROOT:
-            self.children[parent] += 1
+        self.core.add_chain(
+            nodes,
+            parent,
+            namespace,
+            tier,
+            _rows(slots),
+            np.ascontiguousarray(tokens, dtype=np.uint32),
+            now,
+        )
         return nodes
 
     def remove(self, node: int) -> None:
@@ -199,50 +186,31 @@ class RadixIndex:
 
     def remove_many(self, nodes: Sequence[int] | np.ndarray) -> None:
         """Drop distinct unpinned nodes each of whose children is among them (what `remove` of each
-        in turn, descendants first, leaves behind), in a few vectorised steps. Checked before any
-        change; costs O(len(nodes)), not O(capacity)."""
+        in turn, descendants first, leaves behind): one call of the compiled core for the rows, one
+        vectorised store for the block map. Checked before any change; costs O(len(nodes)), not
+        O(capacity)."""
         rows = np.asarray(nodes, dtype=np.int64)
         if not rows.size:
             return
-        if (self.tier[rows] < 0).any():
-            raise RuntimeError("a node to remove is not live")
-        parents = self.parent[rows]
-        ordered = np.sort(parents[parents != ROOT]).astype(np.int64)
-        if ordered.size:  # each parent once, with the children it loses
-            first = np.empty(len(ordered), dtype=bool)
-            first[0] = True
-            np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-            losers = ordered[first]
-            lost = np.diff(np.append(np.flatnonzero(first), len(ordered)))
-            at = np.minimum(np.searchsorted(losers, rows), len(losers) - 1)
-            removed = np.where(losers[at] == rows, lost[at], 0)  # children removed with each node
-        else:
-            losers = lost = _NO_ROWS
-            removed = np.zeros(len(rows), dtype=np.int64)
-        if (self.children[rows] != removed).any() or self.pins[rows].any():
-            raise RuntimeError("nodes to remove have children outside them, or pins")
-        self.map.delete_many(rows)  # raises, changing nothing, if a row repeats
-        self.children[losers] -= lost.astype(np.int32)
-        self.tier[rows] = -1
+        self.core.remove_many(rows)  # raises, changing nothing (KeyError for a repeat)
+        self.map.delete_many(rows)  # live rows are mapped: cannot fail now
         self._free_rows.frombytes(rows.astype(np.int32).tobytes())
 
     def touch(self, path: Sequence[int] | np.ndarray, now: float) -> None:
         """Mark a root-first path used now; the root ends with the highest tick."""
-        rows = np.asarray(path, dtype=np.int64)
-        if not rows.size:
+        count = len(path)
+        if not count:
             return
-        self.log.append(rows[::-1])
-        self.last_access[rows] = now
+        position = self.log.claim(count)
+        self.core.touch(self.log.rows, _rows(path), position, self.log.base + position, now)
 
     def pin(self, path: Sequence[int] | np.ndarray) -> None:
         """One more pin on each node of a path (a path holds no node twice)."""
-        self.pins[np.asarray(path, dtype=np.int64)] += 1
+        self.core.pin(_rows(path))
 
     def unpin(self, path: Sequence[int] | np.ndarray) -> None:
-        rows = np.asarray(path, dtype=np.int64)
-        if (self.pins[rows] <= 0).any():
-            raise RuntimeError("unpinned more than pinned")
-        self.pins[rows] -= 1
+        """One pin less on each node; RuntimeError, changing nothing, if one has none."""
+        self.core.unpin(_rows(path))
 
     def move(self, node: int, tier: int, slot: int) -> None:
         self.tier[node] = tier
@@ -256,6 +224,32 @@ class RadixIndex:
         added but not yet touched is not offered (every add is followed by a touch).
         """
         return self.log.scan(lambda nodes: (self.tier[nodes] == tier) & (self.pins[nodes] == 0))
+
+    def lru_leaves(
+        self, tier: int, wanted: int, members: Callable[[np.ndarray], np.ndarray] | None = None
+    ) -> np.ndarray:
+        """Up to `wanted` unpinned nodes of `tier` (among `members`, a mask over node rows) that
+        evicting the LRU nodes in turn would drop from a last tier, in that order: a node goes once
+        it has no children left, so every cached prefix stays contiguous. Read from the touch log
+        (O(entries scanned), not O(blocks cached)); the picking is the compiled core's. Nothing
+        changes but the log's head (leading stale entries)."""
+        out = np.empty(max(wanted, 0), dtype=np.int64)
+        count = 0
+        if not len(out):
+            return out
+
+        def eligible(nodes: np.ndarray) -> np.ndarray:
+            ok = (self.tier[nodes] == tier) & (self.pins[nodes] == 0)
+            return np.asarray(ok & members(nodes)) if members is not None else ok
+
+        try:
+            for nodes in self.log.scan_chunks(eligible):
+                count = self.core.pick_leaves(nodes, out, count)
+                if count >= len(out):
+                    break
+        finally:
+            self.core.forget_picks(out[:count])
+        return out[:count]
 
     def select(self, mask: np.ndarray) -> list[int]:
         """Live nodes where `mask` holds, descendants before ancestors."""
@@ -284,3 +278,10 @@ class RadixIndex:
             path.append(node)
             node = int(self.parent[node])
         return path[::-1]
+
+
+def _rows(path: Sequence[int] | np.ndarray) -> list[int] | tuple[int, ...] | np.ndarray:
+    """A path as the compiled core takes it: a list or tuple of ints, or an int64 array."""
+    if isinstance(path, (list, tuple)) or (isinstance(path, np.ndarray) and path.dtype == np.int64):
+        return path
+    return np.asarray(path, dtype=np.int64)

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from .native import core
+
 _SCAN_CHUNK = 256  # entries examined per vectorised step of a scan
 
 
@@ -37,14 +39,15 @@ class TouchLog:
         self.end = 0
         self.head = 0
 
-    def append(self, nodes: np.ndarray) -> None:
-        """Give `nodes` (oldest first) the next ticks."""
-        count = len(nodes)
+    def claim(self, count: int) -> int:
+        """The position of `count` new entries (compacting first when they do not fit). The caller
+        writes them, and gives each node its tick `base + position` (the index's `touch`, one call
+        of the compiled core)."""
         if self.end + count > len(self.rows):
             self.compact()
-        self.rows[self.end : self.end + count] = nodes
-        self.tick[nodes] = self.base + np.arange(self.end, self.end + count)
+        position = self.end
         self.end += count
+        return position
 
     def compact(self) -> None:
         """Rewrite the log as the live nodes in tick order, with fresh ticks above all old ones."""
@@ -68,16 +71,15 @@ class TouchLog:
     def scan_chunks(self, eligible: Callable[[np.ndarray], np.ndarray]) -> Iterator[np.ndarray]:
         """`scan` a chunk at a time: int64 arrays of the eligible current nodes, oldest first."""
         position, advancing = self.head, True
+        out = np.empty(_SCAN_CHUNK, dtype=np.int64)  # reused: what is yielded is a copy
         while position < self.end:
             stop = min(position + _SCAN_CHUNK, self.end)
-            nodes = self.rows[position:stop].astype(np.int64)
-            current = (self.tier[nodes] >= 0) & (self.tick[nodes] == self.base + np.arange(position, stop))
+            count, leading = core.current_entries(self.rows, self.tick, self.tier, position, stop, self.base, out)
             if advancing:
-                kept = np.flatnonzero(current)
-                leading = int(kept[0]) if kept.size else stop - position
                 self.head = position + leading
                 advancing = leading == stop - position
-            chosen = nodes[current & eligible(nodes)]
+            nodes = out[:count]
+            chosen = nodes[eligible(nodes)] if count else nodes
             if chosen.size:
                 yield chosen
             position = stop

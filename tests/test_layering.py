@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 CORE = [
+    "prefixcache.native",
     "prefixcache.hashing",
     "prefixcache.index",
     "prefixcache.blockmap",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import sysconfig
 import tomllib
 import zipfile
 from pathlib import Path
@@ -62,6 +63,9 @@ def test_the_wheel_holds_only_the_projects_import_names(tmp_path):
     tops = {name.split("/", 1)[0] for name in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"prefixcache", "prefixcache_services"}
     assert "prefixcache_services/cli.py" in names and "prefixcache_services/replay/report.schema.json" in names
+    # The compiled core is in it, built for this interpreter, with the vendored xxHash's license.
+    assert f"prefixcache/_core{sysconfig.get_config_var('EXT_SUFFIX')}" in names
+    assert any(n.endswith(".dist-info/licenses/third_party/xxhash/LICENSE") for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     with zipfile.ZipFile(wheel) as archive:
         assert "prefixcache = prefixcache_services.cli:main" in archive.read(entry_points).decode()

@@ -1,0 +1,62 @@
+# Types of the compiled core (prefixcache/_core.c); see that file for the semantics.
+from collections.abc import Sequence
+
+import numpy as np
+
+STOP_NONE: int
+STOP_NOT_CACHED: int
+STOP_EXPIRED: int
+STOP_VERIFICATION_FAILED: int
+XXHASH_VERSION: str
+
+def xxh3_128(data: bytes, /) -> bytes: ...
+def xxh3_chain(root: bytes, tokens: np.ndarray, block_size: int, /) -> list[bytes]: ...
+
+class HashTable:
+    def __init__(self, cells: np.ndarray, cell_of: np.ndarray, words: np.ndarray, digest_size: int) -> None: ...
+    def get(self, digest: bytes, /) -> int: ...
+    def get_many(self, digests: Sequence[bytes], out: np.ndarray, /) -> None: ...
+    def insert_many(self, digests: Sequence[bytes], rows: Sequence[int] | np.ndarray, /) -> int: ...
+    def place(self, rows: np.ndarray, /) -> int: ...
+
+class IndexCore:
+    def __init__(
+        self,
+        table: HashTable,
+        parent: np.ndarray,
+        namespace: np.ndarray,
+        tier: np.ndarray,
+        slot: np.ndarray,
+        tick: np.ndarray,
+        last_access: np.ndarray,
+        pins: np.ndarray,
+        children: np.ndarray,
+        tokens: np.ndarray,
+        /,
+    ) -> None: ...
+    def match(
+        self, digests: Sequence[bytes], blocks: np.ndarray, ns: int, oldest: float, found: np.ndarray, /
+    ) -> tuple[int, int]: ...
+    def add_chain(
+        self,
+        rows: Sequence[int] | np.ndarray,
+        parent: int,
+        ns: int,
+        tier: int,
+        slots: Sequence[int] | np.ndarray,
+        blocks: np.ndarray,
+        now: float,
+        /,
+    ) -> None: ...
+    def touch(
+        self, log_rows: np.ndarray, path: Sequence[int] | np.ndarray, position: int, tick: int, now: float, /
+    ) -> None: ...
+    def pin(self, path: Sequence[int] | np.ndarray, /) -> None: ...
+    def unpin(self, path: Sequence[int] | np.ndarray, /) -> None: ...
+    def pick_leaves(self, nodes: Sequence[int] | np.ndarray, out: np.ndarray, count: int, /) -> int: ...
+    def forget_picks(self, victims: Sequence[int] | np.ndarray, /) -> None: ...
+    def remove_many(self, rows: Sequence[int] | np.ndarray, /) -> None: ...
+
+def current_entries(
+    log_rows: np.ndarray, tick: np.ndarray, tier: np.ndarray, position: int, stop: int, base: int, out: np.ndarray, /
+) -> tuple[int, int]: ...
