@@ -1,7 +1,6 @@
 """The RESP data path (prefixcache/tiers/resp.py) against a real redis-server: values of every size
 read whole into their own buffers, misses and foreign types, error replies, a connection that
-is never reused after a fault, partial sends, and the writer's SetStream (batches in order, an
-error reply keeping the stream in step, a fault dropping every open batch)."""
+is never reused after a fault, and partial sends resumed mid-piece."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import redis
 
 from prefixcache.tiers import resp
 from prefixcache.tiers.redis_options import RedisOptions, connect
-from prefixcache.tiers.resp import RespPipeline, SetStream
+from prefixcache.tiers.resp import RespPipeline
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -103,44 +102,3 @@ def test_partial_sends_deliver_every_piece_whole_and_in_order() -> None:
         sender.close()
         receiver.close()
     assert len(received) == len(expected) and bytes(received) == expected
-
-
-def test_a_set_stream_applies_batches_in_order_and_stays_in_step_after_a_refusal(client) -> None:
-    rng = np.random.default_rng(9)
-    big = [rng.integers(0, 256, 2 << 20, dtype=np.uint8).tobytes() for _ in range(3)]
-    stream = SetStream(client)
-    stream.send([("s:a", big[0]), ("s:b", b"small")], 60_000)
-    stream.send([("s:c", b"c"), ("s:bad", b"x")], [60_000, 0])  # PX 0: Redis refuses that SET alone
-    stream.send([("s:a", big[1]), ("s:d", big[2])], 60_000)  # rewrites s:a after the first batch
-    assert stream.open_batches == 3
-    stream.settle()
-    with pytest.raises(redis.exceptions.ResponseError):
-        stream.settle()  # the refusal: raised after the rest of its batch's replies were read
-    stream.settle()  # the stream stayed in step: the batch after it settles cleanly
-    assert stream.open_batches == 0
-    assert client.get("s:a") == big[1] and client.get("s:d") == big[2]  # applied in the order sent
-    assert client.get("s:c") == b"c" and client.get("s:bad") is None
-    connections = client.connection_pool._available_connections
-    assert all(c._sock is not None for c in connections)  # given back open: every reply was read
-    with pytest.raises(RuntimeError):
-        stream.settle()  # nothing is open
-
-
-def test_a_set_stream_drops_every_open_batch_when_its_connection_dies(client) -> None:
-    stream = SetStream(client)
-    stream.send([("s:x", b"1")], 60_000)
-    stream.settle()
-    client.execute_command("CLIENT", "PAUSE", "5000", "WRITE")  # the next SETs wait inside Redis
-    try:
-        stream.send([("s:y", b"2" * 100_000)], 60_000)
-        stream.send([("s:z", b"3")], 60_000)
-        client.client_kill_filter(_type="normal", skipme=True)  # the stream's connection, server side
-    finally:
-        client.execute_command("CLIENT", "UNPAUSE")
-    with pytest.raises(redis.exceptions.ConnectionError):
-        stream.settle()
-    assert stream.open_batches == 0  # both open batches dropped with the connection
-    assert client.get("s:x") == b"1" and client.get("s:y") is None and client.get("s:z") is None
-    stream.send([("s:w", b"4")], 60_000)  # a fresh connection from the pool
-    stream.settle()
-    assert client.get("s:w") == b"4"

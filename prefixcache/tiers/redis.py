@@ -54,7 +54,7 @@ from .base import TierKind
 from .breaker import Backoff, BreakerState, CircuitBreaker, Retry
 from .redis_options import RedisClient, RedisOptions, connect, is_cluster_url, redact_url
 from .redis_stats import RedisCounters, RedisStats
-from .resp import RespPipeline, SetStream
+from .resp import RespPipeline
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,6 @@ class _UnlinkMatching:
 _Op = _Set | _Unlink | _UnlinkMatching
 _STOP = object()
 _PROBE = object()
-_SETTLE = object()  # nothing queued, but a streamed batch awaits its replies
 
 
 def _frames_from(replies: object, expected: int) -> list[bytes | memoryview | None]:
@@ -154,7 +153,7 @@ class RedisTier:
         self._changed = threading.Condition(self._lock)
         self._queue: deque[_Op] = deque()
         self._queue_bytes = 0  # queued plus in flight
-        self._in_flight = 0  # ops popped from the queue and not finished (sent, or awaiting replies)
+        self._in_flight = 0
         self._closing = False
         self._close_deadline = 0.0
         self._counters = RedisCounters()
@@ -165,10 +164,6 @@ class RedisTier:
         self._writer: RedisClient | None = write_client or client
         if client is None and not is_cluster_url(options.url):
             self._reader, self._writer = self._build_clients()  # no I/O for a standalone client
-        # Writer thread only: SET-only batches to a standalone Redis, each sent before the last one's
-        # replies are read (resp.SetStream), and those batches, oldest first, with their start times.
-        self._stream: SetStream | None = None
-        self._open: deque[tuple[list[_Op], float]] = deque()
         self._thread = threading.Thread(target=self._run, name="prefixcache-redis-writer", daemon=True)
         self._thread.start()
 
@@ -407,30 +402,17 @@ class RedisTier:
     def _run(self) -> None:
         self._probe()
         while (work := self._next_work()) is not _STOP:
-            if work is _SETTLE:
-                self._settle_oldest()
-                continue
-            self._settle_all()  # a probe or a batch that is not streamed runs after every open batch
             if work is _PROBE:
                 self._probe()
                 continue
-            batch = cast(list[_Op], work)  # _next_work: a batch unless a sentinel
-            if self._streams(batch):
-                self._stream_batch(batch)
-            else:
-                try:
-                    self._apply(batch)
-                finally:
-                    self._finished(batch)
-        self._settle_all()
-        if self._stream is not None:
-            self._stream.close()
-
-    def _finished(self, batch: list[_Op]) -> None:
-        with self._changed:
-            self._queue_bytes -= sum(op.nbytes for op in batch)
-            self._in_flight -= len(batch)
-            self._changed.notify_all()
+            work = cast(list[_Op], work)  # _next_work: a batch unless a sentinel
+            try:
+                self._apply(work)
+            finally:
+                with self._changed:
+                    self._queue_bytes -= sum(op.nbytes for op in work)
+                    self._in_flight = 0
+                    self._changed.notify_all()
 
     def _next_work(self) -> object:
         with self._changed:
@@ -445,8 +427,6 @@ class RedisTier:
                     return _PROBE
                 if self._queue:
                     return self._pop_batch_locked()
-                if self._open:
-                    return _SETTLE
                 # Sleep until new work, close, or (while down) the next probe.
                 down = self._breaker if not self._breaker.is_up() else self._write_breaker
                 self._changed.wait(None if down.is_up() else down.seconds_until_probe())
@@ -461,7 +441,7 @@ class RedisTier:
                 self._queue and len(batch) < self.options.max_batch and not isinstance(self._queue[0], _UnlinkMatching)
             ):
                 batch.append(self._queue.popleft())
-        self._in_flight += len(batch)
+        self._in_flight = len(batch)
         return batch
 
     def _drop_locked(self, ops: list[_Op]) -> None:
@@ -479,91 +459,19 @@ class RedisTier:
         try:
             self._write_retry.call(lambda: self._pipeline(batch), self._rng)
         except REDIS_ERRORS as exc:
-            self._batch_failed(batch, exc)
+            reason = f"write of {len(batch)} key(s) from {key_hint(batch[0].key)}: {error_kind(exc)}"
+            self._write_failed(exc, reason)
+            with self._lock:
+                self._counters.writes_failed += sum(1 for op in batch if isinstance(op, _Set))
+            log.debug("redis %s failed", reason)
             return
-        self._batch_written(batch, time.perf_counter() - start)
-
-    def _batch_failed(self, batch: list[_Op], exc: BaseException) -> None:
-        first = batch[0]
-        assert not isinstance(first, _UnlinkMatching), "an _UnlinkMatching runs alone (_apply)"
-        reason = f"write of {len(batch)} key(s) from {key_hint(first.key)}: {error_kind(exc)}"
-        self._write_failed(exc, reason)
-        with self._lock:
-            self._counters.writes_failed += sum(1 for op in batch if isinstance(op, _Set))
-        log.debug("redis %s failed", reason)
-
-    def _batch_written(self, batch: list[_Op], elapsed: float) -> None:
+        elapsed = time.perf_counter() - start
         self._wrote()
         written = sum(len(op.frame) for op in batch if isinstance(op, _Set))
         with self._lock:
             self._counters.bytes_written += written
             self._counters.write_latency.observe(elapsed)
             self._link.observe(written, elapsed)
-
-    # Streamed writes (SetStream): batch k+1 is sent before batch k's replies are read, so Redis
-    # works on the next batch while this thread accounts the last one. Outcomes are accounted as
-    # _apply's are: an error reply fails its own batch (the connection stays in step); a dropped
-    # connection hands every open batch, oldest first, to _apply, which reconnects and retries it
-    # (SET is idempotent, and Redis runs each command whole or not at all); any other fault (a
-    # timeout, a malformed reply) fails every open batch, one breaker failure for the one fault.
-
-    def _streams(self, batch: list[_Op]) -> bool:
-        return isinstance(self._writer, redis.Redis) and self._writes_up() and all(isinstance(op, _Set) for op in batch)
-
-    def _stream_batch(self, batch: list[_Op]) -> None:
-        assert isinstance(self._writer, redis.Redis)  # _streams checked
-        if self._stream is None:
-            self._stream = SetStream(self._writer)
-        sets = cast(list[_Set], batch)
-        self._open.append((batch, time.perf_counter()))
-        try:
-            self._stream.send([(op.key, op.frame) for op in sets], [op.ttl_ms for op in sets])
-        except REDIS_ERRORS as exc:
-            self._stream_fault(exc)
-            return
-        while len(self._open) > 1:
-            self._settle_oldest()
-
-    def _settle_oldest(self) -> None:
-        assert self._stream is not None and self._open  # a batch is open only after its send
-        batch, start = self._open[0]
-        try:
-            self._stream.settle()
-        except redis.exceptions.ResponseError as exc:
-            self._open.popleft()
-            try:
-                self._batch_failed(batch, exc)
-            finally:
-                self._finished(batch)
-            return
-        except REDIS_ERRORS as exc:
-            self._stream_fault(exc)
-            return
-        self._open.popleft()
-        try:
-            self._batch_written(batch, time.perf_counter() - start)
-        finally:
-            self._finished(batch)
-
-    def _settle_all(self) -> None:
-        while self._open:
-            self._settle_oldest()
-
-    def _stream_fault(self, exc: BaseException) -> None:
-        """The stream's connection is gone, and with it what became of every open batch."""
-        batches = [batch for batch, _ in self._open]
-        self._open.clear()
-        for index, batch in enumerate(batches):
-            try:
-                if isinstance(exc, redis.exceptions.ConnectionError):
-                    self._apply(batch)
-                elif index == 0:
-                    self._batch_failed(batch, exc)
-                else:
-                    with self._lock:
-                        self._counters.writes_failed += len(batch)
-            finally:
-                self._finished(batch)
 
     def _pipeline(self, batch: list[_Op]) -> None:
         assert self._writer is not None  # _apply checked

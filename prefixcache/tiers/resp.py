@@ -18,17 +18,13 @@ Invariants:
 - Faults surface as redis-py exceptions (ConnectionError, TimeoutError, ResponseError,
   InvalidResponse), so the tier's breaker and fail-open handling see what redis-py would raise.
 - The caller checks every frame (`codec.decode_block`); this module never looks inside one.
-- `SetStream` (the tier's writer) keeps one connection while batches are open and reads a batch's
-  replies only after sending the next one; its batches reach Redis in the order sent.
 """
 
 from __future__ import annotations
 
 import socket
-from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import redis
@@ -64,17 +60,40 @@ class RespPipeline:
 
     def set(self, entries: list[tuple[str, bytes | memoryview]], ttl_ms: int | list[int]) -> None:
         """`SET key value PX ttl_ms` for each entry in one round trip; raises on any error reply."""
-        self._exchange(_set_commands(entries, ttl_ms), len(entries), _read_ok)
+        ttls = ttl_ms if isinstance(ttl_ms, list) else [ttl_ms] * len(entries)
+        pieces: list[bytes | memoryview] = []
+        small: list[bytes] = []
+        for (key, value), ttl in zip(entries, ttls):
+            raw, px = key.encode(), b"%d" % ttl
+            small.append(b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(raw), raw, len(value)))
+            if len(value) <= _SMALL:
+                small.append(bytes(value))
+            else:
+                pieces += [b"".join(small), value]
+                small = []
+            small.append(b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(px), px))
+        pieces.append(b"".join(small))
+        self._exchange(pieces, len(entries), _read_ok)
 
     def _exchange(self, pieces: list[bytes | memoryview], replies: int, read: Callable[[_Reader], Any]) -> list[Any]:
         connection = self._pool.get_connection()
         healthy = False
         try:
-            with _faults_translated(connection):
-                sock = _socket_of(connection)
+            sock = connection._sock
+            if sock is None:
+                raise redis.exceptions.ConnectionError("connection is not open")
+            try:
                 _send(sock, pieces)
                 reader = _Reader(sock)
                 out = [read(reader) for _ in range(replies)]
+            except TimeoutError as exc:  # socket.timeout
+                raise redis.exceptions.TimeoutError(
+                    f"Timeout reading from {connection.host}:{connection.port}"
+                ) from exc
+            except OSError as exc:
+                raise redis.exceptions.ConnectionError(
+                    f"Error {exc.errno} on {connection.host}:{connection.port}: {exc.strerror or exc}"
+                ) from exc
             if reader.pending():
                 raise redis.exceptions.InvalidResponse("more reply bytes than commands")
             healthy = True
@@ -83,123 +102,6 @@ class RespPipeline:
             if not healthy:
                 connection.disconnect()
             self._pool.release(connection)
-
-
-class SetStream:
-    """SET pipelines sent one batch ahead of their replies, on one connection (the tier's writer).
-
-    `send` writes a batch and returns once the kernel has it; `settle` reads the replies of the
-    oldest batch sent. The writer sends batch k+1 before settling batch k, so Redis has the next
-    batch in its socket while the writer reads and accounts the last one: it never waits on the
-    writer's Python between batches (64 KiB frames, 64 a batch: +28% GB/s, docs/benchmarks.md).
-
-    - One connection for as long as any batch is open, so Redis applies batches in the order sent;
-      it goes back to the pool once every reply was read.
-    - An error reply (OOM, READONLY) is raised by `settle` after reading the rest of that batch's
-      replies: the connection stays in step and later batches stay open.
-    - A fault (socket error, timeout, malformed reply) closes the connection and drops every open
-      batch: `open_batches` is 0 afterwards, and what those SETs did is unknown (each is whole or
-      absent: Redis runs only complete commands). The caller re-runs or counts them.
-    """
-
-    def __init__(self, client: redis.Redis) -> None:
-        self._pool = client.connection_pool
-        self._connection: Any = None
-        self._reader: _Reader | None = None
-        self._open: deque[int] = deque()  # replies owed, per open batch, oldest first
-
-    @property
-    def open_batches(self) -> int:
-        return len(self._open)
-
-    def send(self, entries: list[tuple[str, bytes | memoryview]], ttl_ms: int | list[int]) -> None:
-        pieces = _set_commands(entries, ttl_ms)
-        if self._connection is None:
-            self._connection = self._pool.get_connection()
-        with self._fault_closes():
-            sock = _socket_of(self._connection)
-            _send(sock, pieces)
-            if self._reader is None:
-                self._reader = _Reader(sock)
-        self._open.append(len(entries))
-
-    def settle(self) -> None:
-        """Read the oldest open batch's replies; raise its first error reply, or a fault."""
-        if not self._open:
-            raise RuntimeError("no batch is open")
-        assert self._reader is not None  # set by the send that opened it
-        error: redis.exceptions.ResponseError | None = None
-        with self._fault_closes():
-            for _ in range(self._open[0]):
-                error = _read_status(self._reader) or error
-        self._open.popleft()
-        if not self._open:
-            if self._reader.pending():
-                self._release(in_step=False)
-                raise redis.exceptions.InvalidResponse("more reply bytes than commands")
-            self._release(in_step=True)
-        if error is not None:
-            raise error
-
-    def close(self) -> None:
-        """Give the connection back (closed first unless every reply was read); drops open batches."""
-        self._release(in_step=not self._open)
-
-    def _release(self, in_step: bool) -> None:
-        if self._connection is not None:
-            if not in_step:
-                self._connection.disconnect()
-            self._pool.release(self._connection)
-        self._connection, self._reader = None, None
-        self._open.clear()
-
-    @contextmanager
-    def _fault_closes(self) -> Iterator[None]:
-        try:
-            with _faults_translated(self._connection):
-                yield
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.InvalidResponse):
-            self._release(in_step=False)
-            raise
-
-
-def _set_commands(entries: list[tuple[str, bytes | memoryview]], ttl_ms: int | list[int]) -> list[bytes | memoryview]:
-    """The bytes of `SET key value PX ttl` per entry: small values joined into the command bytes,
-    large ones left as pieces of their own (sent from the caller's buffer, never copied)."""
-    ttls = ttl_ms if isinstance(ttl_ms, list) else [ttl_ms] * len(entries)
-    pieces: list[bytes | memoryview] = []
-    small: list[bytes] = []
-    for (key, value), ttl in zip(entries, ttls):
-        raw, px = key.encode(), b"%d" % ttl
-        small.append(b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(raw), raw, len(value)))
-        if len(value) <= _SMALL:
-            small.append(bytes(value))
-        else:
-            pieces += [b"".join(small), value]
-            small = []
-        small.append(b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(px), px))
-    pieces.append(b"".join(small))
-    return pieces
-
-
-def _socket_of(connection: Any) -> socket.socket:
-    sock = connection._sock
-    if sock is None:
-        raise redis.exceptions.ConnectionError("connection is not open")
-    return cast(socket.socket, sock)
-
-
-@contextmanager
-def _faults_translated(connection: Any) -> Iterator[None]:
-    """Socket faults as the redis-py exceptions the tier's breaker classifies."""
-    try:
-        yield
-    except TimeoutError as exc:  # socket.timeout
-        raise redis.exceptions.TimeoutError(f"Timeout reading from {connection.host}:{connection.port}") from exc
-    except OSError as exc:
-        raise redis.exceptions.ConnectionError(
-            f"Error {exc.errno} on {connection.host}:{connection.port}: {exc.strerror or exc}"
-        ) from exc
 
 
 def _send(sock: socket.socket, pieces: list[bytes | memoryview]) -> None:
@@ -297,16 +199,9 @@ def _error_reply(line: bytes) -> redis.exceptions.ResponseError:
 
 
 def _read_ok(reader: _Reader) -> None:
-    error = _read_status(reader)
-    if error is not None:
-        raise error
-
-
-def _read_status(reader: _Reader) -> redis.exceptions.ResponseError | None:
-    """One SET reply: None for +OK, the error for an error reply; anything else is a fault."""
     line = reader.line()
     if line == b"+OK":
-        return None
+        return
     if line[:1] == b"-":
-        return _error_reply(line)
+        raise _error_reply(line)
     raise redis.exceptions.InvalidResponse(f"unexpected reply to SET: {line[:32]!r}")
