@@ -91,9 +91,9 @@ def _header_body(
         len(ns),
         ns,
         len(block_hash),
-        block_hash,
+        bytes(block_hash),  # any bytes-like (the same object when already bytes)
         len(parent_hash),
-        parent_hash,
+        bytes(parent_hash),
         layout.dtype.code,
         *layout.block_shape,
         len(token_bytes) // 4,
