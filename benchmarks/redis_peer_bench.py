@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| block | LMCache RESP put | tier put | put ratio | LMCache RESP get | tier get | get ratio | load |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
-        low, high = r["load"]  # type: ignore[misc]
+        low, high = r["load"]
         print(
             f"| {r['block']} | {r['lmcache_put']:.2f} | {r['tier_put']:.2f} | {r['put_ratio']:.2f} "
             f"| {r['lmcache_get']:.2f} | {r['tier_get']:.2f} | {r['get_ratio']:.2f} | {low}-{high} |"
