@@ -40,6 +40,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import struct
@@ -86,20 +87,24 @@ def _header_body(
     for name, value in (("block_hash", block_hash), ("parent_hash", parent_hash)):
         if len(value) > _MAX_HASH_BYTES:
             raise InvalidArgument(name, f"at most {_MAX_HASH_BYTES} bytes, got {len(value)}")
-    return b"".join(
-        (
-            struct.pack("<H", len(ns)),
-            ns,
-            struct.pack("<B", len(block_hash)),
-            bytes(block_hash),
-            struct.pack("<B", len(parent_hash)),
-            bytes(parent_hash),
-            struct.pack("<B", layout.dtype.code),
-            _SHAPE.pack(*layout.block_shape),
-            struct.pack("<I", len(token_bytes) // 4),
-            token_bytes,
-        )
+    return _body_struct(len(ns), len(block_hash), len(parent_hash), len(token_bytes)).pack(
+        len(ns),
+        ns,
+        len(block_hash),
+        bytes(block_hash),  # any bytes-like (the same object when already bytes)
+        len(parent_hash),
+        bytes(parent_hash),
+        layout.dtype.code,
+        *layout.block_shape,
+        len(token_bytes) // 4,
+        token_bytes,
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _body_struct(ns_len: int, hash_len: int, parent_len: int, token_len: int) -> struct.Struct:
+    """The header body's layout for these field lengths (one pack per frame, not one per field)."""
+    return struct.Struct(f"<H{ns_len}sB{hash_len}sB{parent_len}sB5II{token_len}s")
 
 
 def _new_mac(mac_key: bytes, storage_key: str | None) -> hmac.HMAC:
