@@ -220,11 +220,11 @@ MATRIX = {
         "cache_salt",
         lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(), cache_salt="\n")),
     ),
-    "layout mismatch": (
+    "layout larger than a chunk": (  # another layout joins the tiers, but its block must fit a chunk
         "Attach",
         CODE.FAILED_PRECONDITION,
         None,
-        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(head_dim=64))),
+        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(layers=512, head_dim=512))),
     ),
     "fetch without lease": ("Fetch", CODE.INVALID_ARGUMENT, "lease_id", lambda s, ns: s.Fetch(pb.FetchRequest())),
     "fetch unknown lease": (
