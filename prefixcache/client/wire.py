@@ -194,9 +194,15 @@ def namespaces_of(message: pb.ListNamespacesResponse) -> list[NamespaceInfo]:
             n.tenant,
             {TIER_OF[t.tier]: t.blocks for t in n.tiers if t.tier in TIER_OF},
             n.kv_scale,
+            _block_bytes(n),
         )
         for n in message.namespaces
     ]
+
+
+def _block_bytes(entry: pb.NamespaceInfo) -> int:
+    """A namespace's block size from its tiers' figures (its own layout's; 0 when nothing is resident)."""
+    return next((t.bytes // t.blocks for t in entry.tiers if t.blocks), 0)
 
 
 # -- bulk messages without extra copies ------------------------------------------------
