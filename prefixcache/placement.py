@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from itertools import repeat
 
 import numpy as np
 
@@ -157,7 +158,7 @@ class Placement:
         while len(free) < count:
             victims, _, foreign = self._pick_leaves(kind, count - len(free), layout=layout, skipped=skipped)
             if victims:
-                self.drop_many(victims, EvictionReason.LRU, spill=True)
+                self.drop_many(victims, EvictionReason.LRU, spill=True, kind=kind)
             if foreign is not None:
                 if self._empty_chunk(kind, *foreign):
                     arena.give_chunk(foreign[1], layout)
@@ -194,11 +195,11 @@ class Placement:
         victims: list[int] = []
         total = 0
         for nodes in index.log.scan_chunks(eligible):
-            costs = weight(nodes).tolist() if weight is not None else None
-            owners = self.layout_of(nodes).tolist() if layout is not None else None
-            for j, (node, kids, up) in enumerate(zip(nodes.tolist(), children[nodes].tolist(), parent[nodes].tolist())):
-                if owners is not None and owners[j] != layout:
-                    owner = owners[j]
+            costs = weight(nodes).tolist() if weight is not None else repeat(1)
+            owners = self.layout_of(nodes).tolist() if layout is not None else repeat(None)
+            rows = zip(nodes.tolist(), children[nodes].tolist(), parent[nodes].tolist(), costs, owners)
+            for node, kids, up, cost, owner in rows:
+                if owner != layout:  # another layout's: its chunk goes, unless skipped
                     chunk = int(index.slot[node]) // self.arenas[kind].pools[owner].per_chunk
                     if skipped is None or (owner, chunk) not in skipped:
                         return victims, total, (owner, chunk)
@@ -206,7 +207,7 @@ class Placement:
                 if not kids or kids == gone.get(node):
                     victims.append(node)
                     gone[up] = gone.get(up, 0) + 1
-                    total += costs[j] if costs is not None else 1
+                    total += cost
                     if total >= wanted:
                         return victims, total, None
         return victims, total, None
@@ -223,7 +224,7 @@ class Placement:
         counters); returns its weight."""
         victims, total, _ = self._pick_leaves(kind, wanted, members, weight)
         if victims:
-            self.drop_many(victims, reason, spill=True)
+            self.drop_many(victims, reason, spill=True, kind=kind)
         return total
 
     def _empty_chunk(self, kind: TierKind, layout: int, chunk: int) -> bool:
@@ -329,22 +330,25 @@ class Placement:
         self.index.remove(node)
         self.free(kind, layout).give(slot)
 
-    def drop_many(self, nodes: list[int], reason: EvictionReason, spill: bool) -> None:
-        """`drop` of each of `nodes` (given descendants first; any tiers and layouts), batched."""
+    def drop_many(self, nodes: list[int], reason: EvictionReason, spill: bool, kind: TierKind | None = None) -> None:
+        """`drop` of each of `nodes` (given descendants first), batched: all in `kind` when given,
+        else in any tiers; of any layouts."""
         index = self.index
         rows = np.asarray(nodes, dtype=np.int64)
-        kinds = index.tier[rows].astype(np.int64)
-        if self._on_drop is not None:
-            for node, kind in zip(nodes, kinds.tolist()):
-                if self._on_drop(node, spill):
-                    self.counters.spills[TierKind(kind)] += 1
-        slots = index.slot[rows]
-        layouts = self.layout_of(rows)
-        if not (kinds != kinds[0]).any() and not (layouts != layouts[0]).any():  # the usual case
-            groups = [(TierKind(int(kinds[0])), int(layouts[0]), slice(None))]
+        groups: list[tuple[TierKind, int, slice | np.ndarray]]
+        if kind is not None and len(self.arenas[kind].pools) == 1:  # the usual case: one tier, one layout
+            groups = [(kind, 0, slice(None))]
         else:
-            pairs = np.unique(np.stack([kinds, layouts.astype(np.int64)]), axis=1).T.tolist()
+            kinds = index.tier[rows].astype(np.int64)
+            layouts = self.layout_of(rows).astype(np.int64)
+            pairs = np.unique(np.stack([kinds, layouts]), axis=1).T.tolist()
             groups = [(TierKind(k), lay, (kinds == k) & (layouts == lay)) for k, lay in pairs]
+        if self._on_drop is not None:
+            tiers = [kind] * len(nodes) if kind is not None else [TierKind(k) for k in index.tier[rows].tolist()]
+            for node, tier in zip(nodes, tiers):
+                if self._on_drop(node, spill):
+                    self.counters.spills[tier] += 1
+        slots = index.slot[rows]
         for kind, _, where in groups:
             self._count_evictions(rows[where], kind, reason)
         index.remove_many(rows)
