@@ -279,7 +279,7 @@ class CacheConfig:
     tenant_quotas: TenantQuotas = TenantQuotas()  # per-tenant byte budgets per slot tier (quota.py)
     # The slot tiers' arenas (tiers/arena.py): chunk size (None: 64 MiB, at most a quarter of the
     # budget, in whole blocks of the first layout) and the smallest block that gets a whole chunk
-    # (None: the first layout's; smaller blocks fill chunks partly). Both sizes, like capacities.
+    # (None, or more than the first layout's block: that block; smaller blocks fill chunks partly).
     chunk_bytes: int | None = None
     min_block_bytes: int | None = None
 

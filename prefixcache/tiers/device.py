@@ -32,7 +32,7 @@ class DeviceTier(TensorPool):
             TierKind.DEVICE,
             data,
             chunk_bytes_for(size, layout.block_bytes, chunk_bytes),
-            min_block_bytes or layout.block_bytes,
+            min(min_block_bytes or layout.block_bytes, layout.block_bytes),  # larger would only waste
         )
         super().__init__(TierKind.DEVICE, layout, data, self.arena.chunk_bytes, self.arena.per_chunk(layout))
         self.arena.adopt(self)

@@ -74,7 +74,7 @@ class HostTier(TensorPool):
             TierKind.HOST,
             data,
             chunk_bytes_for(size, layout.block_bytes, chunk_bytes),
-            min_block_bytes or layout.block_bytes,
+            min(min_block_bytes or layout.block_bytes, layout.block_bytes),  # larger would only waste
         )
         self.arena.segment = segment.name
         super().__init__(TierKind.HOST, layout, data, self.arena.chunk_bytes, self.arena.per_chunk(layout))

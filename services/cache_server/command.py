@@ -74,8 +74,8 @@ def register(subparsers) -> None:
     add(
         "--min-block-bytes",
         default=None,
-        help="the smallest block that fills a whole chunk (sizes the index; default: the first layout's "
-        "block; a smaller model's blocks fill chunks partly)",
+        help="the smallest block that fills a whole chunk (sizes the index; default and at most: the first "
+        "layout's block; a smaller model's blocks fill chunks partly)",
     )
     add("--ttl", default="300s", help="sliding time-to-live of a block (default %(default)s)")
     add("--lease-ttl", default="30s", help="how long a lease pins blocks at most (default %(default)s)")
