@@ -212,7 +212,7 @@ def index_array_bytes(cache: PrefixCache) -> int:
     ]
     arrays += [a for a in vars(cache).values() if isinstance(a, np.ndarray) and len(a) == index.capacity]
     free_lists = index._free_rows.buffer_info()[1] * 4 + sum(
-        f._free.buffer_info()[1] * 4 + len(f._is_free) for f in cache.placement.free.values()
+        f._free.buffer_info()[1] * 4 + len(f._is_free) for a in cache.placement.arenas.values() for f in a.free
     )
     return sum(a.nbytes for a in arrays) + free_lists
 

@@ -74,7 +74,7 @@ class Adapter:
     def evict(self, n_tokens: int) -> int:
         cache = self.cache
         with cache._lock:  # what commit/reserve hold around make_room
-            free = cache.placement.free[TierKind.HOST]
+            free = cache.placement.free(TierKind.HOST)
             before = len(free)
             cache.placement.make_room(TierKind.HOST, before + n_tokens // self.bs)
             return (len(free) - before) * self.bs

@@ -7,6 +7,12 @@ next one; a block leaving the host tier stays reachable in Redis, and a
 lookup continues past the local index by probing Redis for the next block
 hashes, admitting what it finds into the host tier (a promotion).
 
+Namespaces of any number of KV layouts (models) share the tiers: each slot tier is an
+arena of chunks, each chunk serving one layout at a time (tiers/arena.py), with one
+byte budget and one LRU order across layouts. `layout` and `tiers` name the first
+layout and its pools (the one a single-model cache has); a namespace's own are
+`layout_of` and `pool`.
+
 Namespaces live in namespaces.py, the Redis side in remote_link.py (the only
 holder of the remote tier), slot placement and eviction in placement.py, tenant
 quotas in quota.py, leases and reservations in leases.py (`LeaseTable`).
@@ -38,55 +44,66 @@ from .remote_link import RemoteLink
 from .results import BlockLocations, CommitResult, LookupResult
 from .stats import Counters, EvictionReason, StatsSnapshot, TierSnapshot, snapshot_of
 from .tiers.base import RemoteTier, SlotTier, TierKind
+from .tiers.device import DeviceTier
+from .tiers.host import HostTier
 from .transfer import ProbeBudget
 
 log = logging.getLogger(__name__)
 
 
 class PrefixCache:
-    """One layout, many namespaces; see the module docstring for the tiers."""
+    """Many namespaces of any KV layouts; see the module docstring for the tiers."""
 
     def __init__(
         self,
         config: CacheConfig,
         layout: KVLayout,
-        host: SlotTier,
-        device: SlotTier | None = None,
+        host: HostTier,
+        device: DeviceTier | None = None,
         remote: RemoteTier | None = None,
         clock: Callable[[], float] = time.monotonic,
         hasher: Hasher | None = None,
     ) -> None:
         self.config = config
         self.layout = layout
-        self.tiers: dict[TierKind, SlotTier] = {t.kind: t for t in (device, host) if t is not None}
+        tiers = [t for t in (device, host) if t is not None]
+        if any(t.layout != layout for t in tiers):
+            raise LayoutMismatch(f"the tiers' first layout differs from the cache's {layout}")
+        self.tiers: dict[TierKind, SlotTier] = {t.kind: t for t in tiers}  # the first layout's pools
+        arenas = {t.kind: t.arena for t in tiers}
         self.clock = clock
         self.hasher = hasher or Hasher(config.hash_algorithm)
-        self.index = RadixIndex(
-            sum(t.num_slots for t in self.tiers.values()), layout.block_size, self.hasher.digest_size
-        )
-        self.remote_link = (
-            None if remote is None else RemoteLink(remote, layout, self.index, self.tiers, self._namespace_of_row)
-        )
-        self.namespaces = NamespaceRegistry(layout, self.hasher, config.max_prompt_tokens)
+        # One row per slot the arenas can ever hold, whatever layouts come (tiers/arena.py).
+        self.index = RadixIndex(sum(a.max_slots for a in arenas.values()), layout.block_size, self.hasher.digest_size)
+        self.namespaces = NamespaceRegistry(layout.block_size, self.hasher, config.max_prompt_tokens)
+        self.namespaces.add_layout(layout)  # layout 0: the one every chunk serves at the start
         self.leases = LeaseTable(config.max_leases)
         self.counters = Counters()
-        self.ledger = TenantLedger(self.index, config.tenant_quotas, layout.block_bytes, self.leases)  # quota.py
+        self.ledger = TenantLedger(self.index, config.tenant_quotas, self.namespaces, self.leases)  # quota.py
         self.placement = Placement(
             self.index,
-            self.tiers,
+            arenas,
             self.counters,
+            self.namespaces.layout_of_row,
             reclaim=lambda: self._reclaim_expired(self.clock()),
             on_drop=self._on_drop if remote is not None else None,
             owner_counters=self.ledger.counters_of_node,
         )
+        self.remote_link = None if remote is None else RemoteLink(remote, self.index, self.namespaces, self.placement)
         self._lock = threading.RLock()
         self._started = clock()
-        self._dtype = layout.dtype.torch
 
     # -- namespaces -------------------------------------------------------
     def attach(self, namespace: Namespace) -> str:
-        """Register a namespace (idempotent) and return its id."""
+        """Register a namespace (idempotent) and return its id.
+
+        A namespace of a layout new to the cache adds that layout to every tier's arena; one
+        whose block cannot live in a chunk (or has another block size in tokens) is
+        LayoutMismatch."""
         with self._lock:
+            if self.namespaces.layout_id(namespace.layout) is None:
+                self.placement.add_layout(namespace.layout)
+                self.namespaces.add_layout(namespace.layout)
             entry, new = self.namespaces.register(namespace)
             if new:
                 self.ledger.register(entry.index, namespace.tenant)
@@ -94,6 +111,13 @@ class PrefixCache:
 
     def namespace(self, ns_id: str) -> Namespace:
         return self.namespaces.get(ns_id).namespace
+
+    def layout_of(self, ns_id: str) -> KVLayout:
+        return self.namespaces.get(ns_id).namespace.layout
+
+    def pool(self, kind: TierKind, ns_id: str) -> SlotTier:
+        """The `kind` tier's pool of the namespace's layout (its slots, its share handle)."""
+        return self.placement.pool(kind, self.namespaces.get(ns_id).layout)
 
     # -- lookup -------------------------------------------------------------
     def lookup(
@@ -119,7 +143,13 @@ class PrefixCache:
         )
         try:
             payloads, corrupt = link.fetch(
-                prompt.entry.id, prompt.entry.root, prompt.hashes, prompt.blocks, len(path), budget
+                prompt.entry.id,
+                prompt.entry.root,
+                prompt.hashes,
+                prompt.blocks,
+                len(path),
+                prompt.entry.namespace.layout,
+                budget,
             )
         except BaseException:
             with self._lock:
@@ -206,11 +236,12 @@ class PrefixCache:
         before the lookup finishes.
         """
         path: list[int] = pinned.tolist()
-        free = self.placement.free[TierKind.HOST]
+        layout = prompt.entry.layout
+        free = self.placement.free(TierKind.HOST, layout)
         payloads = payloads[
             : self.ledger.room(self.placement, prompt.entry.index, TierKind.HOST, len(payloads))
         ]  # the tenant's quota
-        if not payloads or not self.placement.make_room(TierKind.HOST, len(payloads)):
+        if not payloads or not self.placement.make_room(TierKind.HOST, len(payloads), layout):
             payloads = payloads[: len(free)]
         now = self.clock()
         for payload in payloads:
@@ -226,7 +257,7 @@ class PrefixCache:
             slot = free.take()
             if slot is None:
                 break
-            self.tiers[TierKind.HOST].write_bytes(slot, payload)
+            self.placement.pool(TierKind.HOST, layout).write_bytes(slot, payload)
             node = self.index.add(
                 prompt.entry.index,
                 path[-1] if path else ROOT,
@@ -278,10 +309,6 @@ class PrefixCache:
             raise UnknownLease(lease_id)
         return lease
 
-    def _namespace_of_row(self, row: int) -> tuple[str, BlockHash]:
-        entry = self.namespaces.by_row(row)
-        return entry.id, entry.root
-
     # -- storing ------------------------------------------------------------------
     def reserve(self, count: int, ns_id: str | None = None) -> Reservation:
         """Up to `count` free host slots for a writer; fewer when the tier is pinned full.
@@ -291,25 +318,28 @@ class PrefixCache:
         """
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise InvalidArgument("count", f"must be a non-negative integer, got {count!r}")
-        host = self.tiers[TierKind.HOST]
+        entry = self.namespaces.get(ns_id) if ns_id is not None else None
+        row, layout = (entry.index, entry.layout) if entry is not None else (-1, 0)
+        host = self.placement.pool(TierKind.HOST, layout)
         if count > host.num_slots:
             raise ResourceExhausted(f"count: {count} blocks exceed the host tier's {host.num_slots} slots", "count")
-        row = self.namespaces.get(ns_id).index if ns_id is not None else -1
         with self._lock:
             if row >= 0:
                 count = self.ledger.room(self.placement, row, TierKind.HOST, count)
-            self.placement.make_room(TierKind.HOST, count)
-            free = self.placement.free[TierKind.HOST]
-            slots = free.take_many(count)
-            return self.leases.add_reservation(TierKind.HOST, slots, self.clock() + self.config.lease_ttl_s, row)
+            self.placement.make_room(TierKind.HOST, count, layout)
+            slots = self.placement.free(TierKind.HOST, layout).take_many(count)
+            return self.leases.add_reservation(
+                TierKind.HOST, slots, self.clock() + self.config.lease_ttl_s, row, layout
+            )
 
-    def _check_block(self, block: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _check_block(block: torch.Tensor, layout: KVLayout) -> torch.Tensor:
         if not isinstance(block, torch.Tensor):
             raise LayoutMismatch(f"kv must be a torch.Tensor, got {type(block).__name__}")
-        if block.dtype != self._dtype:
-            raise LayoutMismatch(f"kv dtype {block.dtype} differs from the namespace's {self._dtype}")
-        if tuple(block.shape) != self.layout.block_shape:
-            raise LayoutMismatch(f"kv block shape {tuple(block.shape)} differs from {self.layout.block_shape}")
+        if block.dtype != layout.dtype.torch:
+            raise LayoutMismatch(f"kv dtype {block.dtype} differs from the namespace's {layout.dtype.torch}")
+        if tuple(block.shape) != layout.block_shape:
+            raise LayoutMismatch(f"kv block shape {tuple(block.shape)} differs from {layout.block_shape}")
         return block
 
     def commit(self, ns_id: str, tokens: Tokens, reservation_id: int, start_block: int) -> CommitResult:
@@ -329,6 +359,10 @@ class PrefixCache:
             and self.ledger.tenant(reservation.namespace) != prompt.entry.namespace.tenant
         ):
             raise InvalidArgument("reservation_id", f"reservation {reservation_id} is unknown or has expired")
+        if reservation.layout != prompt.entry.layout:  # its slots hold blocks of another size
+            raise InvalidArgument(
+                "reservation_id", f"reservation {reservation_id} was made for another KV layout than the namespace's"
+            )
         self.leases.take_reservation(reservation_id)
         end = start_block + len(reservation.slots)
         if end > len(prompt.hashes):
@@ -372,7 +406,7 @@ class PrefixCache:
                 for node in nodes:
                     self._write_through(node)
         unused = reservation.slots[:first] + reservation.slots[first + new :] if new else reservation.slots
-        self.placement.free[tier].give_many(np.asarray(unused, dtype=np.int64))
+        self.placement.free(tier, reservation.layout).give_many(np.asarray(unused, dtype=np.int64))
         self.index.touch(path + nodes, now)
         deduplicated = max(0, min(cached, end) - start)
         for counters in (self.counters, self.ledger.counters(prompt.entry.index)):  # service-wide, tenant
@@ -411,10 +445,11 @@ class PrefixCache:
         prefix is pinned while room is made, so a store never evicts its own prefix.
         Blocks that get no slot (the host tier is pinned full) count as rejected.
         """
-        if not isinstance(kv, torch.Tensor) or kv.dim() != len(self.layout.block_shape) + 1:
+        layout = self.layout_of(ns_id)
+        if not isinstance(kv, torch.Tensor) or kv.dim() != len(layout.block_shape) + 1:
             shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
-            raise LayoutMismatch(f"kv must be [blocks, *{self.layout.block_shape}], got {shape}")
-        self._check_block(kv[0] if len(kv) else torch.empty(self.layout.block_shape, dtype=kv.dtype))
+            raise LayoutMismatch(f"kv must be [blocks, *{layout.block_shape}], got {shape}")
+        self._check_block(kv[0] if len(kv) else torch.empty(layout.block_shape, dtype=kv.dtype), layout)
         prompt = self.namespaces.prompt(ns_id, tokens)  # validate before taking slots
         if (
             not isinstance(start_block, int)
@@ -437,7 +472,9 @@ class PrefixCache:
                 reservation = self.reserve(len(kv) - skip, ns_id)
             finally:
                 self.index.unpin(cached)
-            self.tiers[reservation.tier].write_many(list(reservation.slots), kv[skip : skip + len(reservation.slots)])
+            self.placement.pool(reservation.tier, reservation.layout).write_many(
+                list(reservation.slots), kv[skip : skip + len(reservation.slots)]
+            )
             result = self._commit(prompt, reservation.id, start_block + skip, match)
             self.counters.blocks_deduplicated += skip
             self.ledger.counters(prompt.entry.index).blocks_deduplicated += skip
@@ -445,8 +482,9 @@ class PrefixCache:
         return CommitResult(result.stored, result.deduplicated + skip, result.rejected + unreserved)
 
     def _free_slots(self, reservation: Reservation) -> None:
+        free = self.placement.free(reservation.tier, reservation.layout)
         for slot in reservation.slots:
-            self.placement.free[reservation.tier].give(slot)
+            free.give(slot)
 
     # -- eviction -----------------------------------------------------------------
     def _on_drop(self, node: int, spill: bool) -> bool:
@@ -540,9 +578,10 @@ class PrefixCache:
                 )
             c = self.counters
             tiers = []
-            for kind, tier in self.tiers.items():
-                blocks = self.placement.used(kind)
-                tiers.append(TierSnapshot(kind, blocks, blocks * self.layout.block_bytes, tier.capacity_bytes))
+            for kind, tier in self.tiers.items():  # every layout's blocks together
+                tiers.append(
+                    TierSnapshot(kind, self.placement.used(kind), self.placement.used_bytes(kind), tier.capacity_bytes)
+                )
             remote_up: bool | None = None
             remote: dict[str, float] = {}
             if self.remote_link is not None:

@@ -277,10 +277,22 @@ class CacheConfig:
     max_prompt_tokens: int = 1 << 20
     max_leases: int = 4096
     tenant_quotas: TenantQuotas = TenantQuotas()  # per-tenant byte budgets per slot tier (quota.py)
+    # The slot tiers' arenas (tiers/arena.py): chunk size (None: 64 MiB, at most a quarter of the
+    # budget, in whole blocks of the first layout) and the smallest block that gets a whole chunk
+    # (None, or more than the first layout's block: that block; smaller blocks fill chunks partly).
+    chunk_bytes: int | None = None
+    min_block_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("host_capacity", "device_capacity"):
             object.__setattr__(self, name, parse_size(getattr(self, name), name))
+        for name in ("chunk_bytes", "min_block_bytes"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, parse_size(getattr(self, name), name))
+                if getattr(self, name) < 1:
+                    raise ConfigError(name, "must be > 0")
+        if self.chunk_bytes is not None and self.chunk_bytes % 16:
+            raise ConfigError("chunk_bytes", f"must be a multiple of 16 bytes, got {self.chunk_bytes}")
         object.__setattr__(self, "ttl_s", parse_duration(self.ttl_s, "ttl_s"))
         object.__setattr__(self, "lease_ttl_s", parse_duration(self.lease_ttl_s, "lease_ttl_s"))
         object.__setattr__(self, "hash_algorithm", HashAlgorithm.parse(self.hash_algorithm))

@@ -36,6 +36,7 @@ class Reservation:
     slots: tuple[int, ...]
     expires_at: float
     namespace: int = -1  # row of the namespace it was reserved for (its tenant's quota); -1: none given
+    layout: int = 0  # the KV layout whose slots these are (the namespace's; the cache's first without one)
 
 
 class LeaseTable:
@@ -73,8 +74,10 @@ class LeaseTable:
     def reservations(self) -> Iterable[Reservation]:
         return self._reservations.values()
 
-    def add_reservation(self, tier: TierKind, slots: tuple[int, ...], expires_at: float, namespace: int) -> Reservation:
-        reservation = Reservation(self._new_id(), tier, slots, expires_at, namespace)
+    def add_reservation(
+        self, tier: TierKind, slots: tuple[int, ...], expires_at: float, namespace: int, layout: int = 0
+    ) -> Reservation:
+        reservation = Reservation(self._new_id(), tier, slots, expires_at, namespace, layout)
         self._reservations[reservation.id] = reservation
         return reservation
 

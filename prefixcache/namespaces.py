@@ -1,9 +1,11 @@
-"""The namespaces a cache knows, and prompts resolved against them.
+"""The namespaces a cache knows, their KV layouts, and prompts resolved against them.
 
-Owns the mapping namespace id -> (row, namespace, root hash). A row is the
-small integer the index stores per block; rows are never reused, so a row
-names one namespace for the cache's lifetime. Not thread-safe on its own:
-the cache registers under its lock.
+Owns the mapping namespace id -> (row, namespace, root hash) and the layouts the namespaces
+use. A row is the small integer the index stores per block; rows are never reused, so a row
+names one namespace for the cache's lifetime. Layouts are numbered in the order they first
+attach (the number every tier's arena uses, tiers/arena.py); `layout_of_row` and `bytes_of_row`
+are tables by row for vectorised lookups. Every layout has the cache's block size in tokens (the
+index stores a block's token ids). Not thread-safe on its own: the cache registers under its lock.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class NamespaceEntry:
     namespace: Namespace
     root: BlockHash
     id: str
+    layout: int = 0  # the number of its KV layout
 
 
 @dataclass(frozen=True)
@@ -38,17 +41,33 @@ class Prompt:
 
 
 class NamespaceRegistry:
-    def __init__(self, layout: KVLayout, hasher: Hasher, max_prompt_tokens: int) -> None:
-        self.layout = layout
+    def __init__(self, block_size: int, hasher: Hasher, max_prompt_tokens: int) -> None:
+        self.block_size = block_size
         self.hasher = hasher
         self.max_prompt_tokens = max_prompt_tokens
         self._by_id: dict[str, NamespaceEntry] = {}
         self._by_row: list[NamespaceEntry] = []
+        self.layouts: list[KVLayout] = []
+        self.layout_of_row = np.zeros(MAX_NAMESPACES + 1, dtype=np.int16)
+        self.bytes_of_row = np.zeros(MAX_NAMESPACES + 1, dtype=np.int64)
+
+    def layout_id(self, layout: KVLayout) -> int | None:
+        """The number of a known layout, None for a new one (which must have this block size)."""
+        if layout.block_size != self.block_size:
+            raise LayoutMismatch(
+                f"namespace layout block_size {layout.block_size} differs from this cache's {self.block_size}"
+            )
+        return self.layouts.index(layout) if layout in self.layouts else None
+
+    def add_layout(self, layout: KVLayout) -> int:
+        self.layouts.append(layout)
+        return len(self.layouts) - 1
 
     def register(self, namespace: Namespace) -> tuple[NamespaceEntry, bool]:
-        """The namespace's entry, and whether it is new (idempotent)."""
-        if namespace.layout != self.layout:
-            raise LayoutMismatch(f"namespace layout {namespace.layout} differs from this cache's {self.layout}")
+        """The namespace's entry, and whether it is new (idempotent); its layout is known already."""
+        layout = self.layout_id(namespace.layout)
+        if layout is None:
+            raise LayoutMismatch(f"namespace layout {namespace.layout} is not one of this cache's")
         root = self.hasher.root(namespace)
         ns_id = namespace_id(root)
         known = self._by_id.get(ns_id)
@@ -58,9 +77,11 @@ class NamespaceRegistry:
             return known, False
         if len(self._by_row) >= MAX_NAMESPACES:
             raise ResourceExhausted("namespace: too many namespaces", "namespace")
-        entry = NamespaceEntry(len(self._by_row), namespace, root, ns_id)
+        entry = NamespaceEntry(len(self._by_row), namespace, root, ns_id, layout)
         self._by_id[ns_id] = entry
         self._by_row.append(entry)
+        self.layout_of_row[entry.index] = layout
+        self.bytes_of_row[entry.index] = namespace.layout.block_bytes
         return entry, True
 
     def get(self, ns_id: str) -> NamespaceEntry:
@@ -79,7 +100,7 @@ class NamespaceRegistry:
             raise ResourceExhausted(
                 f"tokens: {len(array)} tokens exceed the limit of {self.max_prompt_tokens}", "tokens"
             )
-        size = self.layout.block_size
+        size = self.block_size
         full = len(array) // size
         blocks = array[: full * size].reshape(full, size)
         return Prompt(entry, array, blocks, self.hasher.block_hashes(entry.root, array, size))

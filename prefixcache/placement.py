@@ -1,51 +1,100 @@
 """Placement: which slot of which slot tier holds each block, and making room.
 
-Owns the free-slot lists of the slot tiers (device, host) and every change of a block's
-residency: moving it down a tier (a spill), up a tier (a promotion), or out of the last one.
-The cache composes it beside the index; it never sees tokens, leases or Redis, which the cache
-brings in through two callbacks (`reclaim` frees what expired leases and reservations hold;
-`on_drop` may spill a leaving block to Redis).
+Owns the arenas of the slot tiers (device, host; tiers/arena.py), hence every layout's free-slot
+list and which layout each chunk serves, and every change of a block's residency: moving it down
+a tier (a spill), up a tier (a promotion), or out of the last one. The cache composes it beside
+the index; it never sees tokens, leases or Redis, which the cache brings in through two callbacks
+(`reclaim` frees what expired leases and reservations hold; `on_drop` may spill a leaving block
+to Redis). A block's layout is its namespace's (`layout_of_ns`, the registry's table).
 
 Invariants:
-- A slot is free, reserved, or owned by exactly one live node (see `FreeSlots`).
-- `make_room` evicts in the index's LRU order (least recent first, deeper first): from a tier
-  with a lower tier it moves the block down; from the last tier it drops leaves only, so every
-  cached prefix stays contiguous from the root.
-- A pinned block is never moved or dropped: its lease holder reads that very slot.
+- A slot of a layout is free, reserved, or owned by exactly one live node of that layout (see
+  `FreeSlots`); a chunk serves one layout, and changes layout only while it holds nothing.
+- `make_room` evicts in the index's LRU order (least recent first, deeper first), across every
+  layout: the LRU victim of the layout making room goes as with one layout (from a tier with a
+  lower tier it moves down; from the last tier leaves only); a victim of another layout has its
+  whole chunk emptied (moved down, or in the last tier dropped with every block that depends on
+  one of them) and the chunk changes layout. So every cached prefix stays contiguous from the root.
+- A pinned block is never moved or dropped: its lease holder reads that very slot. A chunk holding
+  a pinned block or a reservation is skipped.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from itertools import repeat
 
 import numpy as np
 
-from .index import RadixIndex
+from .config import KVLayout
+from .index import ROOT, RadixIndex
 from .stats import Counters, EvictionReason
+from .tiers.arena import Arena
 from .tiers.base import FreeSlots, SlotTier, TierKind
+from .tiers.pool import TensorPool
 
 log = logging.getLogger(__name__)
+
+Mask = Callable[[np.ndarray], np.ndarray]
 
 
 class Placement:
     def __init__(
         self,
         index: RadixIndex,
-        tiers: dict[TierKind, SlotTier],
+        arenas: dict[TierKind, Arena],
         counters: Counters,
+        layout_of_ns: np.ndarray,
         reclaim: Callable[[], None],
         on_drop: Callable[[int, bool], bool] | None,
         owner_counters: Callable[[int], Counters] | None = None,
     ) -> None:
         self.index = index
-        self.tiers = tiers
+        self.arenas = arenas
         self.counters = counters
-        self.free = {kind: FreeSlots(tier.num_slots) for kind, tier in tiers.items()}
+        self.layout_of_ns = layout_of_ns  # namespace row -> layout id (filled by the registry)
         self._reclaim = reclaim
         self._on_drop = on_drop  # (node, spill) -> whether the block now lives on in Redis; None: no Redis
         self._owner_counters = owner_counters  # node -> its tenant's counters (evictions per tenant)
 
+    # -- layouts and slots --------------------------------------------------------
+    def add_layout(self, layout: KVLayout) -> None:
+        """Let every tier hold `layout` (next id); LayoutMismatch, changing nothing, if one cannot."""
+        for arena in self.arenas.values():
+            arena.per_chunk(layout)
+        for arena in self.arenas.values():
+            arena.add_layout(layout)
+
+    def free(self, kind: TierKind, layout: int = 0) -> FreeSlots:
+        return self.arenas[kind].free[layout]
+
+    def pool(self, kind: TierKind, layout: int = 0) -> TensorPool:
+        return self.arenas[kind].pools[layout]
+
+    def layout_of(self, nodes: np.ndarray) -> np.ndarray:
+        return np.asarray(self.layout_of_ns[self.index.namespace[nodes]])
+
+    def _layout_of_node(self, node: int) -> int:
+        return int(self.layout_of_ns[self.index.namespace[node]])
+
+    def tier_of(self, node: int) -> SlotTier:
+        """The pool that holds live `node`."""
+        return self.pool(TierKind(int(self.index.tier[node])), self._layout_of_node(node))
+
+    def used(self, kind: TierKind) -> int:
+        """Slots of `kind` owned by blocks or reservations, every layout's."""
+        arena = self.arenas[kind]
+        return sum(arena.used(layout) for layout in range(len(arena.pools)))
+
+    def used_bytes(self, kind: TierKind) -> int:
+        return self.arenas[kind].used_bytes()
+
+    def lower(self, kind: TierKind) -> TierKind | None:
+        lower = [k for k in self.arenas if k > kind]
+        return min(lower) if lower else None
+
+    # -- counting -------------------------------------------------------------------
     def _count_eviction(self, node: int, kind: TierKind, reason: EvictionReason) -> None:
         self.counters.evictions[(kind, reason)] += 1
         if self._owner_counters is not None:
@@ -62,44 +111,79 @@ class Placement:
             for i, count in zip(first.tolist(), counts.tolist()):
                 self._owner_counters(int(rows[i])).evictions[(kind, reason)] += count
 
-    def used(self, kind: TierKind) -> int:
-        """Slots of `kind` owned by blocks or reservations."""
-        return self.tiers[kind].num_slots - len(self.free[kind])
-
-    def lower(self, kind: TierKind) -> TierKind | None:
-        lower = [k for k in self.tiers if k > kind]
-        return min(lower) if lower else None
-
-    def make_room(self, kind: TierKind, count: int) -> bool:
-        """Free slots in `kind` until `count` are free, evicting in LRU order."""
-        free = self.free[kind]
+    # -- making room ------------------------------------------------------------------
+    def make_room(self, kind: TierKind, count: int, layout: int = 0) -> bool:
+        """Free slots of `layout` in `kind` until `count` are free, evicting in LRU order."""
+        free = self.free(kind, layout)
         if len(free) >= count:
             return True
         self._reclaim()  # a crashed worker's pins and slots go first
+        arena = self.arenas[kind]
+        shared = len(arena.pools) > 1
+        while shared and len(free) < count and arena.take_empty_chunk(layout):
+            pass
         if len(free) >= count:
             return True
         if self.lower(kind) is None:
-            self._drop_leaves(kind, count - len(free), EvictionReason.LRU)
+            if shared:
+                self._drop_across(kind, count, layout)
+            else:
+                self._drop_leaves(kind, count - len(free), EvictionReason.LRU)
             return len(free) >= count
-        for node in self.index.lru(kind):
-            if not self.evict(node, EvictionReason.LRU):
-                break  # the lower tier is pinned full
+        index, skipped = self.index, set()
+        for node in index.lru(kind):
+            if index.tier[node] != kind or index.pins[node]:
+                continue  # moved with a chunk emptied since its part of the log was read
+            owner = self._layout_of_node(node) if shared else layout
+            if owner == layout:
+                if not self.evict(node, EvictionReason.LRU):
+                    break  # the lower tier is pinned full
+            else:
+                chunk = int(index.slot[node]) // arena.pools[owner].per_chunk
+                if (owner, chunk) not in skipped:
+                    if self._empty_chunk(kind, owner, chunk):
+                        arena.give_chunk(chunk, layout)
+                    else:
+                        skipped.add((owner, chunk))
             if len(free) >= count:
                 return True
         return len(free) >= count
 
-    def _drop_leaves(
+    def _drop_across(self, kind: TierKind, count: int, layout: int) -> None:
+        """`make_room` in the last tier when layouts share it: the layout's own LRU leaves go as
+        with one layout; at the first LRU block of another layout, its chunk is emptied and
+        changes hands."""
+        free, arena = self.free(kind, layout), self.arenas[kind]
+        skipped: set[tuple[int, int]] = set()  # (layout, chunk) that cannot be emptied now
+        while len(free) < count:
+            victims, _, foreign = self._pick_leaves(kind, count - len(free), layout=layout, skipped=skipped)
+            if victims:
+                self.drop_many(victims, EvictionReason.LRU, spill=True, kind=kind)
+            if foreign is not None:
+                if self._empty_chunk(kind, *foreign):
+                    arena.give_chunk(foreign[1], layout)
+                else:
+                    skipped.add(foreign)
+            elif not victims:
+                return
+
+    def _pick_leaves(
         self,
         kind: TierKind,
         wanted: int,
-        reason: EvictionReason,
-        members: Callable[[np.ndarray], np.ndarray] | None = None,
-    ) -> int:
-        """Drop up to `wanted` unpinned blocks (among `members`) from `kind`, the last slot tier, in
-        LRU order and leaf-first: the blocks `evict` of each LRU node in turn would drop (a block goes
-        once its children have), picked from the touch log and removed in one batch. Picking changes
-        nothing the scan reads but children counts, which `gone` carries. Costs O(log entries
-        scanned), not O(blocks cached). Returns how many were dropped."""
+        members: Mask | None = None,
+        weight: Mask | None = None,
+        layout: int | None = None,
+        skipped: set[tuple[int, int]] | None = None,
+    ) -> tuple[list[int], int, tuple[int, int] | None]:
+        """Unpinned blocks (among `members`) of `kind`, the last slot tier, in LRU order and
+        leaf-first, until their `weight` (default 1 each) reaches `wanted`: the blocks `evict` of
+        each LRU node in turn would drop (a block goes once its children have), picked from the
+        touch log. Picking changes nothing the scan reads but children counts, which `gone`
+        carries. Costs O(log entries scanned), not O(blocks cached).
+
+        With `layout`, only that layout's blocks are picked, and the scan stops at the first
+        block of another layout whose (layout, chunk) is not in `skipped`, returned third."""
         index = self.index
         tier, pins, children, parent = index.tier, index.pins, index.children, index.parent
 
@@ -109,19 +193,82 @@ class Placement:
 
         gone: dict[int, int] = {}  # node -> its children picked before it
         victims: list[int] = []
+        total = 0
         for nodes in index.log.scan_chunks(eligible):
-            for node, kids, up in zip(nodes.tolist(), children[nodes].tolist(), parent[nodes].tolist()):
+            costs = weight(nodes).tolist() if weight is not None else repeat(1)
+            owners = self.layout_of(nodes).tolist() if layout is not None else repeat(None)
+            rows = zip(nodes.tolist(), children[nodes].tolist(), parent[nodes].tolist(), costs, owners)
+            for node, kids, up, cost, owner in rows:
+                if owner != layout:  # another layout's: its chunk goes, unless skipped
+                    chunk = int(index.slot[node]) // self.arenas[kind].pools[owner].per_chunk
+                    if skipped is None or (owner, chunk) not in skipped:
+                        return victims, total, (owner, chunk)
+                    continue
                 if not kids or kids == gone.get(node):
                     victims.append(node)
                     gone[up] = gone.get(up, 0) + 1
-                    if len(victims) >= wanted:
-                        break
-            if len(victims) >= wanted:
-                break
-        if victims:
-            self.drop_many(victims, kind, reason, spill=True)
-        return len(victims)
+                    total += cost
+                    if total >= wanted:
+                        return victims, total, None
+        return victims, total, None
 
+    def _drop_leaves(
+        self,
+        kind: TierKind,
+        wanted: int,
+        reason: EvictionReason,
+        members: Mask | None = None,
+        weight: Mask | None = None,
+    ) -> int:
+        """Drop what `_pick_leaves` picks, in one batch (index rows, block-map cells, free slots,
+        counters); returns its weight."""
+        victims, total, _ = self._pick_leaves(kind, wanted, members, weight)
+        if victims:
+            self.drop_many(victims, reason, spill=True, kind=kind)
+        return total
+
+    def _empty_chunk(self, kind: TierKind, layout: int, chunk: int) -> bool:
+        """Empty a chunk of `layout` in `kind`: its blocks move down a tier, or, from the last
+        tier, leave with every block below them (any tier: a prefix stays contiguous). False,
+        with what moved moved, when a block there or below is pinned, a reservation holds a slot
+        there, or the lower tier is pinned full."""
+        index, arena = self.index, self.arenas[kind]
+        slots = arena.pools[layout].chunk_slots(chunk)
+        rows = np.flatnonzero(
+            (index.tier == kind)
+            & (index.slot >= slots.start)
+            & (index.slot < slots.stop)
+            & (self.layout_of_ns[index.namespace] == layout)
+        )
+        held = len(slots) - int(arena.free[layout].flags()[slots.start : slots.stop].sum())
+        if held != len(rows) or index.pins[rows].any():
+            return False  # a reservation or a lease holds part of it
+        if self.lower(kind) is not None:
+            return all(self.evict(int(node), EvictionReason.LRU) for node in rows)
+        leaving = self._with_descendants(rows)
+        if index.pins[leaving].any():
+            return False
+        if leaving.size:
+            self.drop_many(leaving.tolist(), EvictionReason.LRU, spill=True)
+        return True
+
+    def _with_descendants(self, rows: np.ndarray) -> np.ndarray:
+        """`rows` and every live node below one of them, descendants first (pointer jumping:
+        O(index capacity x log depth), only when a chunk changes layout)."""
+        index = self.index
+        n = index.capacity
+        live = index.tier >= 0
+        up = np.where(live & (index.parent != ROOT), index.parent, n).astype(np.int64)
+        up = np.append(up, n)  # row n: the sentinel above every root
+        marked = np.zeros(n + 1, dtype=bool)
+        marked[rows] = True
+        while (up != n).any():
+            marked |= marked[up]
+            up = up[up]
+        found = np.flatnonzero(marked[:n] & live)
+        return found[np.argsort(index.tick[found], kind="stable")]
+
+    # -- residency changes --------------------------------------------------------------
     def evict(self, node: int, reason: EvictionReason) -> bool:
         """Move an unpinned block one tier down, or drop it from the last slot tier (leaves only).
 
@@ -134,30 +281,30 @@ class Placement:
                 return False
             self.drop(node, reason, spill=True)
             return True
-        if not self.make_room(lower, 1):
+        if not self.make_room(lower, 1, self._layout_of_node(node)):
             return False
         self.move(node, lower)
         self.counters.spills[kind] += 1
         self._count_eviction(node, kind, reason)
         return True
 
-    def trim(
-        self, kind: TierKind, members: Callable[[np.ndarray], np.ndarray], excess: int, reason: EvictionReason
-    ) -> int:
-        """Evict up to `excess` unpinned blocks of `kind` among `members` (a mask over node rows),
-        least recent first and leaf-first as in `make_room`; returns how many left `kind`."""
+    def trim(self, kind: TierKind, members: Mask, excess: int, reason: EvictionReason, weight: Mask) -> int:
+        """Evict unpinned blocks of `kind` among `members` (a mask over node rows) until their
+        `weight` reaches `excess`, least recent first and leaf-first as in `make_room`; returns
+        the weight that left `kind`."""
         index, evicted = self.index, 0
         if excess <= 0:
             return 0
         if self.lower(kind) is None:
-            return self._drop_leaves(kind, excess, reason, members)
+            return self._drop_leaves(kind, excess, reason, members, weight)
         eligible = lambda nodes: (index.tier[nodes] == kind) & (index.pins[nodes] == 0) & members(nodes)  # noqa: E731
         for node in index.log.scan(eligible):
             if index.tier[node] != kind or index.pins[node]:
                 continue  # moved or pinned since its chunk was read
+            cost = int(weight(np.asarray([node]))[0])
             if self.evict(node, reason):
-                evicted += 1
-            elif self.lower(kind) is not None:
+                evicted += cost
+            else:
                 break  # the lower tier is pinned full
             if evicted >= excess:
                 break
@@ -165,12 +312,13 @@ class Placement:
 
     def move(self, node: int, kind: TierKind) -> None:
         """Copy a block into a free slot of `kind` (the caller made room) and free its old slot."""
+        layout = self._layout_of_node(node)
         old_kind, old_slot = TierKind(int(self.index.tier[node])), int(self.index.slot[node])
-        slot = self.free[kind].take()
+        slot = self.free(kind, layout).take()
         assert slot is not None, "caller made room"
-        self.tiers[kind].write(slot, self.tiers[old_kind].view(old_slot))
+        self.pool(kind, layout).write(slot, self.pool(old_kind, layout).view(old_slot))
         self.index.move(node, kind, slot)
-        self.free[old_kind].give(old_slot)
+        self.free(old_kind, layout).give(old_slot)
 
     def drop(self, node: int, reason: EvictionReason, spill: bool) -> None:
         """Remove a leaf from the slot tiers; `on_drop` may spill it to Redis first."""
@@ -178,22 +326,34 @@ class Placement:
         if self._on_drop is not None and self._on_drop(node, spill):
             self.counters.spills[kind] += 1
         self._count_eviction(node, kind, reason)
-        slot = int(self.index.slot[node])
+        slot, layout = int(self.index.slot[node]), self._layout_of_node(node)
         self.index.remove(node)
-        self.free[kind].give(slot)
+        self.free(kind, layout).give(slot)
 
-    def drop_many(self, nodes: list[int], kind: TierKind, reason: EvictionReason, spill: bool) -> None:
-        """`drop` of each of `nodes` (all in `kind`, given descendants first), batched."""
+    def drop_many(self, nodes: list[int], reason: EvictionReason, spill: bool, kind: TierKind | None = None) -> None:
+        """`drop` of each of `nodes` (given descendants first), batched: all in `kind` when given,
+        else in any tiers; of any layouts."""
         index = self.index
         rows = np.asarray(nodes, dtype=np.int64)
+        groups: list[tuple[TierKind, int, slice | np.ndarray]]
+        if kind is not None and len(self.arenas[kind].pools) == 1:  # the usual case: one tier, one layout
+            groups = [(kind, 0, slice(None))]
+        else:
+            kinds = index.tier[rows].astype(np.int64)
+            layouts = self.layout_of(rows).astype(np.int64)
+            pairs = np.unique(np.stack([kinds, layouts]), axis=1).T.tolist()
+            groups = [(TierKind(k), lay, (kinds == k) & (layouts == lay)) for k, lay in pairs]
         if self._on_drop is not None:
-            for node in nodes:
+            tiers = [kind] * len(nodes) if kind is not None else [TierKind(k) for k in index.tier[rows].tolist()]
+            for node, tier in zip(nodes, tiers):
                 if self._on_drop(node, spill):
-                    self.counters.spills[kind] += 1
-        self._count_evictions(rows, kind, reason)
+                    self.counters.spills[tier] += 1
         slots = index.slot[rows]
+        for kind, _, where in groups:
+            self._count_evictions(rows[where], kind, reason)
         index.remove_many(rows)
-        self.free[kind].give_many(slots)
+        for kind, layout, where in groups:
+            self.free(kind, layout).give_many(slots[where])
 
     def drop_all(
         self, nodes: Iterable[int], reason: EvictionReason, before: Callable[[int], None] | None = None
@@ -216,8 +376,9 @@ class Placement:
         cannot move (or after `limit` blocks), so the device keeps the root side of a path.
         """
         index = self.index
-        if TierKind.DEVICE not in self.tiers or not len(path) or not (index.tier[path] == TierKind.HOST).any():
+        if TierKind.DEVICE not in self.arenas or not len(path) or not (index.tier[path] == TierKind.HOST).any():
             return
+        layout = self._layout_of_node(int(path[0]))  # one namespace, one layout
         moved = 0
         index.pin(path)  # this path's blocks are not candidates for making room
         try:
@@ -227,7 +388,7 @@ class Placement:
                 if (
                     (limit is not None and moved >= limit)
                     or index.pins[node] > 1
-                    or not self.make_room(TierKind.DEVICE, 1)
+                    or not self.make_room(TierKind.DEVICE, 1, layout)
                 ):
                     break
                 moved += 1

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 
@@ -32,7 +31,9 @@ from .config import KVLayout
 from .errors import CorruptBlock
 from .hashing import BlockHash
 from .index import ROOT, RadixIndex
-from .tiers.base import RemoteTier, SlotTier, TierKind
+from .namespaces import NamespaceRegistry
+from .placement import Placement
+from .tiers.base import RemoteTier
 from .tiers.redis_stats import RedisStats
 from .transfer import ProbeBudget, TransferEstimate, TransferMeter
 
@@ -44,24 +45,18 @@ PROBE_BATCH = 32  # block hashes asked of Redis per pipelined round trip
 VERIFY_PRIOR = TransferEstimate(latency_s=5e-6, bytes_per_s=10e9)
 VERIFY_PRIOR_KEYED = TransferEstimate(latency_s=5e-6, bytes_per_s=2e9)
 
-# namespace row -> (namespace id, root hash)
-NamespaceOf = Callable[[int], tuple[str, BlockHash]]
-
 
 class RemoteLink:
+    """Built with the index, the namespaces (id, root and layout of a block's row) and the
+    placement (which slot holds a block's bytes)."""
+
     def __init__(
-        self,
-        remote: RemoteTier,
-        layout: KVLayout,
-        index: RadixIndex,
-        tiers: dict[TierKind, SlotTier],
-        namespace_of: NamespaceOf,
+        self, remote: RemoteTier, index: RadixIndex, namespaces: NamespaceRegistry, placement: Placement
     ) -> None:
         self.tier = remote
-        self.layout = layout
         self.index = index
-        self.tiers = tiers
-        self.namespace_of = namespace_of
+        self.namespaces = namespaces
+        self.placement = placement
         self.ttl_s = float(remote.options.ttl_s)
         self._mac_key: bytes | None = remote.options.hmac_key
         self._until = np.zeros(index.capacity, dtype=np.float64)
@@ -77,16 +72,17 @@ class RemoteLink:
         hashes: list[BlockHash],
         blocks: np.ndarray,
         start: int,
+        layout: KVLayout,
         budget: ProbeBudget | None = None,
     ) -> tuple[list[memoryview], bool]:
-        """Verified payloads of the blocks after `start` that Redis holds, in order, and
-        whether they end at a block that failed verification (its key is then deleted)."""
+        """Verified payloads (blocks of `layout`) of the blocks after `start` that Redis holds, in
+        order, and whether they end at a block that failed verification (its key is then deleted)."""
         payloads: list[memoryview] = []
         verify = self.verify_estimate() if budget is not None else None
         for batch_start in range(start, len(hashes), PROBE_BATCH):
             batch = hashes[batch_start : batch_start + PROBE_BATCH]
             frames = self.tier.fetch(
-                ns_id, batch, frame_bytes=self.layout.block_bytes, prefix_only=True, budget=budget, verify=verify
+                ns_id, batch, frame_bytes=layout.block_bytes, prefix_only=True, budget=budget, verify=verify
             )
             checked, started = len(payloads), time.perf_counter()
             try:
@@ -99,7 +95,7 @@ class RemoteLink:
                         payloads.append(
                             decode_block(
                                 frame,
-                                self.layout,
+                                layout,
                                 ns_id,
                                 hashes[i],
                                 parent,
@@ -114,7 +110,7 @@ class RemoteLink:
                         self.tier.delete(ns_id, hashes[i])
                         return payloads, True
             finally:
-                self._observe_verify((len(payloads) - checked) * self.layout.block_bytes, time.perf_counter() - started)
+                self._observe_verify((len(payloads) - checked) * layout.block_bytes, time.perf_counter() - started)
         return payloads, False
 
     def verify_estimate(self) -> TransferEstimate:
@@ -149,15 +145,15 @@ class RemoteLink:
 
     def _submit(self, node: int) -> bool:
         index = self.index
-        ns_id, root = self.namespace_of(int(index.namespace[node]))
+        entry = self.namespaces.by_row(int(index.namespace[node]))
+        ns_id = entry.id
         parent = int(index.parent[node])
-        parent_hash = root if parent == ROOT else index.hash_of(parent)
-        tier = self.tiers[TierKind(int(index.tier[node]))]
-        payload = tier.block_bytes(int(index.slot[node]))
+        parent_hash = entry.root if parent == ROOT else index.hash_of(parent)
+        payload = self.placement.tier_of(node).block_bytes(int(index.slot[node]))
         block_hash = index.hash_of(node)
         mac_key, storage_key = self._mac(ns_id, block_hash)
         frame = encode_block(
-            self.layout,
+            entry.namespace.layout,
             ns_id,
             block_hash,
             parent_hash,
@@ -178,7 +174,7 @@ class RemoteLink:
     # -- forgetting -------------------------------------------------------------------
     def forget(self, node: int) -> None:
         """Delete a block's key (manual eviction)."""
-        ns_id, _ = self.namespace_of(int(self.index.namespace[node]))
+        ns_id = self.namespaces.by_row(int(self.index.namespace[node])).id
         self.tier.delete(ns_id, self.index.hash_of(node))
         self._until[node] = 0.0
 

@@ -26,10 +26,13 @@ from prefixcache.tiers.host import HostTier
 TINY = KVLayout(layers=1, kv_heads=1, head_dim=2, block_size=4, dtype="float32")
 
 
-def read_blocks(cache: PrefixCache, locations: BlockLocations) -> torch.Tensor:
-    """Copy of the blocks at `locations`, `[n, *block_shape]` on the CPU (what a lease holder reads)."""
-    out = torch.empty((len(locations), *cache.layout.block_shape), dtype=cache.layout.dtype.torch)
-    for kind, tier in cache.tiers.items():
+def read_blocks(cache: PrefixCache, locations: BlockLocations, ns_id: str | None = None) -> torch.Tensor:
+    """Copy of the blocks at `locations` (of namespace `ns_id`'s layout; default the cache's first),
+    `[n, *block_shape]` on the CPU (what a lease holder reads)."""
+    layout = cache.layout if ns_id is None else cache.layout_of(ns_id)
+    out = torch.empty((len(locations), *layout.block_shape), dtype=layout.dtype.torch)
+    for kind in cache.tiers:
+        tier = cache.tiers[kind] if ns_id is None else cache.pool(kind, ns_id)
         rows = np.flatnonzero(locations.tiers == kind)
         if rows.size:
             out[torch.from_numpy(rows)] = tier.read(locations.slots[rows].tolist()).to("cpu")
@@ -40,7 +43,7 @@ def write_reserved(cache: PrefixCache, reservation_id: int, position: int, block
     """Write one block into a reservation's slot, as a same-host worker does through the mapped pool."""
     reservation = cache.leases.reservation(reservation_id)
     assert reservation is not None, "reservation unknown or expired"
-    cache.tiers[reservation.tier].write(reservation.slots[position], block)
+    cache.placement.pool(reservation.tier, reservation.layout).write(reservation.slots[position], block)
 
 
 class ManualClock:
@@ -149,14 +152,28 @@ def assert_consistent(cache: PrefixCache) -> None:
     for node in live:
         assert index.pins[node] == pins[node], f"pins of {node}: {index.pins[node]} vs {pins[node]} leases"
     assert not (set(pins) - live_set), "a lease holds a node that is gone"
-    for kind, tier in cache.tiers.items():
-        owned = [int(index.slot[n]) for n in live if index.tier[n] == kind]
-        reserved = [s for r in cache.leases.reservations() if r.tier == kind for s in r.slots]
-        free = list(cache.placement.free[kind]._free)
-        everything = owned + reserved + free
-        assert len(everything) == len(set(everything)) == tier.num_slots, f"{kind.label} slots leak or are shared"
-        assert all(cache.placement.free[kind].is_free(s) for s in free)
-        assert not any(cache.placement.free[kind].is_free(s) for s in owned + reserved)
+    layout_of = cache.namespaces.layout_of_row
+    for kind in cache.tiers:
+        arena = cache.placement.arenas[kind]
+        held_bytes = 0
+        for layout, pool in enumerate(arena.pools):
+            owned = [
+                int(index.slot[n]) for n in live if index.tier[n] == kind and layout_of[index.namespace[n]] == layout
+            ]
+            reserved = [
+                s for r in cache.leases.reservations() if r.tier == kind and r.layout == layout for s in r.slots
+            ]
+            free_list = cache.placement.free(kind, layout)
+            free = list(free_list._free)
+            everything = owned + reserved + free
+            chunks = np.flatnonzero(arena.owner == layout)
+            mine = sorted(s for c in chunks.tolist() for s in pool.chunk_slots(c))
+            assert len(everything) == len(set(everything)), f"{kind.label} slots are shared"
+            assert sorted(everything) == mine, f"{kind.label} slots leak, or live outside the layout's chunks"
+            assert all(free_list.is_free(s) for s in free)
+            assert not any(free_list.is_free(s) for s in owned + reserved)
+            held_bytes += (len(owned) + len(reserved)) * pool.layout.block_bytes
+        assert held_bytes <= arena.capacity_bytes, f"{kind.label} holds more bytes than its budget"
     for snapshot in cache.stats().tiers:
         assert snapshot.bytes_used <= snapshot.capacity_bytes
     assert set(cache.tiers) <= {TierKind.DEVICE, TierKind.HOST}

@@ -31,7 +31,7 @@ from prefixcache_services.cache_server.servicer import SERVICE_NAME
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = tuple(dtype.value for dtype in DType)  # every format the cache stores, fp8 included
 BLOCK = 16
-CACHE_FIELDS = {"ttl_s", "lease_ttl_s", "max_prompt_tokens", "max_leases"}
+CACHE_FIELDS = {"ttl_s", "lease_ttl_s", "max_prompt_tokens", "max_leases", "chunk_bytes", "min_block_bytes"}
 CODE = grpc.StatusCode
 
 
@@ -220,11 +220,11 @@ MATRIX = {
         "cache_salt",
         lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(), cache_salt="\n")),
     ),
-    "layout mismatch": (
+    "layout larger than a chunk": (  # another layout joins the tiers, but its block must fit a chunk
         "Attach",
         CODE.FAILED_PRECONDITION,
         None,
-        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(head_dim=64))),
+        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(layers=512, head_dim=512))),
     ),
     "fetch without lease": ("Fetch", CODE.INVALID_ARGUMENT, "lease_id", lambda s, ns: s.Fetch(pb.FetchRequest())),
     "fetch unknown lease": (

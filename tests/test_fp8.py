@@ -302,7 +302,9 @@ def test_a_service_never_shares_blocks_across_kv_dtype_or_scale():
             revision="r",
             layout=pb.KVLayout(layers=3, kv_heads=1, head_dim=20, block_size=BLOCK, dtype=DType.BFLOAT16.code),
         )
-        assert rpc_code(stub_for(server).Attach, request)[0] is CODE.FAILED_PRECONDITION  # no bf16 beside fp8
+        bf16 = stub_for(server).Attach(request)  # bf16 beside fp8: a layout of its own in the same tiers
+        looked = stub_for(server).Lookup(pb.LookupRequest(namespace_id=bf16.namespace_id, tokens=tokens))
+        assert bf16.namespace_id not in (ns, other) and looked.hit_tokens == 0
         header = pb.StoreHeader(
             namespace_id=ns,
             tokens=tokens,
@@ -315,11 +317,11 @@ def test_a_service_never_shares_blocks_across_kv_dtype_or_scale():
             "header.dtype",
         )
         listed = {entry.namespace_id: entry.kv_scale for entry in writer.namespaces()}
-        assert listed == {ns: "k_scale=0.5", other: "k_scale=0.25"}
+        assert listed == {ns: "k_scale=0.5", other: "k_scale=0.25", bf16.namespace_id: ""}
         doc = stats_document(writer.stats(), server.address)
         assert (doc["layout"]["dtype"], doc["layout"]["bytes_per_token"]) == ("float8_e4m3fn", 2 * 3 * 20)
         names = namespaces_document(server.address, writer.namespaces(), layout.block_bytes)
-        assert {entry["kv_scale"] for entry in names["namespaces"]} == {"k_scale=0.5", "k_scale=0.25"}
+        assert {entry["kv_scale"] for entry in names["namespaces"]} == {"k_scale=0.5", "k_scale=0.25", ""}
         console = Console(width=240, record=True)
         console.print(overview_table(doc), namespaces_view(names))
         shown = console.export_text()

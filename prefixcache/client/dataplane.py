@@ -1,14 +1,16 @@
 """The client's local data plane: the service's slot pools mapped into this process.
 
 - Host pool: the host tier's POSIX shared-memory segment, mapped read-write
-  (`MappedSegment`); a block in slot s is `pool[s]`, `[layers, 2, kv_heads,
-  block_size, head_dim]`. On a CUDA host the mapping is page-locked here too
-  (pinning is per process), so a host hit copies to the GPU by DMA.
+  (`MappedSegment`); a block in slot s, `[layers, 2, kv_heads, block_size,
+  head_dim]`, is at the offset the service's chunk addressing gives (Attach
+  answers chunk_bytes and slots_per_chunk; tiers/pool.py). On a CUDA host the
+  mapping is page-locked here too (pinning is per process), so a host hit
+  copies to the GPU by DMA.
 - Device pool (CUDA hosts only): the device tier's storage opened from its
   CUDA IPC handle, so a device-resident hit is a device-to-device copy.
 
-Copies go run by run: consecutive slots of one tier move as one slice, so a
-prefix stored in order is one memcpy per run, not one per block.
+Copies go run by run: consecutive slots of one tier and one chunk move as one
+slice, so a prefix stored in order is one memcpy per run, not one per block.
 
 Invariant: this module never decides whether bytes are safe to read; the
 caller holds a lease (reads) or a reservation (writes) for every slot it names.
@@ -17,7 +19,7 @@ caller holds a lease (reads) or a reservation (writes) for every slot it names.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -28,17 +30,27 @@ from ..results import BlockLocations
 from ..rpc import cache_pb2 as pb
 from ..tiers.base import TierKind
 from ..tiers.host import MappedSegment
+from ..tiers.pool import TensorPool, addressing
 
 log = logging.getLogger(__name__)
 
 
-def runs(tiers: np.ndarray, slots: np.ndarray) -> Iterator[tuple[int, int, int, int]]:
-    """(start, end, tier, first slot) of each run of consecutive slots within one tier."""
+def runs(
+    tiers: np.ndarray, slots: np.ndarray, per_chunk: Mapping[int, int] | None = None
+) -> Iterator[tuple[int, int, int, int]]:
+    """(start, end, tier, first slot) of each run of consecutive slots within one tier and, with
+    `per_chunk` (tier -> slots per chunk), within one chunk: only there are slots adjacent bytes."""
     if len(slots) == 0:
         return
     tiers = np.asarray(tiers, dtype=np.int64)
     slots = np.asarray(slots, dtype=np.int64)
-    breaks = np.flatnonzero((np.diff(slots) != 1) | (np.diff(tiers) != 0)) + 1
+    cut = (np.diff(slots) != 1) | (np.diff(tiers) != 0)
+    if per_chunk:
+        table = np.ones(max(per_chunk) + 1, dtype=np.int64)
+        for tier, per in per_chunk.items():
+            table[tier] = per
+        cut |= np.diff(slots // table[np.minimum(tiers, len(table) - 1)]) != 0
+    breaks = np.flatnonzero(cut) + 1
     starts = [0, *breaks.tolist()]
     ends = [*breaks.tolist(), len(slots)]
     for start, end in zip(starts, ends):
@@ -53,7 +65,7 @@ def map_host_segment(segment: pb.SharedMemorySegment, layout: KVLayout) -> Mappe
         )
         return None
     try:
-        return MappedSegment(segment.name, layout, segment.num_slots)
+        return MappedSegment(segment.name, layout, segment.num_slots, segment.chunk_bytes, segment.slots_per_chunk)
     except (OSError, ConfigError) as error:
         # Another host, another user (the segment is 0600) or a container without
         # the service's /dev/shm: the stream still works.
@@ -61,8 +73,8 @@ def map_host_segment(segment: pb.SharedMemorySegment, layout: KVLayout) -> Mappe
         return None
 
 
-def map_device_pool(pool: pb.CudaIpcPool, layout: KVLayout) -> torch.Tensor | None:
-    """The service's device pool opened from its CUDA IPC handle, or None."""
+def map_device_pool(pool: pb.CudaIpcPool, layout: KVLayout) -> TensorPool | None:
+    """The service's device pool opened from its CUDA IPC handle (this layout's slots), or None."""
     if not torch.cuda.is_available() or not pool.handle:
         return None
     try:
@@ -79,14 +91,12 @@ def map_device_pool(pool: pb.CudaIpcPool, layout: KVLayout) -> torch.Tensor | No
     except RuntimeError as error:
         log.info("cannot open the device pool by CUDA IPC (%s); using the host tier or the stream", error)
         return None
-    shape = (pool.num_slots, *layout.block_shape)
-    tensor = torch.empty(0, dtype=layout.dtype.torch, device=f"cuda:{pool.device_index}")
-    strides: list[int] = []
-    step = 1
-    for size in reversed(shape):  # contiguous, as the service allocated it
-        strides.insert(0, step)
-        step *= size
-    return tensor.set_(storage, 0, shape, strides)
+    chunk_bytes, per_chunk, span = addressing(
+        pool.num_slots, layout.block_bytes, pool.chunk_bytes, pool.slots_per_chunk
+    )
+    data = torch.empty(0, dtype=torch.uint8, device=f"cuda:{pool.device_index}")
+    data.set_(storage, 0, (span,), (1,))
+    return TensorPool(TierKind.DEVICE, layout, data, chunk_bytes, per_chunk)
 
 
 def _register_pinned(storage: torch.Tensor) -> bool:
@@ -103,18 +113,19 @@ def _register_pinned(storage: torch.Tensor) -> bool:
 class LocalPools:
     """The slot pools this process can address directly, by tier."""
 
-    def __init__(self, host: MappedSegment | None, device: torch.Tensor | None) -> None:
+    def __init__(self, host: MappedSegment | None, device: TensorPool | None) -> None:
         self._host = host
         self._pinned = False
-        self.pools: dict[int, torch.Tensor] = {}
+        self.pools: dict[int, TensorPool] = {}
         if host is not None:
-            self.pools[int(TierKind.HOST)] = host.pool.storage
-            self._pinned = _register_pinned(host.pool.storage)
+            self.pools[int(TierKind.HOST)] = host.pool
+            self._pinned = _register_pinned(host.pool.data)
         if device is not None:
             self.pools[int(TierKind.DEVICE)] = device
+        self._per_chunk = {tier: pool.per_chunk for tier, pool in self.pools.items()}
 
     @property
-    def host(self) -> torch.Tensor | None:
+    def host(self) -> TensorPool | None:
         return self.pools.get(int(TierKind.HOST))
 
     def covers(self, locations: BlockLocations) -> bool:
@@ -122,20 +133,20 @@ class LocalPools:
 
     def gather(self, locations: BlockLocations, out: torch.Tensor) -> None:
         """out[i] <- the block at locations[i] (every tier must be mapped)."""
-        for start, end, tier, first in runs(locations.tiers, locations.slots):
-            out[start:end].copy_(self.pools[tier][first : first + end - start])
+        for start, end, tier, first in runs(locations.tiers, locations.slots, self._per_chunk):
+            out[start:end].copy_(self.pools[tier].run(first, end - start))
 
     def scatter(self, slots: tuple[int, ...] | list[int], kv: torch.Tensor) -> None:
         """host slot slots[i] <- kv[i]."""
         host = self.pools[int(TierKind.HOST)]
         tiers = np.full(len(slots), int(TierKind.HOST))
-        for start, end, _tier, first in runs(tiers, np.asarray(slots)):
-            host[first : first + end - start].copy_(kv[start:end])
+        for start, end, _tier, first in runs(tiers, np.asarray(slots), self._per_chunk):
+            host.run(first, end - start).copy_(kv[start:end])
 
     def close(self) -> None:
         host = self.pools.get(int(TierKind.HOST))
         if self._pinned and host is not None:
-            torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(host.data.data_ptr())
             self._pinned = False
         self.pools.clear()
         if self._host is not None:

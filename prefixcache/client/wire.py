@@ -156,12 +156,14 @@ class NamespaceInfo:
     tenant: str
     blocks: dict[TierKind, int]  # resident blocks per local tier (absent: none)
     kv_scale: str = ""  # the engine's KV quantization settings it was attached with
+    block_bytes: int = 0  # its layout's block size (the service side; 0: not known here)
 
     def resident_bytes(self, block_bytes: int) -> int:
-        return sum(self.blocks.values()) * block_bytes
+        return sum(self.blocks.values()) * (self.block_bytes or block_bytes)
 
 
 def namespaces_message(entries: list[NamespaceInfo], block_bytes: int) -> pb.ListNamespacesResponse:
+    """`block_bytes`: the block size of entries that do not carry their own."""
     ordered = sorted(entries, key=lambda e: (e.tenant, e.model, e.revision, e.namespace_id))
     return pb.ListNamespacesResponse(
         namespaces=[
@@ -173,7 +175,7 @@ def namespaces_message(entries: list[NamespaceInfo], block_bytes: int) -> pb.Lis
                 tenant=e.tenant,
                 kv_scale=e.kv_scale,
                 tiers=[
-                    pb.TierBlocks(tier=TIERS[kind], blocks=n, bytes=n * block_bytes)
+                    pb.TierBlocks(tier=TIERS[kind], blocks=n, bytes=n * (e.block_bytes or block_bytes))
                     for kind, n in sorted(e.blocks.items())
                 ],
             )
@@ -192,9 +194,15 @@ def namespaces_of(message: pb.ListNamespacesResponse) -> list[NamespaceInfo]:
             n.tenant,
             {TIER_OF[t.tier]: t.blocks for t in n.tiers if t.tier in TIER_OF},
             n.kv_scale,
+            _block_bytes(n),
         )
         for n in message.namespaces
     ]
+
+
+def _block_bytes(entry: pb.NamespaceInfo) -> int:
+    """A namespace's block size from its tiers' figures (its own layout's; 0 when nothing is resident)."""
+    return next((t.bytes // t.blocks for t in entry.tiers if t.blocks), 0)
 
 
 # -- bulk messages without extra copies ------------------------------------------------

@@ -78,17 +78,21 @@ class AttachRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., cache_salt: _Optional[str] = ..., same_host: _Optional[bool] = ..., kv_scale: _Optional[str] = ...) -> None: ...
 
 class SharedMemorySegment(_message.Message):
-    __slots__ = ("name", "num_slots", "slot_bytes")
+    __slots__ = ("name", "num_slots", "slot_bytes", "chunk_bytes", "slots_per_chunk")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_slots: int
     slot_bytes: int
-    def __init__(self, name: _Optional[str] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+    chunk_bytes: int
+    slots_per_chunk: int
+    def __init__(self, name: _Optional[str] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., slots_per_chunk: _Optional[int] = ...) -> None: ...
 
 class CudaIpcPool(_message.Message):
-    __slots__ = ("device_index", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "num_slots")
+    __slots__ = ("device_index", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "num_slots", "chunk_bytes", "slots_per_chunk")
     DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +102,8 @@ class CudaIpcPool(_message.Message):
     EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
     EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
     device_index: int
     handle: bytes
     storage_size_bytes: int
@@ -107,7 +113,9 @@ class CudaIpcPool(_message.Message):
     event_handle: bytes
     event_sync_required: bool
     num_slots: int
-    def __init__(self, device_index: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., num_slots: _Optional[int] = ...) -> None: ...
+    chunk_bytes: int
+    slots_per_chunk: int
+    def __init__(self, device_index: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., num_slots: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., slots_per_chunk: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("namespace_id", "layout", "host_segment", "device_pool", "lease_ttl_seconds", "max_prompt_tokens", "max_chunk_bytes")

@@ -101,7 +101,8 @@ class PrefixCacheServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Attach(self, request, context):
-        """Register a namespace (idempotent). The first Attach fixes the cache's KV layout.
+        """Register a namespace (idempotent). Namespaces of any KV layouts (models) share the
+        service's tiers and their byte budgets; the first Attach creates the cache.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

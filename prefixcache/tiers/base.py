@@ -86,6 +86,8 @@ class ShareHandle:
     slot_bytes: int
     segment: str | None = None
     cuda_ipc: tuple[Any, ...] | None = None
+    chunk_bytes: int = 0  # slot s is at (s // slots_per_chunk) * chunk_bytes + (s % slots_per_chunk) * slot_bytes
+    slots_per_chunk: int = 0
 
 
 class RemoteTier(Protocol):
@@ -141,10 +143,17 @@ class FreeSlots:
     node or reservation; never both, never neither.
     """
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, initial: np.ndarray | None = None) -> None:
+        """Slot numbers in [0, `num_slots`); the free ones are `initial` (ascending; default all),
+        taken in that order."""
         self.num_slots = num_slots
-        self._free = array.array("i", range(num_slots - 1, -1, -1))
-        self._is_free = bytearray(b"\x01") * num_slots
+        if initial is None:
+            self._free = array.array("i", range(num_slots - 1, -1, -1))
+            self._is_free = bytearray(b"\x01") * num_slots
+        else:
+            self._free = array.array("i", np.asarray(initial, dtype=np.int32)[::-1].tobytes())
+            self._is_free = bytearray(num_slots)
+            self.flags()[np.asarray(initial, dtype=np.int64)] = 1
 
     def __len__(self) -> int:
         return len(self._free)
@@ -190,3 +199,30 @@ class FreeSlots:
 
     def is_free(self, slot: int) -> bool:
         return bool(self._is_free[slot])
+
+    def flags(self) -> np.ndarray:
+        """1 where a slot is free (a live view, read-only by convention)."""
+        return np.frombuffer(self._is_free, dtype=np.uint8)
+
+    def add(self, slots: range) -> None:
+        """Make `slots` (none of them free or owned) free: taken in ascending order, after the slots
+        already free (an arena handing this list a chunk; tiers/arena.py)."""
+        if not len(slots):
+            return
+        flags = self.flags()
+        if flags[slots.start : slots.stop].any():
+            raise RuntimeError(f"slots {slots} are already free")
+        flags[slots.start : slots.stop] = 1
+        self._free = array.array("i", range(slots.stop - 1, slots.start - 1, -1)) + self._free
+
+    def remove(self, slots: range) -> None:
+        """Take `slots`, all free, out of this list for good (their chunk goes to another layout)."""
+        if not len(slots):
+            return
+        flags = self.flags()
+        if not flags[slots.start : slots.stop].all():
+            raise RuntimeError(f"slots {slots} are not all free")
+        flags[slots.start : slots.stop] = 0
+        free = np.frombuffer(self._free, dtype=np.int32)
+        kept = free[(free < slots.start) | (free >= slots.stop)]
+        self._free = array.array("i", kept.tobytes())

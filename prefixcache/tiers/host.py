@@ -5,8 +5,8 @@ writes slots directly, so a hit moves no bytes through the service. The
 segment is an `OwnedSegment` (tiers/shm.py): created owner-only (mode 0600),
 every page reserved before the tier exists (no SIGBUS, here or in a worker),
 locked by its owner so a successor can tell a dead owner's segment from a live
-one, and unlinked when the owning tier closes. Slots start at offset 0 of the
-segment; the owner record after them is never part of the pool. Pinned
+one, and unlinked when the owning tier closes. The arena's chunks start at offset
+0 of the segment; the owner record after them is never part of the pool. Pinned
 (page-locked) memory is used only when CUDA is present.
 """
 
@@ -22,8 +22,9 @@ import torch
 
 from ..config import KVLayout
 from ..errors import ConfigError
-from .base import ShareHandle, TierKind
-from .pool import TensorPool
+from .arena import Arena, chunk_bytes_for
+from .base import TierKind
+from .pool import TensorPool, addressing
 from .shm import OwnedSegment
 
 log = logging.getLogger(__name__)
@@ -37,45 +38,62 @@ def slots_for(capacity_bytes: int, layout: KVLayout, field_name: str) -> int:
     return slots
 
 
-def _tensor_over(buffer: memoryview, layout: KVLayout, num_slots: int) -> torch.Tensor:
-    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=num_slots * layout.block_bytes)  # slots are bytes
-    return flat.view(layout.dtype.torch).view(num_slots, *layout.block_shape)
-
-
 class HostTier(TensorPool):
     """Owner of the shared-memory segment; `segment_name` is what workers map.
 
-    `segment` is a segment reserved beforehand (the service claims one at start, sized to its
-    byte budget, before any layout is known) or the name of one to create now (random if None).
+    The tier is the pool of its first layout over an `Arena` (tiers/arena.py) that other layouts
+    join (`arena.add_layout`). `segment` is a segment reserved beforehand (the service claims one
+    at start, sized to its byte budget, before any layout is known) or the name of one to create
+    now (random if None). `chunk_bytes` and `min_block_bytes` size the arena (`chunk_bytes_for`;
+    default minimum block: this layout's).
     """
 
-    def __init__(self, layout: KVLayout, capacity_bytes: int, segment: OwnedSegment | str | None = None) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        capacity_bytes: int,
+        segment: OwnedSegment | str | None = None,
+        chunk_bytes: int | None = None,
+        min_block_bytes: int | None = None,
+    ) -> None:
         num_slots = slots_for(capacity_bytes, layout, "host_capacity")
+        size = num_slots * layout.block_bytes
         if not isinstance(segment, OwnedSegment):
-            segment = OwnedSegment(segment or f"prefixcache-{secrets.token_hex(6)}", num_slots * layout.block_bytes)
-        elif segment.data_bytes < num_slots * layout.block_bytes:
+            segment = OwnedSegment(segment or f"prefixcache-{secrets.token_hex(6)}", size)
+        elif segment.data_bytes < size:
             raise ConfigError(
                 "host_capacity",
                 f"segment {segment.name} holds {segment.data_bytes} bytes, fewer than {num_slots} slots",
             )
         self._segment: OwnedSegment | None = segment
         self.segment_name = segment.name
-        storage = _tensor_over(segment.buf, layout, num_slots)
+        data = torch.frombuffer(segment.buf, dtype=torch.uint8, count=size)  # slots are bytes
         if torch.cuda.is_available():
-            torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes, 0)
-        super().__init__(TierKind.HOST, layout, storage)
-        log.info("host tier: %d slots of %d bytes in shm %s", num_slots, layout.block_bytes, self.segment_name)
-
-    def share_handle(self) -> ShareHandle:
-        return ShareHandle(TierKind.HOST, self.num_slots, self.layout.block_bytes, segment=self.segment_name)
+            torch.cuda.cudart().cudaHostRegister(data.data_ptr(), data.nbytes, 0)
+        self.arena = Arena(
+            TierKind.HOST,
+            data,
+            chunk_bytes_for(size, layout.block_bytes, chunk_bytes),
+            min(min_block_bytes or layout.block_bytes, layout.block_bytes),  # larger would only waste
+        )
+        self.arena.segment = segment.name
+        super().__init__(TierKind.HOST, layout, data, self.arena.chunk_bytes, self.arena.per_chunk(layout))
+        self.arena.adopt(self)
+        log.info(
+            "host tier: %d slots of %d bytes in shm %s (chunks of %d bytes)",
+            num_slots,
+            layout.block_bytes,
+            self.segment_name,
+            self.arena.chunk_bytes,
+        )
 
     def close(self) -> None:
         """Unmap and unlink the segment; a segment file already removed (by an operator) is logged, not fatal."""
         if self._segment is None:
             return
         if torch.cuda.is_available():
-            torch.cuda.cudart().cudaHostUnregister(self.storage.data_ptr())
-        super().close()
+            torch.cuda.cudart().cudaHostUnregister(self.arena.data.data_ptr())
+        self.arena.close()
         self._segment.close()
         self._segment = None
 
@@ -93,16 +111,22 @@ class MappedSegment:
     tracker, which would unlink the service's segment when this process exits.
     """
 
-    def __init__(self, segment_name: str, layout: KVLayout, num_slots: int) -> None:
+    def __init__(
+        self, segment_name: str, layout: KVLayout, num_slots: int, chunk_bytes: int = 0, per_chunk: int = 0
+    ) -> None:
+        """`num_slots` of `layout`, `per_chunk` in each chunk of `chunk_bytes` (0: one chunk, as a
+        service from before arenas lays them out)."""
+        chunk_bytes, per_chunk, need = addressing(num_slots, layout.block_bytes, chunk_bytes, per_chunk)
         fd = _posixshmem.shm_open("/" + segment_name.lstrip("/"), os.O_RDWR, mode=0o600)
         try:
             size = os.fstat(fd).st_size
-            if size < num_slots * layout.block_bytes:
+            if size < need:
                 raise ConfigError("segment", f"shared memory {segment_name!r} is smaller than {num_slots} slots")
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        self.pool = TensorPool(TierKind.HOST, layout, _tensor_over(memoryview(self._map), layout, num_slots))
+        data = torch.frombuffer(memoryview(self._map), dtype=torch.uint8, count=need)
+        self.pool = TensorPool(TierKind.HOST, layout, data, chunk_bytes, per_chunk)
 
     def close(self) -> None:
         self.pool.close()

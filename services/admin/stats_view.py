@@ -136,7 +136,7 @@ def stats_view(doc: dict) -> RenderableType:
         return Group(
             overview_table(doc),
             Text(
-                "\nthe cache is not created yet: no worker has attached (the first Attach fixes the KV layout)",
+                "\nthe cache is not created yet: no worker has attached (the first Attach creates the cache)",
                 style="yellow",
             ),
         )

@@ -2,10 +2,12 @@
 
 The service starts with capacities and a block size but not the model
 geometry, so the `PrefixCache` (and its host tier) is built at the first
-Attach, whose layout it then keeps; a later Attach with another layout is
-FAILED_PRECONDITION. The host tier's shared memory is reserved earlier, when
-the server starts (`claim_segment`, sized to `host_capacity`), so a /dev/shm
-that cannot hold it stops the start rather than an Attach or a write.
+Attach; namespaces of other layouts (other models, another KV dtype) join the
+same tiers and byte budgets later (tiers/arena.py), and only a layout that
+cannot live in a chunk is FAILED_PRECONDITION. The host tier's shared memory
+is reserved earlier, when the server starts (`claim_segment`, sized to
+`host_capacity`), so a /dev/shm that cannot hold it stops the start rather
+than an Attach or a write.
 
 Owns: that cache, the registry of the namespaces each tenant attached, and
 the draining flag.
@@ -200,13 +202,16 @@ class CacheBackend:
     def _build(self, layout: KVLayout) -> PrefixCache:
         options = self.options
         config = options.cache
+        sizing = {"chunk_bytes": config.chunk_bytes, "min_block_bytes": config.min_block_bytes}
         try:
-            host = HostTier(layout, config.host_capacity, self._segment or options.shm_name)
+            host = HostTier(layout, config.host_capacity, self._segment or options.shm_name, **sizing)
         except ConfigError as error:
             raise ServiceMisconfigured(f"{error} for this layout") from None
         try:
             device = (
-                DeviceTier(layout, config.device_capacity, options.device or "cuda") if config.device_capacity else None
+                DeviceTier(layout, config.device_capacity, options.device or "cuda", **sizing)
+                if config.device_capacity
+                else None
             )
             remote = options.remote_factory(layout) if options.remote_factory else None
         except BaseException:
@@ -305,15 +310,19 @@ class CacheBackend:
         self.lease(principal, lease_id)
         self._require_lease(lease_id).release(lease_id)
 
-    def share_handle(self, kind: TierKind) -> ShareHandle | None:
-        """How a same-host worker maps the `kind` tier (None: not configured or not shareable)."""
-        tier = self._require().tiers.get(kind)
-        return tier.share_handle() if tier is not None else None
+    def share_handle(self, kind: TierKind, ns_id: str) -> ShareHandle | None:
+        """How a same-host worker maps the `kind` tier for namespace `ns_id`'s layout (None: not
+        configured or not shareable)."""
+        cache = self._require()
+        return cache.pool(kind, ns_id).share_handle() if kind in cache.tiers else None
 
-    def block_bytes(self, location: BlockLocation) -> memoryview:
-        """One block's bytes (a view into the tier for the host tier; the caller holds a lease
-        and copies it inside `reading()`)."""
-        return self._require().tiers[location.tier].block_bytes(location.slot)
+    def layout_of(self, ns_id: str) -> KVLayout:
+        return self._require().layout_of(ns_id)
+
+    def block_bytes(self, ns_id: str, location: BlockLocation) -> memoryview:
+        """One block of namespace `ns_id` (a view into the tier for the host tier; the caller holds
+        a lease and copies it inside `reading()`)."""
+        return self._require().pool(location.tier, ns_id).block_bytes(location.slot)
 
     # -- writes -------------------------------------------------------------------------
     def reserve(self, principal: Principal, ns_id: str, count: int) -> Reservation:
@@ -371,6 +380,7 @@ class CacheBackend:
                     tenant if principal.admin else "",
                     resident.get(ns, {}),
                     namespace.kv_scale,
+                    namespace.layout.block_bytes,
                 )
             )
         return entries

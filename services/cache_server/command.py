@@ -57,13 +57,26 @@ def register(subparsers) -> None:
         help="run the cache service (gRPC)",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Run the prefix-cache gRPC service. The first worker to Attach fixes the KV layout.",
+        description="Run the prefix-cache gRPC service. Workers of any models (KV layouts) share its tiers.",
     )
     add = parser.add_argument
     add("--listen", default="127.0.0.1:50051", help="HOST:PORT to listen on (default %(default)s; port 0: any)")
     add("--host-capacity", default="1GiB", help="host tier (shared memory) byte budget (default %(default)s)")
     add("--device-capacity", default="0", help="device tier byte budget on CUDA (default %(default)s: none)")
     add("--block-size", type=int, default=16, help="tokens per block (default %(default)s)")
+    add(
+        "--chunk-bytes",
+        default=None,
+        help="slot tiers are cut into chunks of this size, each serving one model's KV layout at a time "
+        "(default: 64MiB, at most a quarter of a tier, in whole blocks of the first layout; must hold "
+        "the largest block)",
+    )
+    add(
+        "--min-block-bytes",
+        default=None,
+        help="the smallest block that fills a whole chunk (sizes the index; default and at most: the first "
+        "layout's block; a smaller model's blocks fill chunks partly)",
+    )
     add("--ttl", default="300s", help="sliding time-to-live of a block (default %(default)s)")
     add("--lease-ttl", default="30s", help="how long a lease pins blocks at most (default %(default)s)")
     add(
@@ -231,6 +244,8 @@ def options_from(args: argparse.Namespace) -> ServerOptions:
         max_prompt_tokens=args.max_prompt_tokens,
         max_leases=args.max_leases,
         tenant_quotas=quotas_from(args, authenticator),
+        chunk_bytes=None if args.chunk_bytes is None else parse_size(args.chunk_bytes, "chunk_bytes"),
+        min_block_bytes=None if args.min_block_bytes is None else parse_size(args.min_block_bytes, "min_block_bytes"),
     )
     _warn_weak_hash(authenticator, cache)
     if cache.device_capacity and not torch.cuda.is_available():

@@ -123,16 +123,22 @@ class PrefixCacheServicer:
             max_chunk_bytes=self._limits.max_chunk_bytes,
         )
         if request.same_host and principal.same_host:  # the pools hold every tenant's KV (SECURITY.md)
-            host = self._backend.share_handle(TierKind.HOST)
+            host = self._backend.share_handle(TierKind.HOST, ns_id)
             assert host is not None  # the host tier is always a shared-memory segment
             response.host_segment.CopyFrom(
-                pb.SharedMemorySegment(name=host.segment, num_slots=host.num_slots, slot_bytes=host.slot_bytes)
+                pb.SharedMemorySegment(
+                    name=host.segment,
+                    num_slots=host.num_slots,
+                    slot_bytes=host.slot_bytes,
+                    chunk_bytes=host.chunk_bytes,
+                    slots_per_chunk=host.slots_per_chunk,
+                )
             )
-            self._add_device_pool(response)
+            self._add_device_pool(response, ns_id)
         return response
 
-    def _add_device_pool(self, response: pb.AttachResponse) -> None:
-        shared = self._backend.share_handle(TierKind.DEVICE)
+    def _add_device_pool(self, response: pb.AttachResponse, ns_id: str) -> None:
+        shared = self._backend.share_handle(TierKind.DEVICE, ns_id)
         if shared is None or shared.cuda_ipc is None:
             return
         (device, handle, size, offset, ref_handle, ref_offset, event, sync), num_slots = (
@@ -150,6 +156,8 @@ class PrefixCacheServicer:
                 event_handle=event or b"",
                 event_sync_required=sync,
                 num_slots=num_slots,
+                chunk_bytes=shared.chunk_bytes,
+                slots_per_chunk=shared.slots_per_chunk,
             )
         )
 
@@ -170,8 +178,8 @@ class PrefixCacheServicer:
         )
         lease = self._backend.lease(principal, lease_id)
         count = len(lease.locations)
-        total = count * self._backend.cache.layout.block_bytes
-        views = (self._backend.block_bytes(location) for location in lease.locations)
+        total = count * self._backend.layout_of(lease.namespace_id).block_bytes
+        views = (self._backend.block_bytes(lease.namespace_id, location) for location in lease.locations)
         chunks = byte_chunks(views, limit)
         while True:
             # The views point into the host tier's mapping: every step that touches them runs
@@ -232,8 +240,9 @@ class PrefixCacheServicer:
         ns_id = convert.namespace_id(header.namespace_id, "header.namespace_id")
         salt = convert.salt(header)
         tokens = self._tokens(header.tokens, "header.tokens")
-        self._backend.resolve(principal, ns_id, salt)  # an unknown namespace fails before any bytes are read
-        layout = self._backend.cache.layout
+        resolved = self._backend.resolve(principal, ns_id, salt)  # an unknown one fails before any bytes are read
+        assert resolved is not None  # created when missing
+        layout = self._backend.layout_of(resolved)
         convert.store_header(header, layout)
         total = header.block_count * layout.block_bytes
         capacity = self._backend.options.cache.host_capacity
