@@ -226,13 +226,18 @@ class RadixIndex:
         return self.log.scan(lambda nodes: (self.tier[nodes] == tier) & (self.pins[nodes] == 0))
 
     def lru_leaves(
-        self, tier: int, wanted: int, members: Callable[[np.ndarray], np.ndarray] | None = None
+        self,
+        tier: int,
+        wanted: int,
+        members: Callable[[np.ndarray], np.ndarray] | None = None,
+        cut: Callable[[np.ndarray], tuple[np.ndarray, bool]] | None = None,
     ) -> np.ndarray:
         """Up to `wanted` unpinned nodes of `tier` (among `members`, a mask over node rows) that
         evicting the LRU nodes in turn would drop from a last tier, in that order: a node goes once
         it has no children left, so every cached prefix stays contiguous. Read from the touch log
-        (O(entries scanned), not O(blocks cached)); the picking is the compiled core's. Nothing
-        changes but the log's head (leading stale entries)."""
+        (O(entries scanned), not O(blocks cached)); the picking is the compiled core's. `cut` sees
+        each LRU chunk first and returns the nodes to pick from and whether the scan stops after
+        them. Nothing changes but the log's head (leading stale entries)."""
         out = np.empty(max(wanted, 0), dtype=np.int64)
         count = 0
         if not len(out):
@@ -244,8 +249,11 @@ class RadixIndex:
 
         try:
             for nodes in self.log.scan_chunks(eligible):
+                stop = False
+                if cut is not None:
+                    nodes, stop = cut(nodes)
                 count = self.core.pick_leaves(nodes, out, count)
-                if count >= len(out):
+                if stop or count >= len(out):
                     break
         finally:
             self.core.forget_picks(out[:count])

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from itertools import repeat
 
 import numpy as np
 
@@ -179,38 +178,39 @@ class Placement:
         """Unpinned blocks (among `members`) of `kind`, the last slot tier, in LRU order and
         leaf-first, until their `weight` (default 1 each) reaches `wanted`: the blocks `evict` of
         each LRU node in turn would drop (a block goes once its children have), picked from the
-        touch log. Picking changes nothing the scan reads but children counts, which `gone`
-        carries. Costs O(log entries scanned), not O(blocks cached).
+        touch log by the compiled core (`RadixIndex.lru_leaves`). Costs O(log entries scanned),
+        not O(blocks cached).
 
         With `layout`, only that layout's blocks are picked, and the scan stops at the first
         block of another layout whose (layout, chunk) is not in `skipped`, returned third."""
-        index = self.index
-        tier, pins, children, parent = index.tier, index.pins, index.children, index.parent
+        foreign: tuple[int, int] | None = None
 
-        def eligible(nodes: np.ndarray) -> np.ndarray:
-            ok = (tier[nodes] == kind) & (pins[nodes] == 0)
-            return np.asarray(ok & members(nodes)) if members is not None else ok
+        def cut(nodes: np.ndarray) -> tuple[np.ndarray, bool]:
+            # Keep this layout's nodes up to the first block of another layout whose chunk is not
+            # skipped: that chunk is the one to empty next.
+            nonlocal foreign
+            owners = self.layout_of(nodes)
+            keep = owners == layout
+            for i in np.flatnonzero(~keep).tolist():
+                owner = int(owners[i])
+                chunk = int(self.index.slot[nodes[i]]) // self.arenas[kind].pools[owner].per_chunk
+                if skipped is None or (owner, chunk) not in skipped:
+                    foreign = (owner, chunk)
+                    return nodes[:i][keep[:i]], True
+            return nodes[keep], False
 
-        gone: dict[int, int] = {}  # node -> its children picked before it
-        victims: list[int] = []
-        total = 0
-        for nodes in index.log.scan_chunks(eligible):
-            costs = weight(nodes).tolist() if weight is not None else repeat(1)
-            owners = self.layout_of(nodes).tolist() if layout is not None else repeat(None)
-            rows = zip(nodes.tolist(), children[nodes].tolist(), parent[nodes].tolist(), costs, owners)
-            for node, kids, up, cost, owner in rows:
-                if owner != layout:  # another layout's: its chunk goes, unless skipped
-                    chunk = int(index.slot[node]) // self.arenas[kind].pools[owner].per_chunk
-                    if skipped is None or (owner, chunk) not in skipped:
-                        return victims, total, (owner, chunk)
-                    continue
-                if not kids or kids == gone.get(node):
-                    victims.append(node)
-                    gone[up] = gone.get(up, 0) + 1
-                    total += cost
-                    if total >= wanted:
-                        return victims, total, None
-        return victims, total, None
+        if weight is None:
+            victims = self.index.lru_leaves(kind, wanted, members, cut if layout is not None else None)
+            # Enough of this layout's blocks before the other layout's: its chunk stays.
+            return victims.tolist(), len(victims), foreign if len(victims) < wanted else None
+        # Weighted (bytes): pick as many blocks as the lightest could need, keep the LRU-first
+        # prefix that reaches `wanted` (any prefix of a leaf-first order is one).
+        lightest = min(pool.layout.block_bytes for pool in self.arenas[kind].pools)
+        picked = self.index.lru_leaves(kind, -(-wanted // lightest), members, cut if layout is not None else None)
+        costs = np.cumsum(weight(picked)) if len(picked) else np.zeros(0, dtype=np.int64)
+        end = min(int(np.searchsorted(costs, wanted)) + 1, len(picked))
+        total = int(costs[end - 1]) if end else 0
+        return picked[:end].tolist(), total, foreign if total < wanted else None
 
     def _drop_leaves(
         self,
