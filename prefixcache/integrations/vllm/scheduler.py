@@ -207,8 +207,8 @@ class SchedulerSide:
     def _worth_loading(self, external: int, local: int, hit: Hit, attachment: Attachment) -> bool:
         if self.settings.hit_policy == "always":
             return True
-        first, end = local // self.block_size, (local + external) // self.block_size
-        mapped = attachment.shared_memory and bool(np.all(hit.locations.tiers[first:end] == int(TierKind.HOST)))
+        end = (local + external) // self.block_size
+        mapped = end <= hit.mapped_blocks  # else the worker's read takes the Fetch stream
         return worth_loading(
             external,
             attachment.layout.block_size,
@@ -268,19 +268,7 @@ class SchedulerSide:
             hit, first = state.hit, state.local_tokens // bs
             end = first + state.external_tokens // bs
             meta.loads.append(
-                LoadOp(
-                    req_id,
-                    hit.namespace_id,
-                    state.attachment.host_segment,
-                    int(hit.lease_id),
-                    float(hit.lease_deadline),
-                    hit.prompt_tokens,
-                    hit.hit_tokens,
-                    tuple(int(t) for t in hit.locations.tiers),
-                    tuple(int(s) for s in hit.locations.slots),
-                    first,
-                    tuple(state.block_ids[first:end]),
-                )
+                LoadOp(req_id, hit, state.attachment.host_segment, first, tuple(state.block_ids[first:end]))
             )
             state.load_pending, state.hit = False, None  # the worker owns the lease now
             state.cached_blocks = max(state.cached_blocks, end)
