@@ -26,7 +26,7 @@ from prefixcache.tiers.base import TierKind
 from prefixcache.transfer import ProbeBudget, TransferEstimate, TransferMeter, blocks_worth_fetching
 from prefixcache_services.worker.engine import PrefillResult
 from prefixcache_services.worker.hit_policy import Decision, Estimates, HitPolicy, ReadPath, Verdict, choose
-from tests.core_support import ManualClock
+from tests.support.core import ManualClock
 
 pytestmark = pytest.mark.unit
 

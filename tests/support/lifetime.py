@@ -49,10 +49,10 @@ def session_segments(pid: int, directory: Path = SHM_DIR) -> list[SegmentInfo]:
 
 def start_janitor(session_pid: int | None = None) -> subprocess.Popen:
     """The janitor of this session; it outlives a SIGKILL of this process (and of its group)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root))
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.lifetime", str(session_pid or os.getpid())],
+        [sys.executable, "-m", "tests.support.lifetime", str(session_pid or os.getpid())],
         stdin=subprocess.PIPE,
         cwd=root,
         env=env,

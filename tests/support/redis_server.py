@@ -3,9 +3,9 @@
 Servers listen on free loopback ports (optionally TLS-only), keep no data on disk (`--save ""
 --appendonly no`), and can be SIGKILLed and restarted on the same port. Readiness
 is always polled with a bounded deadline (never a blind sleep). Every server dies with the
-process that started it, even if that process is SIGKILLed (tests/lifetime.py).
+process that started it, even if that process is SIGKILLed (tests/support/lifetime.py).
 
-Fixtures (register with `pytest_plugins = ["tests.redis_server"]` in a conftest,
+Fixtures (register with `pytest_plugins = ["tests.support.redis_server"]` in a conftest,
 or import them into a test module):
 - `redis_server`: one server shared by the test session (isolate with key prefixes);
 - `private_redis`: a server of one test's own, free to kill, pause or reconfigure;
@@ -21,27 +21,17 @@ import ssl
 import subprocess
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
 
-from tests import lifetime
+from tests.support import lifetime
 
 READY_TIMEOUT_S = 10.0
 _POLL_S = 0.01
-
-
-def poll(condition: Callable[[], bool], timeout_s: float, interval_s: float = 0.01) -> bool:
-    """Calls `condition` until it is true (True) or `timeout_s` passes (False); never sleeps blindly."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval_s)
-    return True
 
 
 def _require(binary: str) -> str:

@@ -13,7 +13,7 @@
 
 Readiness is always polled with a bounded deadline, never a blind sleep. Every process is
 killed when its owner is torn down, at interpreter exit should a test die first, and by the
-kernel should the test process be SIGKILLed (tests/lifetime.py); a SIGKILLed service's
+kernel should the test process be SIGKILLed (tests/support/lifetime.py); a SIGKILLed service's
 shared-memory segment is unlinked by `kill`.
 
 Model processes take seconds to start (and seconds to exit: interpreter teardown of torch),
@@ -43,10 +43,10 @@ from pathlib import Path
 
 import pytest
 
-from tests import lifetime
-from tests.redis_server import free_port
+from tests.support import lifetime
+from tests.support.redis_server import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 READY_LINE = "prefixcache serve: listening on "
 SERVICE_READY_S = 60.0
 WORKER_READY_S = 180.0  # model load on a busy 2-core CI runner
@@ -433,15 +433,3 @@ def _server_sent_events(response: http.client.HTTPResponse) -> Iterator[dict | s
             raise AssertionError(f"not an SSE data line: {line!r}")
         data = line[len("data: ") :]
         yield data if data == "[DONE]" else json.loads(data)
-
-
-def poll(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
-    """Calls `predicate` until it returns a truthy value (returned) or the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not true after {timeout_s}s (last value {value!r})")
-        time.sleep(interval_s)
