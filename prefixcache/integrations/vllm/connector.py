@@ -36,7 +36,6 @@ from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -197,11 +196,5 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         return PrefixCacheStats(dict(data)) if data is not None else PrefixCacheStats()
 
     @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: dict[type[PromMetric], type[PromMetricT]],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> PrefixCachePromMetrics:
-        return PrefixCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    def build_prom_metrics(cls, *args: Any, **kwargs: Any) -> PrefixCachePromMetrics:
+        return PrefixCachePromMetrics(*args, **kwargs)  # vLLM's arguments, as PrefixCachePromMetrics types them
