@@ -122,12 +122,11 @@ class InspectReport:
 
 
 def _leading_in(tiers: np.ndarray, mapped: Iterable[int]) -> int:
-    """How many leading blocks lie in the `mapped` tiers."""
-    kinds = list(mapped)
-    if not kinds:
-        return 0
-    outside = np.flatnonzero(~np.isin(tiers, kinds))
-    return int(outside[0]) if outside.size else len(tiers)
+    """How many leading blocks lie in the `mapped` tiers (at most two: compares, no np.isin)."""
+    inside = np.zeros(len(tiers), dtype=bool)
+    for kind in mapped:
+        inside |= tiers == kind
+    return len(tiers) if inside.all() else int(np.argmin(inside))
 
 
 def _token_list(tokens: TokenInput) -> list[int]:
