@@ -42,6 +42,24 @@ def popen(args, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(args, **kwargs)
 
 
+def kill(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGKILL (as a crash would) and reap, if it still runs."""
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=timeout_s)
+
+
+def stop(process: subprocess.Popen, grace_s: float) -> int:
+    """SIGTERM, then SIGKILL after `grace_s`; the exit code."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            kill(process)
+    return process.wait()
+
+
 def session_segments(pid: int, directory: Path = SHM_DIR) -> list[SegmentInfo]:
     """Segments owned by `pid` or by one of its children."""
     return [info for info in list_segments(directory) if pid in (info.record.pid, info.record.ppid)]

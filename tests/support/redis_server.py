@@ -15,7 +15,6 @@ or import them into a test module):
 from __future__ import annotations
 
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
@@ -134,12 +133,6 @@ def make_tls_files(directory: Path) -> TlsFiles:
     return files
 
 
-def _kill_process(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.kill()
-        process.wait(timeout=READY_TIMEOUT_S)
-
-
 class RedisServer:
     """One redis-server process on a fixed loopback port; restartable on that port."""
 
@@ -201,7 +194,7 @@ class RedisServer:
         self.process = lifetime.popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         # Killed at interpreter exit too, should a test die before its teardown; and by the kernel
         # should this process die without running finalizers (lifetime.popen).
-        weakref.finalize(self, _kill_process, self.process)
+        weakref.finalize(self, lifetime.kill, self.process, READY_TIMEOUT_S)
         self.wait_ready(timeout_s)
         return self
 
@@ -220,21 +213,16 @@ class RedisServer:
 
     def kill(self) -> None:
         """SIGKILL, as a crash would; returns once the process is gone."""
-        if self.alive():
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=READY_TIMEOUT_S)
+        if self.process is not None:
+            lifetime.kill(self.process, READY_TIMEOUT_S)
 
     def restart(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         self.kill()
         self.start(timeout_s)
 
     def stop(self) -> None:
-        if self.alive():
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.process is not None:
+            lifetime.stop(self.process, 5)
 
     def client(self, **kwargs) -> redis.Redis:
         """A plain client for assertions and fault injection (not the code under test)."""

@@ -58,12 +58,6 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
 
 
-def _kill(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.kill()
-        process.wait(timeout=30)
-
-
 def _tail(path: Path, chars: int = 3000) -> str:
     try:
         return path.read_text(errors="replace")[-chars:]
@@ -138,7 +132,7 @@ class CacheService:
             self.process = lifetime.popen(
                 self._command(), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=log, text=True
             )
-        weakref.finalize(self, _kill, self.process)
+        weakref.finalize(self, lifetime.kill, self.process)
         address = self._await_ready(timeout_s)
         self.port = int(address.rpartition(":")[2])
         return self
@@ -156,7 +150,7 @@ class CacheService:
                 break
             if line.startswith(READY_LINE):
                 return line[len(READY_LINE) :].strip()
-        _kill(self.process)
+        lifetime.kill(self.process)
         raise RuntimeError(
             f"cache service did not report readiness within {timeout_s}s "
             f"(exit {self.process.poll()}): {_tail(self.log_path)}"
@@ -168,7 +162,7 @@ class CacheService:
     def kill(self) -> None:
         """SIGKILL (a crash): the segment it would have unlinked is removed here."""
         if self.process is not None:
-            _kill(self.process)
+            lifetime.kill(self.process)
         Path("/dev/shm", self.shm_name).unlink(missing_ok=True)
 
     def restart(self, timeout_s: float = SERVICE_READY_S) -> None:
@@ -176,13 +170,9 @@ class CacheService:
         self.start(timeout_s)
 
     def stop(self) -> None:
-        if self.alive():
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
+        if self.process is not None:
+            lifetime.stop(self.process, 15)
+        self.kill()  # and the segment, whatever the exit
 
     def client(self, timeout_s: float = 10.0):
         """A plain `CacheClient` for assertions (stats, inspect); not attached."""
@@ -221,7 +211,7 @@ class WorkerProcess:
         ]
         with self.log_path.open("a") as log:
             self.process = lifetime.popen(command, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-        weakref.finalize(self, _kill, self.process)
+        weakref.finalize(self, lifetime.kill, self.process)
         return self
 
     def wait_ready(self, timeout_s: float = WORKER_READY_S) -> WorkerProcess:
@@ -230,7 +220,7 @@ class WorkerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"worker exited with {self.process.returncode}: {_tail(self.log_path)}")
             if time.monotonic() > deadline:
-                _kill(self.process)
+                lifetime.kill(self.process)
                 raise TimeoutError(f"worker on port {self.port} not healthy after {timeout_s}s: {_tail(self.log_path)}")
             time.sleep(_POLL_S)
         return self
@@ -244,14 +234,7 @@ class WorkerProcess:
 
     def stop(self) -> int | None:
         """SIGTERM and wait (SIGKILL after 15 s); the exit code, None if never launched."""
-        if self.process is None:
-            return None
-        self.terminate()
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            _kill(self.process)
-        return self.process.returncode
+        return None if self.process is None else lifetime.stop(self.process, 15)
 
 
 def start_all(workers: Sequence[WorkerProcess]) -> None:
