@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 from dataclasses import replace
 
 import numpy as np
@@ -133,6 +134,14 @@ def test_usable_blocks_leave_the_last_prompt_token_to_compute(prompt, usable):
     locations = BlockLocations([int(TierKind.HOST)] * 4, range(4))
     assert Hit("0" * 16, prompt, 4 * TOKENS, locations, None, 7, 1e9).usable_blocks == usable
     assert Hit("0" * 16, prompt, 0, BlockLocations([], []), None, None, None).usable_blocks == 0
+
+
+def test_a_hit_pickles_as_it_is():
+    """vLLM's scheduler hands its Hit to the workers pickled: equal, and its arrays still read-only."""
+    original = replace(hit(3, mapped=2, leased=4), remote_blocks_declined=1)
+    copy = pickle.loads(pickle.dumps(original))
+    assert copy == original and copy.usable_blocks == 3 and copy.mapped_blocks == 2
+    assert not copy.locations.tiers.flags.writeable and not copy.locations.slots.flags.writeable
 
 
 @pytest.mark.parametrize(

@@ -80,12 +80,19 @@ def test_round_trip_is_byte_exact(start, dtype, writer_local, reader_local):
     assert writer.store(tokens, kv).stored == 7
     hit = reader.lookup(tokens)
     assert (hit.hit_tokens, hit.blocks, hit.miss_reason) == (7 * BLOCK, 7, None)
+    assert hit.mapped_blocks == (7 if reader_local else 0)
+    assert hit.usable_blocks == min(7, (len(tokens) - 1) // BLOCK)  # the last token is computed
     try:
         assert same_bytes(reader.read(hit), kv)
+        assert same_bytes(reader.read(hit, blocks=slice(2, 5)), kv[2:5])  # a range of the same Hit
+        out = torch.empty_like(kv[:6])
+        assert reader.read(hit, out=out, blocks=slice(0, 6)) is out and same_bytes(out, kv[:6])
+        with pytest.raises(InvalidArgument, match="blocks"):
+            reader.read(hit, blocks=slice(0, 7, 2))
     finally:
         assert reader.release(hit)
     fetches = server.metrics.registry.get_sample_value("prefixcache_rpcs_total", {"method": "Fetch", "code": "OK"})
-    assert (fetches or 0) == (0 if reader_local else 1)  # shared memory moves no KV through gRPC
+    assert (fetches or 0) == (0 if reader_local else 3)  # shared memory moves no KV through gRPC
 
 
 def test_fetch_chunks_are_bounded_and_contiguous(start):
