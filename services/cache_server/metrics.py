@@ -226,7 +226,7 @@ class ServiceMetrics:
         self.registry.register(StatsCollector(source))
         if remote is not None:
             self.registry.register(RemoteCollector(remote))
-        self._http = None
+        self._http: WSGIServer | None = None
 
     def watch_handlers(self, load: Callable[[], dict[str, int]]) -> None:
         self.registry.register(HandlerCollector(load))
@@ -240,13 +240,13 @@ class ServiceMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP exporter; returns the bound port."""
-        self._http = make_server(
+        self._http = http = make_server(
             host, port, make_wsgi_app(self.registry), _Server6 if ":" in host else _Server, handler_class=_QuietHandler
         )
         threading.Thread(
-            target=self._http.serve_forever, kwargs={"poll_interval": 0.05}, name="prefixcache-metrics", daemon=True
+            target=http.serve_forever, kwargs={"poll_interval": 0.05}, name="prefixcache-metrics", daemon=True
         ).start()
-        bound = self._http.server_address[1]
+        bound = http.server_address[1]
         log.info("metrics on http://%s:%d/metrics", host, bound)
         return bound
 

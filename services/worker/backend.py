@@ -164,7 +164,7 @@ class InferenceBackend:
         text, raw = piece(entry.token)
         return Logprob(text, raw, entry.logprob, tuple((*piece(t), lp) for t, lp in entry.top))
 
-    def generate(self, request: GenerationRequest, cancelled: threading.Event) -> Iterator[Started | str | Finished]:
+    def generate(self, request: GenerationRequest, cancelled: threading.Event) -> Iterator[Started | Piece | Finished]:
         started_at = time.perf_counter()
         tokens = self.prompt_tokens(request)
         max_tokens = self.max_tokens(request, len(tokens))
