@@ -46,8 +46,8 @@ from prefixcache_services.replay.prompt_tokens import ChatTokens  # noqa: E402
 from prefixcache_services.replay.runner import RunOptions, RunResult, Target, run_schedule  # noqa: E402
 from prefixcache_services.replay.schedule import Schedule, ScheduleConfig, build_schedule  # noqa: E402
 from prefixcache_services.replay.workload import WorkloadSpec, load_workload  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
-from tests.worker_procs import CacheService, WorkerProcess, start_all  # noqa: E402
+from tests.support.redis_server import RedisServer  # noqa: E402
+from tests.support.worker_procs import CacheService, WorkerProcess, start_all  # noqa: E402
 
 FAULTS = ("redis_pause", "redis_kill", "service_restart")
 KEY_PREFIX = "soak"

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import redis
 
-# Run from anywhere without PYTHONPATH: this checkout's packages (and tests/redis_server.py) first.
+# Run from anywhere without PYTHONPATH: this checkout's packages (and tests/support/redis_server.py) first.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prefixcache.codec import decode_block, encode_block
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     url = args.redis_url
     if url is None:
-        from tests.redis_server import RedisServer  # the helper the tests use
+        from tests.support.redis_server import RedisServer  # the helper the tests use
 
         server = RedisServer(tempfile.mkdtemp(prefix="redis-bench-")).start()
         url = server.url

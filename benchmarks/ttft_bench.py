@@ -105,14 +105,15 @@ class Case:
 
     def cached(self, tokens: list[int]):
         start = time.perf_counter()
-        prefix = self.link.lookup(tokens, None)
-        token, result = first_token(self.engine, tokens, prefix.blocks)
+        hit, prefix_kv = self.link.lookup(tokens, None)
+        token, result = first_token(self.engine, tokens, prefix_kv)
         elapsed = time.perf_counter() - start
-        self.link.observe(result, prefix.blocks)  # as the worker does, after the first token
-        self.link.release(prefix.hit)
+        self.link.observe(result, prefix_kv)  # as the worker does, after the first token
+        self.link.release(hit)
         expected = len(self.prefix) // self.block_size * self.block_size
-        if prefix.tokens != expected:
-            raise RuntimeError(f"{self.size} tokens: the cache gave {prefix.tokens} tokens, expected {expected}")
+        got = 0 if prefix_kv is None else len(prefix_kv) * self.block_size
+        if got != expected:
+            raise RuntimeError(f"{self.size} tokens: the cache gave {got} tokens, expected {expected}")
         return elapsed, token, result
 
 

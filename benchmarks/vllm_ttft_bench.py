@@ -258,7 +258,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
 def _measure_redis(model: Path, prompts: Path, work: Path, results: dict[str, list[dict]]) -> None:
     from service_process import start_service
 
-    from tests.redis_server import RedisServer
+    from tests.support.redis_server import RedisServer
 
     (work / "redis").mkdir()
     redis = RedisServer(work / "redis").start()

@@ -59,6 +59,9 @@ class BlockLocations(Sequence[BlockLocation]):
     def __len__(self) -> int:
         return len(self.slots)
 
+    def __reduce__(self) -> tuple[type[BlockLocations], tuple[np.ndarray, np.ndarray]]:
+        return BlockLocations, (self.tiers, self.slots)  # unpickled read-only, like the original
+
     @overload
     def __getitem__(self, item: int) -> BlockLocation: ...
     @overload

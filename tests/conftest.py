@@ -1,6 +1,6 @@
-"""Shared fixtures: real redis-server processes (tests/redis_server.py) and the
-service + worker processes (tests/worker_procs.py), tied to this pytest process
-(tests/lifetime.py): if it dies, even by SIGKILL, they die with it, and the
+"""Shared fixtures: real redis-server processes (tests/support/redis_server.py) and the
+service + worker processes (tests/support/worker_procs.py), tied to this pytest process
+(tests/support/lifetime.py): if it dies, even by SIGKILL, they die with it, and the
 session janitor removes the shared-memory segments they and this process owned.
 The terminal summary counts prefixcache segments in /dev/shm before and after."""
 
@@ -12,11 +12,11 @@ import pytest
 # busy-wait collapse when tests, services and workers share two cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tests import lifetime  # after the environment is set
+from tests.support import lifetime  # after the environment is set
 
-pytest.register_assert_rewrite("tests.redis_server", "tests.worker_procs")
+pytest.register_assert_rewrite("tests.support.redis_server", "tests.support.worker_procs")
 
-pytest_plugins = ["tests.redis_server", "tests.worker_procs"]
+pytest_plugins = ["tests.support.redis_server", "tests.support.worker_procs"]
 
 _session: dict = {}
 

@@ -15,7 +15,7 @@ import asyncio
 import threading
 import time
 
-from tests.redis_server import free_port
+from tests.support.redis_server import free_port
 
 CHUNK_BYTES = 16 << 10
 READY_TIMEOUT_S = 10.0

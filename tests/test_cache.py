@@ -17,7 +17,7 @@ from prefixcache.errors import InvalidArgument, LayoutMismatch, ResourceExhauste
 from prefixcache.hashing import BlockHash, Hasher
 from prefixcache.index import MissReason
 from prefixcache.tiers.base import TierKind
-from tests.core_support import (
+from tests.support.core import (
     TINY,
     ManualClock,
     assert_consistent,

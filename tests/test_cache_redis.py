@@ -6,7 +6,7 @@ the host tier and recovers without recreating the cache; a bad value under a blo
 counted miss that is deleted and never executed; a Redis hit slides the key's TTL; the same over
 Redis Cluster, including a master killed and restarted. Every hit is compared byte for byte with what was stored (`hit_blocks`).
 
-Servers come from tests/redis_server.py (`private_redis` where a test kills or pauses Redis).
+Servers come from tests/support/redis_server.py (`private_redis` where a test kills or pauses Redis).
 Asynchronous writes are awaited with `RedisTier.wait_idle`; breaker state is polled with a
 bounded deadline, never slept on.
 """
@@ -31,8 +31,9 @@ from prefixcache.index import MissReason
 from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.host import HostTier
 from prefixcache.tiers.redis import RedisOptions, RedisTier
-from tests.core_support import ManualClock, block_hashes, kv_for, namespace, read_blocks, same_bytes
-from tests.redis_server import RedisClusterProcesses, RedisServer, poll
+from tests.support.core import ManualClock, block_hashes, kv_for, namespace, read_blocks, same_bytes
+from tests.support.poll import poll
+from tests.support.redis_server import RedisClusterProcesses, RedisServer
 
 pytestmark = pytest.mark.redis
 

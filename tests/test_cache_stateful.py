@@ -32,7 +32,7 @@ from prefixcache.errors import ResourceExhausted, UnknownLease
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier
 from prefixcache.touchlog import TouchLog
-from tests.core_support import ManualClock, assert_consistent, block_hashes, kv_for, namespace, read_blocks, same_bytes
+from tests.support.core import ManualClock, assert_consistent, block_hashes, kv_for, namespace, read_blocks, same_bytes
 
 pytestmark = pytest.mark.slow
 

@@ -38,7 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefixcache.client import CacheClient
 from prefixcache.config import KVLayout
 from prefixcache_services.admin.document import stats_document
-from tests.redis_server import free_port
+from tests.support.redis_server import free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.process]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.worker_procs import CacheService
+from tests.support.worker_procs import CacheService
 
 pytestmark = pytest.mark.process
 

@@ -36,7 +36,8 @@ import redis
 import yaml
 
 from prefixcache.config import parse_size
-from tests.redis_server import free_port, poll
+from tests.support.poll import poll
+from tests.support.redis_server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.process]
 

@@ -36,9 +36,9 @@ from prefixcache.tiers.redis import RedisOptions, RedisTier
 from prefixcache_services.admin.document import stats_document
 from prefixcache_services.admin.namespaces_view import namespaces_document, namespaces_view
 from prefixcache_services.admin.stats_view import overview_table
-from tests.core_support import read_blocks
-from tests.redis_server import RedisServer
-from tests.service_support import BLOCK, CODE, prompt, rpc_code, running_servers, same_bytes, stub_for
+from tests.support.core import read_blocks
+from tests.support.redis_server import RedisServer
+from tests.support.service import BLOCK, CODE, prompt, rpc_code, running_servers, same_bytes, stub_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.process]
 

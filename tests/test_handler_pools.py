@@ -12,13 +12,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache_services.cache_server.pools import ElasticPool, waiting
-from tests.isolation_support import serve
-from tests.redis_server import poll
-from tests.service_support import layout_of, prompt, random_kv, running_servers
+from tests.support.isolation import serve
+from tests.support.poll import poll
+from tests.support.service import layout_of, prompt, random_kv, running_servers
 
 pytestmark = [pytest.mark.redis, pytest.mark.process]
 
-pytest_plugins = ["tests.redis_server"]
+pytest_plugins = ["tests.support.redis_server"]
 
 
 class Concurrency:

@@ -2,7 +2,7 @@
 
 - `choose` (services/worker/hit_policy.py): taken / partial / recompute / miss from the bytes
   per read path and the prefill cost, with the break-even prefix length computed by hand;
-- `Offer.of`: which leading blocks a worker can copy from mapped memory;
+- `Hit.usable_blocks`: the engine computes at least the last prompt token;
 - `TransferMeter` (prefixcache/transfer.py): recovers latency and bandwidth from timed
   transfers, follows a link that slows down, falls back to its prior when samples are alike
   in size or stale;
@@ -13,23 +13,24 @@
 from __future__ import annotations
 
 import math
+import pickle
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from prefixcache.client.api import Attachment, Hit
+from prefixcache.client.api import Hit
 from prefixcache.config import DType, KVLayout
 from prefixcache.results import BlockLocations
 from prefixcache.tiers.base import TierKind
 from prefixcache.transfer import ProbeBudget, TransferEstimate, TransferMeter, blocks_worth_fetching
 from prefixcache_services.worker.engine import PrefillResult
-from prefixcache_services.worker.hit_policy import Decision, Estimates, HitPolicy, Offer, ReadPath, Verdict, choose
-from tests.core_support import ManualClock
+from prefixcache_services.worker.hit_policy import Decision, Estimates, HitPolicy, ReadPath, Verdict, choose
+from tests.support.core import ManualClock
 
 pytestmark = pytest.mark.unit
 
-BLOCK_BYTES = 16 << 10
 TOKENS = 16
 FAST_MAPPED = TransferEstimate(latency_s=10e-6, bytes_per_s=4e9)
 FAST_STREAM = TransferEstimate(latency_s=1e-3, bytes_per_s=500e6)
@@ -41,22 +42,30 @@ def estimates(prefill=PREFILL, mapped=FAST_MAPPED, stream=FAST_STREAM, install=I
     return Estimates(prefill, mapped, stream, install)
 
 
-def offer(usable: int, mapped: int | None = None, leased: int | None = None) -> Offer:
-    return Offer(
-        usable, usable if leased is None else leased, usable if mapped is None else mapped, BLOCK_BYTES, TOKENS
-    )
+LAYOUT = KVLayout(layers=4, kv_heads=2, head_dim=32, block_size=TOKENS, dtype=DType.BFLOAT16)
+BLOCK_BYTES = LAYOUT.block_bytes
+
+
+def hit(usable: int, mapped: int | None = None, leased: int | None = None) -> Hit:
+    """A leased hit of `leased` blocks (default `usable`), the first `mapped` of them mapped, on a
+    prompt that leaves `usable` of them loadable (it ends inside block `usable`)."""
+    leased = usable if leased is None else leased
+    tiers = [TierKind.HOST] * leased
+    locations = BlockLocations([int(t) for t in tiers], list(range(leased)))
+    prompt = usable * TOKENS + 1
+    return Hit("0" * 16, prompt, leased * TOKENS, locations, None, 7, 1e9, 0, usable if mapped is None else mapped)
 
 
 # -- choose ------------------------------------------------------------------------------------
 
 
 def test_nothing_usable_is_a_miss():
-    decision = choose(offer(0), estimates())
+    decision = choose(hit(0), LAYOUT, estimates())
     assert decision == Decision(Verdict.MISS, 0, None, 0.0, 0.0)
 
 
 def test_mapped_hit_is_taken_whole():
-    decision = choose(offer(8), estimates())
+    decision = choose(hit(8), LAYOUT, estimates())
     assert (decision.verdict, decision.blocks, decision.path) == (Verdict.TAKEN, 8, ReadPath.MAPPED)
     assert decision.recompute_s == pytest.approx(8 * TOKENS / PREFILL.bytes_per_s)
     assert decision.load_s == pytest.approx(FAST_MAPPED.seconds(8 * BLOCK_BYTES) + INSTALL.seconds(8 * BLOCK_BYTES))
@@ -65,16 +74,16 @@ def test_mapped_hit_is_taken_whole():
 
 def test_recompute_when_prefill_is_faster_than_loading():
     # 1e9 tokens/s: 16 ns per block to recompute, far less than any copy.
-    decision = choose(offer(8), estimates(prefill=TransferEstimate(0.0, 1e9)))
+    decision = choose(hit(8), LAYOUT, estimates(prefill=TransferEstimate(0.0, 1e9)))
     assert (decision.verdict, decision.blocks, decision.path) == (Verdict.RECOMPUTE, 0, ReadPath.MAPPED)
     assert decision.load_s > decision.recompute_s
 
 
 def test_always_take_loads_even_when_recomputing_is_estimated_faster():
     fast_prefill = estimates(prefill=TransferEstimate(0.0, 1e9))
-    decision = choose(offer(8), fast_prefill, always_take=True)
+    decision = choose(hit(8), LAYOUT, fast_prefill, always_take=True)
     assert (decision.verdict, decision.blocks, decision.path) == (Verdict.TAKEN, 8, ReadPath.MAPPED)
-    assert choose(offer(0), fast_prefill, always_take=True).verdict is Verdict.MISS
+    assert choose(hit(0), LAYOUT, fast_prefill, always_take=True).verdict is Verdict.MISS
 
 
 def test_slow_stream_short_prefix_recomputes_long_prefix_is_taken():
@@ -84,8 +93,8 @@ def test_slow_stream_short_prefix_recomputes_long_prefix_is_taken():
     block_s = TOKENS / PREFILL.bytes_per_s
     per_block_load = BLOCK_BYTES / slow.bytes_per_s + BLOCK_BYTES / INSTALL.bytes_per_s
     break_even = math.ceil(slow.latency_s / (block_s - per_block_load))  # first n with n*saving > latency
-    short = choose(offer(break_even - 1, mapped=0), est)
-    long = choose(offer(break_even + 1, mapped=0), est)
+    short = choose(hit(break_even - 1, mapped=0), LAYOUT, est)
+    long = choose(hit(break_even + 1, mapped=0), LAYOUT, est)
     assert (short.verdict, short.blocks, short.path) == (Verdict.RECOMPUTE, 0, ReadPath.STREAM)
     assert (long.verdict, long.blocks, long.path) == (Verdict.TAKEN, break_even + 1, ReadPath.STREAM)
 
@@ -94,48 +103,56 @@ def test_stream_cost_counts_the_whole_lease():
     """Usable is one block short of the lease (the last token is computed), but the stream moves all."""
     slow = TransferEstimate(latency_s=0.0, bytes_per_s=BLOCK_BYTES / 1e-3)  # 1 ms per block moved
     est = estimates(stream=slow, prefill=TransferEstimate(0.0, TOKENS / 1.5e-3))  # 1.5 ms per block recomputed
-    assert choose(offer(2, mapped=0, leased=2), est).verdict is Verdict.TAKEN  # 2 ms < 3 ms
-    assert choose(offer(1, mapped=0, leased=2), est).verdict is Verdict.RECOMPUTE  # 2 ms > 1.5 ms
+    assert choose(hit(2, mapped=0, leased=2), LAYOUT, est).verdict is Verdict.TAKEN  # 2 ms < 3 ms
+    assert choose(hit(1, mapped=0, leased=2), LAYOUT, est).verdict is Verdict.RECOMPUTE  # 2 ms > 1.5 ms
 
 
 def test_partial_takes_the_mapped_prefix_when_the_stream_is_slow():
     slow = TransferEstimate(latency_s=0.5, bytes_per_s=1e6)
-    decision = choose(offer(10, mapped=3), estimates(stream=slow))
+    decision = choose(hit(10, mapped=3), LAYOUT, estimates(stream=slow))
     assert (decision.verdict, decision.blocks, decision.path) == (Verdict.PARTIAL, 3, ReadPath.MAPPED)
 
 
 def test_stream_of_everything_beats_a_short_mapped_prefix_when_fast():
-    decision = choose(offer(10, mapped=3), estimates())
+    decision = choose(hit(10, mapped=3), LAYOUT, estimates())
     assert (decision.verdict, decision.blocks, decision.path) == (Verdict.TAKEN, 10, ReadPath.STREAM)
 
 
 @pytest.mark.parametrize("usable,mapped", [(1, 0), (1, 1), (5, 2), (7, 7), (7, 9)])
 def test_never_more_than_usable(usable, mapped):
     for prefill in (PREFILL, TransferEstimate(0.0, 1e9), TransferEstimate(0.0, 1.0)):
-        decision = choose(offer(usable, mapped=mapped, leased=max(usable, mapped)), estimates(prefill=prefill))
+        decision = choose(hit(usable, mapped=mapped, leased=max(usable, mapped)), LAYOUT, estimates(prefill=prefill))
         assert 0 <= decision.blocks <= usable
         assert (decision.blocks == 0) == (decision.verdict is Verdict.RECOMPUTE)
 
 
-# -- Offer.of -------------------------------------------------------------------------------------
-
-LAYOUT = KVLayout(layers=4, kv_heads=2, head_dim=32, block_size=16, dtype=DType.BFLOAT16)
+# -- Hit: usable and mapped blocks -------------------------------------------------------------------
 
 
-def _attachment(shm: bool, ipc: bool) -> Attachment:
-    return Attachment("0" * 16, LAYOUT, 30.0, 1 << 20, 4 << 20, shm, ipc)
+@pytest.mark.parametrize("prompt,usable", [(100, 4), (64, 3), (65, 4), (17, 1), (16, 0), (1, 0)])
+def test_usable_blocks_leave_the_last_prompt_token_to_compute(prompt, usable):
+    locations = BlockLocations([int(TierKind.HOST)] * 4, range(4))
+    assert Hit("0" * 16, prompt, 4 * TOKENS, locations, None, 7, 1e9).usable_blocks == usable
+    assert Hit("0" * 16, prompt, 0, BlockLocations([], []), None, None, None).usable_blocks == 0
 
 
-def _hit(tiers: list[TierKind]) -> Hit:
-    locations = BlockLocations([int(t) for t in tiers], list(range(len(tiers))))
-    return Hit("0" * 16, 100, len(tiers) * 16, locations, None, 7, 1e9)
+def test_a_hit_pickles_as_it_is():
+    """vLLM's scheduler hands its Hit to the workers pickled: equal, and its arrays still read-only."""
+    original = replace(hit(3, mapped=2, leased=4), remote_blocks_declined=1)
+    copy = pickle.loads(pickle.dumps(original))
+    assert copy == original and copy.usable_blocks == 3 and copy.mapped_blocks == 2
+    assert not copy.locations.tiers.flags.writeable and not copy.locations.slots.flags.writeable
 
 
-@pytest.mark.parametrize("shm,ipc,mapped", [(True, False, 2), (True, True, 4), (False, False, 0), (False, True, 0)])
-def test_offer_counts_leading_mapped_blocks(shm, ipc, mapped):
-    hit = _hit([TierKind.HOST, TierKind.HOST, TierKind.DEVICE, TierKind.HOST])
-    got = Offer.of(hit, 3, _attachment(shm, ipc))
-    assert got == Offer(3, 4, mapped, LAYOUT.block_bytes, 16)
+@pytest.mark.parametrize(
+    "mapped_tiers,mapped",
+    [({TierKind.HOST}, 2), ({TierKind.HOST, TierKind.DEVICE}, 4), (set(), 0), ({TierKind.DEVICE}, 0)],
+)
+def test_client_counts_leading_mapped_blocks(mapped_tiers, mapped):
+    from prefixcache.client.api import _leading_in
+
+    tiers = np.array([TierKind.HOST, TierKind.HOST, TierKind.DEVICE, TierKind.HOST], dtype=np.int8)
+    assert _leading_in(tiers, [int(t) for t in mapped_tiers]) == mapped
 
 
 # -- TransferMeter ----------------------------------------------------------------------------------
@@ -267,9 +284,8 @@ def test_policy_learns_prefill_cost_and_exports_decisions():
     assert policy.recompute_s_per_token() == pytest.approx(100e-6)
     assert _metric(registry, "prefixcache_worker_prefill_seconds_per_token") == pytest.approx(100e-6)
 
-    hit = _hit([TierKind.HOST] * 4)
-    taken = policy.decide(Offer.of(hit, 3, _attachment(True, False)), remote_declined=5)
-    missed = policy.decide(Offer.of(_hit([]), 0, _attachment(True, False)))
+    taken = policy.decide(replace(hit(3, leased=4), remote_blocks_declined=5), LAYOUT)
+    missed = policy.decide(hit(0), LAYOUT)
     assert (taken.verdict, taken.blocks, missed.verdict) == (Verdict.TAKEN, 3, Verdict.MISS)
     assert _metric(registry, "prefixcache_worker_hit_decisions_total", decision="taken") == 1
     assert _metric(registry, "prefixcache_worker_hit_decisions_total", decision="miss") == 1
@@ -289,7 +305,7 @@ def test_policy_recomputes_when_prefill_gets_cheap():
     policy = HitPolicy(registry, clock=ManualClock())
     for tokens in (64, 4096, 512):
         policy.observe(_prefill(tokens, 1e-9 * tokens + 1e-4))  # a billion tokens per second
-    decision = policy.decide(Offer.of(_hit([TierKind.HOST] * 4), 3, _attachment(True, False)))
+    decision = policy.decide(hit(3, leased=4), LAYOUT)
     assert (decision.verdict, decision.blocks) == (Verdict.RECOMPUTE, 0)
     assert _metric(registry, "prefixcache_worker_hit_blocks_total", outcome="declined") == 3
     assert np.isclose(_metric(registry, "prefixcache_worker_hit_decisions_total", decision="recompute"), 1)
@@ -300,10 +316,10 @@ def test_replay_report_section_counts_decisions_during_the_run():
 
     registry = CollectorRegistry()
     policy = HitPolicy(registry, clock=ManualClock())
-    policy.decide(Offer.of(_hit([TierKind.HOST] * 2), 1, _attachment(True, False)))  # before the run
+    policy.decide(hit(1, leased=2), LAYOUT)  # before the run
     before = parse(generate_latest(registry).decode())
-    policy.decide(Offer.of(_hit([TierKind.HOST] * 4), 3, _attachment(True, False)), remote_declined=7)
-    policy.decide(Offer.of(_hit([]), 0, _attachment(True, False)))
+    policy.decide(replace(hit(3, leased=4), remote_blocks_declined=7), LAYOUT)
+    policy.decide(hit(0), LAYOUT)
     got = section("http://127.0.0.1:8000/v1", before, parse(generate_latest(registry).decode()))
     assert got["url"] == "http://127.0.0.1:8000/metrics"
     assert got["decisions"] == {"miss": 1, "partial": 0, "recompute": 0, "taken": 1}

@@ -34,7 +34,7 @@ from prefixcache.rpc import cache_pb2_grpc as pb_grpc
 from prefixcache_services.cache_server.auth import Principal, parse_credentials, quota_overrides
 from prefixcache_services.cache_server.command import options_from
 from prefixcache_services.cli import build_parser
-from tests.isolation_support import (
+from tests.support.isolation import (
     BLOCK,
     SALT,
     mann_whitney_p,
@@ -45,7 +45,7 @@ from tests.isolation_support import (
     tenant_clients,
     write_credentials,
 )
-from tests.redis_server import RedisServer, make_tls_files
+from tests.support.redis_server import RedisServer, make_tls_files
 
 pytestmark = [pytest.mark.redis, pytest.mark.process]
 

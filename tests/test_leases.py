@@ -7,7 +7,7 @@ import pytest
 from prefixcache.errors import InvalidArgument
 from prefixcache.leases import LeaseTable
 from prefixcache.tiers.base import TierKind
-from tests.core_support import (
+from tests.support.core import (
     TINY,
     ManualClock,
     assert_consistent,

@@ -35,9 +35,9 @@ from prefixcache.config import KVLayout
 from prefixcache.errors import PrefixCacheError
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
-from tests.isolation_support import write_credentials
-from tests.redis_server import free_port
-from tests.worker_procs import WorkerClient
+from tests.support.isolation import write_credentials
+from tests.support.redis_server import free_port
+from tests.support.worker_procs import WorkerClient
 
 pytestmark = [pytest.mark.redis, pytest.mark.process]
 

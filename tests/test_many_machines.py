@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.worker_procs import CacheService, WorkerProcess, poll, start_all, stop_all
+from tests.support.poll import poll
+from tests.support.worker_procs import CacheService, WorkerProcess, start_all, stop_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 

@@ -32,9 +32,9 @@ from prefixcache.config import CacheConfig, DType, KVLayout
 from prefixcache.tiers.host import HostTier
 from prefixcache.tiers.redis import RedisOptions, RedisTier
 from prefixcache.transfer import ProbeBudget, TransferEstimate
-from tests.core_support import ManualClock, kv_for, namespace, read_blocks, same_bytes
-from tests.redis_server import RedisServer
 from tests.slow_proxy import SlowProxy
+from tests.support.core import ManualClock, kv_for, namespace, read_blocks, same_bytes
+from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.process]
 
@@ -258,7 +258,8 @@ def redis_keys(server: RedisServer, key_prefix: str) -> int:
 def e2e(tmp_path_factory):
     """Redis (and a slow proxy to it), a service over the direct Redis, a cached and a no-cache worker;
     Redis already holds the prefixes both tests use (computed by the cached worker)."""
-    from tests.worker_procs import CacheService, WorkerProcess, poll, start_all
+    from tests.support.poll import poll
+    from tests.support.worker_procs import CacheService, WorkerProcess, start_all
 
     workdir = tmp_path_factory.mktemp("never-slower")
     redis_server = RedisServer(workdir / "redis").start()

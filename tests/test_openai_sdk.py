@@ -15,7 +15,7 @@ import math
 import openai
 import pytest
 
-from tests.worker_procs import Stack
+from tests.support.worker_procs import Stack
 
 pytestmark = pytest.mark.process
 

@@ -19,8 +19,8 @@ from prefixcache.client.errors import RETRY_METADATA, retry_after_s
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
 from prefixcache_services.cache_server.servicer import SERVICE_NAME
-from tests.redis_server import poll
-from tests.service_support import CODE, layout_of, prompt, random_kv, running_servers
+from tests.support.poll import poll
+from tests.support.service import CODE, layout_of, prompt, random_kv, running_servers
 
 pytestmark = pytest.mark.process
 

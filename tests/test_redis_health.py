@@ -16,13 +16,13 @@ import logging
 import pytest
 
 from prefixcache.client import CacheClient
-from tests.isolation_support import serve
-from tests.redis_server import poll
-from tests.service_support import layout_of, prompt, random_kv
+from tests.support.isolation import serve
+from tests.support.poll import poll
+from tests.support.service import layout_of, prompt, random_kv
 
 pytestmark = [pytest.mark.redis, pytest.mark.process]
 
-pytest_plugins = ["tests.redis_server"]
+pytest_plugins = ["tests.support.redis_server"]
 BLOCK_BYTES = layout_of().block_bytes  # 3840
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import secrets
 import struct
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +28,11 @@ from prefixcache.index import MissReason
 from prefixcache.tiers.redis_options import RedisOptions
 from prefixcache_services.cache_server.command import remote_factory_from
 from prefixcache_services.cli import build_parser
-from tests.core_support import block_hashes
-from tests.isolation_support import BLOCK, random_kv, same_bytes, serve
-from tests.isolation_support import LAYOUT as SERVICE_LAYOUT
-from tests.redis_server import RedisServer
+from tests.support.core import block_hashes
+from tests.support.isolation import BLOCK, random_kv, same_bytes, serve
+from tests.support.isolation import LAYOUT as SERVICE_LAYOUT
+from tests.support.poll import poll
+from tests.support.redis_server import RedisServer
 
 pytestmark = [pytest.mark.redis, pytest.mark.process]
 
@@ -169,9 +169,7 @@ def _spilled(client: CacheClient, server, prompts: list[tuple[list[int], torch.T
         assert client.store(tokens, kv).stored == kv.shape[0]
     client.store(list(range(90_000, 90_000 + 8 * BLOCK + 1)), random_kv(8, seed=50))
     remote = server.backend.cache.remote_link.tier
-    deadline = time.monotonic() + 10
-    while remote.stats().spills_queued < 16 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    poll(lambda: remote.stats().spills_queued >= 16, 10)
     assert remote.wait_idle(10)
     assert all(client.inspect(tokens).hit_tokens == 0 for tokens, _ in prompts)  # only Redis has them now
 

@@ -1,6 +1,6 @@
 """Redis tier against a real redis-server: storage, TTL, integrity handling, every fault, cluster.
 
-Servers come from tests/redis_server.py; tests that kill, pause or reconfigure
+Servers come from tests/support/redis_server.py; tests that kill, pause or reconfigure
 Redis use a private server. Waiting is always a bounded poll.
 """
 
@@ -21,7 +21,8 @@ from prefixcache.errors import ConfigError, CorruptBlock
 from prefixcache.tiers.breaker import Backoff, BreakerState, CircuitBreaker, Retry
 from prefixcache.tiers.redis import RedisOptions, RedisTier
 from prefixcache.tiers.redis_options import connect
-from tests.redis_server import RedisServer, make_tls_files, poll
+from tests.support.poll import poll
+from tests.support.redis_server import RedisServer, make_tls_files
 
 pytestmark = pytest.mark.redis
 

@@ -14,7 +14,7 @@ import redis
 from prefixcache.tiers import resp
 from prefixcache.tiers.redis_options import RedisOptions, connect
 from prefixcache.tiers.resp import RespPipeline
-from tests.redis_server import RedisServer
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 

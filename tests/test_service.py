@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 
 import grpc
@@ -37,7 +36,8 @@ from prefixcache_services.cache_server.backend import BackendOptions
 from prefixcache_services.cache_server.options import ServerOptions
 from prefixcache_services.cache_server.server import build_server
 from prefixcache_services.cache_server.servicer import METHODS, REQUEST_TYPES, SERVICE_NAME
-from tests.service_support import (
+from tests.support.poll import poll
+from tests.support.service import (
     BLOCK,
     BLOCK_BYTES,
     CODE,
@@ -80,12 +80,19 @@ def test_round_trip_is_byte_exact(start, dtype, writer_local, reader_local):
     assert writer.store(tokens, kv).stored == 7
     hit = reader.lookup(tokens)
     assert (hit.hit_tokens, hit.blocks, hit.miss_reason) == (7 * BLOCK, 7, None)
+    assert hit.mapped_blocks == (7 if reader_local else 0)
+    assert hit.usable_blocks == min(7, (len(tokens) - 1) // BLOCK)  # the last token is computed
     try:
         assert same_bytes(reader.read(hit), kv)
+        assert same_bytes(reader.read(hit, blocks=slice(2, 5)), kv[2:5])  # a range of the same Hit
+        out = torch.empty_like(kv[:6])
+        assert reader.read(hit, out=out, blocks=slice(0, 6)) is out and same_bytes(out, kv[:6])
+        with pytest.raises(InvalidArgument, match="blocks"):
+            reader.read(hit, blocks=slice(0, 7, 2))
     finally:
         assert reader.release(hit)
     fetches = server.metrics.registry.get_sample_value("prefixcache_rpcs_total", {"method": "Fetch", "code": "OK"})
-    assert (fetches or 0) == (0 if reader_local else 1)  # shared memory moves no KV through gRPC
+    assert (fetches or 0) == (0 if reader_local else 3)  # shared memory moves no KV through gRPC
 
 
 def test_fetch_chunks_are_bounded_and_contiguous(start):
@@ -229,9 +236,7 @@ def test_serve_flags_wire_the_redis_tier(start, private_redis):
         first, kv = prompt(4, start=0), random_kv(4, layout, seed=13)
         client.store(first, kv)  # written through to Redis
         client.store(prompt(8, start=70_000), random_kv(8, layout, seed=14))  # pushes `first` out of host
-        deadline = time.monotonic() + 10
-        while client.stats().snapshot.remote.get("spills_queued", 0) < 12 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        poll(lambda: client.stats().snapshot.remote.get("spills_queued", 0) >= 12, 10)
         assert server.backend.cache.remote_link.tier.wait_idle(10)
         assert client.stats().snapshot.remote_up is True
         assert client.inspect(first).hit_tokens == 0  # gone from the host tier...
@@ -271,10 +276,7 @@ def test_lease_expires_and_frees_its_blocks(start):
     local.store(tokens, random_kv(8, layout, seed=5))
     local_hit, remote_hit = local.lookup(tokens), remote.lookup(tokens)
     assert local.stats().snapshot.active_leases == 2
-    deadline = time.monotonic() + 5
-    while local.stats().snapshot.active_leases and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert local.stats().snapshot.active_leases == 0
+    assert poll(lambda: local.stats().snapshot.active_leases == 0, 5)
     with pytest.raises(UnknownLease):
         local.read(local_hit)  # its local deadline passed: shared memory is not trusted
     with pytest.raises(UnknownLease):
@@ -391,10 +393,7 @@ def test_health_transitions_while_draining_a_stream(start):
     received = [next(stream).data]
     drain = threading.Thread(target=server.shutdown, args=(20,))
     drain.start()
-    deadline = time.monotonic() + 5
-    while health_status(channel) != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert poll(lambda: health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING, 5)
     assert server.tracker.in_flight == 1  # the Fetch is still being served
     with pytest.raises(CacheUnavailable):
         client.lookup(tokens)

@@ -25,7 +25,7 @@ from prefixcache.client import CacheClient
 from prefixcache.config import KVLayout
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
-from tests import lifetime
+from tests.support import lifetime
 
 pytestmark = pytest.mark.process
 

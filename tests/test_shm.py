@@ -30,8 +30,9 @@ import pytest
 
 from prefixcache.tiers.shm import SHM_DIR, list_segments, segment_name_for
 from prefixcache_services import cli
-from tests import lifetime
-from tests.redis_server import free_port, poll
+from tests.support import lifetime
+from tests.support.poll import poll
+from tests.support.redis_server import free_port
 
 pytestmark = pytest.mark.process
 

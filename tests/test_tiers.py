@@ -21,7 +21,7 @@ from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier, MappedSegment
 from prefixcache.tiers.shm import PAGE
-from tests.core_support import (
+from tests.support.core import (
     TINY,
     ManualClock,
     assert_consistent,

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from prefixcache.version import version
-from tests.worker_procs import Stack, WorkerProcess
+from tests.support.worker_procs import Stack, WorkerProcess
 
 pytestmark = pytest.mark.process
 

@@ -1,6 +1,6 @@
 """Exactness: a cached worker's greedy output equals a `--no-cache` worker's, token for token.
 
-Real processes (the session's `worker_stack`, tests/worker_procs.py): one cache service over
+Real processes (the session's `worker_stack`, tests/support/worker_procs.py): one cache service over
 a real Redis, a worker using it, and a `--no-cache` reference worker, all with the tiny
 bfloat16 model (cached KV is bitwise the recomputed KV). Every request goes to both workers; text, finish reason and
 completion token count must be equal, and `usage.prompt_tokens_details.cached_tokens` must
@@ -26,7 +26,8 @@ from prefixcache_services.replay.transcripts import Conversation, Role, load_sha
 from prefixcache_services.worker.chat import ChatMessage, ChatMLTemplate
 from prefixcache_services.worker.chat import Role as ChatRole
 from prefixcache_services.worker.tokenizer import TiktokenTokenizer
-from tests.worker_procs import Reply, Stack, poll
+from tests.support.poll import poll
+from tests.support.worker_procs import Reply, Stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 

@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.worker_procs import Reply, Stack, WorkerClient, poll
+from tests.support.poll import poll
+from tests.support.worker_procs import Reply, Stack, WorkerClient
 
 pytestmark = pytest.mark.process
 

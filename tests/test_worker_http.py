@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.worker_procs import Stack
+from tests.support.worker_procs import Stack
 
 pytestmark = pytest.mark.process
 

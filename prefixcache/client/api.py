@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -73,20 +73,33 @@ class Attachment:
 
 @dataclass(frozen=True)
 class Hit:
-    """A lookup's answer: the first `hit_tokens` tokens' KV is at `locations`."""
+    """A lookup's answer: the first `hit_tokens` tokens' KV is at `locations`.
+
+    The one type a worker keeps from the Lookup to the prefill: its hit policy decides on it,
+    `read` copies from it and `release` drops its lease (it pickles, for vLLM's scheduler to
+    hand it to its workers).
+    """
 
     namespace_id: str
     prompt_tokens: int
-    hit_tokens: int
+    hit_tokens: int  # blocks x block_size
     locations: BlockLocations
     miss_reason: MissReason | None
     lease_id: int | None
     lease_deadline: float | None  # time.monotonic() before which the lease is surely live
     remote_blocks_declined: int = 0  # past the hit, not fetched from Redis: slower than recomputing
+    mapped_blocks: int = 0  # leading blocks the looking-up client copies from mapped memory (no stream)
 
     @property
     def blocks(self) -> int:
         return len(self.locations)
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks an engine may load: it computes at least the last prompt token (for its logits)."""
+        if not self.blocks:
+            return 0
+        return min(self.blocks, (self.prompt_tokens - 1) // (self.hit_tokens // self.blocks))
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,14 @@ class InspectReport:
     hit_tokens: int
     blocks: tuple[BlockInfo, ...]
     miss_reason: MissReason | None
+
+
+def _leading_in(tiers: np.ndarray, mapped: Iterable[int]) -> int:
+    """How many leading blocks lie in the `mapped` tiers (at most two: compares, no np.isin)."""
+    inside = np.zeros(len(tiers), dtype=bool)
+    for kind in mapped:
+        inside |= tiers == kind
+    return len(tiers) if inside.all() else int(np.argmin(inside))
 
 
 def _token_list(tokens: TokenInput) -> list[int]:
@@ -240,26 +261,41 @@ class CacheClient:
             lease,
             sent + reply.lease_ttl_seconds - LEASE_MARGIN_S if lease else None,
             reply.remote_blocks_declined,
+            _leading_in(locations.tiers, self._pools.pools.keys()),
         )
 
-    def read(self, hit: Hit, out: torch.Tensor | None = None, timeout_s: float | None = None) -> torch.Tensor:
-        """The hit's KV, `[hit.blocks, *block_shape]`: from mapped memory, else the Fetch stream."""
+    def read(
+        self, hit: Hit, out: torch.Tensor | None = None, timeout_s: float | None = None, blocks: slice | None = None
+    ) -> torch.Tensor:
+        """The hit's KV, `[n, *block_shape]`, of all its blocks or the contiguous range `blocks`.
+
+        From mapped memory when every block of the range is mapped (only the range is copied),
+        else by the Fetch stream, which moves the whole lease (the rest is dropped)."""
         layout = self.attachment.layout
-        shape = (hit.blocks, *layout.block_shape)
-        if out is None:
-            out = torch.empty(shape, dtype=layout.dtype.torch)
-        elif tuple(out.shape) != shape or out.dtype != layout.dtype.torch or not out.is_contiguous():
+        start, stop, step = (blocks or slice(None)).indices(hit.blocks)
+        if step != 1:
+            raise InvalidArgument("blocks", f"must be a contiguous range, got step {step}")
+        count = max(0, stop - start)
+        shape = (count, *layout.block_shape)
+        if out is not None and (
+            tuple(out.shape) != shape or out.dtype != layout.dtype.torch or not out.is_contiguous()
+        ):
             raise InvalidArgument("out", f"must be a contiguous {layout.dtype.torch} tensor of shape {shape}")
-        if hit.blocks == 0:
-            return out
+        target = torch.empty(shape, dtype=layout.dtype.torch) if out is None else out
+        if count == 0:
+            return target
         if hit.lease_id is None:
             raise InvalidArgument("hit", "reading blocks needs a lease: lookup(..., take_lease=True)")
-        if self._pools.covers(hit.locations):
-            self._pools.gather(hit.locations, out)
+        part = hit.locations if count == hit.blocks else hit.locations[start:stop]
+        if self._pools.covers(part):
+            self._pools.gather(part, target)
             if hit.lease_deadline is None or time.monotonic() >= hit.lease_deadline:
                 raise UnknownLease(hit.lease_id)  # the slots may have been reused while we copied
-            return out
-        return self._fetch(hit, out, timeout_s)
+            return target
+        if count == hit.blocks:
+            return self._fetch(hit, target, timeout_s)
+        whole = self._fetch(hit, torch.empty((hit.blocks, *layout.block_shape), dtype=target.dtype), timeout_s)
+        return whole[start:stop] if out is None else out.copy_(whole[start:stop])  # a view: no copy
 
     def _fetch(self, hit: Hit, out: torch.Tensor, timeout_s: float | None) -> torch.Tensor:
         target = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=out.dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -17,7 +17,7 @@ from ..config import DType, KVLayout
 from ..errors import ConfigError, InvalidArgument
 from ..index import MissReason
 from ..rpc import cache_pb2 as pb
-from ..stats import StatsSnapshot, TierSnapshot
+from ..stats import PER_TIER, STATS, TIER_STATS, StatsSnapshot, TierSnapshot
 from ..tiers.base import TierKind
 
 Chunk = bytes | memoryview  # a piece of a length-delimited field (1-d bytes: len() is its size)
@@ -80,66 +80,46 @@ class ServiceStats:
 
 
 def stats_of(message: pb.Stats) -> ServiceStats:
+    """GetStats' answer as values; every field is read as `stats.STATS` spells it."""
     if not message.ready:
         return ServiceStats(False, None, None)
-    m = message
-    snapshot = StatsSnapshot(
-        uptime_s=m.uptime_seconds,
-        lookups=m.lookups,
-        request_hits=m.request_hits,
-        request_misses=m.request_misses,
-        block_hits=m.block_hits,
-        block_misses=m.block_misses,
-        token_hits=m.token_hits,
-        tokens_looked_up=m.tokens_looked_up,
-        tokens_saved=m.tokens_saved,
-        blocks_committed=m.blocks_committed,
-        blocks_deduplicated=m.blocks_deduplicated,
-        active_leases=m.active_leases,
-        tiers=tuple(TierSnapshot(TIER_OF[t.tier], t.blocks, t.bytes_used, t.capacity_bytes) for t in m.tiers),
-        spills=dict(m.spills),
-        spills_dropped=m.spills_dropped,
-        promotions=dict(m.promotions),
-        evictions={tier: dict(counts.by_reason) for tier, counts in m.evictions.items()},
-        miss_reasons=dict(m.miss_reasons),
-        remote_up=m.remote_up if m.HasField("remote_up") else None,
-        remote=dict(m.remote),
-    )
-    return ServiceStats(True, layout_of(m.layout) if m.HasField("layout") else None, snapshot)
+    values: dict[str, Any] = {}
+    for stat in STATS:
+        field = stat.proto_field
+        if stat is PER_TIER:
+            values[stat.name] = tuple(
+                TierSnapshot(TIER_OF[t.tier], *(getattr(t, f.name) for f in TIER_STATS)) for t in message.tiers
+            )
+        elif len(stat.labels) == 2:
+            values[stat.name] = {key: dict(inner.by_reason) for key, inner in getattr(message, field).items()}
+        elif stat.labels:
+            values[stat.name] = dict(getattr(message, field))
+        elif stat.optional:
+            values[stat.name] = getattr(message, field) if message.HasField(field) else None
+        else:
+            values[stat.name] = getattr(message, field)
+    layout = layout_of(message.layout) if message.HasField("layout") else None
+    return ServiceStats(True, layout, StatsSnapshot(**values))
 
 
 def stats_message(snapshot: StatsSnapshot | None, layout: KVLayout | None) -> pb.Stats:
+    """The GetStats answer of a snapshot (the inverse of `stats_of`)."""
     if snapshot is None:
         return pb.Stats(ready=False)
-    s = snapshot
-    message = pb.Stats(
-        ready=True,
-        uptime_seconds=s.uptime_s,
-        lookups=s.lookups,
-        request_hits=s.request_hits,
-        request_misses=s.request_misses,
-        block_hits=s.block_hits,
-        block_misses=s.block_misses,
-        token_hits=s.token_hits,
-        tokens_looked_up=s.tokens_looked_up,
-        tokens_saved=s.tokens_saved,
-        blocks_committed=s.blocks_committed,
-        blocks_deduplicated=s.blocks_deduplicated,
-        active_leases=s.active_leases,
-        spills_dropped=s.spills_dropped,
-        tiers=[
-            pb.TierStats(tier=TIERS[t.kind], blocks=t.blocks, bytes_used=t.bytes_used, capacity_bytes=t.capacity_bytes)
-            for t in s.tiers
-        ],
-        spills=s.spills,
-        promotions=s.promotions,
-        miss_reasons=s.miss_reasons,
-        remote={k: float(v) for k, v in s.remote.items()},
-    )
-    for tier, reasons in s.evictions.items():
-        message.evictions[tier].by_reason.update(reasons)
-    if s.remote_up is not None:
-        message.remote_up = s.remote_up
+    message = pb.Stats(ready=True)
+    for stat in STATS:
+        field, value = stat.proto_field, getattr(snapshot, stat.name)
+        if stat is PER_TIER:
+            message.tiers.extend(
+                pb.TierStats(tier=TIERS[t.kind], **{f.name: getattr(t, f.name) for f in TIER_STATS}) for t in value
+            )
+        elif len(stat.labels) == 2:
+            for key, inner in value.items():
+                getattr(message, field)[key].by_reason.update(inner)
+        elif stat.labels:
+            getattr(message, field).update(value)
+        elif value is not None:
+            setattr(message, field, value)
     if layout is not None:
         message.layout.CopyFrom(layout_message(layout))
     return message

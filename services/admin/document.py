@@ -15,89 +15,67 @@ Invariants (what "stable" means, version `SCHEMA_VERSION`):
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefixcache.client import ServiceStats
-from prefixcache.index import MissReason
-from prefixcache.stats import EvictionReason, StatsSnapshot
-from prefixcache.tiers.base import TierKind
+from prefixcache.stats import PER_TIER, STATS, TIER_STATS, EvictionReason, Label, Stat, TierSnapshot, empty_snapshot
 
 SCHEMA_VERSION = 1
 EVICTION_REASONS = tuple(reason.value for reason in EvictionReason)
-MISS_REASONS = tuple(reason.value for reason in MissReason)
-TIER_NAMES = tuple(kind.label for kind in TierKind)
 
 
 def ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator else None
 
 
-def _empty_snapshot() -> StatsSnapshot:
-    return StatsSnapshot(
-        uptime_s=0.0,
-        lookups=0,
-        request_hits=0,
-        request_misses=0,
-        block_hits=0,
-        block_misses=0,
-        token_hits=0,
-        tokens_looked_up=0,
-        tokens_saved=0,
-        blocks_committed=0,
-        blocks_deduplicated=0,
-        active_leases=0,
-        tiers=(),
-        spills={},
-        spills_dropped=0,
-        promotions={},
-        evictions={},
-        miss_reasons={},
-        remote_up=None,
-        remote={},
+def _json_of(stat: Stat, value: Any) -> Any:
+    """A stat's value as the document shows it: dicts keyed in the label's order, every value of
+    a `complete` label present (0 when nothing happened), an open label's keys sorted."""
+    if stat is PER_TIER:
+        return _tiers(value)
+    return _keyed(value, stat.labels) if stat.labels else value
+
+
+def _keyed(value: Any, labels: tuple[Label, ...]) -> Any:
+    if not labels:
+        return value
+    label, rest = labels[0], labels[1:]
+    keys = (
+        sorted(value)
+        if not label.values
+        else label.values
+        if label.complete
+        else [k for k in label.values if k in value]
     )
+    return {key: _keyed(value.get(key, {} if rest else 0), rest) for key in keys}
 
 
-def _tiers(s: StatsSnapshot) -> dict[str, dict]:
-    ordered = sorted(s.tiers, key=lambda tier: tier.kind)
-    return {
-        tier.kind.label: {
-            "blocks": tier.blocks,
-            "bytes_used": tier.bytes_used,
-            "capacity_bytes": tier.capacity_bytes,
-            "utilization": ratio(tier.bytes_used, tier.capacity_bytes),
-        }
-        for tier in ordered
-    }
+def _tiers(tiers: tuple[TierSnapshot, ...]) -> dict[str, dict]:
+    rows = {}
+    for tier in sorted(tiers, key=lambda t: t.kind):
+        row: dict[str, Any] = {stat.name: getattr(tier, stat.name) for stat in TIER_STATS}
+        row["utilization"] = ratio(tier.bytes_used, tier.capacity_bytes)
+        rows[tier.kind.label] = row
+    return rows
 
 
-def _evictions(s: StatsSnapshot) -> dict:
-    by_tier = {
-        tier: {reason: int(s.evictions.get(tier, {}).get(reason, 0)) for reason in EVICTION_REASONS}
-        for tier in TIER_NAMES
-        if tier in s.evictions
-    }
-    by_reason = {reason: sum(counts[reason] for counts in by_tier.values()) for reason in EVICTION_REASONS}
-    return {"total": sum(by_reason.values()), "by_reason": by_reason, "by_tier": by_tier}
-
-
-def _redis(s: StatsSnapshot) -> dict:
-    if s.remote_up is None:
-        return {"configured": False, "state": "absent", "up": None, "stats": {}}
-    return {
-        "configured": True,
-        "state": "up" if s.remote_up else "down",
-        "up": s.remote_up,
-        "stats": {name: s.remote[name] for name in sorted(s.remote)},
-    }
+def _put(doc: dict, path: str, value: Any) -> None:
+    *parents, leaf = path.split(".")
+    for key in parents:
+        doc = doc.setdefault(key, {})
+    doc[leaf] = value
 
 
 def stats_document(stats: ServiceStats, address: str) -> dict:
-    """The `stats --json` document of one `GetStats` answer."""
-    s = stats.snapshot if stats.snapshot is not None else _empty_snapshot()
+    """The `stats --json` document of one `GetStats` answer: each stat at its `Stat.json` path,
+    then what is derived from them (ratios, totals, the Redis state)."""
+    s = stats.snapshot if stats.snapshot is not None else empty_snapshot()
     layout = stats.layout
-    return {
+    doc: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "address": address,
         "ready": stats.ready,
-        "uptime_seconds": s.uptime_s,
+        "uptime_seconds": None,
         "layout": None
         if layout is None
         else {
@@ -109,33 +87,38 @@ def stats_document(stats: ServiceStats, address: str) -> dict:
             "block_bytes": layout.block_bytes,
             "bytes_per_token": layout.bytes_per_token,
         },
-        "requests": {
-            "lookups": s.lookups,
-            "hits": s.request_hits,
-            "misses": s.request_misses,
-            "hit_rate": ratio(s.request_hits, s.lookups),
-        },
-        "blocks": {
-            "hits": s.block_hits,
-            "misses": s.block_misses,
-            "hit_rate": ratio(s.block_hits, s.block_hits + s.block_misses),
-            "committed": s.blocks_committed,
-            "deduplicated": s.blocks_deduplicated,
-        },
-        "tokens": {
-            "looked_up": s.tokens_looked_up,
-            "hits": s.token_hits,
-            "saved": s.tokens_saved,
-            "hit_rate": ratio(s.token_hits, s.tokens_looked_up),
-        },
-        "tiers": _tiers(s),
-        "spills": {
-            "by_tier": {tier: int(s.spills[tier]) for tier in TIER_NAMES if tier in s.spills},
-            "dropped": s.spills_dropped,
-        },
-        "promotions": {tier: int(s.promotions[tier]) for tier in TIER_NAMES if tier in s.promotions},
-        "evictions": _evictions(s),
-        "miss_reasons": {reason: int(s.miss_reasons.get(reason, 0)) for reason in MISS_REASONS},
-        "redis": _redis(s),
-        "active_leases": s.active_leases,
     }
+    for stat in STATS:
+        if stat.json is not None:
+            _put(doc, stat.json, _json_of(stat, getattr(s, stat.name)))
+    requests, blocks, tokens = doc["requests"], doc["blocks"], doc["tokens"]
+    requests["hit_rate"] = ratio(requests["hits"], requests["lookups"])
+    blocks["hit_rate"] = ratio(blocks["hits"], blocks["hits"] + blocks["misses"])
+    tokens["hit_rate"] = ratio(tokens["hits"], tokens["looked_up"])
+    evictions = doc["evictions"]
+    by_reason = {reason: sum(counts[reason] for counts in evictions["by_tier"].values()) for reason in EVICTION_REASONS}
+    evictions.update(total=sum(by_reason.values()), by_reason=by_reason)
+    redis = doc["redis"]
+    redis["configured"] = s.remote_up is not None
+    redis["state"] = "absent" if s.remote_up is None else "up" if s.remote_up else "down"
+    return doc
+
+
+# Keys of the document that no `Stat` places: the rest is derived from the stats (the schema test
+# checks that every key is one or the other).
+DERIVED = frozenset(
+    {
+        "schema_version",
+        "address",
+        "ready",
+        "layout",
+        "requests.hit_rate",
+        "blocks.hit_rate",
+        "tokens.hit_rate",
+        "tiers.*.utilization",
+        "evictions.total",
+        "evictions.by_reason",
+        "redis.configured",
+        "redis.state",
+    }
+)

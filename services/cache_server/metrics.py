@@ -20,7 +20,8 @@ import logging
 import socket
 import socketserver
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
@@ -36,7 +37,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prefixcache.stats import StatsSnapshot
+from prefixcache.stats import STATS, TIER_STATS, Kind, Stat, StatsSnapshot
 from prefixcache.tiers.breaker import BreakerState
 from prefixcache.tiers.redis_stats import LatencySnapshot, RedisStats
 
@@ -45,22 +46,9 @@ log = logging.getLogger(__name__)
 PREFIX = "prefixcache"
 LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 
-_COUNTERS = (
-    ("lookups", "Lookups served"),
-    ("request_hits", "Lookups that matched at least one block"),
-    ("request_misses", "Lookups that matched nothing"),
-    ("block_hits", "Full blocks found"),
-    ("block_misses", "Full blocks not found"),
-    ("tokens_looked_up", "Prompt tokens looked up"),
-    ("tokens_saved", "Prompt tokens served from the cache"),
-    ("blocks_committed", "New blocks stored"),
-    ("blocks_deduplicated", "Blocks committed that were already cached"),
-    ("spills_dropped", "Blocks that could not be queued for the remote tier"),
-)
-
 
 class StatsCollector(Collector):
-    """Turns one `StatsSnapshot` into metric families at each scrape."""
+    """Turns one `StatsSnapshot` into metric families at each scrape, as `stats.STATS` names them."""
 
     def __init__(self, source: Callable[[], StatsSnapshot | None]) -> None:
         self._source = source
@@ -72,46 +60,30 @@ class StatsCollector(Collector):
         yield ready
         if snapshot is None:
             return
-        for name, text in _COUNTERS:
-            yield CounterMetricFamily(f"{PREFIX}_{name}", text, value=getattr(snapshot, name))
-        yield from _labelled(snapshot)
-        yield from _tier_gauges(snapshot)
+        for stat in STATS:
+            value = getattr(snapshot, stat.name)
+            if stat.metric_name is not None and value is not None:
+                yield _family(stat, _samples(value, len(stat.labels)))
+        for stat in TIER_STATS:
+            yield _family(stat, (([tier.kind.label], getattr(tier, stat.name)) for tier in snapshot.tiers))
 
 
-def _labelled(s: StatsSnapshot) -> Iterator[Metric]:
-    spills = CounterMetricFamily(f"{PREFIX}_spills", "Blocks moved down from a tier", labels=["tier"])
-    for tier, n in s.spills.items():
-        spills.add_metric([tier], n)
-    promotions = CounterMetricFamily(f"{PREFIX}_promotions", "Blocks moved up into a tier", labels=["tier"])
-    for tier, n in s.promotions.items():
-        promotions.add_metric([tier], n)
-    evictions = CounterMetricFamily(f"{PREFIX}_evictions", "Blocks evicted", labels=["tier", "reason"])
-    for tier, reasons in s.evictions.items():
-        for reason, n in reasons.items():
-            evictions.add_metric([tier, reason], n)
-    misses = CounterMetricFamily(f"{PREFIX}_miss_reasons", "Why lookups stopped", labels=["reason"])
-    for reason, n in s.miss_reasons.items():
-        misses.add_metric([reason], n)
-    yield from (spills, promotions, evictions, misses)
+def _family(stat: Stat, samples: Iterable[tuple[list[str], float]]) -> Metric:
+    kind = CounterMetricFamily if stat.kind is Kind.COUNTER else GaugeMetricFamily
+    family = kind(f"{PREFIX}_{stat.metric_name}", stat.help, labels=[label.name for label in stat.labels])
+    for labels, value in samples:
+        family.add_metric(labels, float(value))
+    return family
 
 
-def _tier_gauges(s: StatsSnapshot) -> Iterator[Metric]:
-    blocks = GaugeMetricFamily(f"{PREFIX}_tier_blocks", "Blocks resident", labels=["tier"])
-    used = GaugeMetricFamily(f"{PREFIX}_tier_bytes", "Bytes used", labels=["tier"])
-    capacity = GaugeMetricFamily(f"{PREFIX}_tier_capacity_bytes", "Byte budget", labels=["tier"])
-    for tier in s.tiers:
-        blocks.add_metric([tier.kind.label], tier.blocks)
-        used.add_metric([tier.kind.label], tier.bytes_used)
-        capacity.add_metric([tier.kind.label], tier.capacity_bytes)
-    leases = GaugeMetricFamily(f"{PREFIX}_active_leases", "Leases held by workers")
-    leases.add_metric([], s.active_leases)
-    uptime = GaugeMetricFamily(f"{PREFIX}_uptime_seconds", "Seconds since the cache was created")
-    uptime.add_metric([], s.uptime_s)
-    yield from (blocks, used, capacity, leases, uptime)
-    if s.remote_up is not None:
-        up = GaugeMetricFamily(f"{PREFIX}_remote_up", "1 while the remote tier answers")
-        up.add_metric([], 1.0 if s.remote_up else 0.0)
-        yield up
+def _samples(value: Any, depth: int) -> Iterator[tuple[list[str], float]]:
+    """(label values, number) of a scalar (a bool is 1 or 0), a dict, or a dict of dicts."""
+    if depth == 0:
+        yield [], float(value)
+        return
+    for key, inner in value.items():
+        for labels, number in _samples(inner, depth - 1):
+            yield [key, *labels], number
 
 
 # RedisStats counters exported as prefixcache_remote_events_total{event=...} (counts of things).
@@ -254,7 +226,7 @@ class ServiceMetrics:
         self.registry.register(StatsCollector(source))
         if remote is not None:
             self.registry.register(RemoteCollector(remote))
-        self._http = None
+        self._http: WSGIServer | None = None
 
     def watch_handlers(self, load: Callable[[], dict[str, int]]) -> None:
         self.registry.register(HandlerCollector(load))
@@ -268,13 +240,13 @@ class ServiceMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP exporter; returns the bound port."""
-        self._http = make_server(
+        self._http = http = make_server(
             host, port, make_wsgi_app(self.registry), _Server6 if ":" in host else _Server, handler_class=_QuietHandler
         )
         threading.Thread(
-            target=self._http.serve_forever, kwargs={"poll_interval": 0.05}, name="prefixcache-metrics", daemon=True
+            target=http.serve_forever, kwargs={"poll_interval": 0.05}, name="prefixcache-metrics", daemon=True
         ).start()
-        bound = self._http.server_address[1]
+        bound = http.server_address[1]
         log.info("metrics on http://%s:%d/metrics", host, bound)
         return bound
 

@@ -19,22 +19,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from prefixcache.client import CacheClient, ServiceStats
-from prefixcache.stats import StatsSnapshot
+from prefixcache.stats import STATS, Kind, StatsSnapshot
 
-_COUNTERS = (
-    "lookups",
-    "request_hits",
-    "request_misses",
-    "block_hits",
-    "block_misses",
-    "token_hits",
-    "tokens_looked_up",
-    "tokens_saved",
-    "blocks_committed",
-    "blocks_deduplicated",
-    "spills_dropped",
-)
-_MAPS = ("spills", "promotions", "miss_reasons")
+# Counters (they only grow, so a run's share is a difference), from the one schema.
+_COUNTERS = tuple(stat.name for stat in STATS if stat.kind is Kind.COUNTER and not stat.labels)
+_MAPS = tuple(stat.name for stat in STATS if stat.kind is Kind.COUNTER and len(stat.labels) == 1)
 
 
 def fetch_stats(address: str, auth_token: str | None = None, timeout_s: float = 5.0) -> ServiceStats:

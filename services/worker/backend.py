@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from .cache_link import CacheLink, Prefix
+from .cache_link import CacheLink
 from .chat import ChatMessage, Role
 from .engine import Engine
 from .events import Finished, FinishReason, LinkState, Piece, Started
@@ -164,19 +164,22 @@ class InferenceBackend:
         text, raw = piece(entry.token)
         return Logprob(text, raw, entry.logprob, tuple((*piece(t), lp) for t, lp in entry.top))
 
-    def generate(self, request: GenerationRequest, cancelled: threading.Event) -> Iterator[Started | str | Finished]:
+    def generate(self, request: GenerationRequest, cancelled: threading.Event) -> Iterator[Started | Piece | Finished]:
         started_at = time.perf_counter()
         tokens = self.prompt_tokens(request)
         max_tokens = self.max_tokens(request, len(tokens))
         self._check_ids(request)
-        prefix = self.cache.lookup(tokens, request.cache_salt) if self.cache else Prefix(0, None, None)
+        hit, prefix_kv, prefix_tokens = None, None, 0  # the Hit is kept as is until its release below
+        if self.cache is not None:
+            hit, prefix_kv = self.cache.lookup(tokens, request.cache_salt)
+            prefix_tokens = 0 if prefix_kv is None else len(prefix_kv) * self.cache.layout.block_size
         generation = None
         try:
             try:
                 stops = self.engine.loaded.stop_token_ids | request.stop_token_ids
                 generation = self.engine.generate(
                     tokens,
-                    prefix.blocks,
+                    prefix_kv,
                     max_tokens=max_tokens,
                     stop_token_ids=stops,
                     sampling=request.sampling,
@@ -186,10 +189,10 @@ class InferenceBackend:
             except ValueError as error:
                 raise ApiError(str(error), "prompt") from None
             if self.cache is not None:
-                self.cache.observe(generation.prefill, prefix.blocks)  # load-or-recompute estimates
-            yield Started(len(tokens), prefix.tokens)
+                self.cache.observe(generation.prefill, prefix_kv)  # load-or-recompute estimates
+            yield Started(len(tokens), prefix_tokens)
             self.metrics.prompt_tokens.inc(len(tokens))
-            self.metrics.cached_tokens.inc(prefix.tokens)
+            self.metrics.cached_tokens.inc(prefix_tokens)
             if request.echo:
                 echoed = (
                     request.prompt if isinstance(request.prompt, str) else self.engine.loaded.tokenizer.decode(tokens)
@@ -200,14 +203,14 @@ class InferenceBackend:
         finally:
             if self.cache is not None:
                 if generation is not None and not cancelled.is_set():
-                    start_block = prefix.hit.blocks if prefix.hit else 0
+                    start_block = hit.blocks if hit else 0
                     count = self.cache.blocks_to_store(tokens, start_block)
                     if count:
                         kv = self.engine.extract_blocks(
                             generation.cache, start_block, count, self.cache.layout.block_size
                         )
                         self.cache.store(tokens, kv, start_block, request.cache_salt)
-                self.cache.release(prefix.hit)
+                self.cache.release(hit)
 
     def _stream(self, generation, request: GenerationRequest, started_at: float) -> Iterator[Piece | Finished]:
         text = TextStream(self.engine.loaded.tokenizer.decode, request.stop)

@@ -18,9 +18,9 @@ re-attach is the shared `CircuitBreaker` (prefixcache/tiers/breaker.py): one
 failure takes the link down, re-attach attempts follow after 1-2 s (jittered,
 `RETRY_MAX_S`). State changes are logged once, not per request.
 
-Invariant: a `Prefix` handed to the engine covers strictly fewer tokens than
-the prompt (at least one token is always computed), and its lease is
-released exactly once (`release`, from the backend's `finally`).
+Invariant: the prefix KV handed to the engine covers strictly fewer tokens
+than the prompt (at least one token is always computed), and the `Hit`'s
+lease is released exactly once (`release`, from the backend's `finally`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 
 import torch
 from prometheus_client import CollectorRegistry, Counter
@@ -42,7 +41,7 @@ from prefixcache.tiers.breaker import Backoff, CircuitBreaker
 
 from .engine import PrefillResult
 from .events import LinkState
-from .hit_policy import Decision, HitPolicy, Offer, ReadPath
+from .hit_policy import Decision, HitPolicy, ReadPath
 from .model import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -51,15 +50,6 @@ log = logging.getLogger(__name__)
 # breaker: a longer cap kept workers off a recovered service past the chaos soak's recovery window.
 RETRY_MIN_S = RETRY_MAX_S = 2.0
 REQUEST_FIELDS = frozenset({"tokens", "cache_salt"})  # a lookup rejected for these is the request's fault
-
-
-@dataclass
-class Prefix:
-    """What a lookup gave one request: KV for its first `tokens` tokens (may be 0)."""
-
-    tokens: int
-    blocks: torch.Tensor | None
-    hit: Hit | None
 
 
 class CacheLink:
@@ -155,37 +145,34 @@ class CacheLink:
         self._breaker.record_failure(f"{stage}: {error}")  # (re)schedules the next attach attempt
         self._attached, self._failed = False, True
 
-    def lookup(self, tokens: list[int], salt: str | None) -> Prefix:
-        """Leased KV of the longest usable cached prefix, or an empty prefix."""
+    def lookup(self, tokens: list[int], salt: str | None) -> tuple[Hit | None, torch.Tensor | None]:
+        """The leased hit (None when the link is down or the Lookup failed) and the KV of the
+        leading blocks the policy decided to load (None: none), `[n, *block_shape]`.
+
+        The caller releases the hit (`release`) whatever happens, also after a failed read."""
         if not self._ready():
-            return Prefix(0, None, None)
+            return None, None
         hit = self._leased_hit(tokens, salt)
         if hit is None:
-            return Prefix(0, None, None)
-        size = self.layout.block_size
-        usable = min(hit.blocks, (len(tokens) - 1) // size)  # leave at least one token to compute
-        decision = self.policy.decide(Offer.of(hit, usable, self._client.attachment), hit.remote_blocks_declined)
+            return None, None
+        decision = self.policy.decide(hit, self.layout)
         if decision.blocks == 0:
-            return Prefix(0, None, hit)
+            return hit, None
         try:
-            blocks = self._read(hit, decision)
+            return hit, self._read(hit, decision)
         except PrefixCacheError as error:
             self._down("read", error)
-            self.release(hit)
-            return Prefix(0, None, None)
-        return Prefix(decision.blocks * size, blocks, hit)
+            return hit, None
 
     def _read(self, hit: Hit, decision: Decision) -> torch.Tensor:
-        """The decided blocks, `[decision.blocks, *block_shape]`, read by the decided path (and timed
-        for the policy's estimate of that path)."""
-        target = hit
-        if decision.path is ReadPath.MAPPED and decision.blocks < hit.blocks:
-            target = replace(hit, locations=hit.locations[: decision.blocks])
-        started = time.perf_counter()
-        blocks = self._client.read(target)
+        """The decided leading blocks, read by the decided path (and timed for the policy's
+        estimate of that path: a stream moves the whole lease)."""
         assert decision.path is not None  # a decision that loads blocks has a path
-        self.policy.observe_read(decision.path, blocks.numel() * blocks.element_size(), time.perf_counter() - started)
-        return blocks[: decision.blocks]
+        started = time.perf_counter()
+        blocks = self._client.read(hit, blocks=slice(0, decision.blocks))
+        moved = decision.blocks if decision.path is ReadPath.MAPPED else hit.blocks
+        self.policy.observe_read(decision.path, moved * self.layout.block_bytes, time.perf_counter() - started)
+        return blocks
 
     def observe(self, prefill: PrefillResult, prefix_blocks: torch.Tensor | None) -> None:
         """One real prefill, for the policy's load-or-recompute estimates."""

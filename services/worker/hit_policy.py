@@ -12,7 +12,10 @@ reads, installs and prefills, starting from the priors below. The prefill cost a
 with each Lookup (`recompute_seconds_per_token`), so the service applies the same rule to
 blocks it would have to fetch from Redis first.
 
-`choose` is the pure decision; `HitPolicy` owns the meters, asks `choose`, and exports each
+`choose` is the pure decision, made on the client's `Hit` as the Lookup returned it (its usable
+blocks, how many of them lead in mapped memory, the whole lease a stream moves); what it returns
+is a small `Decision`: how many leading blocks to load and by which path. `HitPolicy` owns the
+meters, asks `choose`, and exports each
 decision and the estimates behind it as Prometheus metrics (docs/replay.md lists them). It does
 no I/O: the cache link (cache_link.py) reads and reports each read's timing (`observe_read`).
 
@@ -31,12 +34,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from prefixcache.client.api import Attachment, Hit
-from prefixcache.tiers.base import TierKind
+from prefixcache.client.api import Hit
+from prefixcache.config import KVLayout
 from prefixcache.transfer import TransferEstimate, TransferMeter
 
 log = logging.getLogger(__name__)
@@ -60,27 +62,6 @@ class Verdict(enum.Enum):
 class ReadPath(enum.Enum):
     MAPPED = "shared_memory"  # host tier shared memory (or the device pool by CUDA IPC)
     STREAM = "stream"  # the service's Fetch stream
-
-
-@dataclass(frozen=True)
-class Offer:
-    """What a lookup offers one request."""
-
-    usable_blocks: int  # hit blocks the engine may load (it must compute >= 1 token)
-    leased_blocks: int  # hit blocks under the lease: what a stream read moves
-    mapped_blocks: int  # leading hit blocks this worker can copy from mapped memory
-    block_bytes: int
-    block_tokens: int
-
-    @classmethod
-    def of(cls, hit: Hit, usable: int, attachment: Attachment) -> Offer:
-        mapped = {int(TierKind.HOST)} if attachment.shared_memory else set()
-        if attachment.device_ipc:
-            mapped.add(int(TierKind.DEVICE))
-        outside = np.flatnonzero(~np.isin(hit.locations.tiers, list(mapped)))
-        leading = int(outside[0]) if outside.size else hit.blocks
-        layout = attachment.layout
-        return cls(usable, hit.blocks, leading, layout.block_bytes, layout.block_size)
 
 
 @dataclass(frozen=True)
@@ -108,29 +89,28 @@ class Decision:
         return self.recompute_s - self.load_s
 
 
-def choose(offer: Offer, estimates: Estimates, always_take: bool = False) -> Decision:
+def choose(hit: Hit, layout: KVLayout, estimates: Estimates, always_take: bool = False) -> Decision:
     """The option (mapped prefix, or the whole lease by stream, or nothing) that saves the most time.
 
     `always_take` skips the comparison with recomputing (the worker's `--hit-policy always`)."""
-    if offer.usable_blocks <= 0:
+    usable = hit.usable_blocks
+    if usable <= 0:
         return Decision(Verdict.MISS, 0, None, 0.0, 0.0)
-    block_s = offer.block_tokens * estimates.prefill_s_per_token
+    block_bytes = layout.block_bytes
+    block_s = layout.block_size * estimates.prefill_s_per_token
     options: list[tuple[ReadPath, int, float]] = []
-    mapped = min(offer.mapped_blocks, offer.usable_blocks)
+    mapped = min(hit.mapped_blocks, usable)
     if mapped > 0:
-        nbytes = mapped * offer.block_bytes
+        nbytes = mapped * block_bytes
         options.append((ReadPath.MAPPED, mapped, estimates.mapped.seconds(nbytes) + estimates.install.seconds(nbytes)))
-    if offer.mapped_blocks < offer.usable_blocks:
-        count = offer.usable_blocks
-        load = estimates.stream.seconds(offer.leased_blocks * offer.block_bytes) + estimates.install.seconds(
-            count * offer.block_bytes
-        )
-        options.append((ReadPath.STREAM, count, load))
+    if hit.mapped_blocks < usable:
+        load = estimates.stream.seconds(hit.blocks * block_bytes) + estimates.install.seconds(usable * block_bytes)
+        options.append((ReadPath.STREAM, usable, load))
     path, count, load = max(options, key=lambda option: option[1] * block_s - option[2])
     recompute = count * block_s
     if recompute <= load and not always_take:
         return Decision(Verdict.RECOMPUTE, 0, path, load, recompute)
-    verdict = Verdict.TAKEN if count == offer.usable_blocks else Verdict.PARTIAL
+    verdict = Verdict.TAKEN if count == usable else Verdict.PARTIAL
     return Decision(verdict, count, path, load, recompute)
 
 
@@ -230,13 +210,14 @@ class HitPolicy:
         return estimate
 
     # -- per request ----------------------------------------------------------
-    def decide(self, offer: Offer, remote_declined: int = 0) -> Decision:
-        decision = choose(offer, self.estimates(), self.always_take)
+    def decide(self, hit: Hit, layout: KVLayout) -> Decision:
+        """How many of the hit's leading blocks to load, and by which path (counted in the metrics)."""
+        decision = choose(hit, layout, self.estimates(), self.always_take)
         metrics = self.metrics
         metrics.decisions.labels(decision.verdict.value).inc()
         metrics.blocks.labels("loaded").inc(decision.blocks)
-        metrics.blocks.labels("declined").inc(max(0, offer.usable_blocks - decision.blocks))
-        metrics.remote_declined.inc(remote_declined)
+        metrics.blocks.labels("declined").inc(max(0, hit.usable_blocks - decision.blocks))
+        metrics.remote_declined.inc(hit.remote_blocks_declined)
         if decision.blocks:
             metrics.saved.labels("load").inc(decision.load_s)
             metrics.saved.labels("recompute").inc(decision.recompute_s)
@@ -244,7 +225,7 @@ class HitPolicy:
             "hit decision %s: %d of %d blocks by %s (load %.2f ms vs recompute %.2f ms)",
             decision.verdict.value,
             decision.blocks,
-            offer.usable_blocks,
+            hit.usable_blocks,
             decision.path.value if decision.path else "-",
             decision.load_s * 1e3,
             decision.recompute_s * 1e3,

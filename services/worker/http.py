@@ -219,6 +219,7 @@ class WorkerApp:
                 },
                 status=500,
             )
+        assert started is not None and finished is not None  # the backend yields Started first, Finished last
         body = usage(started.prompt_tokens, finished.completion_tokens, started.cached_tokens)
         return web.json_response(shaper.full("".join(pieces), finished.finish_reason, body, tuple(logprobs)))
 
@@ -240,6 +241,7 @@ class WorkerApp:
                 elif isinstance(event, Finished):
                     await send(shaper.chunk("", event.finish_reason))
                     if parsed.include_usage:
+                        assert started is not None  # the backend yields Started before anything else
                         await send(
                             shaper.usage_chunk(
                                 usage(started.prompt_tokens, event.completion_tokens, started.cached_tokens)

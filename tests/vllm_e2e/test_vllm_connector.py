@@ -36,8 +36,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.redis_server import RedisServer, poll
-from tests.worker_procs import CacheService
+from tests.support.poll import poll
+from tests.support.redis_server import RedisServer
+from tests.support.worker_procs import CacheService
 
 ROOT = Path(__file__).resolve().parents[2]
 BS = 32

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.redis_server import free_port, poll
+from tests.support.poll import poll
+from tests.support.redis_server import free_port
+from tests.support.worker_procs import CacheService
 from tests.vllm_e2e.test_vllm_connector import BS, VOCAB, _model
-from tests.worker_procs import CacheService
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_READY_S = 420

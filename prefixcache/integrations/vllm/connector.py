@@ -36,7 +36,12 @@ from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
 
 log = logging.getLogger(LOGGER)
 
@@ -117,10 +122,10 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention.attention import Attention
 
-        return get_layers_from_vllm_config(self._vllm_config, Attention, self.layer_names)
+        return dict(get_layers_from_vllm_config(self._vllm_config, Attention, self.layer_names))
 
     def _backend_name(self) -> str:
-        return self._attention_layers()[self.layer_names[0]].get_attn_backend().get_name()
+        return str(self._attention_layers()[self.layer_names[0]].get_attn_backend().get_name())
 
     def _layer_scales(self) -> dict[str, tuple[float, float]]:
         """Each layer's (k_scale, v_scale) as vLLM quantizes KV with them (host copies, after weight loading)."""
@@ -129,7 +134,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             for name, layer in self._attention_layers().items()
         }
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if self._worker is not None and isinstance(meta, PrefixCacheMetadata) and meta.loads:
             self._worker.load(meta)
@@ -137,7 +142,9 @@ class PrefixCacheConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads finish inside start_load_kv
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         return  # whole blocks are copied out after the forward, in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -163,19 +170,19 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             self.link.close()
 
     # -- scheduler role -----------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.match(request, num_computed_tokens), False
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> PrefixCacheMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PrefixCacheMetadata:
         assert self._scheduler is not None
         return self._scheduler.build(scheduler_output)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         self._scheduler.finished(request)
         return False, None
@@ -189,11 +196,5 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         return PrefixCacheStats(dict(data)) if data is not None else PrefixCacheStats()
 
     @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: Any,
-        metric_types: dict,
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> PrefixCachePromMetrics:
-        return PrefixCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    def build_prom_metrics(cls, *args: Any, **kwargs: Any) -> PrefixCachePromMetrics:
+        return PrefixCachePromMetrics(*args, **kwargs)  # vLLM's arguments, as PrefixCachePromMetrics types them

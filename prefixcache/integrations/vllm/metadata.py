@@ -1,8 +1,9 @@
 """What the scheduler-side connector tells the worker-side one each step (pickled by vLLM).
 
 Invariants:
-- A `LoadOp` names only service-issued ids (lease, namespace, shared-memory segment) and the
-  slots the Lookup answered; the worker copies `slots[i]` into vLLM block `block_ids[i]`.
+- A `LoadOp` carries the client's `Hit` as the Lookup answered it (service-issued ids and
+  slots only) and the shared-memory segment it was answered for; the worker copies hit block
+  `first_block + i` into vLLM block `block_ids[i]`.
 - A `SaveOp` covers the prompt's full blocks `start_block..start_block+len(block_ids)` and
   carries the tokens up to their end: the service derives every block hash from them.
 """
@@ -13,18 +14,14 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from ...client.api import Hit
+
 
 @dataclass(frozen=True)
 class LoadOp:
     request_id: str
-    namespace_id: str
+    hit: Hit  # the scheduler's Lookup answer as is: its lease is the worker's to release
     host_segment: str  # the segment the slots live in ("" when read by stream)
-    lease_id: int
-    lease_deadline: float  # time.monotonic() (system-wide clock) before which the lease is live
-    prompt_tokens: int
-    hit_tokens: int  # the whole leased hit (a Fetch stream moves all of it)
-    tiers: tuple[int, ...]  # of every leased block, root first
-    slots: tuple[int, ...]
     first_block: int  # the first leased block to load (vLLM computed those before it)
     block_ids: tuple[int, ...]  # vLLM blocks for leased blocks first_block.. in order
 

@@ -24,17 +24,21 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...client.api import Attachment, Hit
+from ...client.api import Attachment, CacheClient, Hit
 from ...errors import PrefixCacheError
 from ...tiers.base import TierKind
 from ...transfer import TransferEstimate, TransferMeter
 from .link import LOGGER, CacheLink, service_level
 from .metadata import LoadOp, PrefixCacheMetadata, SaveOp
 from .stats import StatsBox
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
 
 log = logging.getLogger(LOGGER)
 
@@ -109,7 +113,7 @@ def worth_loading(
 
 @dataclass
 class _Request:
-    request: Any
+    request: Request
     salt: str | None
     hit: Hit | None = None
     attachment: Attachment | None = None
@@ -131,7 +135,7 @@ class SchedulerSide:
         self.prefill = PrefillMeter(self.settings.prefill_tokens_per_s or PREFILL_PRIOR_TOKENS_PER_S)
 
     # -- get_num_new_matched_tokens ------------------------------------------------------
-    def match(self, request: Any, num_computed_tokens: int) -> int:
+    def match(self, request: Request, num_computed_tokens: int) -> int:
         state = self._requests.get(request.request_id)
         if state is None:
             if not self._requests:
@@ -168,8 +172,8 @@ class SchedulerSide:
             self.stats.add(lookup_errors=1)
             return 0
         hit, attachment = answer
-        client = self.link.client()
-        client = client[0] if client is not None else None
+        attached = self.link.client()
+        client = attached[0] if attached is not None else None
         if not self._valid(hit, attachment, len(prompt), state.salt):
             self._release(client, hit)
             self.link.failed(
@@ -207,8 +211,8 @@ class SchedulerSide:
     def _worth_loading(self, external: int, local: int, hit: Hit, attachment: Attachment) -> bool:
         if self.settings.hit_policy == "always":
             return True
-        first, end = local // self.block_size, (local + external) // self.block_size
-        mapped = attachment.shared_memory and bool(np.all(hit.locations.tiers[first:end] == int(TierKind.HOST)))
+        end = (local + external) // self.block_size
+        mapped = end <= hit.mapped_blocks  # else the worker's read takes the Fetch stream
         return worth_loading(
             external,
             attachment.layout.block_size,
@@ -219,7 +223,7 @@ class SchedulerSide:
         )
 
     # -- update_state_after_alloc ---------------------------------------------------------
-    def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+    def allocated(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
         if state is None:
             return
@@ -239,7 +243,7 @@ class SchedulerSide:
             self._drop_lease(state)
 
     # -- build_connector_meta -------------------------------------------------------------
-    def build(self, scheduler_output: Any) -> PrefixCacheMetadata:
+    def build(self, scheduler_output: SchedulerOutput) -> PrefixCacheMetadata:
         meta = PrefixCacheMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -248,7 +252,7 @@ class SchedulerSide:
                 state.block_ids = list(new.block_ids[0])
                 self._plan(state, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set())
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
             if state is None:
@@ -268,19 +272,7 @@ class SchedulerSide:
             hit, first = state.hit, state.local_tokens // bs
             end = first + state.external_tokens // bs
             meta.loads.append(
-                LoadOp(
-                    req_id,
-                    hit.namespace_id,
-                    state.attachment.host_segment,
-                    int(hit.lease_id),
-                    float(hit.lease_deadline),
-                    hit.prompt_tokens,
-                    hit.hit_tokens,
-                    tuple(int(t) for t in hit.locations.tiers),
-                    tuple(int(s) for s in hit.locations.slots),
-                    first,
-                    tuple(state.block_ids[first:end]),
-                )
+                LoadOp(req_id, hit, state.attachment.host_segment, first, tuple(state.block_ids[first:end]))
             )
             state.load_pending, state.hit = False, None  # the worker owns the lease now
             state.cached_blocks = max(state.cached_blocks, end)
@@ -295,7 +287,7 @@ class SchedulerSide:
                 )
 
     # -- request_finished -----------------------------------------------------------------
-    def finished(self, request: Any) -> None:
+    def finished(self, request: Request) -> None:
         state = self._requests.pop(request.request_id, None)
         if state is not None:
             self._drop_lease(state)
@@ -307,7 +299,7 @@ class SchedulerSide:
                 self._release(attached[0], state.hit)
         state.hit, state.load_pending = None, False
 
-    def _release(self, client: Any, hit: Hit) -> None:
+    def _release(self, client: CacheClient | None, hit: Hit) -> None:
         if client is None:
             return
         try:

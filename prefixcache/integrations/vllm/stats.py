@@ -12,12 +12,17 @@ Invariant: every field is a monotonic count or a sum of seconds, so aggregation 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from prometheus_client import Counter
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
 
 FIELDS = (
     "lookups",
@@ -59,7 +64,7 @@ _DESCRIPTIONS = {
 
 class PrefixCacheStats(KVConnectorStats):
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def add(self, **counts: float) -> None:
         for key, value in counts.items():
@@ -102,15 +107,17 @@ class StatsBox:
 class PrefixCachePromMetrics(KVConnectorPromMetrics):
     def __init__(
         self,
-        vllm_config: Any,
-        metric_types: dict,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {}
+        counter_cls = metric_types[Counter]  # vLLM's own Counter class (multiprocess-aware)
+        assert issubclass(counter_cls, Counter)
+        self._counters: dict[str, dict[int, Counter]] = {}
         for key in FIELDS:
-            counter = self._counter_cls(
+            counter = counter_cls(
                 name=f"vllm:prefixcache_{key}", documentation=_DESCRIPTIONS[key], labelnames=labelnames
             )
             self._counters[key] = {engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()}

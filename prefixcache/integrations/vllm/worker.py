@@ -27,13 +27,10 @@ import queue
 import threading
 import time
 
-import numpy as np
 import torch
 
 from ...client.api import Hit
 from ...errors import PrefixCacheError
-from ...results import BlockLocations
-from ...tiers.base import TierKind
 from .link import LOGGER, CacheLink, service_level
 from .metadata import LoadOp, PrefixCacheMetadata, SaveOp
 from .paged import PagedCache
@@ -73,7 +70,7 @@ class WorkerSide:
                 )
                 continue
             finally:
-                self._release(op.lease_id)
+                self._release(op.hit)
             self.stats.add(
                 loaded_blocks=len(op.block_ids),
                 load_seconds=time.perf_counter() - started,
@@ -89,50 +86,24 @@ class WorkerSide:
         client, attachment = attached
         if op.host_segment and attachment.shared_memory and attachment.host_segment != op.host_segment:
             self.link.failed(PrefixCacheError("the service restarted"))  # re-attach for later loads
-            raise PrefixCacheError(f"lease {op.lease_id} is from another attachment of the service")
+            raise PrefixCacheError(f"lease {op.hit.lease_id} is from another attachment of the service")
         end = op.first_block + len(op.block_ids)
-        tiers, slots = np.asarray(op.tiers, dtype=np.int8), np.asarray(op.slots, dtype=np.int32)
-        if end > len(slots):
-            raise PrefixCacheError(f"load of blocks {op.first_block}..{end} beyond the {len(slots)} leased")
-        mapped = {int(TierKind.HOST)} if attachment.shared_memory else set()
-        if attachment.device_ipc:
-            mapped.add(int(TierKind.DEVICE))
-        part = slice(op.first_block, end)
-        try:
-            if mapped and bool(np.all(np.isin(tiers[part], list(mapped)))):
-                hit = Hit(
-                    op.namespace_id,
-                    op.prompt_tokens,
-                    len(op.block_ids) * self.link.layout.block_size,
-                    BlockLocations(tiers[part], slots[part]),
-                    None,
-                    op.lease_id,
-                    op.lease_deadline,
-                )
-                blocks = client.read(hit)
-            else:  # the Fetch stream always carries the whole lease
-                hit = Hit(
-                    op.namespace_id,
-                    op.prompt_tokens,
-                    op.hit_tokens,
-                    BlockLocations(tiers, slots),
-                    None,
-                    op.lease_id,
-                    op.lease_deadline,
-                )
-                blocks = client.read(hit)[part]
+        if end > op.hit.blocks:
+            raise PrefixCacheError(f"load of blocks {op.first_block}..{end} beyond the {op.hit.blocks} leased")
+        try:  # mapped memory when the client has every block of the range mapped, else the stream
+            blocks = client.read(op.hit, blocks=slice(op.first_block, end))
         except PrefixCacheError as error:
             if service_level(error):  # an unreachable or restarted service, not an expired lease
                 self.link.failed(error)
             raise
         self.paged.load(blocks, list(op.block_ids))
 
-    def _release(self, lease_id: int) -> None:
+    def _release(self, hit: Hit) -> None:
         attached = self.link.client()
         if attached is None:
             return
         try:
-            attached[0].release(lease_id)
+            attached[0].release(hit)
         except PrefixCacheError as error:
             self.link.failed(error)
 

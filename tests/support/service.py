@@ -28,7 +28,7 @@ from prefixcache_services.cache_server.options import ServerOptions
 from prefixcache_services.cache_server.server import build_server
 from prefixcache_services.cache_server.servicer import SERVICE_NAME
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DTYPES = tuple(dtype.value for dtype in DType)  # every format the cache stores, fp8 included
 BLOCK = 16
 CACHE_FIELDS = {"ttl_s", "lease_ttl_s", "max_prompt_tokens", "max_leases", "chunk_bytes", "min_block_bytes"}

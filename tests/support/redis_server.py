@@ -3,9 +3,9 @@
 Servers listen on free loopback ports (optionally TLS-only), keep no data on disk (`--save ""
 --appendonly no`), and can be SIGKILLed and restarted on the same port. Readiness
 is always polled with a bounded deadline (never a blind sleep). Every server dies with the
-process that started it, even if that process is SIGKILLed (tests/lifetime.py).
+process that started it, even if that process is SIGKILLed (tests/support/lifetime.py).
 
-Fixtures (register with `pytest_plugins = ["tests.redis_server"]` in a conftest,
+Fixtures (register with `pytest_plugins = ["tests.support.redis_server"]` in a conftest,
 or import them into a test module):
 - `redis_server`: one server shared by the test session (isolate with key prefixes);
 - `private_redis`: a server of one test's own, free to kill, pause or reconfigure;
@@ -15,33 +15,22 @@ or import them into a test module):
 from __future__ import annotations
 
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
 
-from tests import lifetime
+from tests.support import lifetime
 
 READY_TIMEOUT_S = 10.0
 _POLL_S = 0.01
-
-
-def poll(condition: Callable[[], bool], timeout_s: float, interval_s: float = 0.01) -> bool:
-    """Calls `condition` until it is true (True) or `timeout_s` passes (False); never sleeps blindly."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval_s)
-    return True
 
 
 def _require(binary: str) -> str:
@@ -144,12 +133,6 @@ def make_tls_files(directory: Path) -> TlsFiles:
     return files
 
 
-def _kill_process(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.kill()
-        process.wait(timeout=READY_TIMEOUT_S)
-
-
 class RedisServer:
     """One redis-server process on a fixed loopback port; restartable on that port."""
 
@@ -211,7 +194,7 @@ class RedisServer:
         self.process = lifetime.popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         # Killed at interpreter exit too, should a test die before its teardown; and by the kernel
         # should this process die without running finalizers (lifetime.popen).
-        weakref.finalize(self, _kill_process, self.process)
+        weakref.finalize(self, lifetime.kill, self.process, READY_TIMEOUT_S)
         self.wait_ready(timeout_s)
         return self
 
@@ -230,21 +213,16 @@ class RedisServer:
 
     def kill(self) -> None:
         """SIGKILL, as a crash would; returns once the process is gone."""
-        if self.alive():
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=READY_TIMEOUT_S)
+        if self.process is not None:
+            lifetime.kill(self.process, READY_TIMEOUT_S)
 
     def restart(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         self.kill()
         self.start(timeout_s)
 
     def stop(self) -> None:
-        if self.alive():
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.process is not None:
+            lifetime.stop(self.process, 5)
 
     def client(self, **kwargs) -> redis.Redis:
         """A plain client for assertions and fault injection (not the code under test)."""

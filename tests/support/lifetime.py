@@ -42,6 +42,24 @@ def popen(args, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(args, **kwargs)
 
 
+def kill(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGKILL (as a crash would) and reap, if it still runs."""
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=timeout_s)
+
+
+def stop(process: subprocess.Popen, grace_s: float) -> int:
+    """SIGTERM, then SIGKILL after `grace_s`; the exit code."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            kill(process)
+    return process.wait()
+
+
 def session_segments(pid: int, directory: Path = SHM_DIR) -> list[SegmentInfo]:
     """Segments owned by `pid` or by one of its children."""
     return [info for info in list_segments(directory) if pid in (info.record.pid, info.record.ppid)]
@@ -49,10 +67,10 @@ def session_segments(pid: int, directory: Path = SHM_DIR) -> list[SegmentInfo]:
 
 def start_janitor(session_pid: int | None = None) -> subprocess.Popen:
     """The janitor of this session; it outlives a SIGKILL of this process (and of its group)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root))
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.lifetime", str(session_pid or os.getpid())],
+        [sys.executable, "-m", "tests.support.lifetime", str(session_pid or os.getpid())],
         stdin=subprocess.PIPE,
         cwd=root,
         env=env,

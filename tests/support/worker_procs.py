@@ -13,7 +13,7 @@
 
 Readiness is always polled with a bounded deadline, never a blind sleep. Every process is
 killed when its owner is torn down, at interpreter exit should a test die first, and by the
-kernel should the test process be SIGKILLed (tests/lifetime.py); a SIGKILLed service's
+kernel should the test process be SIGKILLed (tests/support/lifetime.py); a SIGKILLed service's
 shared-memory segment is unlinked by `kill`.
 
 Model processes take seconds to start (and seconds to exit: interpreter teardown of torch),
@@ -43,10 +43,10 @@ from pathlib import Path
 
 import pytest
 
-from tests import lifetime
-from tests.redis_server import free_port
+from tests.support import lifetime
+from tests.support.redis_server import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 READY_LINE = "prefixcache serve: listening on "
 SERVICE_READY_S = 60.0
 WORKER_READY_S = 180.0  # model load on a busy 2-core CI runner
@@ -56,12 +56,6 @@ _POLL_S = 0.05
 
 def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-
-
-def _kill(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.kill()
-        process.wait(timeout=30)
 
 
 def _tail(path: Path, chars: int = 3000) -> str:
@@ -138,7 +132,7 @@ class CacheService:
             self.process = lifetime.popen(
                 self._command(), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=log, text=True
             )
-        weakref.finalize(self, _kill, self.process)
+        weakref.finalize(self, lifetime.kill, self.process)
         address = self._await_ready(timeout_s)
         self.port = int(address.rpartition(":")[2])
         return self
@@ -156,7 +150,7 @@ class CacheService:
                 break
             if line.startswith(READY_LINE):
                 return line[len(READY_LINE) :].strip()
-        _kill(self.process)
+        lifetime.kill(self.process)
         raise RuntimeError(
             f"cache service did not report readiness within {timeout_s}s "
             f"(exit {self.process.poll()}): {_tail(self.log_path)}"
@@ -168,7 +162,7 @@ class CacheService:
     def kill(self) -> None:
         """SIGKILL (a crash): the segment it would have unlinked is removed here."""
         if self.process is not None:
-            _kill(self.process)
+            lifetime.kill(self.process)
         Path("/dev/shm", self.shm_name).unlink(missing_ok=True)
 
     def restart(self, timeout_s: float = SERVICE_READY_S) -> None:
@@ -176,13 +170,9 @@ class CacheService:
         self.start(timeout_s)
 
     def stop(self) -> None:
-        if self.alive():
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
+        if self.process is not None:
+            lifetime.stop(self.process, 15)
+        self.kill()  # and the segment, whatever the exit
 
     def client(self, timeout_s: float = 10.0):
         """A plain `CacheClient` for assertions (stats, inspect); not attached."""
@@ -221,7 +211,7 @@ class WorkerProcess:
         ]
         with self.log_path.open("a") as log:
             self.process = lifetime.popen(command, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-        weakref.finalize(self, _kill, self.process)
+        weakref.finalize(self, lifetime.kill, self.process)
         return self
 
     def wait_ready(self, timeout_s: float = WORKER_READY_S) -> WorkerProcess:
@@ -230,7 +220,7 @@ class WorkerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"worker exited with {self.process.returncode}: {_tail(self.log_path)}")
             if time.monotonic() > deadline:
-                _kill(self.process)
+                lifetime.kill(self.process)
                 raise TimeoutError(f"worker on port {self.port} not healthy after {timeout_s}s: {_tail(self.log_path)}")
             time.sleep(_POLL_S)
         return self
@@ -244,14 +234,7 @@ class WorkerProcess:
 
     def stop(self) -> int | None:
         """SIGTERM and wait (SIGKILL after 15 s); the exit code, None if never launched."""
-        if self.process is None:
-            return None
-        self.terminate()
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            _kill(self.process)
-        return self.process.returncode
+        return None if self.process is None else lifetime.stop(self.process, 15)
 
 
 def start_all(workers: Sequence[WorkerProcess]) -> None:
@@ -433,15 +416,3 @@ def _server_sent_events(response: http.client.HTTPResponse) -> Iterator[dict | s
             raise AssertionError(f"not an SSE data line: {line!r}")
         data = line[len("data: ") :]
         yield data if data == "[DONE]" else json.loads(data)
-
-
-def poll(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
-    """Calls `predicate` until it returns a truthy value (returned) or the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not true after {timeout_s}s (last value {value!r})")
-        time.sleep(interval_s)
