@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-out")
     args = parser.parse_args(argv)
 
-    from tests.redis_server import RedisServer  # the helper the tests use
+    from tests.support.redis_server import RedisServer  # the helper the tests use
 
     server = RedisServer(Path(tempfile.mkdtemp(prefix="redis-peer-bench-"))).start()
     try:

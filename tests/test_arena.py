@@ -29,7 +29,7 @@ from prefixcache.tiers.arena import Arena, chunk_bytes_for
 from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier
-from tests.core_support import ManualClock, assert_consistent, kv_for, namespace, read_blocks, same_bytes
+from tests.support.core import ManualClock, assert_consistent, kv_for, namespace, read_blocks, same_bytes
 
 pytestmark = pytest.mark.unit
 

@@ -19,7 +19,7 @@ import pytest
 
 from prefixcache.config import KVLayout
 from prefixcache.rpc import cache_pb2 as pb
-from tests.service_support import BLOCK, ROOT, layout_of, prompt, random_kv, running_servers, same_bytes
+from tests.support.service import BLOCK, ROOT, layout_of, prompt, random_kv, running_servers, same_bytes
 
 pytestmark = pytest.mark.process
 
@@ -34,7 +34,7 @@ import numpy as np
 from prefixcache.client import CacheClient
 from prefixcache.config import KVLayout
 from prefixcache.rpc import cache_pb2 as pb
-from tests.service_support import BLOCK, prompt, random_kv, same_bytes
+from tests.support.service import BLOCK, prompt, random_kv, same_bytes
 
 address = sys.argv[1]
 layout = KVLayout(layers=2, kv_heads=1, head_dim=28, block_size=BLOCK, dtype="float32")

@@ -22,7 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from prefixcache.tiers.base import TierKind
 from prefixcache_services.worker.model import TINY_MODEL_ID
-from tests.worker_procs import CacheService, Reply, WorkerProcess, poll, start_all, stop_all
+from tests.support.poll import poll
+from tests.support.worker_procs import CacheService, Reply, WorkerProcess, start_all, stop_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 

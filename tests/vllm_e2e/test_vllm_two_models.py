@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.redis_server import poll
+from tests.support.poll import poll
+from tests.support.worker_procs import CacheService
 from tests.vllm_e2e.test_vllm_connector import BS, VOCAB, _expected_external, _gen, _model, _start, _tokens
-from tests.worker_procs import CacheService
 
 pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(900)]
 
