@@ -9,8 +9,7 @@
  *   add_chain (fill a new chain's rows), touch (log a path in LRU order), pins, eviction's
  *   leaf-first picking (pick_leaves) and batch removal (remove_many).
  * - current_entries: the touch log's scan step (touchlog.py).
- * - frame / xxh3_64: a block frame's payload copy and checksum (codec.py), GIL released, through
- *   the build of _frame_simd.h for the CPU's vector unit (FRAME_ISA: baseline, avx2, avx512).
+ * - frame / xxh3_64: a block frame's payload copy and checksum (codec.py), GIL released.
  *
  * Arrays come in through the buffer protocol and must be C-contiguous with the expected item
  * type; anything else is a TypeError or ValueError that names the argument. No state lives here
@@ -20,7 +19,6 @@
 #include <Python.h>
 
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define XXH_INLINE_ALL
@@ -1268,43 +1266,25 @@ no_tick:
  * xxh3_64_intdigest) with the GIL released, so the caller's encode runs beside the Redis tier's
  * writer thread and other callers instead of taking turns with them. */
 
+#define FRAME_CHUNK (64 * 1024) /* copy a chunk, then hash it while it is still in cache */
 #define FRAME_NOGIL (16 * 1024) /* below this, releasing the GIL costs more than it frees */
 
-#define FRAME_ISA baseline
-#include "_frame_simd.h"
-
-typedef uint64_t (*frame_hash_fn)(const void *, size_t);
-typedef uint64_t (*frame_copy_hash_fn)(void *, const void *, size_t);
-static frame_hash_fn frame_hash = frame_xxh3_64_baseline;
-static frame_copy_hash_fn frame_copy_hash = frame_copy_xxh3_64_baseline;
-static const char *frame_isa = "baseline"; /* SSE2 on x86-64 */
-
-#if defined(__x86_64__) && defined(__GNUC__)
-uint64_t frame_xxh3_64_avx2(const void *, size_t);
-uint64_t frame_copy_xxh3_64_avx2(void *, const void *, size_t);
-uint64_t frame_xxh3_64_avx512(const void *, size_t);
-uint64_t frame_copy_xxh3_64_avx512(void *, const void *, size_t);
-#endif
-
-/* The fastest build of _frame_simd.h this CPU runs (at import); PREFIXCACHE_FRAME_ISA=baseline or
- * avx2 caps it (so that tests check every build on one machine). */
 static void
-frame_pick_isa(void)
+copy_and_hash(char *dst, const char *src, size_t n, uint64_t *checksum)
 {
-#if defined(__x86_64__) && defined(__GNUC__)
-    const char *cap = getenv("PREFIXCACHE_FRAME_ISA");
-    int most = cap == NULL ? 2 : strcmp(cap, "avx2") == 0 ? 1 : strcmp(cap, "baseline") == 0 ? 0 : 2;
-    __builtin_cpu_init();
-    if (most >= 2 && __builtin_cpu_supports("avx512f")) {
-        frame_hash = frame_xxh3_64_avx512;
-        frame_copy_hash = frame_copy_xxh3_64_avx512;
-        frame_isa = "avx512";
-    } else if (most >= 1 && __builtin_cpu_supports("avx2")) {
-        frame_hash = frame_xxh3_64_avx2;
-        frame_copy_hash = frame_copy_xxh3_64_avx2;
-        frame_isa = "avx2";
+    if (n <= FRAME_CHUNK) {
+        memcpy(dst, src, n);
+        *checksum = XXH3_64bits(dst, n);
+        return;
     }
-#endif
+    XXH3_state_t state;
+    XXH3_64bits_reset(&state);
+    for (size_t done = 0; done < n; done += FRAME_CHUNK) {
+        size_t step = n - done < FRAME_CHUNK ? n - done : FRAME_CHUNK;
+        memcpy(dst + done, src + done, step);
+        XXH3_64bits_update(&state, dst + done, step);
+    }
+    *checksum = XXH3_64bits_digest(&state);
 }
 
 static void
@@ -1369,10 +1349,10 @@ core_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     uint64_t checksum;
     if (payload.len >= FRAME_NOGIL) {
         Py_BEGIN_ALLOW_THREADS
-        checksum = frame_copy_hash(dst + head.len + 16, payload.buf, (size_t)payload.len);
+        copy_and_hash(dst + head.len + 16, payload.buf, (size_t)payload.len, &checksum);
         Py_END_ALLOW_THREADS
     } else {
-        checksum = frame_copy_hash(dst + head.len + 16, payload.buf, (size_t)payload.len);
+        copy_and_hash(dst + head.len + 16, payload.buf, (size_t)payload.len, &checksum);
     }
     put_u64le(dst + head.len, (uint64_t)payload.len);
     put_u64le(dst + head.len + 8, checksum);
@@ -1411,10 +1391,10 @@ core_xxh3_64(PyObject *module, PyObject *arg)
     uint64_t digest;
     if (data.len >= FRAME_NOGIL) {
         Py_BEGIN_ALLOW_THREADS
-        digest = frame_hash(data.buf, (size_t)data.len);
+        digest = XXH3_64bits(data.buf, (size_t)data.len);
         Py_END_ALLOW_THREADS
     } else {
-        digest = frame_hash(data.buf, (size_t)data.len);
+        digest = XXH3_64bits(data.buf, (size_t)data.len);
     }
     PyBuffer_Release(&data);
     return PyLong_FromUnsignedLongLong(digest);
@@ -1448,7 +1428,6 @@ PyInit__core(void)
     if (PyType_Ready(&HashTableType) < 0 || PyType_Ready(&IndexCoreType) < 0) {
         return NULL;
     }
-    frame_pick_isa();
     PyObject *module = PyModule_Create(&core_module);
     if (module == NULL) {
         return NULL;
@@ -1461,7 +1440,6 @@ PyInit__core(void)
         PyModule_AddIntConstant(module, "STOP_NOT_CACHED", STOP_NOT_CACHED) < 0 ||
         PyModule_AddIntConstant(module, "STOP_EXPIRED", STOP_EXPIRED) < 0 ||
         PyModule_AddIntConstant(module, "STOP_VERIFICATION_FAILED", STOP_VERIFICATION_FAILED) < 0 ||
-        PyModule_AddStringConstant(module, "FRAME_ISA", frame_isa) < 0 ||
         PyModule_AddObject(module, "XXHASH_VERSION",
                            PyUnicode_FromFormat("%d.%d.%d", XXH_VERSION_MAJOR, XXH_VERSION_MINOR,
                                                 XXH_VERSION_RELEASE)) < 0) {

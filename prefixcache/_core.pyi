@@ -10,7 +10,6 @@ STOP_NOT_CACHED: int
 STOP_EXPIRED: int
 STOP_VERIFICATION_FAILED: int
 XXHASH_VERSION: str
-FRAME_ISA: str
 
 def xxh3_128(data: bytes, /) -> bytes: ...
 def xxh3_chain(root: bytes, tokens: np.ndarray, block_size: int, /) -> list[bytes]: ...

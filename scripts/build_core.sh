@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:?usage: build_core.sh PYTHON}
 so=prefixcache/_core$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-if [ -f "$so" ] && [ -z "$(find setup.py prefixcache/_core*.c prefixcache/_frame_simd.h third_party/xxhash -newer "$so" -print -quit)" ]; then
+if [ -f "$so" ] && [ -z "$(find setup.py prefixcache/_core.c third_party/xxhash -newer "$so" -print -quit)" ]; then
   exit 0
 fi
 echo "setup: building the compiled core ($so)"
