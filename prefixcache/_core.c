@@ -9,7 +9,6 @@
  *   add_chain (fill a new chain's rows), touch (log a path in LRU order), pins, eviction's
  *   leaf-first picking (pick_leaves) and batch removal (remove_many).
  * - current_entries: the touch log's scan step (touchlog.py).
- * - frame / xxh3_64: a block frame's payload copy and checksum (codec.py), GIL released.
  *
  * Arrays come in through the buffer protocol and must be C-contiguous with the expected item
  * type; anything else is a TypeError or ValueError that names the argument. No state lives here
@@ -1261,145 +1260,6 @@ no_tick:
     return result;
 }
 
-/* ---- block frames (codec.py) ------------------------------------------------------------------
- * The bulk of a frame, its payload: copied and hashed (xxh3_64, seed 0, as python-xxhash's
- * xxh3_64_intdigest) with the GIL released, so the caller's encode runs beside the Redis tier's
- * writer thread and other callers instead of taking turns with them. */
-
-#define FRAME_CHUNK (64 * 1024) /* copy a chunk, then hash it while it is still in cache */
-#define FRAME_NOGIL (16 * 1024) /* below this, releasing the GIL costs more than it frees */
-
-static void
-copy_and_hash(char *dst, const char *src, size_t n, uint64_t *checksum)
-{
-    if (n <= FRAME_CHUNK) {
-        memcpy(dst, src, n);
-        *checksum = XXH3_64bits(dst, n);
-        return;
-    }
-    XXH3_state_t state;
-    XXH3_64bits_reset(&state);
-    for (size_t done = 0; done < n; done += FRAME_CHUNK) {
-        size_t step = n - done < FRAME_CHUNK ? n - done : FRAME_CHUNK;
-        memcpy(dst + done, src + done, step);
-        XXH3_64bits_update(&state, dst + done, step);
-    }
-    *checksum = XXH3_64bits_digest(&state);
-}
-
-static void
-put_u64le(char *out, uint64_t value)
-{
-    for (int i = 0; i < 8; i++) {
-        out[i] = (char)(value >> (8 * i));
-    }
-}
-
-/* A C-contiguous buffer of any item type, read as bytes; a TypeError naming `name` otherwise. */
-static int
-bytes_arg(PyObject *arg, const char *name, Py_buffer *view)
-{
-    if (PyObject_GetBuffer(arg, view, PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Format(PyExc_TypeError, "%s: expected a C-contiguous bytes-like object, got %.80s", name,
-                     Py_TYPE(arg)->tp_name);
-        return -1;
-    }
-    return 0;
-}
-
-/* frame(head, payload, mac=None) -> bytes: head || u64 len(payload) || u64 xxh3_64(payload) ||
- * payload, and with `mac` (an hmac.HMAC already fed what precedes the frame) its digest over all
- * of that appended. The payload's copy and hash run with the GIL released; so does the MAC's
- * update (hashlib releases it for large inputs). */
-static PyObject *
-core_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs < 2 || nargs > 3) {
-        PyErr_SetString(PyExc_TypeError, "frame(head, payload, mac=None) takes 2 or 3 arguments");
-        return NULL;
-    }
-    PyObject *mac = nargs == 3 && args[2] != Py_None ? args[2] : NULL;
-    Py_ssize_t mac_size = 0;
-    if (mac != NULL) {
-        PyObject *size = PyObject_GetAttrString(mac, "digest_size");
-        mac_size = size != NULL && PyLong_Check(size) ? PyLong_AsSsize_t(size) : -1;
-        Py_XDECREF(size);
-        if (mac_size <= 0 || !PyObject_HasAttrString(mac, "update")) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "mac: expected an hmac.HMAC (update, digest, digest_size), got %.80s",
-                         Py_TYPE(mac)->tp_name);
-            return NULL;
-        }
-    }
-    Py_buffer head, payload;
-    if (bytes_arg(args[0], "head", &head) < 0) {
-        return NULL;
-    }
-    if (bytes_arg(args[1], "payload", &payload) < 0) {
-        PyBuffer_Release(&head);
-        return NULL;
-    }
-    Py_ssize_t body = head.len + 16 + payload.len;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, body + mac_size);
-    if (out == NULL) {
-        goto done;
-    }
-    char *dst = PyBytes_AS_STRING(out);
-    memcpy(dst, head.buf, (size_t)head.len);
-    uint64_t checksum;
-    if (payload.len >= FRAME_NOGIL) {
-        Py_BEGIN_ALLOW_THREADS
-        copy_and_hash(dst + head.len + 16, payload.buf, (size_t)payload.len, &checksum);
-        Py_END_ALLOW_THREADS
-    } else {
-        copy_and_hash(dst + head.len + 16, payload.buf, (size_t)payload.len, &checksum);
-    }
-    put_u64le(dst + head.len, (uint64_t)payload.len);
-    put_u64le(dst + head.len + 8, checksum);
-    if (mac != NULL) {
-        /* `out` is ours alone until returned: the view lends its first `body` bytes to update */
-        PyObject *view = PyMemoryView_FromMemory(dst, body, PyBUF_READ);
-        PyObject *fed = view != NULL ? PyObject_CallMethod(mac, "update", "O", view) : NULL;
-        Py_XDECREF(view);
-        PyObject *digest = fed != NULL ? PyObject_CallMethod(mac, "digest", NULL) : NULL;
-        Py_XDECREF(fed);
-        if (digest == NULL || !PyBytes_Check(digest) || PyBytes_GET_SIZE(digest) != mac_size) {
-            if (digest != NULL) {
-                PyErr_Format(PyExc_ValueError, "mac: digest() returned other than %zd bytes", mac_size);
-            }
-            Py_XDECREF(digest);
-            Py_CLEAR(out);
-            goto done;
-        }
-        memcpy(dst + body, PyBytes_AS_STRING(digest), (size_t)mac_size);
-        Py_DECREF(digest);
-    }
-done:
-    PyBuffer_Release(&payload);
-    PyBuffer_Release(&head);
-    return out;
-}
-
-/* xxh3_64(data) -> int: python-xxhash's xxh3_64_intdigest, with the GIL released for large data. */
-static PyObject *
-core_xxh3_64(PyObject *module, PyObject *arg)
-{
-    Py_buffer data;
-    if (bytes_arg(arg, "data", &data) < 0) {
-        return NULL;
-    }
-    uint64_t digest;
-    if (data.len >= FRAME_NOGIL) {
-        Py_BEGIN_ALLOW_THREADS
-        digest = XXH3_64bits(data.buf, (size_t)data.len);
-        Py_END_ALLOW_THREADS
-    } else {
-        digest = XXH3_64bits(data.buf, (size_t)data.len);
-    }
-    PyBuffer_Release(&data);
-    return PyLong_FromUnsignedLongLong(digest);
-}
-
 /* ---- module ---------------------------------------------------------------------------------- */
 
 static PyMethodDef core_methods[] = {
@@ -1408,16 +1268,13 @@ static PyMethodDef core_methods[] = {
      "xxh3_chain(root, tokens, block_size) -> list of the chained digests of every full block"},
     {"current_entries", (PyCFunction)(void (*)(void))core_current_entries, METH_FASTCALL,
      "current_entries(log_rows, tick, tier, position, stop, base, out) -> (count, leading)"},
-    {"frame", (PyCFunction)(void (*)(void))core_frame, METH_FASTCALL,
-     "frame(head, payload, mac=None) -> head + payload length + xxh3_64 + payload (+ mac digest)"},
-    {"xxh3_64", (PyCFunction)core_xxh3_64, METH_O, "xxh3_64(data) -> xxh3_64 of data as an int"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef core_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "prefixcache._core",
-    .m_doc = "prefixcache's compiled core: block hashing, the block map's table, prompt matching, frames",
+    .m_doc = "prefixcache's compiled core: block hashing, the block map's table, prompt matching",
     .m_size = -1,
     .m_methods = core_methods,
 };

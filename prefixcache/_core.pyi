@@ -1,9 +1,7 @@
 # Types of the compiled core (prefixcache/_core.c); see that file for the semantics.
 from collections.abc import Sequence
-from typing import Protocol
 
 import numpy as np
-from typing_extensions import Buffer
 
 STOP_NONE: int
 STOP_NOT_CACHED: int
@@ -13,13 +11,6 @@ XXHASH_VERSION: str
 
 def xxh3_128(data: bytes, /) -> bytes: ...
 def xxh3_chain(root: bytes, tokens: np.ndarray, block_size: int, /) -> list[bytes]: ...
-def xxh3_64(data: Buffer, /) -> int: ...
-def frame(head: Buffer, payload: Buffer, mac: _Mac | None = None, /) -> bytes: ...
-
-class _Mac(Protocol):
-    digest_size: int
-    def update(self, data: Buffer, /) -> None: ...
-    def digest(self) -> bytes: ...
 
 class HashTable:
     def __init__(self, cells: np.ndarray, cell_of: np.ndarray, words: np.ndarray, digest_size: int) -> None: ...

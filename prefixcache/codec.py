@@ -34,9 +34,6 @@ Invariants:
 - Nothing in a frame is ever executed or interpreted beyond fixed-width fields;
   anything unexpected raises `CorruptBlock` with a reason, never another error.
 - `decode_block` returns a zero-copy view of the payload inside the frame.
-- The payload's copy into the frame and both checksums are the compiled core's (`core.frame`,
-  `core.xxh3_64`: prefixcache/_core.c), run with the GIL released, so encodes and verifies on
-  several threads, and the Redis tier's writer, run in parallel rather than in turns.
 - With a key, nothing of a frame is returned unless its MAC verifies
   (`hmac.compare_digest`, constant time).
 """
@@ -49,11 +46,11 @@ import hmac
 import struct
 
 import numpy as np
+import xxhash
 
 from .config import KVLayout
 from .errors import CorruptBlock, InvalidArgument, LayoutMismatch
 from .hashing import token_array
-from .native import core
 
 MAGIC = b"PFXB"
 VERSION = 1
@@ -68,7 +65,7 @@ MAC_BYTES = hashlib.sha256().digest_size
 
 _PREFIX = struct.Struct("<4sHI")  # magic, version, header length
 _SHAPE = struct.Struct("<5I")
-_TAIL = struct.Struct("<QQ")  # payload length, payload checksum (written by `core.frame`)
+_TAIL = struct.Struct("<QQ")  # payload length, payload checksum
 _MAX_ID_BYTES = 0xFFFF
 _MAX_HASH_BYTES = 0xFF
 
@@ -133,15 +130,18 @@ def encode_block(
 ) -> bytes:
     """One frame holding `payload` (exactly `layout.block_bytes` bytes) and its identity;
     with `mac_key`, a keyed frame bound to `storage_key` (the Redis key it goes under)."""
-    view = memoryview(payload)
+    view = memoryview(payload).cast("B")
     if view.nbytes != layout.block_bytes:
         raise LayoutMismatch(f"payload is {view.nbytes} bytes, the layout's block is {layout.block_bytes}")
     body = _header_body(layout, namespace_id, block_hash, parent_hash, _checked_tokens(tokens, layout))
-    header_len = len(body) + _TAIL.size
+    tail = _TAIL.pack(view.nbytes, xxhash.xxh3_64_intdigest(view))
     if mac_key is None:
-        return core.frame(_PREFIX.pack(MAGIC, VERSION, header_len) + body, view)
-    # the tail, the payload's copy and checksum, and the MAC's update over them: in C, GIL released
-    return core.frame(_PREFIX.pack(MAGIC, KEYED_VERSION, header_len) + body, view, _new_mac(mac_key, storage_key))
+        return b"".join((_PREFIX.pack(MAGIC, VERSION, len(body) + len(tail)), body, tail, view))
+    mac = _new_mac(mac_key, storage_key)
+    prefix = _PREFIX.pack(MAGIC, KEYED_VERSION, len(body) + len(tail))
+    for part in (prefix, body, tail, view):
+        mac.update(part)
+    return b"".join((prefix, body, tail, view, mac.digest()))
 
 
 def decode_block(
@@ -189,7 +189,7 @@ def decode_block(
     if payload_len != layout.block_bytes:
         raise CorruptBlock(f"payload length {payload_len} != layout block bytes {layout.block_bytes}")
     payload = view[payload_start:payload_end]
-    if core.xxh3_64(payload) != checksum:
+    if xxhash.xxh3_64_intdigest(payload) != checksum:
         raise CorruptBlock("payload checksum mismatch")
     return payload
 

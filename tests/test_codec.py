@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import pickle
 import struct
 from pathlib import Path
@@ -16,7 +15,6 @@ from hypothesis import strategies as st
 from prefixcache.codec import MAGIC, VERSION, decode_block, encode_block
 from prefixcache.config import DType, KVLayout
 from prefixcache.errors import CorruptBlock, InvalidArgument, LayoutMismatch
-from prefixcache.native import core
 
 pytestmark = pytest.mark.unit
 
@@ -181,105 +179,3 @@ def test_wrong_token_count_names_the_field() -> None:
 def test_oversized_hash_names_the_field() -> None:
     with pytest.raises(InvalidArgument, match="block_hash"):
         encode_block(LAYOUT, NS, bytes(256), PARENT, TOKENS, PAYLOAD)
-
-
-# -- the compiled frame path (core.frame / core.xxh3_64) -----------------------------------------
-# Frames written by the pure-Python encoder this replaced (b"".join of prefix, header, tail,
-# payload; xxhash's xxh3_64; hmac over the parts): the stored format must not move.
-TINY = KVLayout(layers=1, kv_heads=1, head_dim=2, block_size=2, dtype=DType.FLOAT16)
-GOLDEN_TINY = (
-    "5046584201005700000002006e73100101010101010101010101010101010110020202020202020202020202020202"
-    "020201000000020000000100000002000000020000000200000001000000ffffffff1000000000000000db7017f6a6"
-    "e35583000102030405060708090a0b0c0d0e0f"
-)
-GOLDEN_TINY_MAC = "375d42d07e099c3f7e41c1fe8c1dbf478efe7aaada5c3aaa7194ca84d0d6fa23"
-BIG = KVLayout(layers=16, kv_heads=1, head_dim=64, block_size=16, dtype=DType.BFLOAT16)  # 64 KiB: GIL released
-GOLDEN_BIG_SHA256 = "c05546594340936b2a7119c0de73311c7d5b9e878700893ded1f3b81ad9b4afa"
-GOLDEN_BIG_MAC_SHA256 = "6cb296a38fb520a3623c08f033f94b4fce8f3be0655fe1936360e8197670c5e7"
-
-
-def test_frames_are_byte_identical_to_the_python_encoders_golden_vectors() -> None:
-    import hashlib
-
-    tokens = np.array([1, 2**32 - 1], dtype="<u4")
-    payload = bytes(range(TINY.block_bytes))
-    assert encode_block(TINY, "ns", b"\x01" * 16, b"\x02" * 16, tokens, payload).hex() == GOLDEN_TINY
-    keyed = encode_block(
-        TINY, "ns", b"\x01" * 16, b"\x02" * 16, tokens, payload, mac_key=bytes(range(32)), storage_key="pfx:ns:01"
-    )
-    # the keyed frame: same bytes but the version's keyed flag, then the MAC
-    assert keyed.hex() == GOLDEN_TINY.replace("50465842010057", "50465842018057", 1) + GOLDEN_TINY_MAC
-    big = (np.arange(BIG.block_bytes, dtype=np.uint64) * 2654435761 % 251).astype(np.uint8)
-    tokens = np.arange(16, dtype="<u4")
-    for source in (big.tobytes(), big, big.view(np.uint16), memoryview(big.tobytes())):
-        frame = encode_block(BIG, "ns", b"\x03" * 16, b"\x04" * 16, tokens, source)
-        assert hashlib.sha256(frame).hexdigest() == GOLDEN_BIG_SHA256
-        keyed = encode_block(
-            BIG, "ns", b"\x03" * 16, b"\x04" * 16, tokens, source, mac_key=bytes(range(32)), storage_key="k"
-        )
-        assert hashlib.sha256(keyed).hexdigest() == GOLDEN_BIG_MAC_SHA256
-        assert (
-            bytes(
-                decode_block(
-                    keyed, BIG, "ns", b"\x03" * 16, b"\x04" * 16, tokens, mac_key=bytes(range(32)), storage_key="k"
-                )
-            )
-            == big.tobytes()
-        )
-
-
-@pytest.mark.parametrize("size", [0, 1, 15, 16 * 1024, 64 * 1024 - 1, 64 * 1024, 64 * 1024 + 1, 2 << 20, (2 << 20) + 7])
-def test_core_frame_layout_and_checksum_on_many_sizes(size: int) -> None:
-    import xxhash
-
-    payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
-    head = b"HEAD-bytes"
-    frame = core.frame(head, payload)
-    assert type(frame) is bytes and len(frame) == len(head) + 16 + size
-    assert frame[: len(head)] == head
-    assert struct.unpack_from("<QQ", frame, len(head)) == (size, xxhash.xxh3_64_intdigest(payload.tobytes()))
-    assert frame[len(head) + 16 :] == payload.tobytes()
-    assert core.xxh3_64(payload) == xxhash.xxh3_64_intdigest(payload.tobytes())
-    mac = hmac.new(b"k" * 32, b"bound", "sha256")
-    want = mac.copy()
-    keyed = core.frame(head, payload, mac)
-    want.update(frame)
-    assert keyed == frame + want.digest()
-
-
-def test_core_frame_names_a_wrong_typed_argument() -> None:
-    with pytest.raises(TypeError, match="head: expected a C-contiguous bytes-like object, got str"):
-        core.frame("head", b"payload")
-    with pytest.raises(TypeError, match="payload: expected a C-contiguous bytes-like object, got list"):
-        core.frame(b"head", [1, 2])
-    with pytest.raises(TypeError, match="payload: expected a C-contiguous"):
-        core.frame(b"head", np.zeros((4, 4), dtype=np.uint8)[:, ::2])
-    with pytest.raises(TypeError, match="mac: expected an hmac.HMAC"):
-        core.frame(b"head", b"payload", b"not a mac")
-    with pytest.raises(TypeError, match="data: expected a C-contiguous bytes-like object, got int"):
-        core.xxh3_64(3)
-    with pytest.raises(TypeError, match="takes 2 or 3 arguments"):
-        core.frame(b"head")
-
-
-def test_a_failing_mac_update_propagates_and_returns_nothing() -> None:
-    class Broken:
-        digest_size = 32
-
-        def update(self, data: object) -> None:
-            raise RuntimeError("update failed")
-
-        def digest(self) -> bytes:
-            return bytes(32)
-
-    class Short(Broken):
-        def update(self, data: object) -> None:
-            pass
-
-        def digest(self) -> bytes:
-            return bytes(8)
-
-    with pytest.raises(RuntimeError, match="update failed"):
-        core.frame(b"h", bytes(100_000), Broken())
-    with pytest.raises(ValueError, match="mac: digest\\(\\) returned other than 32 bytes"):
-        core.frame(b"h", bytes(10), Short())
