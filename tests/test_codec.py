@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 import struct
 from pathlib import Path
@@ -179,3 +180,41 @@ def test_wrong_token_count_names_the_field() -> None:
 def test_oversized_hash_names_the_field() -> None:
     with pytest.raises(InvalidArgument, match="block_hash"):
         encode_block(LAYOUT, NS, bytes(256), PARENT, TOKENS, PAYLOAD)
+
+
+# The stored format, pinned: frames as this encoder wrote them on 2026-12-01 (an unkeyed and a keyed
+# 16-byte block in full, and the SHA-256 of two 64 KiB frames). A faster encoder must match them.
+TINY = KVLayout(layers=1, kv_heads=1, head_dim=2, block_size=2, dtype=DType.FLOAT16)
+GOLDEN_TINY = (
+    "5046584201005700000002006e73100101010101010101010101010101010110020202020202020202020202020202"
+    "020201000000020000000100000002000000020000000200000001000000ffffffff1000000000000000db7017f6a6"
+    "e35583000102030405060708090a0b0c0d0e0f"
+)
+GOLDEN_TINY_MAC = "375d42d07e099c3f7e41c1fe8c1dbf478efe7aaada5c3aaa7194ca84d0d6fa23"
+BIG = KVLayout(layers=16, kv_heads=1, head_dim=64, block_size=16, dtype=DType.BFLOAT16)
+GOLDEN_BIG_SHA256 = "c05546594340936b2a7119c0de73311c7d5b9e878700893ded1f3b81ad9b4afa"
+GOLDEN_BIG_MAC_SHA256 = "6cb296a38fb520a3623c08f033f94b4fce8f3be0655fe1936360e8197670c5e7"
+
+
+def test_frames_match_the_golden_vectors() -> None:
+    tokens = np.array([1, 2**32 - 1], dtype="<u4")
+    payload = bytes(range(TINY.block_bytes))
+    assert encode_block(TINY, "ns", b"\x01" * 16, b"\x02" * 16, tokens, payload).hex() == GOLDEN_TINY
+    keyed = encode_block(
+        TINY, "ns", b"\x01" * 16, b"\x02" * 16, tokens, payload, mac_key=bytes(range(32)), storage_key="pfx:ns:01"
+    )
+    # the keyed frame: the same bytes but the version's keyed flag, then the MAC
+    assert keyed.hex() == GOLDEN_TINY.replace("50465842010057", "50465842018057", 1) + GOLDEN_TINY_MAC
+    big = (np.arange(BIG.block_bytes, dtype=np.uint64) * 2654435761 % 251).astype(np.uint8)
+    tokens = np.arange(16, dtype="<u4")
+    for source in (big.tobytes(), big, big.view(np.uint16), memoryview(big.tobytes())):
+        frame = encode_block(BIG, "ns", b"\x03" * 16, b"\x04" * 16, tokens, source)
+        assert hashlib.sha256(frame).hexdigest() == GOLDEN_BIG_SHA256
+        keyed = encode_block(
+            BIG, "ns", b"\x03" * 16, b"\x04" * 16, tokens, source, mac_key=bytes(range(32)), storage_key="k"
+        )
+        assert hashlib.sha256(keyed).hexdigest() == GOLDEN_BIG_MAC_SHA256
+        got = decode_block(
+            keyed, BIG, "ns", b"\x03" * 16, b"\x04" * 16, tokens, mac_key=bytes(range(32)), storage_key="k"
+        )
+        assert bytes(got) == big.tobytes()
