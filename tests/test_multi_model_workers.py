@@ -103,18 +103,6 @@ def _hit(worker: WorkerProcess, tokens: list[int]) -> Reply:
     return poll(lambda: (r := _complete(worker, tokens)).cached_tokens > 0 and r, 30, "a hit on a repeated prompt")
 
 
-def _resident(service: CacheService) -> dict[str, int]:
-    """Blocks resident per model (over its namespaces)."""
-    client = service.client()
-    try:
-        resident: dict[str, int] = {}
-        for entry in client.namespaces():
-            resident[entry.model] = resident.get(entry.model, 0) + sum(entry.blocks.values())
-        return resident
-    finally:
-        client.close()
-
-
 def test_both_models_hit_and_equal_their_no_cache_twins(workers) -> None:
     for name in ("tiny", "other"):
         cached, reference = workers[name], workers[f"{name}-ref"]
@@ -126,7 +114,7 @@ def test_both_models_hit_and_equal_their_no_cache_twins(workers) -> None:
             assert miss.text == hit.text == want.text, f"{name}: cached output diverged"
             assert hit.cached_tokens == PROMPT_BLOCKS * BLOCK and want.cached_tokens == 0
         assert "shared memory True" in cached.log(), f"{name} did not map the host tier"
-    resident = _resident(workers["service"])
+    resident = workers["service"].resident_blocks()
     assert set(resident) == {TINY_MODEL_ID, "other-model"}
     assert all(blocks >= 2 * PROMPT_BLOCKS for blocks in resident.values())
 
@@ -139,10 +127,10 @@ def test_one_budget_model_b_takes_room_from_model_a(workers) -> None:
             _hit(tiny, _prompt(n))
         host = next(t for t in client.stats().snapshot.tiers if t.kind is TierKind.HOST)
         assert host.bytes_used > host.capacity_bytes - 2 * (128 << 10)  # full, short of a chunk or so
-        before = _resident(service)
+        before = service.resident_blocks()
         for n in range(200, 206):  # the other model's traffic: 6 prompts x 108 KiB
             assert _hit(other, _prompt(n)).text == _complete(workers["other-ref"], _prompt(n)).text
-        after = _resident(service)
+        after = service.resident_blocks()
         stats = client.stats().snapshot
     finally:
         client.close()

@@ -180,6 +180,17 @@ class CacheService:
 
         return CacheClient(self.address, timeout_s=timeout_s)
 
+    def resident_blocks(self) -> dict[str, int]:
+        """Blocks resident per model, summed over its namespaces and tiers (ListNamespaces)."""
+        client = self.client()
+        try:
+            resident: dict[str, int] = {}
+            for entry in client.namespaces():
+                resident[entry.model] = resident.get(entry.model, 0) + sum(entry.blocks.values())
+            return resident
+        finally:
+            client.close()
+
 
 class WorkerProcess:
     """One `prefixcache worker` (tiny model) on a free port; `cache=None` means `--no-cache`."""

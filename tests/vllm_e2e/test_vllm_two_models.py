@@ -42,17 +42,6 @@ def _other_model(directory: Path) -> Path:
     return directory
 
 
-def _resident(service: CacheService) -> dict[str, int]:
-    client = service.client()
-    try:
-        resident: dict[str, int] = {}
-        for entry in client.namespaces():
-            resident[entry.model] = resident.get(entry.model, 0) + sum(entry.blocks.values())
-        return resident
-    finally:
-        client.close()
-
-
 def test_two_models_share_one_service_and_both_hit(tmp_path_factory: pytest.TempPathFactory) -> None:
     workdir = tmp_path_factory.mktemp("vllm-two-models")
     models = {"M1": _model(workdir / "m1"), "M2": _other_model(workdir / "m2")}
@@ -68,9 +57,9 @@ def test_two_models_share_one_service_and_both_hit(tmp_path_factory: pytest.Temp
         for engine in engines.values():
             engine.wait_barrier("saved")
         want = {name: sum(len(p) // BS for p in prompts[name]) for name in models}
-        saved = lambda: all(_resident(service).get(models[n].name, 0) >= want[n] for n in models)  # noqa: E731
-        assert poll(saved, 60, interval_s=0.5), _resident(service)  # the connector attaches as the basename
-        assert len(_resident(service)) == 2  # one namespace per model, in one service
+        saved = lambda: all(service.resident_blocks().get(models[n].name, 0) >= want[n] for n in models)  # noqa: E731
+        assert poll(saved, 60, interval_s=0.5), service.resident_blocks()  # the connector attaches as the basename
+        assert len(service.resident_blocks()) == 2  # one namespace per model, in one service
         for engine in engines.values():
             engine.go("saved")
         for name, engine in engines.items():
