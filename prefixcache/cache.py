@@ -43,6 +43,7 @@ from .quota import TenantLedger
 from .remote_link import RemoteLink
 from .results import BlockLocations, CommitResult, LookupResult
 from .stats import Counters, EvictionReason, StatsSnapshot, TierSnapshot, snapshot_of
+from .tenants import Tenants
 from .tiers.base import RemoteTier, SlotTier, TierKind
 from .tiers.device import DeviceTier
 from .tiers.host import HostTier
@@ -79,17 +80,21 @@ class PrefixCache:
         self.namespaces.add_layout(layout)  # layout 0: the one every chunk serves at the start
         self.leases = LeaseTable(config.max_leases)
         self.counters = Counters()
-        self.ledger = TenantLedger(self.index, config.tenant_quotas, self.namespaces, self.leases)  # quota.py
+        self.tenants = Tenants(self.index)
+        self.remote_link = None if remote is None else RemoteLink(remote, self.index, self.namespaces, arenas)
         self.placement = Placement(
             self.index,
             arenas,
             self.counters,
             self.namespaces.layout_of_row,
-            reclaim=lambda: self._reclaim_expired(self.clock()),
-            on_drop=self._on_drop if remote is not None else None,
-            owner_counters=self.ledger.counters_of_node,
+            self.leases,
+            self.tenants,
+            self.remote_link,
+            clock,
         )
-        self.remote_link = None if remote is None else RemoteLink(remote, self.index, self.namespaces, self.placement)
+        self.ledger = TenantLedger(
+            self.tenants, self.index, config.tenant_quotas, self.namespaces, self.leases, self.placement
+        )  # quota.py
         self._lock = threading.RLock()
         self._started = clock()
 
@@ -106,7 +111,7 @@ class PrefixCache:
                 self.namespaces.add_layout(namespace.layout)
             entry, new = self.namespaces.register(namespace)
             if new:
-                self.ledger.register(entry.index, namespace.tenant)
+                self.tenants.register(entry.index, namespace.tenant)
         return entry.id
 
     def namespace(self, ns_id: str) -> Namespace:
@@ -178,7 +183,7 @@ class PrefixCache:
         lease_id = expires = None
         if take_lease and hit:
             if self.leases.full():
-                self._reclaim_expired(now)
+                self.placement.reclaim_expired(now)
             if self.leases.full():
                 raise ResourceExhausted(f"take_lease: lease limit of {self.config.max_leases} reached", "take_lease")
         self.index.touch(path, now)
@@ -207,14 +212,14 @@ class PrefixCache:
             wanted = int(np.count_nonzero(self.index.tier[path] == TierKind.HOST))
             self.index.pin(path)  # room is made from the tenant's other blocks, never from this path
             try:
-                limit = self.ledger.room(self.placement, prompt.entry.index, TierKind.DEVICE, wanted)
+                limit = self.ledger.room(prompt.entry.index, TierKind.DEVICE, wanted)
             finally:
                 self.index.unpin(path)
         self.placement.promote(path, limit)
 
     def _count_lookup(self, prompt: Prompt, hit: int, stop: MissReason | None) -> None:
         full = len(prompt.hashes)
-        for counters in (self.counters, self.ledger.counters(prompt.entry.index)):  # service-wide, tenant
+        for counters in (self.counters, self.tenants.counters(prompt.entry.index)):  # service-wide, tenant
             counters.lookups += 1
             counters.request_hits += hit > 0
             counters.request_misses += hit == 0
@@ -238,9 +243,7 @@ class PrefixCache:
         path: list[int] = pinned.tolist()
         layout = prompt.entry.layout
         free = self.placement.free(TierKind.HOST, layout)
-        payloads = payloads[
-            : self.ledger.room(self.placement, prompt.entry.index, TierKind.HOST, len(payloads))
-        ]  # the tenant's quota
+        payloads = payloads[: self.ledger.room(prompt.entry.index, TierKind.HOST, len(payloads))]  # the tenant's quota
         if not payloads or not self.placement.make_room(TierKind.HOST, len(payloads), layout):
             payloads = payloads[: len(free)]
         now = self.clock()
@@ -325,7 +328,7 @@ class PrefixCache:
             raise ResourceExhausted(f"count: {count} blocks exceed the host tier's {host.num_slots} slots", "count")
         with self._lock:
             if row >= 0:
-                count = self.ledger.room(self.placement, row, TierKind.HOST, count)
+                count = self.ledger.room(row, TierKind.HOST, count)
             self.placement.make_room(TierKind.HOST, count, layout)
             slots = self.placement.free(TierKind.HOST, layout).take_many(count)
             return self.leases.add_reservation(
@@ -356,7 +359,7 @@ class PrefixCache:
         reservation = self.leases.reservation(reservation_id)
         if reservation is None or (
             reservation.namespace >= 0  # another tenant's stays theirs, untouched
-            and self.ledger.tenant(reservation.namespace) != prompt.entry.namespace.tenant
+            and self.tenants.tenant(reservation.namespace) != prompt.entry.namespace.tenant
         ):
             raise InvalidArgument("reservation_id", f"reservation {reservation_id} is unknown or has expired")
         if reservation.layout != prompt.entry.layout:  # its slots hold blocks of another size
@@ -366,7 +369,7 @@ class PrefixCache:
         self.leases.take_reservation(reservation_id)
         end = start_block + len(reservation.slots)
         if end > len(prompt.hashes):
-            self._free_slots(reservation)
+            self.placement.free_reserved(reservation)
             raise InvalidArgument(
                 "start_block", f"blocks {start_block}..{end} exceed the prompt's {len(prompt.hashes)} full blocks"
             )
@@ -409,7 +412,7 @@ class PrefixCache:
         self.placement.free(tier, reservation.layout).give_many(np.asarray(unused, dtype=np.int64))
         self.index.touch(path + nodes, now)
         deduplicated = max(0, min(cached, end) - start)
-        for counters in (self.counters, self.ledger.counters(prompt.entry.index)):  # service-wide, tenant
+        for counters in (self.counters, self.tenants.counters(prompt.entry.index)):  # service-wide, tenant
             counters.blocks_committed += new
             counters.blocks_deduplicated += deduplicated
         return CommitResult(new, deduplicated, end - start - new - deduplicated)
@@ -477,40 +480,16 @@ class PrefixCache:
             )
             result = self._commit(prompt, reservation.id, start_block + skip, match)
             self.counters.blocks_deduplicated += skip
-            self.ledger.counters(prompt.entry.index).blocks_deduplicated += skip
+            self.tenants.counters(prompt.entry.index).blocks_deduplicated += skip
         unreserved = len(kv) - skip - len(reservation.slots)
         return CommitResult(result.stored, result.deduplicated + skip, result.rejected + unreserved)
 
-    def _free_slots(self, reservation: Reservation) -> None:
-        free = self.placement.free(reservation.tier, reservation.layout)
-        for slot in reservation.slots:
-            free.give(slot)
-
     # -- eviction -----------------------------------------------------------------
-    def _on_drop(self, node: int, spill: bool) -> bool:
-        """A block is leaving the slot tiers; with `spill`, make sure Redis keeps it."""
-        if self.remote_link is None:
-            return False
-        if not spill:
-            self.remote_link.dropped(node)
-            return False
-        kept = self.remote_link.keep(node, self.clock())
-        self.counters.spills_dropped += not kept
-        return kept
-
-    def _reclaim_expired(self, now: float) -> None:
-        """Unpin expired leases and return expired reservations' slots."""
-        leases, reservations = self.leases.expired(now)
-        for lease in leases:
-            self.index.unpin(list(lease.nodes))
-        for reservation in reservations:
-            self._free_slots(reservation)
-
     def expire(self) -> int:
         """Reclaim expired leases, reservations and blocks; returns blocks dropped."""
         with self._lock:
             now = self.clock()
-            self._reclaim_expired(now)
+            self.placement.reclaim_expired(now)
             index = self.index
             stale = index.select(index.last_access + self.config.ttl_s < now)
             return self.placement.drop_all(stale, EvictionReason.TTL)

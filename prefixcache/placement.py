@@ -2,10 +2,11 @@
 
 Owns the arenas of the slot tiers (device, host; tiers/arena.py), hence every layout's free-slot
 list and which layout each chunk serves, and every change of a block's residency: moving it down
-a tier (a spill), up a tier (a promotion), or out of the last one. The cache composes it beside
-the index; it never sees tokens, leases or Redis, which the cache brings in through two callbacks
-(`reclaim` frees what expired leases and reservations hold; `on_drop` may spill a leaving block
-to Redis). A block's layout is its namespace's (`layout_of_ns`, the registry's table).
+a tier (a spill), up a tier (a promotion), or out of the last one. The cache builds it with its
+collaborators, each typed: the index, the arenas, the `LeaseTable` (expired leases and
+reservations are reclaimed before anything is evicted), the tenant table (evictions counted per
+tenant) and the `RemoteLink` when there is Redis (a leaving block may spill there). It never sees
+tokens. A block's layout is its namespace's (`layout_of_ns`, the registry's table).
 
 Invariants:
 - A slot of a layout is free, reserved, or owned by exactly one live node of that layout (see
@@ -28,7 +29,10 @@ import numpy as np
 
 from .config import KVLayout
 from .index import ROOT, RadixIndex
+from .leases import LeaseTable, Reservation
+from .remote_link import RemoteLink
 from .stats import Counters, EvictionReason
+from .tenants import Tenants
 from .tiers.arena import Arena
 from .tiers.base import FreeSlots, SlotTier, TierKind
 from .tiers.pool import TensorPool
@@ -45,17 +49,19 @@ class Placement:
         arenas: dict[TierKind, Arena],
         counters: Counters,
         layout_of_ns: np.ndarray,
-        reclaim: Callable[[], None],
-        on_drop: Callable[[int, bool], bool] | None,
-        owner_counters: Callable[[int], Counters] | None = None,
+        leases: LeaseTable,
+        tenants: Tenants,
+        remote_link: RemoteLink | None,
+        clock: Callable[[], float],
     ) -> None:
         self.index = index
         self.arenas = arenas
         self.counters = counters
         self.layout_of_ns = layout_of_ns  # namespace row -> layout id (filled by the registry)
-        self._reclaim = reclaim
-        self._on_drop = on_drop  # (node, spill) -> whether the block now lives on in Redis; None: no Redis
-        self._owner_counters = owner_counters  # node -> its tenant's counters (evictions per tenant)
+        self.leases = leases
+        self.tenants = tenants
+        self.remote_link = remote_link  # None: no Redis
+        self.clock = clock
 
     # -- layouts and slots --------------------------------------------------------
     def add_layout(self, layout: KVLayout) -> None:
@@ -93,22 +99,47 @@ class Placement:
         lower = [k for k in self.arenas if k > kind]
         return min(lower) if lower else None
 
+    # -- what leases, reservations and Redis hold ---------------------------------------
+    def reclaim_expired(self, now: float) -> None:
+        """Unpin expired leases and return expired reservations' slots."""
+        leases, reservations = self.leases.expired(now)
+        for lease in leases:
+            self.index.unpin(list(lease.nodes))
+        for reservation in reservations:
+            self.free_reserved(reservation)
+
+    def free_reserved(self, reservation: Reservation) -> None:
+        """Return a reservation's slots (it was taken from the lease table, or expired)."""
+        free = self.free(reservation.tier, reservation.layout)
+        for slot in reservation.slots:
+            free.give(slot)
+
+    def _leave(self, node: int, spill: bool) -> bool:
+        """A block is leaving the slot tiers; with `spill`, make sure Redis keeps it. Whether it
+        now lives on in Redis (only called with a remote link)."""
+        assert self.remote_link is not None
+        if not spill:
+            self.remote_link.dropped(node)
+            return False
+        kept = self.remote_link.keep(node, self.clock())
+        self.counters.spills_dropped += not kept
+        return kept
+
     # -- counting -------------------------------------------------------------------
     def _count_eviction(self, node: int, kind: TierKind, reason: EvictionReason) -> None:
         self.counters.evictions[(kind, reason)] += 1
-        if self._owner_counters is not None:
-            self._owner_counters(node).evictions[(kind, reason)] += 1
+        self.tenants.counters_of_node(node).evictions[(kind, reason)] += 1
 
     def _count_evictions(self, rows: np.ndarray, kind: TierKind, reason: EvictionReason) -> None:
         self.counters.evictions[(kind, reason)] += len(rows)
-        if self._owner_counters is not None:  # one tenant lookup per namespace among them
-            namespaces = self.index.namespace[rows]
-            if not (namespaces != namespaces[0]).any():  # the usual case: one namespace
-                self._owner_counters(int(rows[0])).evictions[(kind, reason)] += len(rows)
-                return
-            _, first, counts = np.unique(namespaces, return_index=True, return_counts=True)
-            for i, count in zip(first.tolist(), counts.tolist()):
-                self._owner_counters(int(rows[i])).evictions[(kind, reason)] += count
+        # one tenant lookup per namespace among them
+        namespaces = self.index.namespace[rows]
+        if not (namespaces != namespaces[0]).any():  # the usual case: one namespace
+            self.tenants.counters_of_node(int(rows[0])).evictions[(kind, reason)] += len(rows)
+            return
+        _, first, counts = np.unique(namespaces, return_index=True, return_counts=True)
+        for i, count in zip(first.tolist(), counts.tolist()):
+            self.tenants.counters_of_node(int(rows[i])).evictions[(kind, reason)] += count
 
     # -- making room ------------------------------------------------------------------
     def make_room(self, kind: TierKind, count: int, layout: int = 0) -> bool:
@@ -116,7 +147,7 @@ class Placement:
         free = self.free(kind, layout)
         if len(free) >= count:
             return True
-        self._reclaim()  # a crashed worker's pins and slots go first
+        self.reclaim_expired(self.clock())  # a crashed worker's pins and slots go first
         arena = self.arenas[kind]
         shared = len(arena.pools) > 1
         while shared and len(free) < count and arena.take_empty_chunk(layout):
@@ -321,9 +352,9 @@ class Placement:
         self.free(old_kind, layout).give(old_slot)
 
     def drop(self, node: int, reason: EvictionReason, spill: bool) -> None:
-        """Remove a leaf from the slot tiers; `on_drop` may spill it to Redis first."""
+        """Remove a leaf from the slot tiers; with Redis, `spill` makes sure Redis keeps it first."""
         kind = TierKind(int(self.index.tier[node]))
-        if self._on_drop is not None and self._on_drop(node, spill):
+        if self.remote_link is not None and self._leave(node, spill):
             self.counters.spills[kind] += 1
         self._count_eviction(node, kind, reason)
         slot, layout = int(self.index.slot[node]), self._layout_of_node(node)
@@ -343,10 +374,10 @@ class Placement:
             layouts = self.layout_of(rows).astype(np.int64)
             pairs = np.unique(np.stack([kinds, layouts]), axis=1).T.tolist()
             groups = [(TierKind(k), lay, (kinds == k) & (layouts == lay)) for k, lay in pairs]
-        if self._on_drop is not None:
+        if self.remote_link is not None:
             tiers = [kind] * len(nodes) if kind is not None else [TierKind(k) for k in index.tier[rows].tolist()]
             for node, tier in zip(nodes, tiers):
-                if self._on_drop(node, spill):
+                if self._leave(node, spill):
                     self.counters.spills[tier] += 1
         slots = index.slot[rows]
         for kind, _, where in groups:

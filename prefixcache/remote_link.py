@@ -32,8 +32,8 @@ from .errors import CorruptBlock
 from .hashing import BlockHash
 from .index import ROOT, RadixIndex
 from .namespaces import NamespaceRegistry
-from .placement import Placement
-from .tiers.base import RemoteTier
+from .tiers.arena import Arena
+from .tiers.base import RemoteTier, TierKind
 from .tiers.redis_stats import RedisStats
 from .transfer import ProbeBudget, TransferEstimate, TransferMeter
 
@@ -48,15 +48,15 @@ VERIFY_PRIOR_KEYED = TransferEstimate(latency_s=5e-6, bytes_per_s=2e9)
 
 class RemoteLink:
     """Built with the index, the namespaces (id, root and layout of a block's row) and the
-    placement (which slot holds a block's bytes)."""
+    slot tiers' arenas (where a block's bytes are: the node's tier, layout and slot)."""
 
     def __init__(
-        self, remote: RemoteTier, index: RadixIndex, namespaces: NamespaceRegistry, placement: Placement
+        self, remote: RemoteTier, index: RadixIndex, namespaces: NamespaceRegistry, arenas: dict[TierKind, Arena]
     ) -> None:
         self.tier = remote
         self.index = index
         self.namespaces = namespaces
-        self.placement = placement
+        self.arenas = arenas
         self.ttl_s = float(remote.options.ttl_s)
         self._mac_key: bytes | None = remote.options.hmac_key
         self._until = np.zeros(index.capacity, dtype=np.float64)
@@ -149,7 +149,8 @@ class RemoteLink:
         ns_id = entry.id
         parent = int(index.parent[node])
         parent_hash = entry.root if parent == ROOT else index.hash_of(parent)
-        payload = self.placement.tier_of(node).block_bytes(int(index.slot[node]))
+        layout = int(self.namespaces.layout_of_row[index.namespace[node]])
+        payload = self.arenas[TierKind(int(index.tier[node]))].pools[layout].block_bytes(int(index.slot[node]))
         block_hash = index.hash_of(node)
         mac_key, storage_key = self._mac(ns_id, block_hash)
         frame = encode_block(

@@ -39,6 +39,7 @@ CORE = [
     "prefixcache.remote_link",
     "prefixcache.namespaces",
     "prefixcache.quota",
+    "prefixcache.tenants",
     "prefixcache.transfer",
 ]
 FORBIDDEN = ["grpc", "redis", "transformers", "prefixcache_services", "google.protobuf"]
