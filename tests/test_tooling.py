@@ -1,7 +1,7 @@
 """Lint and type checks as part of the test command: a new violation fails CI.
 
 `ruff check .` must be clean, `ruff format --check .` must pass and `mypy` (configured in
-pyproject.toml: strict on prefixcache/, defaults on services/) must report nothing.
+pyproject.toml: strict on prefixcache/, defaults plus check_untyped_defs on services/) must report nothing.
 """
 
 from __future__ import annotations
