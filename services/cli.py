@@ -126,7 +126,7 @@ def apply_environment(parser: argparse.ArgumentParser, environ=os.environ) -> No
         elif isinstance(action, argparse._StoreAction) and action.nargs in (None, "?"):
             if action.choices is not None:
                 try:
-                    converted = action.type(value) if action.type else value
+                    converted = action.type(value) if callable(action.type) else value
                 except (TypeError, ValueError, argparse.ArgumentTypeError):
                     converted = None
                 if converted not in action.choices:
@@ -160,12 +160,13 @@ def build_parser(argv: list[str] | None = None, environ=os.environ) -> argparse.
         except ModuleNotFoundError as error:
             if error.name and module_name.startswith(error.name):
                 continue  # that part is not built into this checkout
-            if (error.name or "").split(".")[0] not in OPTIONAL:
+            missing = error.name or ""
+            if missing.split(".")[0] not in OPTIONAL:
                 raise
             extra = MODULE_EXTRAS.get(module_name, "worker")
             for name in names:  # listed, and says what to install
                 stub = subparsers.add_parser(name, help=f"(needs: pip install 'prefixcache[{extra}]')")
-                stub.set_defaults(handler=_needs_extra(name, extra, error.name))
+                stub.set_defaults(handler=_needs_extra(name, extra, missing))
             continue
         module.register(subparsers)
     for sub in subparsers.choices.values():

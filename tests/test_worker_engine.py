@@ -14,6 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    DynamicCache,
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -256,6 +257,15 @@ def test_full_hit_on_block_multiple_keeps_last_block(engines, dtype):
         assert torch.equal(hit.prefill.logits, full.prefill.logits)
     with pytest.raises(ValueError, match="at least one prompt token must be computed"):
         engine.prefill(prompt, blocks)
+
+
+def test_extract_blocks_from_an_unfilled_cache_is_a_clear_error(engines):
+    """A cache no prefill has filled has layers without KV tensors: a ValueError naming the
+    layer, not an AttributeError on None."""
+    engine = engines["float32"]
+    empty = DynamicCache(config=engine.loaded.model.config)
+    with pytest.raises(ValueError, match=r"cache layer 0 \(DynamicLayer\) holds no KV tensors"):
+        engine.extract_blocks(empty, 0, 0, BLOCK)
 
 
 # --- prefill buckets: padded prefill == unpadded, bit for bit ------------------------------

@@ -80,8 +80,8 @@ def auth_token(args: argparse.Namespace) -> str | None:
         if not token:
             raise AdminError(f"--auth-token-file: {args.auth_token_file!r} is empty")
         return token
-    token = args.auth_token if args.auth_token is not None else os.environ.get(TOKEN_ENV)
-    return token or None
+    given = args.auth_token if args.auth_token is not None else os.environ.get(TOKEN_ENV)
+    return given or None
 
 
 def describe(error: PrefixCacheError, address: str, token_given: bool) -> AdminError:

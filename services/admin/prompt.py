@@ -120,17 +120,20 @@ def read_tokens_file(path: str) -> list[int]:
 
 def _tokenizer_and_chat(model: str):
     """(encode, render one user message): the worker's tokenizer and template, without the weights."""
-    from ..worker.chat import ChatMessage, ChatMLTemplate, HFChatTemplate, Role
-    from ..worker.tokenizer import HFTokenizer, TiktokenTokenizer
+    from ..worker.chat import ChatMessage, ChatMLTemplate, ChatRenderer, HFChatTemplate, Role
+    from ..worker.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
 
+    tokenizer: Tokenizer
+    render: ChatRenderer | None
     if model == TINY:
         tokenizer = TiktokenTokenizer()
         render = ChatMLTemplate(tokenizer).render
     else:
         if not Path(model).is_dir():
             raise AdminError(f"--model {model!r} is neither {TINY!r} nor a local checkpoint directory")
-        tokenizer = HFTokenizer(model)
-        render = HFChatTemplate(tokenizer).render if tokenizer.hf.chat_template else None
+        hf = HFTokenizer(model)
+        tokenizer = hf
+        render = HFChatTemplate(hf).render if hf.hf.chat_template else None
 
     def render_user(text: str) -> list[int]:
         if render is None:

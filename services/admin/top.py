@@ -24,6 +24,7 @@ import termios
 import time
 import tty
 from collections.abc import Callable
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
@@ -44,7 +45,7 @@ class KeyReader:
     def __init__(self, stream=None) -> None:
         self._stream = stream if stream is not None else sys.stdin
         self._fd: int | None = None
-        self._saved = None
+        self._saved: list[Any] | None = None  # termios attributes, as typeshed types them
 
     def __enter__(self) -> KeyReader:
         if self._stream is not None and self._stream.isatty():
@@ -54,14 +55,14 @@ class KeyReader:
         return self
 
     def __exit__(self, *_exc) -> None:
-        if self._fd is not None:
+        if self._fd is not None and self._saved is not None:
             termios.tcsetattr(self._fd, termios.TCSADRAIN, self._saved)
 
     def wait(self, timeout_s: float) -> str | None:
         """A key pressed within `timeout_s`, else None (without a terminal: just waits)."""
         readable = [self._fd] if self._fd is not None else []
         ready, _, _ = select.select(readable, [], [], max(0.0, timeout_s))
-        if not ready:
+        if not ready or self._fd is None:  # without a terminal nothing is ever ready
             return None
         data = os.read(self._fd, 32).decode("utf-8", "replace")
         return data[:1] or None

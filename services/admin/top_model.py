@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from .document import ratio
 
@@ -43,11 +44,11 @@ class EvictionEvent:
     blocks: int
 
 
-def _get(doc: dict, path: tuple[str, ...]) -> float:
-    value = doc
-    for key in path:
-        value = value[key]
-    return float(value)
+def _get(doc: dict[str, Any], path: tuple[str, ...]) -> float:
+    *parents, leaf = path
+    for key in parents:
+        doc = doc[key]
+    return float(doc[leaf])
 
 
 def _sum_map(mapping: dict) -> int:
@@ -91,10 +92,13 @@ class TopModel:
     def rates(self) -> dict[str, float | None]:
         """Per-second rates between the last two snapshots (None before the second)."""
         if len(self._samples) < 2:
-            return {label: None for label, _ in RATE_FIELDS} | {"spills/s": None, "promotions/s": None}
+            unknown: dict[str, float | None] = {label: None for label, _ in RATE_FIELDS}
+            return unknown | {"spills/s": None, "promotions/s": None}
         old, new = self._samples[-2], self._samples[-1]
         elapsed = max(new.at - old.at, 1e-9)
-        rates = {label: (_get(new.doc, path) - _get(old.doc, path)) / elapsed for label, path in RATE_FIELDS}
+        rates: dict[str, float | None] = {
+            label: (_get(new.doc, path) - _get(old.doc, path)) / elapsed for label, path in RATE_FIELDS
+        }
         spills = _sum_map(new.doc["spills"]["by_tier"]) - _sum_map(old.doc["spills"]["by_tier"])
         promotions = _sum_map(new.doc["promotions"]) - _sum_map(old.doc["promotions"])
         return rates | {"spills/s": spills / elapsed, "promotions/s": promotions / elapsed}

@@ -37,6 +37,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import numpy as np
 import torch
@@ -179,7 +180,9 @@ class CacheBackend:
                     still_reading,
                     FENCE_S,
                 )
-                cache.tiers[TierKind.HOST].unlink()
+                host = cache.tiers[TierKind.HOST]
+                assert isinstance(host, HostTier)  # the one _build made; SlotTier has no unlink
+                host.unlink()
                 if cache.remote_link is not None:
                     cache.remote_link.close()  # the Redis write queue still drains
                 return
@@ -252,6 +255,12 @@ class CacheBackend:
             ns_id = cache.attach(namespace)
             self._owners[ns_id] = tenant
         return ns_id
+
+    @overload
+    def resolve(self, principal: Principal, ns_id: str, salt: str | None, create: Literal[True] = True) -> str: ...
+
+    @overload
+    def resolve(self, principal: Principal, ns_id: str, salt: str | None, create: bool) -> str | None: ...
 
     def resolve(self, principal: Principal, ns_id: str, salt: str | None, create: bool = True) -> str | None:
         """The namespace a call acts on: `ns_id`, or its salted sibling; checks the tenant.

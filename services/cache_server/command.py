@@ -30,6 +30,7 @@ from prefixcache.config import (
     parse_size,
 )
 from prefixcache.errors import ConfigError
+from prefixcache.tiers.base import RemoteTier
 from prefixcache.tiers.shm import check_name
 
 from .auth import Authenticator, load_credentials, quota_overrides
@@ -185,7 +186,7 @@ def _warn_weak_hash(authenticator: Authenticator, cache: CacheConfig) -> None:
         )
 
 
-def remote_factory_from(args: argparse.Namespace) -> Callable[[KVLayout], object] | None:
+def remote_factory_from(args: argparse.Namespace) -> Callable[[KVLayout], RemoteTier] | None:
     """Validated Redis options now; the tier itself is built with the cache (it does no I/O)."""
     if args.redis_url is None:
         for name in (

@@ -49,7 +49,7 @@ class ElasticPool(futures.ThreadPoolExecutor):
         self._name = name
         self._cond = threading.Condition()
         self._queue: deque[tuple[futures.Future, Callable, tuple, dict]] = deque()
-        self._threads: list[threading.Thread] = []
+        self._workers: list[threading.Thread] = []
         self._running = 0  # calls started and not finished
         self._waiting = 0  # of those, calls inside waiting()
         self._idle = 0  # threads parked for work
@@ -72,7 +72,7 @@ class ElasticPool(futures.ThreadPoolExecutor):
             while cancel_futures and self._queue:
                 self._queue.popleft()[0].cancel()
             self._cond.notify_all()
-            threads = list(self._threads)
+            threads = list(self._workers)
         if wait:
             for thread in threads:
                 if thread is not threading.current_thread():
@@ -80,7 +80,7 @@ class ElasticPool(futures.ThreadPoolExecutor):
 
     @property
     def threads(self) -> int:
-        return len(self._threads)
+        return len(self._workers)
 
     @property
     def held(self) -> int:
@@ -106,9 +106,9 @@ class ElasticPool(futures.ThreadPoolExecutor):
         if self._idle > self._notified:
             self._notified += 1
             self._cond.notify()
-        elif len(self._threads) < self.max_threads:
-            thread = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True)
-            self._threads.append(thread)
+        elif len(self._workers) < self.max_threads:
+            thread = threading.Thread(target=self._work, name=f"{self._name}_{len(self._workers)}", daemon=True)
+            self._workers.append(thread)
             thread.start()
         else:
             self._pending -= 1  # every thread is busy: the first to finish takes the call
@@ -171,7 +171,7 @@ def waiting() -> Iterator[None]:
 
 def _on_pool(behavior: Callable, pool: futures.ThreadPoolExecutor) -> Callable:
     moved = functools.partial(behavior)
-    moved.experimental_thread_pool = pool
+    moved.experimental_thread_pool = pool  # type: ignore[attr-defined]  # grpc reads this off the behavior
     return moved
 
 

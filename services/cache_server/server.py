@@ -132,6 +132,7 @@ class CacheServer:
         options = self.options
         try:
             if options.tls_cert_file:
+                assert options.tls_key_file is not None  # ServerOptions: both or neither
                 with open(options.tls_key_file, "rb") as key, open(options.tls_cert_file, "rb") as cert:
                     credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
                 return self._server.add_secure_port(options.listen, credentials)
@@ -153,6 +154,7 @@ class CacheServer:
         self._server.start()
         self._ticker.start()
         if self.metrics is not None:
+            assert self.options.metrics_port is not None  # the exporter exists only with a port
             self.metrics_port = self.metrics.serve(
                 self.options.metrics_host or self.options.host, self.options.metrics_port
             )

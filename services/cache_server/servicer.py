@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import torch
+from google.protobuf.message import Message
 
 from prefixcache.client import wire
 from prefixcache.errors import InvalidArgument, ResourceExhausted
@@ -29,7 +30,7 @@ MAX_CHUNK_BYTES = (4 << 20) - 1024  # a whole FetchChunk message stays <= 4 MiB
 DEFAULT_CHUNK_BYTES = 1 << 20  # measured fastest through gRPC Python (benchmarks/service_bench.py)
 
 # method -> (request type, response type)
-UNARY_METHODS = {
+UNARY_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "Attach": (pb.AttachRequest, pb.AttachResponse),
     "Lookup": (pb.LookupRequest, pb.LookupResponse),
     "Reserve": (pb.ReserveRequest, pb.ReserveResponse),

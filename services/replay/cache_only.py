@@ -101,13 +101,13 @@ class _Driver:
             return Completion(error=f"{type(error).__name__}: {error}", latency_s=time.perf_counter() - started)
         self.ops.append(ops)
         hit_tokens = ops.hit_blocks * self.layout.block_size
-        error = f"corrupt KV: {ops.corrupt_blocks} block(s) differ" if ops.corrupt_blocks else None
+        corrupt = f"corrupt KV: {ops.corrupt_blocks} block(s) differ" if ops.corrupt_blocks else None
         return Completion(
             latency_s=time.perf_counter() - started,
             prompt_tokens=len(tokens),
             completion_tokens=0,
             cached_tokens=hit_tokens,
-            error=error,
+            error=corrupt,
         )
 
     def _request(self, tokens: list[int]) -> OpTimes:

@@ -79,8 +79,11 @@ class LocalStack:
         stop_grace_s: float = 10.0,
         log_level: str = "INFO",
     ) -> None:
-        self._tmp = None if log_dir is not None else tempfile.TemporaryDirectory(prefix="prefixcache-demo-")
-        self.log_dir = Path(log_dir if log_dir is not None else self._tmp.name)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if log_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="prefixcache-demo-")
+            log_dir = Path(self._tmp.name)
+        self.log_dir = Path(log_dir)
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
         self.log_level = log_level

@@ -32,14 +32,14 @@ def _cdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
 def ttft_series(report: Report) -> dict[str, list[float]]:
     """TTFT samples (ms) per curve: the cache run and the baseline run, or, without a baseline,
     the cache run's hits and misses."""
-    ok = [t for t in report.turns if t.error is None and t.ttft_s is not None]
-    series = {"with cache": [1000 * t.ttft_s for t in ok]}
+    ok = [(t, ttft) for t in report.turns if t.error is None and (ttft := t.ttft_s) is not None]
+    series = {"with cache": [1000 * ttft for _, ttft in ok]}
     if report.baseline_run is not None:
         series["without cache (baseline)"] = [
             1000 * t.baseline_ttft_s for t in report.turns if t.baseline_error is None and t.baseline_ttft_s is not None
         ]
     else:
-        series["cache misses only"] = [1000 * t.ttft_s for t in ok if t.cached_tokens == 0]
+        series["cache misses only"] = [1000 * ttft for t, ttft in ok if t.cached_tokens == 0]
     return series
 
 

@@ -93,8 +93,8 @@ def cache_only_table(report: Report) -> Table:
     for label, cell in _ROWS:
         if label in _CACHE_ONLY_RUN_ROWS:
             table.add_row(label.replace("latency", "request latency"), cell(report.cache_run))
-    for label, cell in _CACHE_ONLY_ROWS:
-        table.add_row(label, cell(summary))
+    for label, summary_cell in _CACHE_ONLY_ROWS:
+        table.add_row(label, summary_cell(summary))
     return table
 
 
@@ -187,10 +187,10 @@ def savings_lines(report: Report) -> list[str]:
         verdict = "PASS" if c.mismatches == 0 and c.compared else "FAIL"
         lines.append(f"output check: {c.mismatches} mismatches in {c.compared} compared greedy outputs [{verdict}]")
     if report.cache_only is not None and report.cache_only.verify:
-        c = report.cache_only
-        verdict = "PASS" if c.corrupt_blocks == 0 else "FAIL"
+        only = report.cache_only
+        verdict = "PASS" if only.corrupt_blocks == 0 else "FAIL"
         lines.append(
-            f"KV check: {c.corrupt_blocks} corrupt of {c.verified_blocks:,} hit blocks compared "
+            f"KV check: {only.corrupt_blocks} corrupt of {only.verified_blocks:,} hit blocks compared "
             f"byte for byte [{verdict}]"
         )
     return lines

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from .json_stream import ArrayReadState, iter_json_array
 
@@ -123,7 +123,7 @@ def conversation_from_sharegpt(record: Any) -> tuple[Conversation | None, str | 
 
 
 @contextlib.contextmanager
-def _open_sharegpt(path: Path | None) -> Iterator[io.TextIOBase]:
+def _open_sharegpt(path: Path | None) -> Iterator[TextIO]:
     if path is not None:
         with open(path, encoding="utf-8") as fh:
             yield fh
@@ -199,7 +199,7 @@ def _parse_jsonl_line(line: str) -> Conversation:
         if not isinstance(msg, dict):
             raise TranscriptError(f"messages[{i}] must be an object")
         try:
-            role = Role(msg.get("role"))
+            role = Role(msg.get("role", ""))  # a missing role fails like a wrong one
         except ValueError:
             allowed = ", ".join(r.value for r in Role)
             raise TranscriptError(f"messages[{i}].role {msg.get('role')!r} is not one of: {allowed}") from None

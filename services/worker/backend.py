@@ -79,7 +79,7 @@ class InferenceBackend:
         self.registry = registry
         self.metrics = WorkerMetrics(registry)
         self.model_name = engine.loaded.model_id
-        self._vocab = engine.loaded.model.get_input_embeddings().num_embeddings
+        self._vocab = engine.vocab_size
 
     @property
     def cache_state(self) -> LinkState:
@@ -116,15 +116,18 @@ class InferenceBackend:
         the cache holds right now (Inspect: no lease, no LRU touch; null when the cache is off
         or unreachable)."""
         tokens = self._encode(request.messages, request.prompt, "messages" if request.messages else "prompt")
-        cached = None if self.cache is None else self.cache.cached_blocks(tokens, request.cache_salt)
-        block_size = None if self.cache is None else self.cache.layout.block_size
+        cached = block_size = cached_tokens = None
+        if self.cache is not None:
+            cached = self.cache.cached_blocks(tokens, request.cache_salt)
+            block_size = self.cache.layout.block_size
+            cached_tokens = None if cached is None else cached * block_size
         return {
             "count": len(tokens),
             "max_model_len": self.engine.loaded.max_positions,
             "tokens": tokens,
             "block_size": block_size,
             "cached_blocks": cached,
-            "cached_tokens": None if cached is None else cached * block_size,
+            "cached_tokens": cached_tokens,
         }
 
     def detokenize(self, tokens: list[int]) -> str:

@@ -115,7 +115,7 @@ def build_backend(args):
 
         # oneDNN keeps compiled kernels per matmul shape (~2.6 MiB each); prefill buckets bound
         # the shapes, this drops oneDNN altogether (docs/deploy.md, "Worker memory on CPU").
-        torch.backends.mkldnn.enabled = False
+        torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # torch's ContextProp: sets the flag
     try:
         loaded = load_model(args.model, dtype=args.dtype, seed=args.seed)
     except UnsupportedModelError as error:  # sliding-window, hybrid, latent KV... (compat.py)

@@ -21,6 +21,8 @@ from transformers.cache_utils import DynamicLayer
 
 from prefixcache.config import MODEL_DTYPES, DType, KVLayout
 
+from .kv_blocks import layer_states
+
 
 class UnsupportedModelError(ValueError):
     """The model's KV cannot be stored as plain per-layer key/value blocks."""
@@ -72,7 +74,11 @@ def probe_kv_layout(model: PreTrainedModel) -> KVLayout:
     with torch.inference_mode():
         ids = torch.zeros((1, 1), dtype=torch.long, device=model.device)
         model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-    shapes = {(tuple(layer.keys.shape), tuple(layer.values.shape)) for layer in cache.layers}
+    try:
+        states = layer_states(cache)
+    except ValueError as error:
+        raise UnsupportedModelError(str(error)) from None
+    shapes = {(tuple(keys.shape), tuple(values.shape)) for keys, values in states}
     if len(cache.layers) != text.num_hidden_layers or len(shapes) != 1:
         raise UnsupportedModelError(
             f"cache has {len(cache.layers)} layers with shapes {sorted(shapes)}, expected "
@@ -81,7 +87,7 @@ def probe_kv_layout(model: PreTrainedModel) -> KVLayout:
     ((key_shape, value_shape),) = shapes
     if key_shape != value_shape or key_shape[0] != 1 or key_shape[2] != 1:
         raise UnsupportedModelError(f"unexpected KV shapes keys={key_shape} values={value_shape}")
-    dtype = cache.layers[0].keys.dtype
+    dtype = states[0][0].dtype
     if dtype != model.dtype:
         raise UnsupportedModelError(f"KV dtype {dtype} differs from the model dtype {model.dtype}")
     if dtype not in {model_dtype.torch for model_dtype in MODEL_DTYPES}:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from .compat import UnsupportedModelError
 from .events import FinishReason
 from .kv_blocks import KVLayout, blocks_to_cache, extract_blocks, validate_blocks
 from .model import LoadedModel
@@ -84,7 +85,7 @@ def buckets_bound_memory(loaded: LoadedModel) -> bool:
         model.device.type == "cpu"
         and model.dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
-        and torch.backends.mkldnn.enabled
+        and bool(torch.backends.mkldnn.enabled)  # a ContextProp; reads as the flag
     )
 
 
@@ -129,6 +130,8 @@ class Generation:
         self.finish_reason: FinishReason | None = None
         generator = None
         if not sampling.greedy:
+            if seed is None:
+                raise ValueError("sampling (temperature > 0) needs a seed; Engine.generate draws one")
             generator = torch.Generator(device=engine.loaded.model.device).manual_seed(seed)
         self._sampler = Sampler(sampling, prompt, engine.vocab_size, generator)
         self._want_logprobs = sampling.logprobs is not None
@@ -186,7 +189,10 @@ class Engine:
         self.loaded = loaded
         self.prefill_buckets = buckets_bound_memory(loaded) if prefill_buckets is None else prefill_buckets
         self._model = loaded.model
-        self._vocab = self._model.get_input_embeddings().num_embeddings
+        vocab = self._model.get_input_embeddings().num_embeddings
+        if not isinstance(vocab, int):  # nn.Module attributes type as Tensor | Module
+            raise UnsupportedModelError(f"the input embeddings' num_embeddings is {vocab!r}, not a row count")
+        self._vocab = vocab
         self._rate = rate_meter if rate_meter is not None else PrefillRateMeter()
 
     @property

@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 from transformers import DynamicCache, PreTrainedConfig
+from transformers.cache_utils import CacheLayerMixin
 
 from prefixcache.config import KVLayout
 
@@ -58,6 +59,17 @@ def cache_length(cache: DynamicCache) -> int:
     return cache.get_seq_length()
 
 
+def layer_states(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (keys, values) tensors; a clear error for a layer that holds none (not
+    filled yet, or not a KV layer)."""
+    states = []
+    for i, layer in enumerate(cache.layers):
+        if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+            raise ValueError(f"cache layer {i} ({type(layer).__name__}) holds no KV tensors")
+        states.append((layer.keys, layer.values))
+    return states
+
+
 def extract_blocks(cache: DynamicCache, first_block: int, n_blocks: int, block_size: int) -> torch.Tensor:
     """Contiguous copy `[n_blocks, layers, 2, kv_heads, block_size, head_dim]` of the cache's
     tokens `[first_block * block_size, (first_block + n_blocks) * block_size)`."""
@@ -66,16 +78,17 @@ def extract_blocks(cache: DynamicCache, first_block: int, n_blocks: int, block_s
     start, end = first_block * block_size, (first_block + n_blocks) * block_size
     if end > cache_length(cache):
         raise ValueError(f"blocks cover tokens [{start}, {end}) but the cache holds {cache_length(cache)}")
-    layers = cache.layers
-    _, kv_heads, _, head_dim = layers[0].keys.shape
+    layers = layer_states(cache)
+    first_keys = layers[0][0]
+    _, kv_heads, _, head_dim = first_keys.shape
     out = torch.empty(
         (n_blocks, len(layers), 2, kv_heads, block_size, head_dim),
-        dtype=layers[0].keys.dtype,
-        device=layers[0].keys.device,
+        dtype=first_keys.dtype,
+        device=first_keys.device,
     )
     with torch.no_grad():
         for i, layer in enumerate(layers):
-            for kv, states in enumerate((layer.keys, layer.values)):
+            for kv, states in enumerate(layer):
                 span = states[0, :, start:end].reshape(kv_heads, n_blocks, block_size, head_dim)
                 out[:, i, kv].copy_(span.transpose(0, 1))
     return out

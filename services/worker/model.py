@@ -31,6 +31,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
@@ -92,7 +93,8 @@ def tiny_config(vocab_size: int, attention: Attention = Attention.PREFIX_EXACT) 
         # embedding, so the tied head echoes one token forever and greedy-equality checks
         # become vacuous; at 0.1 greedy output varies token to token.
         initializer_range=0.1,
-        attn_implementation=attention.value,
+        # PreTrainedConfig's kwargs are accepted at runtime; the dataclass signature omits them
+        attn_implementation=attention.value,  # type: ignore[call-arg]
     )
 
 
@@ -123,7 +125,10 @@ def checkpoint_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _freeze(model: PreTrainedModel) -> PreTrainedModel:
+_Model = TypeVar("_Model", bound=PreTrainedModel)
+
+
+def _freeze(model: _Model) -> _Model:
     model.eval()
     model.requires_grad_(False)
     return model
@@ -135,7 +140,8 @@ def _load_tiny(dtype: DType, seed: int, attention: Attention) -> LoadedModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    model = _freeze(model.to(dtype.torch))
+    # transformers wraps `to` with @wraps(nn.Module.to), whose type loses the bound self
+    model = _freeze(model.to(dtype.torch))  # type: ignore[arg-type]
     recipe = {"spec": TINY_SPEC, "seed": seed, "dtype": dtype.value, "config": _config_recipe(config)}
     template = ChatMLTemplate(tokenizer)
     return LoadedModel(

@@ -150,7 +150,7 @@ class Sampler:
     def logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:
         k = self.params.logprobs or 0
         logprobs = torch.log_softmax(logits, dim=-1)
-        top = ()
+        top: tuple[tuple[int, float], ...] = ()
         if k:
             values, ids = torch.topk(logprobs, min(k, logprobs.numel()))
             top = tuple(zip(ids.tolist(), values.tolist()))

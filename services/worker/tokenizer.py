@@ -159,4 +159,6 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         ids = list(ids)
         _check_ids(ids, self.vocab_size)
-        return self._tok.decode(ids, skip_special_tokens=False)
+        text = self._tok.decode(ids, skip_special_tokens=False)
+        assert isinstance(text, str)  # a flat id list decodes to one string (a batch, to a list)
+        return text
