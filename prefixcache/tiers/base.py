@@ -54,7 +54,7 @@ class SlotTier(Protocol):
     def write(self, slot: int, block: torch.Tensor) -> None:
         """Store one block (already validated for shape and dtype) in `slot`."""
 
-    def write_many(self, slots: list[int], blocks: torch.Tensor) -> None:
+    def write_many(self, slots: Sequence[int], blocks: torch.Tensor) -> None:
         """Store `blocks[i]` (validated, `[len(slots), *block_shape]`) in `slots[i]`."""
 
     def view(self, slot: int) -> torch.Tensor:
