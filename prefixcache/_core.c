@@ -9,7 +9,8 @@
  *   add_chain (fill a new chain's rows), touch (log a path in LRU order), pins, eviction's
  *   leaf-first picking (pick_leaves) and batch removal (remove_many).
  * - current_entries: the touch log's scan step (touchlog.py).
- * - copy_rows: blocks' raw bytes into a slot pool's rows (tiers/pool.py).
+ * - copy_rows: blocks' raw bytes into a slot pool's rows (tiers/pool.py); set_bytes: a free
+ *   list's flags for the slots it hands out (tiers/base.py).
  *
  * Arrays come in through the buffer protocol and must be C-contiguous with the expected item
  * type; anything else is a TypeError or ValueError that names the argument. No state lives here
@@ -1352,6 +1353,41 @@ core_copy_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* set_bytes(flags, rows, value): flags[rows[i]] = value (a free list's flags, tiers/base.py).
+ * flags: writable C-contiguous uint8; rows: ints in [0, len(flags)); value: 0..255. */
+static PyObject *
+core_set_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer flags_v;
+    Rows rows;
+    Py_ssize_t value;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "set_bytes(flags, rows, value) takes 3 arguments");
+        return NULL;
+    }
+    if (index_arg(args[2], "value", 0, &value) < 0) {
+        return NULL;
+    }
+    if (value > 255) {
+        PyErr_SetString(PyExc_ValueError, "value: expected an integer in 0..255");
+        return NULL;
+    }
+    if (get_array(args[0], "flags", 'u', 1, 1, 1, &flags_v) < 0) {
+        return NULL;
+    }
+    if (get_rows(args[1], "rows", flags_v.len, &rows) < 0) {
+        PyBuffer_Release(&flags_v);
+        return NULL;
+    }
+    uint8_t *flags = flags_v.buf;
+    for (Py_ssize_t i = 0; i < rows.count; i++) {
+        flags[rows.rows[i]] = (uint8_t)value;
+    }
+    release_rows(&rows);
+    PyBuffer_Release(&flags_v);
+    Py_RETURN_NONE;
+}
+
 /* ---- module ---------------------------------------------------------------------------------- */
 
 static PyMethodDef core_methods[] = {
@@ -1360,6 +1396,8 @@ static PyMethodDef core_methods[] = {
      "xxh3_chain(root, tokens, block_size) -> list of the chained digests of every full block"},
     {"current_entries", (PyCFunction)(void (*)(void))core_current_entries, METH_FASTCALL,
      "current_entries(log_rows, tick, tier, position, stop, base, out) -> (count, leading)"},
+    {"set_bytes", (PyCFunction)(void (*)(void))core_set_bytes, METH_FASTCALL,
+     "set_bytes(flags, rows, value): flags[rows[i]] = value (uint8)"},
     {"copy_rows", (PyCFunction)(void (*)(void))core_copy_rows, METH_FASTCALL,
      "copy_rows(dst, slots, src): row i of src into row slots[i] of dst (raw bytes)"},
     {NULL, NULL, 0, NULL},

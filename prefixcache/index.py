@@ -38,6 +38,7 @@ from .touchlog import TouchLog
 
 ROOT = -1
 _NO_ROWS = np.empty(0, dtype=np.int64)
+_INT64 = _NO_ROWS.dtype
 
 
 class MissReason(enum.Enum):
@@ -326,6 +327,6 @@ class RadixIndex:
 
 def _rows(path: Sequence[int] | np.ndarray) -> list[int] | tuple[int, ...] | np.ndarray:
     """A path as the compiled core takes it: a list or tuple of ints, or an int64 array."""
-    if isinstance(path, (list, tuple)) or (isinstance(path, np.ndarray) and path.dtype == np.int64):
-        return path
+    if isinstance(path, (list, tuple)) or (isinstance(path, np.ndarray) and path.dtype is _INT64):
+        return path  # (`is`: a dtype `==` costs a microsecond; another int64 dtype object is converted, a no-op)
     return np.asarray(path, dtype=np.int64)
