@@ -319,19 +319,22 @@ class PrefixCache:
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise InvalidArgument("count", f"must be a non-negative integer, got {count!r}")
         entry = self.namespaces.get(ns_id) if ns_id is not None else None
+        row, layout = (entry.index, entry.layout) if entry is not None else (-1, 0)
         with self._lock:
-            return self._reserve(count, entry.index, entry.layout) if entry else self._reserve(count, -1, 0)
+            slots = self._take_slots(count, row, layout)
+            return self.leases.add_reservation(
+                TierKind.HOST, slots, self.clock() + self.config.lease_ttl_s, row, layout
+            )
 
-    def _reserve(self, count: int, row: int, layout: int) -> Reservation:
-        """`reserve` of a checked count for namespace row `row` (-1: none) of `layout`, locked."""
+    def _take_slots(self, count: int, row: int, layout: int) -> tuple[int, ...]:
+        """`reserve`'s slots for a checked count, namespace row `row` (-1: none) of `layout`; locked."""
         host = self.placement.pool(TierKind.HOST, layout)
         if count > host.num_slots:
             raise ResourceExhausted(f"count: {count} blocks exceed the host tier's {host.num_slots} slots", "count")
         if row >= 0:
             count = self.ledger.room(self.placement, row, TierKind.HOST, count)
         self.placement.make_room(TierKind.HOST, count, layout)
-        slots = self.placement.free(TierKind.HOST, layout).take_many(count)
-        return self.leases.add_reservation(TierKind.HOST, slots, self.clock() + self.config.lease_ttl_s, row, layout)
+        return self.placement.free(TierKind.HOST, layout).take_many(count)
 
     def commit(self, ns_id: str, tokens: Tokens, reservation_id: int, start_block: int) -> CommitResult:
         """Publish reserved slots as blocks `start_block..` of the prompt `tokens`."""
@@ -450,12 +453,18 @@ class PrefixCache:
             skip = max(0, len(cached) - start_block)
             self.index.pin(cached)
             try:
-                reservation = self._reserve(blocks - skip, entry.index, entry.layout)
+                slots = self._take_slots(blocks - skip, entry.index, entry.layout)
             finally:
                 self.index.unpin(cached)
-            slots = reservation.slots
-            self.placement.pool(reservation.tier, reservation.layout).write_many(slots, kv[skip : skip + len(slots)])
-            result = self._commit(prompt, reservation.id, start_block + skip, match)
+            # Written and published under this lock: a reservation no other call can see, so no id.
+            reservation = Reservation(0, TierKind.HOST, slots, float("inf"), entry.index, entry.layout)
+            try:
+                self.placement.pool(TierKind.HOST, entry.layout).write_many(slots, kv[skip : skip + len(slots)])
+            except BaseException:
+                self._free_slots(reservation)
+                raise
+            first = start_block + skip
+            result = self._publish(prompt, reservation, first, first + len(slots), match)
             self.counters.blocks_deduplicated += skip
             self.ledger.counters(entry.index).blocks_deduplicated += skip
         unreserved = blocks - skip - len(slots)
