@@ -3,12 +3,14 @@
  * - xxh3_128 / xxh3_chain: the block hashes (hashing.py), h_i = xxh3_128(h_{i-1} || tokens_i),
  *   digests in xxHash's canonical (big-endian) byte order, as python-xxhash's xxh3_128_digest.
  * - HashTable: the block map's open-addressing table (blockmap.py) over arrays that Python owns
- *   (numpy, viewed through the buffer protocol): find, get_many, insert_many, place.
+ *   (numpy, viewed through the buffer protocol): find, get_many, insert_many, insert_prefix, place.
  * - IndexCore: the index's per-row loops over its arrays (index.py): match (probe every hash of
  *   a prompt and verify the chain: parent links, namespace, token ids, TTL, in one call),
  *   add_chain (fill a new chain's rows), touch (log a path in LRU order), pins, eviction's
  *   leaf-first picking (pick_leaves) and batch removal (remove_many).
  * - current_entries: the touch log's scan step (touchlog.py).
+ * - copy_rows: blocks' raw bytes into a slot pool's rows (tiers/pool.py); set_bytes: a free
+ *   list's flags for the slots it hands out (tiers/base.py).
  *
  * Arrays come in through the buffer protocol and must be C-contiguous with the expected item
  * type; anything else is a TypeError or ValueError that names the argument. No state lives here
@@ -65,7 +67,7 @@ kind_name(char kind, Py_ssize_t itemsize)
         return itemsize == 1 ? "int8" : itemsize == 2 ? "int16" : itemsize == 4 ? "int32" : "int64";
     }
     if (kind == 'u') {
-        return itemsize == 4 ? "uint32" : "uint64";
+        return itemsize == 1 ? "uint8" : itemsize == 4 ? "uint32" : "uint64";
     }
     return "float64";
 }
@@ -510,38 +512,40 @@ place_row(HashTable *t, int32_t row, Py_ssize_t cell)
     return was_empty;
 }
 
-/* insert_many(digests, rows) -> EMPTY cells used. Maps digests[i] to rows[i] (unmapped rows);
- * raises KeyError, changing nothing, if a digest is mapped already or repeats in the batch,
- * ValueError for a digest of a foreign size or a row out of range or mapped. */
-static PyObject *
-table_insert_many(HashTable *t, PyObject *const *args, Py_ssize_t nargs)
+/* Map digests[i] to rows[i] (unmapped rows) in order. At a digest mapped already or repeated in
+ * the batch: with `prefix`, stop there (the rest stay unmapped); without, raise KeyError and undo
+ * the batch. ValueError for a digest of a foreign size or a row out of range or mapped (nothing
+ * changed). Sets *inserted and *used (EMPTY cells taken); -1 with an error set. */
+static int
+insert_rows(HashTable *t, PyObject *const *args, Py_ssize_t nargs, int prefix, Py_ssize_t *inserted, long *used)
 {
     Rows rows_view;
     if (!ready(t)) {
-        return NULL;
+        return -1;
     }
     if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "insert_many(digests, rows) takes 2 arguments");
-        return NULL;
+        PyErr_Format(PyExc_TypeError, "%s(digests, rows) takes 2 arguments", prefix ? "insert_prefix" : "insert_many");
+        return -1;
     }
     PyObject *digests = PySequence_Fast(args[0], "digests: expected a list of bytes");
     if (digests == NULL) {
-        return NULL;
+        return -1;
     }
     if (get_rows(args[1], "rows", t->capacity, &rows_view) < 0) {
         Py_DECREF(digests);
-        return NULL;
+        return -1;
     }
     Py_ssize_t count = PySequence_Fast_GET_SIZE(digests);
     PyObject **items = PySequence_Fast_ITEMS(digests);
     const int64_t *rows = rows_view.rows;
     Py_ssize_t *undo = NULL; /* [cell, previous content] per placed digest */
-    long used = 0;
+    Py_ssize_t i = 0;
+    *used = 0;
     if (rows_view.count != count) {
         PyErr_SetString(PyExc_ValueError, "rows: expected one row per digest");
         goto fail;
     }
-    for (Py_ssize_t i = 0; i < count; i++) {
+    for (i = 0; i < count; i++) {
         if (check_digest(t, items[i], i) < 0) {
             goto fail;
         }
@@ -557,11 +561,14 @@ table_insert_many(HashTable *t, PyObject *const *args, Py_ssize_t nargs)
         goto fail;
     }
     uint64_t query[MAX_WORDS];
-    for (Py_ssize_t i = 0; i < count; i++) {
+    for (i = 0; i < count; i++) {
         split(t, PyBytes_AS_STRING(items[i]), query);
         Py_ssize_t cell = find(t, query);
         int was_empty = -1;
-        if (cell >= 0) {
+        if (cell >= 0) { /* mapped already, or placed earlier in this batch */
+            if (prefix) {
+                break;
+            }
             PyErr_SetString(PyExc_KeyError, "digest already mapped (or repeated in the batch)");
         } else {
             cell = cell == PY_SSIZE_T_MIN ? cell : -1 - cell;
@@ -577,20 +584,47 @@ table_insert_many(HashTable *t, PyObject *const *args, Py_ssize_t nargs)
             }
             goto fail;
         }
-        used += was_empty;
+        *used += was_empty;
         for (int k = 0; k < t->word_count; k++) {
             t->words[(Py_ssize_t)k * t->capacity + rows[i]] = query[k];
         }
     }
+    *inserted = i;
     PyMem_Free(undo);
     release_rows(&rows_view);
     Py_DECREF(digests);
-    return PyLong_FromLong(used);
+    return 0;
 fail:
     PyMem_Free(undo);
     release_rows(&rows_view);
     Py_DECREF(digests);
-    return NULL;
+    return -1;
+}
+
+/* insert_many(digests, rows) -> EMPTY cells used: every digest, all or nothing (KeyError at a
+ * digest mapped already or repeated in the batch). */
+static PyObject *
+table_insert_many(HashTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t inserted;
+    long used;
+    if (insert_rows(t, args, nargs, 0, &inserted, &used) < 0) {
+        return NULL;
+    }
+    return PyLong_FromLong(used);
+}
+
+/* insert_prefix(digests, rows) -> (inserted, EMPTY cells used): the leading digests up to (not
+ * including) the first one mapped already or repeated among those before it. */
+static PyObject *
+table_insert_prefix(HashTable *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t inserted;
+    long used;
+    if (insert_rows(t, args, nargs, 1, &inserted, &used) < 0) {
+        return NULL;
+    }
+    return Py_BuildValue("(nl)", inserted, used);
 }
 
 /* place(rows) -> EMPTY cells used: put unmapped rows whose words are stored (a rebuild) back. */
@@ -635,6 +669,8 @@ static PyMethodDef table_methods[] = {
      "get_many(digests, out): out[i] = row of digests[i] (int64), -1 when unmapped"},
     {"insert_many", (PyCFunction)(void (*)(void))table_insert_many, METH_FASTCALL,
      "insert_many(digests, rows) -> EMPTY cells used; KeyError (nothing changed) on a mapped or repeated digest"},
+    {"insert_prefix", (PyCFunction)(void (*)(void))table_insert_prefix, METH_FASTCALL,
+     "insert_prefix(digests, rows) -> (inserted, EMPTY cells used): up to the first mapped or repeated digest"},
     {"place", (PyCFunction)table_place, METH_O,
      "place(rows) -> EMPTY cells used: re-place unmapped rows by their stored digests"},
     {NULL, NULL, 0, NULL},
@@ -1260,6 +1296,98 @@ no_tick:
     return result;
 }
 
+/* ---- slot pools ------------------------------------------------------------------------------ */
+
+/* copy_rows(dst, slots, src): row i of `src` into row slots[i] of `dst` (tiers/pool.py's writes).
+ * dst: writable C-contiguous [rows, row bytes] uint8; src: C-contiguous uint8 holding
+ * len(slots) rows of that size (any shape); slots: ints in [0, rows). Raw bytes, so every dtype
+ * (float8 NaN payloads included) moves exactly; a large copy runs without the GIL. */
+static PyObject *
+core_copy_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer dst_v, src_v;
+    Rows slots;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "copy_rows(dst, slots, src) takes 3 arguments");
+        return NULL;
+    }
+    if (get_array(args[0], "dst", 'u', 1, 2, 1, &dst_v) < 0) {
+        return NULL;
+    }
+    if (get_rows(args[1], "slots", dst_v.shape[0], &slots) < 0) {
+        PyBuffer_Release(&dst_v);
+        return NULL;
+    }
+    if (get_array(args[2], "src", 'u', 1, 0, 0, &src_v) < 0) {
+        release_rows(&slots);
+        PyBuffer_Release(&dst_v);
+        return NULL;
+    }
+    size_t row = (size_t)dst_v.shape[1];
+    if ((size_t)src_v.len != row * (size_t)slots.count) {
+        PyErr_Format(PyExc_ValueError, "src: expected %zd rows of %zu bytes (one per slot), got %zd bytes",
+                     slots.count, row, src_v.len);
+    } else {
+        char *dst = dst_v.buf;
+        const char *src = src_v.buf;
+        const int64_t *to = slots.rows;
+        Py_ssize_t count = slots.count;
+        if (src_v.len >= (1 << 20)) {
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t i = 0; i < count; i++) {
+                memcpy(dst + (size_t)to[i] * row, src + (size_t)i * row, row);
+            }
+            Py_END_ALLOW_THREADS
+        } else {
+            for (Py_ssize_t i = 0; i < count; i++) {
+                memcpy(dst + (size_t)to[i] * row, src + (size_t)i * row, row);
+            }
+        }
+    }
+    PyBuffer_Release(&src_v);
+    release_rows(&slots);
+    PyBuffer_Release(&dst_v);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* set_bytes(flags, rows, value): flags[rows[i]] = value (a free list's flags, tiers/base.py).
+ * flags: writable C-contiguous uint8; rows: ints in [0, len(flags)); value: 0..255. */
+static PyObject *
+core_set_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer flags_v;
+    Rows rows;
+    Py_ssize_t value;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "set_bytes(flags, rows, value) takes 3 arguments");
+        return NULL;
+    }
+    if (index_arg(args[2], "value", 0, &value) < 0) {
+        return NULL;
+    }
+    if (value > 255) {
+        PyErr_SetString(PyExc_ValueError, "value: expected an integer in 0..255");
+        return NULL;
+    }
+    if (get_array(args[0], "flags", 'u', 1, 1, 1, &flags_v) < 0) {
+        return NULL;
+    }
+    if (get_rows(args[1], "rows", flags_v.len, &rows) < 0) {
+        PyBuffer_Release(&flags_v);
+        return NULL;
+    }
+    uint8_t *flags = flags_v.buf;
+    for (Py_ssize_t i = 0; i < rows.count; i++) {
+        flags[rows.rows[i]] = (uint8_t)value;
+    }
+    release_rows(&rows);
+    PyBuffer_Release(&flags_v);
+    Py_RETURN_NONE;
+}
+
 /* ---- module ---------------------------------------------------------------------------------- */
 
 static PyMethodDef core_methods[] = {
@@ -1268,6 +1396,10 @@ static PyMethodDef core_methods[] = {
      "xxh3_chain(root, tokens, block_size) -> list of the chained digests of every full block"},
     {"current_entries", (PyCFunction)(void (*)(void))core_current_entries, METH_FASTCALL,
      "current_entries(log_rows, tick, tier, position, stop, base, out) -> (count, leading)"},
+    {"set_bytes", (PyCFunction)(void (*)(void))core_set_bytes, METH_FASTCALL,
+     "set_bytes(flags, rows, value): flags[rows[i]] = value (uint8)"},
+    {"copy_rows", (PyCFunction)(void (*)(void))core_copy_rows, METH_FASTCALL,
+     "copy_rows(dst, slots, src): row i of src into row slots[i] of dst (raw bytes)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -91,6 +91,17 @@ class BlockMap:
         if self._empty < self._min_empty:
             self.rebuild()
 
+    def insert_prefix(self, digests: Sequence[bytes], rows: list[int]) -> int:
+        """Map `digests[i]` to unmapped `rows[i]` for the leading digests up to (not including) the
+        first that is mapped already or repeats one before it; returns how many were mapped
+        (ValueError, changing nothing, for a digest of a foreign size)."""
+        inserted, used = self.table.insert_prefix(digests, rows)
+        self._empty -= used
+        self._count += inserted
+        if self._empty < self._min_empty:
+            self.rebuild()
+        return inserted
+
     def delete(self, row: int) -> None:
         """Unmap `row` (its cell becomes a tombstone)."""
         cell = int(self.cell_of[row]) if 0 <= row < self.capacity else EMPTY

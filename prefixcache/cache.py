@@ -34,7 +34,7 @@ import torch
 
 from .config import CacheConfig, KVLayout, Namespace
 from .errors import InvalidArgument, LayoutMismatch, ResourceExhausted, UnknownLease
-from .hashing import BlockHash, Hasher, Tokens
+from .hashing import Hasher, Tokens
 from .index import ROOT, Match, MissReason, RadixIndex
 from .leases import Lease, LeaseTable, Reservation
 from .namespaces import NamespaceRegistry, Prompt
@@ -323,27 +323,21 @@ class PrefixCache:
             raise InvalidArgument("count", f"must be a non-negative integer, got {count!r}")
         entry = self.namespaces.get(ns_id) if ns_id is not None else None
         row, layout = (entry.index, entry.layout) if entry is not None else (-1, 0)
-        host = self.placement.pool(TierKind.HOST, layout)
-        if count > host.num_slots:
-            raise ResourceExhausted(f"count: {count} blocks exceed the host tier's {host.num_slots} slots", "count")
         with self._lock:
-            if row >= 0:
-                count = self.ledger.room(row, TierKind.HOST, count)
-            self.placement.make_room(TierKind.HOST, count, layout)
-            slots = self.placement.free(TierKind.HOST, layout).take_many(count)
+            slots = self._take_slots(count, row, layout)
             return self.leases.add_reservation(
                 TierKind.HOST, slots, self.clock() + self.config.lease_ttl_s, row, layout
             )
 
-    @staticmethod
-    def _check_block(block: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-        if not isinstance(block, torch.Tensor):
-            raise LayoutMismatch(f"kv must be a torch.Tensor, got {type(block).__name__}")
-        if block.dtype != layout.dtype.torch:
-            raise LayoutMismatch(f"kv dtype {block.dtype} differs from the namespace's {layout.dtype.torch}")
-        if tuple(block.shape) != layout.block_shape:
-            raise LayoutMismatch(f"kv block shape {tuple(block.shape)} differs from {layout.block_shape}")
-        return block
+    def _take_slots(self, count: int, row: int, layout: int) -> tuple[int, ...]:
+        """`reserve`'s slots for a checked count, namespace row `row` (-1: none) of `layout`; locked."""
+        host = self.placement.pool(TierKind.HOST, layout)
+        if count > host.num_slots:
+            raise ResourceExhausted(f"count: {count} blocks exceed the host tier's {host.num_slots} slots", "count")
+        if row >= 0:
+            count = self.ledger.room(row, TierKind.HOST, count)
+        self.placement.make_room(TierKind.HOST, count, layout)
+        return self.placement.free(TierKind.HOST, layout).take_many(count)
 
     def commit(self, ns_id: str, tokens: Tokens, reservation_id: int, start_block: int) -> CommitResult:
         """Publish reserved slots as blocks `start_block..` of the prompt `tokens`."""
@@ -392,48 +386,33 @@ class PrefixCache:
             match = self._match_for_commit(prompt, end)
         path, cached = match.rows.tolist(), len(match.rows)
         tier = reservation.tier
-        new = self._attachable(prompt, match, start, end)
         nodes: list[int] = []
         first = cached - start  # block `cached` was written to the reservation's slot `cached - start`
-        if new:
-            nodes = self.index.add_chain(
+        if match.stop is MissReason.NOT_CACHED and start <= cached < end:
+            # The blocks after a cached prefix that reaches `start`, up to any hash indexed
+            # elsewhere or repeated (a collision's KV is never replaced): `extend` stops there.
+            nodes = self.index.extend(
                 prompt.entry.index,
                 path[-1] if path else ROOT,
-                prompt.hashes[cached : cached + new],
-                prompt.blocks[cached : cached + new],
+                prompt.hashes[cached:end],
+                prompt.blocks[cached:end],
                 tier,
-                reservation.slots[first : first + new],
+                reservation.slots[first:],
                 now,
             )
             if self.remote_link is not None:
                 for node in nodes:
                     self._write_through(node)
+        new = len(nodes)
         unused = reservation.slots[:first] + reservation.slots[first + new :] if new else reservation.slots
-        self.placement.free(tier, reservation.layout).give_many(np.asarray(unused, dtype=np.int64))
+        if unused:
+            self.placement.free(tier, reservation.layout).give_many(np.asarray(unused, dtype=np.int64))
         self.index.touch(path + nodes, now)
         deduplicated = max(0, min(cached, end) - start)
         for counters in (self.counters, self.tenants.counters(prompt.entry.index)):  # service-wide, tenant
             counters.blocks_committed += new
             counters.blocks_deduplicated += deduplicated
         return CommitResult(new, deduplicated, end - start - new - deduplicated)
-
-    def _attachable(self, prompt: Prompt, match: Match, start: int, end: int) -> int:
-        """How many blocks after the cached prefix may be added: they must follow a cached
-        prefix that reaches `start`, and stop before any hash that is already indexed
-        elsewhere or repeats (a collision's KV is never replaced)."""
-        cached = len(match.rows)
-        if match.stop is not MissReason.NOT_CACHED or cached < start or cached >= end:
-            return 0
-        segment = prompt.hashes[cached:end]
-        taken = np.flatnonzero(match.found[cached:end] >= 0)
-        new = int(taken[0]) if taken.size else len(segment)
-        if len(set(segment[:new])) != new:
-            seen: set[BlockHash] = set()
-            for offset, block_hash in enumerate(segment[:new]):
-                if block_hash in seen:
-                    return offset
-                seen.add(block_hash)
-        return new
 
     def _write_through(self, node: int) -> None:
         """Queue a new block for Redis so other instances and restarts can hit it."""
@@ -452,36 +431,46 @@ class PrefixCache:
         if not isinstance(kv, torch.Tensor) or kv.dim() != len(layout.block_shape) + 1:
             shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
             raise LayoutMismatch(f"kv must be [blocks, *{layout.block_shape}], got {shape}")
-        self._check_block(kv[0] if len(kv) else torch.empty(layout.block_shape, dtype=kv.dtype), layout)
+        blocks = kv.shape[0]
+        if kv.dtype != layout.dtype.torch:
+            raise LayoutMismatch(f"kv dtype {kv.dtype} differs from the namespace's {layout.dtype.torch}")
+        if blocks and kv.shape[1:] != layout.block_shape:
+            raise LayoutMismatch(f"kv block shape {tuple(kv.shape[1:])} differs from {layout.block_shape}")
         prompt = self.namespaces.prompt(ns_id, tokens)  # validate before taking slots
         if (
             not isinstance(start_block, int)
             or isinstance(start_block, bool)
             or start_block < 0
-            or start_block + len(kv) > len(prompt.hashes)
+            or start_block + blocks > len(prompt.hashes)
         ):
             raise InvalidArgument(
                 "kv",
-                f"{len(kv)} blocks from start_block {start_block!r} exceed the prompt's "
+                f"{blocks} blocks from start_block {start_block!r} exceed the prompt's "
                 f"{len(prompt.hashes)} full blocks",
             )
-        end = start_block + len(kv)
+        end = start_block + blocks
+        entry = prompt.entry
         with self._lock:
             match = self._match_for_commit(prompt, end)
             cached = match.rows
             skip = max(0, len(cached) - start_block)
             self.index.pin(cached)
             try:
-                reservation = self.reserve(len(kv) - skip, ns_id)
+                slots = self._take_slots(blocks - skip, entry.index, entry.layout)
             finally:
                 self.index.unpin(cached)
-            self.placement.pool(reservation.tier, reservation.layout).write_many(
-                list(reservation.slots), kv[skip : skip + len(reservation.slots)]
-            )
-            result = self._commit(prompt, reservation.id, start_block + skip, match)
+            # Written and published under this lock: a reservation no other call can see, so no id.
+            reservation = Reservation(0, TierKind.HOST, slots, float("inf"), entry.index, entry.layout)
+            try:
+                self.placement.pool(TierKind.HOST, entry.layout).write_many(slots, kv[skip : skip + len(slots)])
+            except BaseException:
+                self.placement.free_reserved(reservation)
+                raise
+            first = start_block + skip
+            result = self._publish(prompt, reservation, first, first + len(slots), match)
             self.counters.blocks_deduplicated += skip
-            self.tenants.counters(prompt.entry.index).blocks_deduplicated += skip
-        unreserved = len(kv) - skip - len(reservation.slots)
+            self.tenants.counters(entry.index).blocks_deduplicated += skip
+        unreserved = blocks - skip - len(slots)
         return CommitResult(result.stored, result.deduplicated + skip, result.rejected + unreserved)
 
     # -- eviction -----------------------------------------------------------------

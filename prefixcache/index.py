@@ -38,6 +38,7 @@ from .touchlog import TouchLog
 
 ROOT = -1
 _NO_ROWS = np.empty(0, dtype=np.int64)
+_INT64 = _NO_ROWS.dtype
 
 
 class MissReason(enum.Enum):
@@ -171,6 +172,42 @@ class RadixIndex:
         )
         return nodes
 
+    def extend(
+        self,
+        namespace: int,
+        parent: int,
+        hashes: list[BlockHash],
+        tokens: np.ndarray,
+        tier: int,
+        slots: Sequence[int],
+        now: float,
+    ) -> list[int]:
+        """Insert the leading blocks of a chain under `parent`, as `add_chain`, up to (not
+        including) the first whose hash is already indexed or repeats an earlier one of `hashes`
+        (a collision's KV is never replaced): the block map's `insert_prefix` decides, in the same
+        probe that places them. Returns the nodes added (maybe none); the caller touches them."""
+        count = len(hashes)
+        if count > len(self._free_rows):
+            raise RuntimeError("index is full (more blocks than tier slots)")
+        if not count:
+            return []
+        nodes = self._free_rows[len(self._free_rows) - count :][::-1].tolist()
+        added = self.map.insert_prefix(hashes, nodes)
+        if not added:
+            return []
+        del nodes[added:]
+        del self._free_rows[len(self._free_rows) - added :]
+        self.core.add_chain(
+            nodes,
+            parent,
+            namespace,
+            tier,
+            _rows(slots[:added]),
+            np.ascontiguousarray(tokens, dtype=np.uint32),
+            now,
+        )
+        return nodes
+
     def remove(self, node: int) -> None:
         """Drop a leaf that no lease pins (prefix closure is the caller's promise)."""
         if self.tier[node] < 0:
@@ -290,6 +327,6 @@ class RadixIndex:
 
 def _rows(path: Sequence[int] | np.ndarray) -> list[int] | tuple[int, ...] | np.ndarray:
     """A path as the compiled core takes it: a list or tuple of ints, or an int64 array."""
-    if isinstance(path, (list, tuple)) or (isinstance(path, np.ndarray) and path.dtype == np.int64):
-        return path
+    if isinstance(path, (list, tuple)) or (isinstance(path, np.ndarray) and path.dtype is _INT64):
+        return path  # (`is`: a dtype `==` costs a microsecond; another int64 dtype object is converted, a no-op)
     return np.asarray(path, dtype=np.int64)

@@ -14,6 +14,7 @@ and gives slots, so the invariants below hold between the cache's calls:
 
 from __future__ import annotations
 
+import array
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ class LeaseTable:
         self.max_leases = max_leases
         self._leases: dict[int, Lease] = {}
         self._reservations: dict[int, Reservation] = {}
+        self._random = array.array("Q")  # unused random 64-bit words for ids
 
     # -- leases ------------------------------------------------------------------
     def lease_count(self) -> int:
@@ -104,6 +106,8 @@ class LeaseTable:
 
     def _new_id(self) -> int:
         while True:
-            candidate = secrets.randbits(63) or 1
+            if not self._random:  # the OS's randomness drawn 256 ids at a time (a draw costs a syscall)
+                self._random = array.array("Q", secrets.token_bytes(8 * 256))
+            candidate = self._random.pop() >> 1 or 1
             if candidate not in self:
                 return candidate

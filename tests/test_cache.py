@@ -367,6 +367,19 @@ def test_store_never_evicts_its_own_cached_prefix_to_make_room() -> None:
         assert_consistent(cache)
 
 
+def test_a_store_whose_write_fails_gives_its_slots_back_at_once() -> None:
+    """store's slots are never a registered reservation: a write that raises (here into a host
+    pool whose memory was released) must free them right away, not at lease expiry."""
+    with make_cache(host_slots=4) as cache:
+        ns = cache.attach(namespace())
+        tokens = prompt(1, 2)
+        cache.placement.pool(TierKind.HOST).close()
+        with pytest.raises(ValueError, match="dst: expected 2 dimension"):
+            store(cache, ns, tokens)
+        assert len(cache.placement.free(TierKind.HOST)) == 4 and len(cache.index) == 0
+        assert_consistent(cache)
+
+
 def test_commit_validates_its_block_range_without_leaking_slots() -> None:
     with make_cache(host_slots=4) as cache:
         ns = cache.attach(namespace())

@@ -296,6 +296,34 @@ def test_add_chain_links_blocks_like_single_adds_and_is_all_or_nothing() -> None
     assert len(index) == 4
 
 
+def test_extend_adds_the_chain_up_to_the_first_indexed_or_repeated_hash() -> None:
+    index = RadixIndex(8, BS)
+    hashes, blocks, nodes = chain(index, [1, 2])
+    tokens = np.array([[3, 4], [5, 6], [7, 8], [9, 10]], dtype=np.uint32)
+    # Stops before a hash indexed elsewhere (a collision's KV is never replaced) ...
+    added = index.extend(
+        0, nodes[0], [digest(80, 0), digest(80, 1), hashes[0], digest(80, 3)], tokens, 1, [4, 5, 6, 7], 2.0
+    )
+    assert len(added) == 2 and index.path_to(added[-1]) == nodes + added
+    assert index.slot[added].tolist() == [4, 5] and index.tokens[added].tolist() == tokens[:2].tolist()
+    assert index.children[added].tolist() == [1, 0] and index.children[nodes[0]] == 1
+    assert index.node_of(digest(80, 3)) is None and len(index) == 3
+    # ... and before a hash repeating an earlier one of the chain.
+    again = index.extend(0, added[-1], [digest(81, 0), digest(81, 1), digest(81, 0)], tokens[:3], 1, (1, 2, 3), 3.0)
+    assert len(again) == 2 and index.path_to(again[-1]) == nodes + added + again and len(index) == 5
+    index.touch(index.path_to(again[-1]), 3.0)
+    # Nothing attachable, or nothing given: no node, no row taken.
+    assert index.extend(0, again[-1], [hashes[0], digest(82)], tokens[:2], 1, [0, 1], 4.0) == []
+    assert index.extend(0, ROOT, [], tokens[:0], 1, [], 4.0) == []
+    assert len(index) == 5 and index.children[again[-1]] == 0
+    rest = index.extend(
+        0, again[-1], [digest(83, i) for i in range(3)], np.zeros((3, BS), np.uint32), 1, [0, 1, 2], 4.0
+    )
+    assert len(rest) == 3 and len(index) == 8  # every row the stopped extends left is still free
+    with pytest.raises(RuntimeError, match="index is full"):
+        index.extend(0, ROOT, [digest(84)], tokens[:1], 1, [3], 4.0)
+
+
 def test_remove_many_equals_removing_one_by_one_and_checks_first() -> None:
     one, many = RadixIndex(16, BS), RadixIndex(16, BS)
     for index in (one, many):

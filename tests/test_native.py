@@ -235,6 +235,87 @@ def test_hash_table_checks_its_arrays_and_rolls_back_a_failed_batch() -> None:
         table.insert_many([b"short"], [1])
 
 
+def test_insert_prefix_maps_up_to_the_first_mapped_or_repeated_digest() -> None:
+    table = BlockMap(8, 16)
+    a, b, c, d = (bytes([i]) * 16 for i in range(1, 5))
+    table.insert_many([a], [0])
+    assert table.insert_prefix([b, c, a, d], [1, 2, 3, 4]) == 2  # stops at a, mapped already
+    assert (table.get(b), table.get(c), table.get(d), len(table)) == (1, 2, None, 3)
+    assert table.insert_prefix([d, d], [3, 4]) == 1 and table.get(d) == 3  # stops at the repeat
+    assert table.cell_of[4] == -1 and len(table) == 4
+    assert table.insert_prefix([], []) == 0 and table.insert_prefix([a], [5]) == 0 and len(table) == 4
+    cells_before = table.cells.copy()
+    for digests, rows, message in (
+        ([bytes(16), b"short"], [5, 6], r"digests\[1\]: expected bytes of length 16"),
+        ([bytes(16)], [1], r"rows\[0\]: 1 is out of range or mapped already"),
+        ([bytes(16)], [5, 6], "rows: expected one row per digest"),
+        ([bytes(16)], [9], r"rows\[0\]: 9 outside \[0, 8\)"),
+        (5, [5], "digests: expected a list of bytes"),
+    ):
+        with pytest.raises((TypeError, ValueError), match=message):
+            table.insert_prefix(digests, rows)
+        assert (table.cells == cells_before).all() and len(table) == 4  # checked before any change
+    with pytest.raises(TypeError, match=r"insert_prefix\(digests, rows\) takes 2 arguments"):
+        table.table.insert_prefix([a])
+
+
+def test_copy_rows_moves_raw_rows_into_slots() -> None:
+    """Raw bytes, any pattern (tests/test_fp8.py checks every dtype through the host pool)."""
+    dst = np.zeros((6, 24), dtype=np.uint8)
+    src = np.random.default_rng(7).integers(0, 256, (3, 24)).astype(np.uint8)
+    core.copy_rows(dst, (4, 0, 5), src)
+    assert dst[[4, 0, 5]].tobytes() == src.tobytes() and not dst[[1, 2, 3]].any()
+    core.copy_rows(dst, [], np.empty((0, 24), np.uint8))  # nothing to copy
+    core.copy_rows(dst, np.array([1], dtype=np.int64), src[1].reshape(2, 12))  # any shape of the right size
+    assert dst[1].tobytes() == src[1].tobytes()
+    big = np.zeros((40, 1 << 16), dtype=np.uint8)  # >= 1 MiB: copied without the GIL
+    rows = np.arange(40 * (1 << 16), dtype=np.uint32).view(np.uint8)[: 20 << 16].reshape(20, -1)
+    core.copy_rows(big, list(range(39, 19, -1)), rows)
+    assert big[39:19:-1].tobytes() == rows.tobytes() and not big[:20].any()
+
+
+def test_copy_rows_and_set_bytes_reject_bad_buffers_naming_the_argument() -> None:
+    dst, src = np.zeros((4, 8), dtype=np.uint8), np.ones((2, 8), dtype=np.uint8)
+    readonly = dst.copy()
+    readonly.flags.writeable = False
+    cases = [
+        ((dst.view(np.int32), [0, 1], src), TypeError, "dst: expected uint8"),
+        ((dst.reshape(-1), [0, 1], src), ValueError, r"dst: expected 2 dimension\(s\)"),
+        ((dst[:, ::2], [0, 1], src[:, :4]), ValueError, "dst: must be C-contiguous"),
+        ((readonly, [0, 1], src), TypeError, "dst: expected a writable"),
+        ((dst, [0, 4], src), ValueError, r"slots\[1\]: 4 outside \[0, 4\)"),
+        ((dst, [0, "1"], src), TypeError, r"slots\[1\]: expected an int"),
+        ((dst, np.array([0, 1], dtype=np.int32), src), TypeError, "slots: expected int64"),
+        ((dst, [0, 1], src.view(np.int16)), TypeError, "src: expected uint8"),
+        ((dst, [0, 1], np.ones((2, 16), np.uint8)[:, ::2]), ValueError, "src: must be C-contiguous"),
+        ((dst, [0, 1, 2], src), ValueError, r"src: expected 3 rows of 8 bytes \(one per slot\), got 16 bytes"),
+        ((dst, [], src), ValueError, r"src: expected 0 rows of 8 bytes"),
+        ((dst, [0]), TypeError, r"copy_rows\(dst, slots, src\) takes 3 arguments"),
+    ]
+    for args, error, message in cases:
+        with pytest.raises(error, match=message):
+            core.copy_rows(*args)
+    assert not dst.any()  # nothing was written by a refused call
+    flags = bytearray(b"\x01") * 5
+    core.set_bytes(flags, (4, 0), 0)
+    core.set_bytes(flags, [], 0)
+    assert flags == bytearray(b"\x00\x01\x01\x01\x00")
+    core.set_bytes(np.frombuffer(flags, dtype=np.uint8), np.array([4], dtype=np.int64), 7)
+    assert flags[4] == 7
+    for args, error, message in (
+        ((flags, [5], 0), ValueError, r"rows\[0\]: 5 outside \[0, 5\)"),
+        ((flags, [0], 256), ValueError, "value: expected an integer in 0..255"),
+        ((flags, [0], -1), ValueError, "value: expected an integer >= 0"),
+        ((np.zeros(5, np.int16), [0], 0), TypeError, "flags: expected uint8"),
+        ((np.zeros((5, 2), np.uint8), [0], 0), ValueError, r"flags: expected 1 dimension\(s\)"),
+        ((bytes(5), [0], 0), TypeError, "flags: expected a writable"),
+        ((flags, [0]), TypeError, r"set_bytes\(flags, rows, value\) takes 3 arguments"),
+    ):
+        with pytest.raises(error, match=message):
+            core.set_bytes(*args)
+    assert flags == bytearray(b"\x00\x01\x01\x01\x07")
+
+
 def test_the_touch_log_scan_step_keeps_only_current_entries() -> None:
     """current_entries: live rows still carrying the entry's tick, in log order, and how many
     stale ones led; bad buffers are named."""

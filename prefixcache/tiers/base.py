@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from ..native import core
+
 if TYPE_CHECKING:  # the protocol names Redis-side types; importing them would load redis-py
     from ..transfer import ProbeBudget, TransferEstimate
     from .redis_options import RedisOptions
@@ -54,7 +56,7 @@ class SlotTier(Protocol):
     def write(self, slot: int, block: torch.Tensor) -> None:
         """Store one block (already validated for shape and dtype) in `slot`."""
 
-    def write_many(self, slots: list[int], blocks: torch.Tensor) -> None:
+    def write_many(self, slots: Sequence[int], blocks: torch.Tensor) -> None:
         """Store `blocks[i]` (validated, `[len(slots), *block_shape]`) in `slots[i]`."""
 
     def view(self, slot: int) -> torch.Tensor:
@@ -178,10 +180,10 @@ class FreeSlots:
         count = min(count, len(self._free))
         if count <= 0:
             return ()
-        taken = self._free[len(self._free) - count :]
+        slots = tuple(self._free[len(self._free) - count :][::-1])
         del self._free[len(self._free) - count :]
-        np.frombuffer(self._is_free, dtype=np.uint8)[np.frombuffer(taken, dtype=np.int32)] = 0
-        return tuple(taken[::-1])
+        core.set_bytes(self._is_free, slots, 0)  # a numpy scatter of a few flags costs ~3 µs more
+        return slots
 
     def give_many(self, slots: np.ndarray) -> None:
         """`give` of each of `slots` (distinct), checked before any change."""
