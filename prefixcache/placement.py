@@ -187,14 +187,14 @@ class Placement:
         skipped: set[tuple[int, int]] = set()  # (layout, chunk) that cannot be emptied now
         while len(free) < count:
             victims, _, foreign = self._pick_leaves(kind, count - len(free), layout=layout, skipped=skipped)
-            if victims:
+            if len(victims):
                 self.drop_many(victims, EvictionReason.LRU, spill=True, kind=kind)
             if foreign is not None:
                 if self._empty_chunk(kind, *foreign):
                     arena.give_chunk(foreign[1], layout)
                 else:
                     skipped.add(foreign)
-            elif not victims:
+            elif not len(victims):
                 return
 
     def _pick_leaves(
@@ -205,8 +205,8 @@ class Placement:
         weight: Mask | None = None,
         layout: int | None = None,
         skipped: set[tuple[int, int]] | None = None,
-    ) -> tuple[list[int], int, tuple[int, int] | None]:
-        """Unpinned blocks (among `members`) of `kind`, the last slot tier, in LRU order and
+    ) -> tuple[np.ndarray, int, tuple[int, int] | None]:
+        """Unpinned blocks (int64 rows, among `members`) of `kind`, the last slot tier, in LRU order and
         leaf-first, until their `weight` (default 1 each) reaches `wanted`: the blocks `evict` of
         each LRU node in turn would drop (a block goes once its children have), picked from the
         touch log by the compiled core (`RadixIndex.lru_leaves`). Costs O(log entries scanned),
@@ -233,7 +233,7 @@ class Placement:
         if weight is None:
             victims = self.index.lru_leaves(kind, wanted, members, cut if layout is not None else None)
             # Enough of this layout's blocks before the other layout's: its chunk stays.
-            return victims.tolist(), len(victims), foreign if len(victims) < wanted else None
+            return victims, len(victims), foreign if len(victims) < wanted else None
         # Weighted (bytes): pick as many blocks as the lightest could need, keep the LRU-first
         # prefix that reaches `wanted` (any prefix of a leaf-first order is one).
         lightest = min(pool.layout.block_bytes for pool in self.arenas[kind].pools)
@@ -241,7 +241,7 @@ class Placement:
         costs = np.cumsum(weight(picked)) if len(picked) else np.zeros(0, dtype=np.int64)
         end = min(int(np.searchsorted(costs, wanted)) + 1, len(picked))
         total = int(costs[end - 1]) if end else 0
-        return picked[:end].tolist(), total, foreign if total < wanted else None
+        return picked[:end], total, foreign if total < wanted else None
 
     def _drop_leaves(
         self,
@@ -254,7 +254,7 @@ class Placement:
         """Drop what `_pick_leaves` picks, in one batch (index rows, block-map cells, free slots,
         counters); returns its weight."""
         victims, total, _ = self._pick_leaves(kind, wanted, members, weight)
-        if victims:
+        if len(victims):
             self.drop_many(victims, reason, spill=True, kind=kind)
         return total
 
@@ -361,7 +361,9 @@ class Placement:
         self.index.remove(node)
         self.free(kind, layout).give(slot)
 
-    def drop_many(self, nodes: list[int], reason: EvictionReason, spill: bool, kind: TierKind | None = None) -> None:
+    def drop_many(
+        self, nodes: list[int] | np.ndarray, reason: EvictionReason, spill: bool, kind: TierKind | None = None
+    ) -> None:
         """`drop` of each of `nodes` (given descendants first), batched: all in `kind` when given,
         else in any tiers; of any layouts."""
         index = self.index
@@ -376,7 +378,7 @@ class Placement:
             groups = [(TierKind(k), lay, (kinds == k) & (layouts == lay)) for k, lay in pairs]
         if self.remote_link is not None:
             tiers = [kind] * len(nodes) if kind is not None else [TierKind(k) for k in index.tier[rows].tolist()]
-            for node, tier in zip(nodes, tiers):
+            for node, tier in zip(rows.tolist(), tiers):
                 if self._leave(node, spill):
                     self.counters.spills[tier] += 1
         slots = index.slot[rows]
