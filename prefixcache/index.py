@@ -160,17 +160,7 @@ class RadixIndex:
             raise RuntimeError("index is full (more blocks than tier slots)")
         nodes = self._free_rows[len(self._free_rows) - count :][::-1].tolist()
         self.map.insert_many(hashes, nodes)  # all or nothing
-        del self._free_rows[len(self._free_rows) - count :]
-        self.core.add_chain(
-            nodes,
-            parent,
-            namespace,
-            tier,
-            _rows(slots),
-            np.ascontiguousarray(tokens, dtype=np.uint32),
-            now,
-        )
-        return nodes
+        return self._fill(nodes, namespace, parent, tokens, tier, slots, now)
 
     def extend(
         self,
@@ -196,15 +186,23 @@ class RadixIndex:
         if not added:
             return []
         del nodes[added:]
-        del self._free_rows[len(self._free_rows) - added :]
+        return self._fill(nodes, namespace, parent, tokens[:added], tier, slots[:added], now)
+
+    def _fill(
+        self,
+        nodes: list[int],
+        namespace: int,
+        parent: int,
+        tokens: np.ndarray,
+        tier: int,
+        slots: Sequence[int],
+        now: float,
+    ) -> list[int]:
+        """Take `nodes` (the last free rows, just mapped to their hashes) off the free list and
+        fill their rows as a chain under `parent`."""
+        del self._free_rows[len(self._free_rows) - len(nodes) :]
         self.core.add_chain(
-            nodes,
-            parent,
-            namespace,
-            tier,
-            _rows(slots[:added]),
-            np.ascontiguousarray(tokens, dtype=np.uint32),
-            now,
+            nodes, parent, namespace, tier, _rows(slots), np.ascontiguousarray(tokens, dtype=np.uint32), now
         )
         return nodes
 
