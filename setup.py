@@ -9,9 +9,9 @@ setup(
     ext_modules=[
         Extension(
             "prefixcache._core",
-            sources=["prefixcache/_core.c"],
+            sources=["prefixcache/_core.c", "prefixcache/_resp.c"],
             include_dirs=["third_party/xxhash"],  # vendored xxHash 0.8.4 (BSD-2-Clause, its LICENSE beside it)
-            depends=["third_party/xxhash/xxhash.h"],
+            depends=["third_party/xxhash/xxhash.h", "prefixcache/_resp.h"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         )
     ]

@@ -11,6 +11,7 @@
  * - current_entries: the touch log's scan step (touchlog.py).
  * - copy_rows: blocks' raw bytes into a slot pool's rows (tiers/pool.py); set_bytes: a free
  *   list's flags for the slots it hands out (tiers/base.py).
+ * - resp_set / resp_getex: the Redis tier's pipelines, without the GIL (prefixcache/_resp.c).
  *
  * Arrays come in through the buffer protocol and must be C-contiguous with the expected item
  * type; anything else is a TypeError or ValueError that names the argument. No state lives here
@@ -24,6 +25,8 @@
 
 #define XXH_INLINE_ALL
 #include "xxhash.h"
+
+#include "_resp.h"
 
 #define BUCKET 4     /* cells per bucket (blockmap.BUCKET) */
 #define EMPTY (-1)   /* a never-used cell: ends a probe path */
@@ -1400,6 +1403,10 @@ static PyMethodDef core_methods[] = {
      "set_bytes(flags, rows, value): flags[rows[i]] = value (uint8)"},
     {"copy_rows", (PyCFunction)(void (*)(void))core_copy_rows, METH_FASTCALL,
      "copy_rows(dst, slots, src): row i of src into row slots[i] of dst (raw bytes)"},
+    {"resp_set", (PyCFunction)(void (*)(void))core_resp_set, METH_FASTCALL,
+     "resp_set(fd, keys, values, ttls_ms, timeout_s) -> None, or the first error reply's text"},
+    {"resp_getex", (PyCFunction)(void (*)(void))core_resp_getex, METH_FASTCALL,
+     "resp_getex(fd, keys, ttl_ms, timeout_s) -> (values, [(position, error reply text)])"},
     {NULL, NULL, 0, NULL},
 };
 

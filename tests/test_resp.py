@@ -1,6 +1,8 @@
-"""The RESP data path (prefixcache/tiers/resp.py) against a real redis-server: values of every size
-read whole into their own buffers, misses and foreign types, error replies, a connection that
-is never reused after a fault, and partial sends resumed mid-piece."""
+"""The RESP data path (prefixcache/tiers/resp.py and the core's prefixcache/_resp.c) against a real
+redis-server: values of every size read whole into their own buffers, misses and foreign types
+(RESP2 and RESP3), error replies read in step, a connection never reused after a fault, partial
+sends resumed mid-buffer; and, from a peer that answers what Redis never does, each protocol
+fault named."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 import redis
 
-from prefixcache.tiers import resp
+from prefixcache.native import core
 from prefixcache.tiers.redis_options import RedisOptions, connect
 from prefixcache.tiers.resp import RespPipeline
 from tests.support.redis_server import RedisServer
@@ -45,16 +47,40 @@ def test_set_then_getex_returns_every_value_whole_and_slides_the_ttl(client) -> 
         assert [bytes(v) for v in pipe.getex(keys[:3], 1000)] == values[:3]
 
 
-def test_a_foreign_type_is_a_miss_and_an_error_reply_drops_the_connection(client) -> None:
+def test_a_foreign_type_is_a_miss_and_an_error_reply_raises_on_a_connection_kept_in_step(client) -> None:
     client.rpush("t:list", b"x")
     client.set("t:ok", b"fine")
     pipe = RespPipeline(client)
     assert [None if v is None else bytes(v) for v in pipe.getex(["t:list", "t:ok"], 1000)] == [None, b"fine"]
-    with pytest.raises(redis.exceptions.ResponseError):
-        pipe.set([("t:ok", b"v")], 0)  # PX 0 is an invalid expire time
-    connections = client.connection_pool._available_connections
-    assert [c._sock for c in connections] == [None]  # the faulted connection went back closed, not mid-reply
-    assert [bytes(v) for v in pipe.getex(["t:ok"], 1000)] == [b"fine"]
+    sock = client.connection_pool._available_connections[0]._sock
+    with pytest.raises(redis.exceptions.ResponseError, match="invalid expire time"):
+        pipe.set([("t:a", b"1"), ("t:ok", b"v"), ("t:b", b"2")], [1000, 0, 1000])  # PX 0 is refused
+    assert client.mget("t:a", "t:ok", "t:b") == [b"1", b"fine", b"2"]  # the others were written
+    # every reply was read: the same socket went back and serves the next pipeline in step
+    assert [c._sock for c in client.connection_pool._available_connections] == [sock]
+    assert [bytes(v) for v in pipe.getex(["t:ok", "t:a"], 1000)] == [b"fine", b"1"]
+    with pytest.raises(redis.exceptions.ResponseError, match="invalid expire time"):
+        pipe.getex(["t:ok"], -5)  # an error reply other than WRONGTYPE raises
+
+
+def test_a_resp3_connection_reads_its_nulls_as_misses(redis_server: RedisServer) -> None:
+    c = redis.Redis.from_url(redis_server.url, protocol=3)
+    try:
+        c.set("t3:k", b"v")
+        assert [None if v is None else bytes(v) for v in RespPipeline(c).getex(["t3:k", "t3:none"], 1000)] == [
+            b"v",
+            None,
+        ]
+    finally:
+        c.close()
+
+
+def test_tls_clients_stay_with_redis_py_and_plain_ones_take_the_core() -> None:
+    plain = connect("redis://127.0.0.1:1/0", RedisOptions(url="redis://127.0.0.1:1/0"))
+    tls = connect("rediss://127.0.0.1:1/0", RedisOptions(url="rediss://127.0.0.1:1/0"))
+    unix = connect("unix:///tmp/none.sock", RedisOptions(url="unix:///tmp/none.sock"))
+    assert RespPipeline.serves(plain) and RespPipeline.serves(unix) and not RespPipeline.serves(tls)
+    assert not RespPipeline.serves(object())
 
 
 def test_a_stopped_server_raises_connection_errors(redis_server: RedisServer, tmp_path) -> None:
@@ -69,36 +95,107 @@ def test_a_stopped_server_raises_connection_errors(redis_server: RedisServer, tm
     c.close()
 
 
-def test_partial_sends_deliver_every_piece_whole_and_in_order() -> None:
-    """A socket with a timeout sends only what its buffer takes per sendmsg: 8 MiB in 1,500 pieces
-    through a 4 KiB buffer and a slow reader comes out byte for byte (resumed mid-piece, and over
-    the 512-buffer limit of one sendmsg)."""
-    rng = np.random.default_rng(5)
-    pieces: list[bytes | memoryview] = []
-    for i in range(1500):
-        size = int(rng.integers(0, 11_000)) if i % 100 else 1 << 20
-        piece = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
-        pieces.append(memoryview(piece) if i % 2 else piece)
-    expected = b"".join(bytes(p) for p in pieces)
-    sender, receiver = socket.socketpair()
-    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    receiver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sender.settimeout(10)  # as redis-py's sockets: non-blocking underneath, so sendmsg sends in parts
-    received = bytearray()
-
-    def read() -> None:
-        while len(received) < len(expected):
-            chunk = receiver.recv(3000)
-            if not chunk:
-                return
-            received.extend(chunk)
-
-    reader = threading.Thread(target=read)
-    reader.start()
+def test_a_paused_server_times_out_and_the_connection_is_dropped(redis_server: RedisServer) -> None:
+    options = RedisOptions(url=redis_server.url, socket_timeout_s=0.3)
+    c = connect(options.url, options)
+    pipe = RespPipeline(c)
     try:
-        resp._send(sender, pieces)
-        reader.join(20)
+        pipe.set([("t:p", b"x")], 10_000)  # connected before the pause
+        with redis_server.client() as admin:
+            admin.execute_command("CLIENT", "PAUSE", "1500", "ALL")
+            with pytest.raises(redis.exceptions.TimeoutError):
+                pipe.getex(["t:p"], 1000)
+            assert [conn._sock for conn in c.connection_pool._available_connections] == [None]
+            admin.execute_command("CLIENT", "UNPAUSE")
+        assert [bytes(v) for v in pipe.getex(["t:p"], 1000)] == [b"x"]  # a fresh connection, in step
     finally:
-        sender.close()
-        receiver.close()
-    assert len(received) == len(expected) and bytes(received) == expected
+        c.close()
+
+
+def test_partial_sends_deliver_every_value_whole_and_in_order(client) -> None:
+    """A socket that takes 4 KiB per sendmsg: 1,500 values (joined ones, 1 MiB ones sent from
+    their buffers, over the 512-buffer limit of one sendmsg) resumed mid-buffer, and Redis
+    stores each byte for byte."""
+    rng = np.random.default_rng(5)
+    values: list[bytes | memoryview] = []
+    for i in range(1500):
+        size = int(rng.integers(0, 40_000)) if i % 100 else 1 << 20
+        value = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        values.append(memoryview(value) if i % 2 else value)
+    client.ping()
+    sock = client.connection_pool._available_connections[0]._sock
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    keys = [f"t:part:{i}" for i in range(len(values))]
+    RespPipeline(client).set(list(zip(keys, values)), 60_000)
+    for start in range(0, len(keys), 100):
+        assert client.mget(keys[start : start + 100]) == [bytes(v) for v in values[start : start + 100]]
+
+
+class _Peer:
+    """A server that answers what a test says: what the core does with a reply Redis never sends."""
+
+    def __init__(self, reply: bytes, close: bool = False) -> None:
+        self.ours, self.theirs = socket.socketpair()
+        self.ours.settimeout(2)
+        self.received = bytearray()
+        self._thread = threading.Thread(target=self._serve, args=(reply, close))
+        self._thread.start()
+
+    def _serve(self, reply: bytes, close: bool) -> None:
+        self.received += self.theirs.recv(1 << 16)
+        self.theirs.sendall(reply)
+        if close:
+            self.theirs.close()
+
+    def finish(self) -> None:
+        self._thread.join(5)
+        self.ours.close()
+        self.theirs.close()
+
+
+@pytest.mark.parametrize(
+    ("reply", "close", "error", "match"),
+    [
+        (b":1\r\n", False, ValueError, "neither a bulk string nor an error"),
+        (b"$3\r\nabc\r\n$1\r\nx\r\n", False, ValueError, "more reply bytes than commands"),
+        (b"$5\r\nabcdefg\r\n", False, ValueError, "longer than its announced length"),
+        (b"$x1\r\n", False, ValueError, "bad bulk length"),
+        (b"$10\r\nabc", True, ConnectionError, "closed by server"),
+        (b"", False, TimeoutError, "timed out"),
+    ],
+)
+def test_replies_redis_never_sends_raise_and_name_the_fault(reply, close, error, match) -> None:
+    peer = _Peer(reply, close)
+    try:
+        with pytest.raises(error, match=match):
+            core.resp_getex(peer.ours.fileno(), [b"k"], 1000, 0.3)
+    finally:
+        peer.finish()
+    assert bytes(peer.received) == b"*4\r\n$5\r\nGETEX\r\n$1\r\nk\r\n$2\r\nPX\r\n$4\r\n1000\r\n"
+
+
+def test_a_set_reply_other_than_ok_or_an_error_is_a_fault() -> None:
+    peer = _Peer(b"$2\r\nOK\r\n")
+    try:
+        with pytest.raises(ValueError, match="neither \\+OK nor an error"):
+            core.resp_set(peer.ours.fileno(), [b"k"], [b"v"], [5], 1.0)
+    finally:
+        peer.finish()
+    assert bytes(peer.received) == b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n$2\r\nPX\r\n$1\r\n5\r\n"
+
+
+def test_bad_arguments_name_the_argument() -> None:
+    with pytest.raises(TypeError, match=r"keys\[1\]: expected bytes"):
+        core.resp_set(0, [b"a", "b"], [b"1", b"2"], [1, 1], None)
+    with pytest.raises(ValueError, match="values, ttls_ms: expected 2 of each"):
+        core.resp_set(0, [b"a", b"b"], [b"1"], [1, 1], None)
+    with pytest.raises(TypeError, match=r"values\[0\]: expected a contiguous buffer"):
+        core.resp_set(0, [b"a"], [object()], [1], None)
+    with pytest.raises(TypeError, match=r"ttls_ms\[0\]: expected an int"):
+        core.resp_set(0, [b"a"], [b"1"], ["x"], None)
+    with pytest.raises(ValueError, match="fd: expected an open socket"):
+        core.resp_getex(-1, [b"a"], None, None)
+    with pytest.raises(ValueError, match="timeout_s: expected None or seconds"):
+        core.resp_getex(0, [b"a"], None, -1.0)
+    with pytest.raises(TypeError, match=r"keys\[0\]: expected bytes"):
+        core.resp_getex(0, ["a"], None, None)
