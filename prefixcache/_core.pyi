@@ -1,4 +1,5 @@
 # Types of the compiled core (prefixcache/_core.c); see that file for the semantics.
+import ssl
 from collections.abc import Sequence
 
 import numpy as np
@@ -64,7 +65,7 @@ def current_entries(
 def copy_rows(dst: np.ndarray, slots: Sequence[int] | np.ndarray, src: np.ndarray, /) -> None: ...
 def set_bytes(flags: bytearray | np.ndarray, rows: Sequence[int] | np.ndarray, value: int, /) -> None: ...
 def resp_set(
-    fd: int,
+    sock: int | ssl.SSLSocket,
     keys: Sequence[bytes],
     values: Sequence[bytes | bytearray | memoryview],
     ttls_ms: Sequence[int],
@@ -72,5 +73,5 @@ def resp_set(
     /,
 ) -> bytes | None: ...
 def resp_getex(
-    fd: int, keys: Sequence[bytes], ttl_ms: int | None, timeout_s: float | None, /
+    sock: int | ssl.SSLSocket, keys: Sequence[bytes], ttl_ms: int | None, timeout_s: float | None, /
 ) -> tuple[list[bytearray | None], list[tuple[int, bytes]]]: ...

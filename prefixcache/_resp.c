@@ -1,19 +1,21 @@
 /* The Redis tier's RESP exchanges (tiers/resp.py), compiled into prefixcache._core (issue 17).
  *
- * - resp_set(fd, keys, values, ttls_ms, timeout_s): `SET key value PX ttl` for each entry in one
+ * - resp_set(sock, keys, values, ttls_ms, timeout_s): `SET key value PX ttl` for each entry in one
  *   pipeline: the command bytes built here, every value sent from the caller's buffer (one joined
  *   into the command bytes when it is small), then every reply read.
- * - resp_getex(fd, keys, ttl_ms, timeout_s): `GETEX key PX ttl` (plain `GET` when ttl_ms is None)
+ * - resp_getex(sock, keys, ttl_ms, timeout_s): `GETEX key PX ttl` (plain `GET` when ttl_ms is None)
  *   for each key in one pipeline, each bulk reply read straight into a bytearray of its exact size.
  *
- * Why compiled: the tier's writer is one thread beside callers that encode frames. In Python it
- * holds the GIL between the syscalls of a pipeline (building commands, parsing replies) and has
- * to win it back after each one; here a whole exchange runs with the GIL released but for
- * the allocation of each value read.
+ * Why compiled: the tier's writer is one thread beside callers that encode frames and serve
+ * RPCs. In Python it holds the GIL between the syscalls of a pipeline (building commands, parsing
+ * replies) and has to win it back after each one; here a whole exchange is one call.
  *
- * The socket is the caller's (a redis-py connection's plain TCP or Unix socket; TLS stays in
- * redis-py). It may be blocking or not (a Python socket with a timeout is non-blocking
- * underneath): every wait on it is a poll() of at most timeout_s, as Python's socket methods wait.
+ * The socket is the caller's, a redis-py connection's. A plain TCP or Unix socket comes as its
+ * descriptor, and the exchange runs with the GIL released but for the allocation of each value
+ * read; it may be blocking or not (a Python socket with a timeout is non-blocking underneath):
+ * every wait on it is a poll() of at most timeout_s, as Python's socket methods wait. A TLS socket
+ * comes as the object, whose sendall/recv_into do the I/O (with the GIL, under its own timeout):
+ * the commands and the replies are still built and parsed here, and values still read in place.
  * Every reply of a pipeline is read before returning unless the socket fails, so a connection
  * whose call returned is in step. Faults raise TimeoutError, ConnectionError (closed by the
  * server), OSError (errno) or ValueError (a reply of a kind the command cannot return, or bytes
@@ -42,10 +44,12 @@
 
 /* ---- socket I/O, without the GIL ---------------------------------------------------------- */
 
-enum { IO_OK = 0, IO_ERRNO, IO_TIMEOUT, IO_CLOSED, IO_PROTOCOL };
+enum { IO_OK = 0, IO_ERRNO, IO_TIMEOUT, IO_CLOSED, IO_PROTOCOL, IO_PYTHON /* exception set */ };
 
 typedef struct {
     int fd;
+    PyObject *sock; /* a TLS socket, driven through its own methods with the GIL held; NULL for fd */
+    PyThreadState *released; /* set while the GIL is released (fd only) */
     int timeout_ms; /* per wait; -1 waits for ever */
     int status;     /* IO_* of the first fault */
     int error;      /* errno, for IO_ERRNO */
@@ -61,6 +65,40 @@ link_fail(Link *link, int status, const char *what)
     link->error = status == IO_ERRNO ? errno : 0;
     link->what = what;
     return -1;
+}
+
+/* The GIL is released for a plain socket's exchange, kept for a TLS socket's (its methods need it). */
+static void
+link_release(Link *link)
+{
+    if (link->sock == NULL) {
+        link->released = PyEval_SaveThread();
+    }
+}
+
+static void
+link_acquire(Link *link)
+{
+    if (link->released != NULL) {
+        PyEval_RestoreThread(link->released);
+        link->released = NULL;
+    }
+}
+
+/* One call of a TLS socket's method on buf[0..length): its int result, or -1 (the exception set). */
+static Py_ssize_t
+link_call(Link *link, const char *method, char *buf, size_t length, int flags)
+{
+    PyObject *view = PyMemoryView_FromMemory(buf, (Py_ssize_t)length, flags);
+    PyObject *result = view ? PyObject_CallMethod(link->sock, method, "O", view) : NULL;
+    Py_XDECREF(view);
+    Py_ssize_t count = result == NULL ? -1 : result == Py_None ? 0 : PyLong_AsSsize_t(result);
+    Py_XDECREF(result);
+    if (count < 0) {
+        link->status = IO_PYTHON;
+        return -1;
+    }
+    return count;
 }
 
 /* A protocol fault at the reply line `line`. */
@@ -96,6 +134,14 @@ link_wait(Link *link, short events)
 static int
 link_send(Link *link, struct iovec *iov, size_t count)
 {
+    if (link->sock != NULL) {
+        for (size_t i = 0; i < count; i++) {
+            if (iov[i].iov_len && link_call(link, "sendall", iov[i].iov_base, iov[i].iov_len, PyBUF_READ) < 0) {
+                return -1;
+            }
+        }
+        return 0;
+    }
     size_t first = 0;
     while (first < count) {
         struct msghdr message = {.msg_iov = iov + first,
@@ -133,6 +179,10 @@ link_send(Link *link, struct iovec *iov, size_t count)
 static ssize_t
 link_recv(Link *link, char *buf, size_t room)
 {
+    if (link->sock != NULL) {
+        Py_ssize_t got = link_call(link, "recv_into", buf, room, PyBUF_WRITE);
+        return got == 0 ? link_fail(link, IO_CLOSED, NULL) : got;
+    }
     for (;;) {
         ssize_t got = recv(link->fd, buf, room, 0);
         if (got > 0) {
@@ -241,6 +291,8 @@ raise_fault(const Link *link)
         }
         break;
     }
+    case IO_PYTHON:
+        break; /* the socket's method raised: its exception stands */
     default:
         errno = link->error;
         PyErr_SetFromErrno(PyExc_OSError);
@@ -250,17 +302,26 @@ raise_fault(const Link *link)
 /* ---- arguments --------------------------------------------------------------------------- */
 
 static int
-link_args(PyObject *fd_arg, PyObject *timeout_arg, Link *link)
+link_args(PyObject *sock_arg, PyObject *timeout_arg, Link *link)
 {
-    long fd = PyLong_AsLong(fd_arg);
+    *link = (Link){.fd = -1, .timeout_ms = -1};
+    if (!PyLong_Check(sock_arg)) { /* a TLS socket: its methods do the I/O, under its own timeout */
+        if (timeout_arg != Py_None) {
+            PyErr_SetString(PyExc_ValueError, "timeout_s: a socket object waits by its own timeout; pass None");
+            return -1;
+        }
+        link->sock = sock_arg;
+        return 0;
+    }
+    long fd = PyLong_AsLong(sock_arg);
     if (fd == -1 && PyErr_Occurred()) {
         return -1;
     }
     if (fd < 0 || fd > INT_MAX) {
-        PyErr_SetString(PyExc_ValueError, "fd: expected an open socket's descriptor");
+        PyErr_SetString(PyExc_ValueError, "sock: expected an open socket's descriptor, or a TLS socket");
         return -1;
     }
-    int timeout_ms = -1;
+    link->fd = (int)fd;
     if (timeout_arg != Py_None) {
         double seconds = PyFloat_AsDouble(timeout_arg);
         if (seconds == -1.0 && PyErr_Occurred()) {
@@ -270,9 +331,8 @@ link_args(PyObject *fd_arg, PyObject *timeout_arg, Link *link)
             PyErr_SetString(PyExc_ValueError, "timeout_s: expected None or seconds >= 0");
             return -1;
         }
-        timeout_ms = seconds * 1000 >= INT_MAX ? INT_MAX : (int)(seconds * 1000 + 0.999);
+        link->timeout_ms = seconds * 1000 >= INT_MAX ? INT_MAX : (int)(seconds * 1000 + 0.999);
     }
-    *link = (Link){.fd = (int)fd, .timeout_ms = timeout_ms};
     return 0;
 }
 
@@ -307,7 +367,7 @@ PyObject *
 core_resp_set(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "resp_set(fd, keys, values, ttls_ms, timeout_s) takes 5 arguments");
+        PyErr_SetString(PyExc_TypeError, "resp_set(sock, keys, values, ttls_ms, timeout_s) takes 5 arguments");
         return NULL;
     }
     Link link;
@@ -391,7 +451,7 @@ core_resp_set(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     char error[ERROR_TEXT];
     size_t error_length = 0;
     int failed = 0;
-    Py_BEGIN_ALLOW_THREADS
+    link_release(&link);
     Reader *reader = PyMem_RawMalloc(sizeof(Reader));
     if (reader == NULL) {
         failed = -2;
@@ -424,7 +484,7 @@ core_resp_set(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         PyMem_RawFree(reader);
     }
-    Py_END_ALLOW_THREADS
+    link_acquire(&link);
     if (failed == -2) {
         PyErr_NoMemory();
     } else if (failed) {
@@ -453,7 +513,7 @@ PyObject *
 core_resp_getex(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "resp_getex(fd, keys, ttl_ms, timeout_s) takes 4 arguments");
+        PyErr_SetString(PyExc_TypeError, "resp_getex(sock, keys, ttl_ms, timeout_s) takes 4 arguments");
         return NULL;
     }
     Link link;
@@ -510,7 +570,7 @@ core_resp_getex(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     struct iovec iov = {.iov_base = command, .iov_len = (size_t)(at - command)};
 
     int failed = 0;
-    Py_BEGIN_ALLOW_THREADS
+    link_release(&link);
     Reader *reader = PyMem_RawMalloc(sizeof(Reader));
     if (reader == NULL) {
         failed = -2;
@@ -536,14 +596,14 @@ core_resp_getex(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 if (*end || errno || n != length - 1 || size < -1) {
                     failed = link_bad_line(&link, "a bad bulk length", line, length);
                 } else if (size >= 0) {
-                    Py_BLOCK_THREADS
+                    link_acquire(&link);
                     PyObject *value = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)size);
                     if (value == NULL) {
                         failed = -3;
                     } else {
                         Py_SETREF(PyList_GET_ITEM(values, i), value); /* (was None) */
                     }
-                    Py_UNBLOCK_THREADS
+                    link_release(&link);
                     if (!failed && reader_bulk(reader, PyByteArray_AS_STRING(value), (size_t)size) < 0) {
                         failed = -1;
                     }
@@ -551,14 +611,14 @@ core_resp_getex(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             } else if (length == 1 && line[0] == '_') {
                 continue; /* RESP3's null, for a connection that said HELLO 3 */
             } else if (length && line[0] == '-') {
-                Py_BLOCK_THREADS
+                link_acquire(&link);
                 size_t kept = length - 1 < ERROR_TEXT ? length - 1 : ERROR_TEXT;
                 PyObject *error = Py_BuildValue("(ny#)", i, line + 1, (Py_ssize_t)kept);
                 if (error == NULL || PyList_Append(errors, error) < 0) {
                     failed = -3;
                 }
                 Py_XDECREF(error);
-                Py_UNBLOCK_THREADS
+                link_release(&link);
             } else {
                 failed = link_bad_line(&link, "a GETEX answered neither a bulk string nor an error", line, length);
             }
@@ -568,7 +628,7 @@ core_resp_getex(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         PyMem_RawFree(reader);
     }
-    Py_END_ALLOW_THREADS
+    link_acquire(&link);
     if (failed == -2) {
         PyErr_NoMemory();
     } else if (failed == -1) {

@@ -1,7 +1,7 @@
 """The RESP data path (prefixcache/tiers/resp.py and the core's prefixcache/_resp.c) against a real
 redis-server: values of every size read whole into their own buffers, misses and foreign types
 (RESP2 and RESP3), error replies read in step, a connection never reused after a fault, partial
-sends resumed mid-buffer; and, from a peer that answers what Redis never does, each protocol
+sends resumed mid-buffer, the same over TLS; and, from a peer that answers what Redis never does, each protocol
 fault named."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import redis
 from prefixcache.native import core
 from prefixcache.tiers.redis_options import RedisOptions, connect
 from prefixcache.tiers.resp import RespPipeline
-from tests.support.redis_server import RedisServer
+from tests.support.redis_server import RedisServer, make_tls_files
 
 pytestmark = pytest.mark.redis
 
@@ -75,12 +75,31 @@ def test_a_resp3_connection_reads_its_nulls_as_misses(redis_server: RedisServer)
         c.close()
 
 
-def test_tls_clients_stay_with_redis_py_and_plain_ones_take_the_core() -> None:
-    plain = connect("redis://127.0.0.1:1/0", RedisOptions(url="redis://127.0.0.1:1/0"))
-    tls = connect("rediss://127.0.0.1:1/0", RedisOptions(url="rediss://127.0.0.1:1/0"))
-    unix = connect("unix:///tmp/none.sock", RedisOptions(url="unix:///tmp/none.sock"))
-    assert RespPipeline.serves(plain) and RespPipeline.serves(unix) and not RespPipeline.serves(tls)
-    assert not RespPipeline.serves(object())
+def test_a_tls_connection_takes_the_same_path_through_its_socket_methods(tmp_path) -> None:
+    tls = make_tls_files(tmp_path / "tls")
+    server = RedisServer(tmp_path / "tls-redis", tls=tls).start()
+    options = RedisOptions(url=server.url, socket_timeout_s=5, tls_ca_file=str(tls.ca))
+    c = connect(options.url, options)
+    try:
+        rng = np.random.default_rng(4)
+        values = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (0, 100, (1 << 14) + 1, 70_000, 2 << 20)]
+        keys = [f"tls:{i}" for i in range(len(values))]
+        pipe = RespPipeline(c)
+        pipe.set(list(zip(keys, values)), 60_000)
+        c.rpush("tls:list", b"x")
+        got = pipe.getex([*keys, "tls:list", "tls:none"], 60_000)
+        assert [None if v is None else bytes(v) for v in got] == [*values, None, None]
+        assert c.get(keys[-1]) == values[-1]
+        with pytest.raises(redis.exceptions.ResponseError, match="invalid expire time"):
+            pipe.set([("tls:a", b"1"), ("tls:b", b"2")], [1000, 0])
+        assert [bytes(v) for v in pipe.getex(["tls:a"], 1000)] == [b"1"]  # in step after the error
+        sock = c.connection_pool._available_connections[0]._sock
+        assert type(sock) is not socket.socket  # an ssl.SSLSocket: driven through its methods
+        with pytest.raises(ValueError, match="timeout_s: a socket object waits by its own timeout"):
+            core.resp_getex(sock, [b"tls:a"], None, 1.0)
+    finally:
+        c.close()
+        server.kill()
 
 
 def test_a_stopped_server_raises_connection_errors(redis_server: RedisServer, tmp_path) -> None:
@@ -193,7 +212,7 @@ def test_bad_arguments_name_the_argument() -> None:
         core.resp_set(0, [b"a"], [object()], [1], None)
     with pytest.raises(TypeError, match=r"ttls_ms\[0\]: expected an int"):
         core.resp_set(0, [b"a"], [b"1"], ["x"], None)
-    with pytest.raises(ValueError, match="fd: expected an open socket"):
+    with pytest.raises(ValueError, match="sock: expected an open socket's descriptor"):
         core.resp_getex(-1, [b"a"], None, None)
     with pytest.raises(ValueError, match="timeout_s: expected None or seconds"):
         core.resp_getex(0, [b"a"], None, -1.0)

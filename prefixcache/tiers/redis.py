@@ -359,11 +359,9 @@ class RedisTier:
         self, client: RedisClient, namespace_id: str, hashes: Sequence[bytes], ttl_ms: int, plain: bool
     ) -> list[bytes | memoryview | None]:
         """Pipelined GETEX (GET when `plain`: Redis refuses the TTL refresh as a write): read in
-        place by the compiled core for a plain standalone connection (tiers/resp.py), else
-        (TLS, Cluster) through redis-py."""
+        place by the compiled core for a standalone client (tiers/resp.py), else through redis-py."""
         keys = [self.key(namespace_id, block_hash) for block_hash in hashes]
-        if RespPipeline.serves(client):
-            assert isinstance(client, redis.Redis)  # (serves says so)
+        if isinstance(client, redis.Redis):
             with self._io_wait():
                 return cast(
                     list[bytes | memoryview | None], RespPipeline(client).getex(keys, None if plain else ttl_ms)
@@ -477,8 +475,7 @@ class RedisTier:
     def _pipeline(self, batch: list[_Op]) -> None:
         assert self._writer is not None  # _apply checked
         sets = [op for op in batch if isinstance(op, _Set)]
-        if RespPipeline.serves(self._writer) and len(sets) == len(batch):
-            assert isinstance(self._writer, redis.Redis)  # (serves says so)
+        if isinstance(self._writer, redis.Redis) and len(sets) == len(batch):
             RespPipeline(self._writer).set([(op.key, op.frame) for op in sets], [op.ttl_ms for op in sets])
             return
         pipe = self._writer.pipeline(transaction=False)

@@ -1,18 +1,18 @@
-"""Pipelined GETEX and SET of block frames over RESP, run by the compiled core without the GIL.
+"""Pipelined GETEX and SET of block frames over RESP, run by the compiled core (prefixcache/_resp.c).
 
 Why not redis-py's pipeline for the data path: for a large bulk reply it copies the bytes three
 times (socket reads into its chunk buffer, that into hiredis's growing buffer, that into a new
 `bytes`) and builds a Python object per command and per reply, all while holding the GIL, which
 the tier's one writer thread then has to win back from callers encoding frames after every
-syscall. Here a pipeline is one call into the core (`_core.resp_set` / `resp_getex`,
-prefixcache/_resp.c): the commands built and sent in one `sendmsg` (a large SET value straight
+syscall. Here a pipeline is one call into the core (`_core.resp_set` / `resp_getex`): the
+commands built and sent in as few `sendmsg` calls as the kernel takes (a large SET value straight
 from the caller's frame), every reply read and parsed, each bulk reply read into a buffer of its
-exact size (one copy, kernel to frame), with the GIL released throughout.
+exact size (one copy, kernel to frame), with the GIL released throughout on a plain TCP or Unix
+socket. A TLS socket is driven through its own `sendall`/`recv_into` (with the GIL: ssl needs it).
 
-Connection set-up stays redis-py's (AUTH, SELECT, client name, timeouts): a call borrows a
-connection from the standalone client's pool, uses its socket, and gives it back. Only plain TCP
-and Unix connections take this path (`RespPipeline.serves`); the tier keeps redis-py for TLS,
-whose bytes the core cannot see, and for Redis Cluster.
+Connection set-up stays redis-py's (AUTH, SELECT, TLS, client name, timeouts): a call borrows a
+connection from the standalone client's pool, uses its socket, and gives it back. Only standalone
+clients (`redis.Redis`) take this path; the tier keeps redis-py for Redis Cluster.
 
 Invariants:
 - A connection goes back to the pool in use only after every reply of its pipeline was read
@@ -26,6 +26,8 @@ Invariants:
 
 from __future__ import annotations
 
+import socket
+import ssl
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -42,13 +44,6 @@ class RespPipeline:
 
     def __init__(self, client: redis.Redis) -> None:
         self._pool = client.connection_pool
-
-    @staticmethod
-    def serves(client: object) -> bool:
-        """Whether `client` is one this module can drive: standalone, plain TCP or Unix (not TLS)."""
-        return isinstance(client, redis.Redis) and not issubclass(
-            client.connection_pool.connection_class, redis.SSLConnection
-        )
 
     def getex(self, keys: list[str], ttl_ms: int | None) -> list[memoryview | None]:
         """`GETEX key PX ttl_ms` (plain `GET` when `ttl_ms` is None) for each key in one round trip;
@@ -71,7 +66,7 @@ class RespPipeline:
         if error is not None:
             raise _error_reply(error)
 
-    def _exchange(self, call: Callable[[int, float | None], _T]) -> _T:
+    def _exchange(self, call: Callable[[int | ssl.SSLSocket, float | None], _T]) -> _T:
         connection = self._pool.get_connection()
         healthy = False
         try:
@@ -79,7 +74,8 @@ class RespPipeline:
             if sock is None:
                 raise redis.exceptions.ConnectionError("connection is not open")
             try:
-                out = call(sock.fileno(), sock.gettimeout())
+                # a plain socket by its descriptor, under its timeout; a TLS one as itself (its own timeout)
+                out = call(sock.fileno(), sock.gettimeout()) if type(sock) is socket.socket else call(sock, None)
             except TimeoutError as exc:  # socket.timeout
                 raise redis.exceptions.TimeoutError(f"Timeout reading from {_address(connection)}") from exc
             except OSError as exc:
