@@ -19,7 +19,8 @@ report:
   miss, then serves and saves more of A's prompts as fp8; FB (fresh, -> s3) loads them; FR (no
   connector) gives the fp8 reference outputs. (A service holds bf16 and fp8 namespaces side by
   side since the tiers became arenas of chunks; tests/test_fp8.py and test_multi_model_workers.py
-  cover that.)
+  cover that.) vLLM keeps fp8 KV on a CPU only with AVX-512 or AMX: elsewhere these three
+  engines are not started and their test is skipped, naming why.
 """
 
 from __future__ import annotations
@@ -48,6 +49,18 @@ KILL_AFTER_S = 0.2
 DRIVER_TIMEOUT_S = 420
 
 pytestmark = [pytest.mark.process, pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _cpu_runs_fp8_kv() -> bool:
+    """vLLM's own rule (v1/attention/backends/cpu_attn.py, `_get_attn_isa`): its CPU attention
+    keeps fp8 KV only on x86 with AVX-512 or AMX, and refuses to start otherwise."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+FP8_KV = _cpu_runs_fp8_kv()
+NO_FP8_KV = "vLLM's CPU attention keeps fp8 KV only with AVX-512 or AMX, which this CPU lacks"
 
 
 def _model(directory: Path) -> Path:
@@ -214,16 +227,17 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
         s2.start()
         s3.start()
         connector = {"hit_policy": "always", "timeout_s": 5.0, "lookup_timeout_s": 5.0}
-        fr = _start(
-            workdir,
-            "FR",
-            model,
-            [_gen("a8", prompts["a8"]), _gen("b8", prompts["b8"])],
-            None,
-            apc=False,
-            kv_cache_dtype="fp8",
-        )
-        engines.append(fr)
+        if FP8_KV:
+            fr = _start(
+                workdir,
+                "FR",
+                model,
+                [_gen("a8", prompts["a8"]), _gen("b8", prompts["b8"])],
+                None,
+                apc=False,
+                kv_cache_dtype="fp8",
+            )
+            engines.append(fr)
         order = ["b", "b2", "c", "d1", "d2", "e", "f2", "s_b"]
         a = _start(
             workdir,
@@ -274,27 +288,29 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
             {"cache": s2.address, **connector},
             apc=True,
         )
-        fa = _start(
-            workdir,
-            "FA",
-            model,
-            [_gen("x8", prompts["x8"]), _gen("a8", prompts["a8"])],
-            {"cache": s3.address, **connector},
-            apc=False,
-            kv_cache_dtype="fp8",
-        )
-        engines += [b1, b2, fa]
-        results["FA"] = fa.result()
-        fb = _start(
-            workdir,
-            "FB",
-            model,
-            [_gen("b8", prompts["b8"])],
-            {"cache": s3.address, **connector},
-            apc=False,
-            kv_cache_dtype="fp8",
-        )
-        engines.append(fb)
+        engines += [b1, b2]
+        if FP8_KV:
+            fa = _start(
+                workdir,
+                "FA",
+                model,
+                [_gen("x8", prompts["x8"]), _gen("a8", prompts["a8"])],
+                {"cache": s3.address, **connector},
+                apc=False,
+                kv_cache_dtype="fp8",
+            )
+            engines.append(fa)
+            results["FA"] = fa.result()
+            fb = _start(
+                workdir,
+                "FB",
+                model,
+                [_gen("b8", prompts["b8"])],
+                {"cache": s3.address, **connector},
+                apc=False,
+                kv_cache_dtype="fp8",
+            )
+            engines.append(fb)
         b1.wait_barrier("kill")
         b1.go("kill")
         b1.wait_barrier("restart")
@@ -311,7 +327,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
         b2.go("corrupt")
         results["B2"] = b2.result()
         results["REF"], results["APC"] = ref.result(), apc.result()
-        results["FB"], results["FR"] = fb.result(), fr.result()
+        if FP8_KV:
+            results["FB"], results["FR"] = fb.result(), fr.result()
         results["totals"] = {engine.name: engine.worker_totals() for engine in engines}
         results["prefill"] = {engine.name: engine.measured_prefill() for engine in engines}
         results["corrupted"] = corrupted
@@ -420,6 +437,7 @@ def test_a_request_cache_salt_shares_only_with_the_same_salt(scenario: dict) -> 
     assert s_b["outputs"] == scenario["REF"]["steps"]["s_b"]["outputs"]
 
 
+@pytest.mark.skipif(not FP8_KV, reason=NO_FP8_KV)
 def test_fp8_kv_is_stored_and_loaded_byte_for_byte_and_never_shares_with_bf16(scenario: dict) -> None:
     prompts, steps = scenario["prompts"], {k: scenario[k]["steps"] for k in ("FA", "FB", "FR")}
     x8, fa, fb = steps["FA"]["x8"], steps["FA"]["a8"], steps["FB"]["b8"]
