@@ -458,7 +458,8 @@ core_resp_set(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     } else if (link_send(&link, iov, used) < 0) {
         failed = -1;
     } else {
-        *reader = (Reader){.link = &link};
+        reader->link = &link; /* field by field: the 64 KiB buffer needs no clearing */
+        reader->start = reader->end = 0;
         int errors = 0;
         for (Py_ssize_t i = 0; i < count && !failed; i++) {
             const char *line;
@@ -577,7 +578,8 @@ core_resp_getex(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     } else if (link_send(&link, &iov, 1) < 0) {
         failed = -1;
     } else {
-        *reader = (Reader){.link = &link};
+        reader->link = &link; /* field by field: the 64 KiB buffer needs no clearing */
+        reader->start = reader->end = 0;
         for (Py_ssize_t i = 0; i < count && !failed; i++) {
             const char *line;
             size_t length;
