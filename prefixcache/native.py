@@ -1,7 +1,7 @@
 """The compiled core, `prefixcache._core` (prefixcache/_core.c), imported in one place.
 
 It is the only implementation of what it does (block hashing, the block map's table, prompt
-matching): there is no pure-Python fallback, so a source tree whose extension was never built
+matching, the Redis tier's RESP pipelines in prefixcache/_resp.c): there is no pure-Python fallback, so a source tree whose extension was never built
 fails here, at import, with the command that builds it.
 """
 

@@ -37,7 +37,7 @@ def test_set_then_getex_returns_every_value_whole_and_slides_the_ttl(client) -> 
     values = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
     keys = [f"t:{i}" for i in range(len(values))]
     pipe = RespPipeline(client)
-    pipe.set(list(zip(keys, values)), 60_000)
+    pipe.set(keys, values, 60_000)
     got = pipe.getex(keys[::-1] + ["t:missing"], 120_000)
     assert [bytes(v) for v in got[:-1]] == values[::-1] and got[-1] is None
     assert all(isinstance(v, memoryview) for v in got[:-1])
@@ -54,7 +54,7 @@ def test_a_foreign_type_is_a_miss_and_an_error_reply_raises_on_a_connection_kept
     assert [None if v is None else bytes(v) for v in pipe.getex(["t:list", "t:ok"], 1000)] == [None, b"fine"]
     sock = client.connection_pool._available_connections[0]._sock
     with pytest.raises(redis.exceptions.ResponseError, match="invalid expire time"):
-        pipe.set([("t:a", b"1"), ("t:ok", b"v"), ("t:b", b"2")], [1000, 0, 1000])  # PX 0 is refused
+        pipe.set(["t:a", "t:ok", "t:b"], [b"1", b"v", b"2"], [1000, 0, 1000])  # PX 0 is refused
     assert client.mget("t:a", "t:ok", "t:b") == [b"1", b"fine", b"2"]  # the others were written
     # every reply was read: the same socket went back and serves the next pipeline in step
     assert [c._sock for c in client.connection_pool._available_connections] == [sock]
@@ -85,13 +85,13 @@ def test_a_tls_connection_takes_the_same_path_through_its_socket_methods(tmp_pat
         values = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (0, 100, (1 << 14) + 1, 70_000, 2 << 20)]
         keys = [f"tls:{i}" for i in range(len(values))]
         pipe = RespPipeline(c)
-        pipe.set(list(zip(keys, values)), 60_000)
+        pipe.set(keys, values, 60_000)
         c.rpush("tls:list", b"x")
         got = pipe.getex([*keys, "tls:list", "tls:none"], 60_000)
         assert [None if v is None else bytes(v) for v in got] == [*values, None, None]
         assert c.get(keys[-1]) == values[-1]
         with pytest.raises(redis.exceptions.ResponseError, match="invalid expire time"):
-            pipe.set([("tls:a", b"1"), ("tls:b", b"2")], [1000, 0])
+            pipe.set(["tls:a", "tls:b"], [b"1", b"2"], [1000, 0])
         assert [bytes(v) for v in pipe.getex(["tls:a"], 1000)] == [b"1"]  # in step after the error
         sock = c.connection_pool._available_connections[0]._sock
         assert type(sock) is not socket.socket  # an ssl.SSLSocket: driven through its methods
@@ -107,7 +107,7 @@ def test_a_stopped_server_raises_connection_errors(redis_server: RedisServer, tm
     options = RedisOptions(url=server.url, socket_timeout_s=1, connect_timeout_s=0.5)
     c = connect(options.url, options)
     pipe = RespPipeline(c)
-    pipe.set([("k", b"v" * 100_000)], 10_000)
+    pipe.set(["k"], [b"v" * 100_000], 10_000)
     server.kill()
     with pytest.raises((redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
         pipe.getex(["k"], 1000)
@@ -119,7 +119,7 @@ def test_a_paused_server_times_out_and_the_connection_is_dropped(redis_server: R
     c = connect(options.url, options)
     pipe = RespPipeline(c)
     try:
-        pipe.set([("t:p", b"x")], 10_000)  # connected before the pause
+        pipe.set(["t:p"], [b"x"], 10_000)  # connected before the pause
         with redis_server.client() as admin:
             admin.execute_command("CLIENT", "PAUSE", "1500", "ALL")
             with pytest.raises(redis.exceptions.TimeoutError):
@@ -145,7 +145,7 @@ def test_partial_sends_deliver_every_value_whole_and_in_order(client) -> None:
     sock = client.connection_pool._available_connections[0]._sock
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     keys = [f"t:part:{i}" for i in range(len(values))]
-    RespPipeline(client).set(list(zip(keys, values)), 60_000)
+    RespPipeline(client).set(keys, values, 60_000)
     for start in range(0, len(keys), 100):
         assert client.mget(keys[start : start + 100]) == [bytes(v) for v in values[start : start + 100]]
 

@@ -476,7 +476,9 @@ class RedisTier:
         assert self._writer is not None  # _apply checked
         sets = [op for op in batch if isinstance(op, _Set)]
         if isinstance(self._writer, redis.Redis) and len(sets) == len(batch):
-            RespPipeline(self._writer).set([(op.key, op.frame) for op in sets], [op.ttl_ms for op in sets])
+            RespPipeline(self._writer).set(
+                [op.key for op in sets], [op.frame for op in sets], [op.ttl_ms for op in sets]
+            )
             return
         pipe = self._writer.pipeline(transaction=False)
         for op in batch:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import socket
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import redis
@@ -56,12 +56,11 @@ class RespPipeline:
                 raise _error_reply(text)
         return [None if value is None else memoryview(value) for value in values]
 
-    def set(self, entries: list[tuple[str, bytes | memoryview]], ttl_ms: int | list[int]) -> None:
-        """`SET key value PX ttl_ms` for each entry in one round trip; raises on any error reply
-        (after reading every reply: the connection stays in use)."""
-        raw = [key.encode() for key, _ in entries]
-        values = [value for _, value in entries]
-        ttls = ttl_ms if isinstance(ttl_ms, list) else [ttl_ms] * len(entries)
+    def set(self, keys: Sequence[str], values: Sequence[bytes | memoryview], ttl_ms: int | list[int]) -> None:
+        """`SET keys[i] values[i] PX ttl_ms` (one TTL for all, or one per key) in one round trip;
+        raises on any error reply (after reading every reply: the connection stays in use)."""
+        raw = [key.encode() for key in keys]
+        ttls = ttl_ms if isinstance(ttl_ms, list) else [ttl_ms] * len(keys)
         error = self._exchange(lambda fd, timeout: core.resp_set(fd, raw, values, ttls, timeout))
         if error is not None:
             raise _error_reply(error)
