@@ -10,13 +10,17 @@ A run is the peers' harness's: FLUSHALL (untimed), put `--bytes-per-run` of dist
 batches of `--batch-bytes`, then get them all back, GB/s of payload (1e9 B/s) for each.
 - LMCache: `RESPConnector.batched_put` / `batched_get` of raw chunks (8 C++ worker threads,
   LMCache's default), exactly as the harness drives them (its `LMCacheCtx`).
-- tier: `encode_block` (header, xxh3_64 of the payload, one copy) and `RedisTier.submit` of each
-  block on the caller, until the writer has stored the batch (`wait_idle`); then `RedisTier.fetch`
-  of each batch (frame-size hint: GETEX round trips of at most `max_fetch_bytes`) and
-  `decode_block` of every frame (framing, key binding, tokens, checksum).
+- tier: what the cache's write-through does per block (`RemoteLink.write_through`): `frame_parts`
+  (the header, with the xxh3_64 of the payload; the payload itself not copied) and
+  `RedisTier.submit` of the parts, the payload sent from where it lies (one buffer per block, as
+  slots of a host tier: 128 MiB of distinct payloads, like LMCache's chunks), until the writer has
+  stored the batch (`wait_idle`); then `RedisTier.fetch` of each batch (frame-size hint: GETEX
+  round trips of at most `max_fetch_bytes`) and `decode_block` of every frame (framing, key
+  binding, tokens, checksum). `--copy` measures puts of owned frames instead (`encode_block`: the
+  payload copied into each frame, as a block leaving the slot tiers is spilled).
 Round 0 is a warm-up for both (the harness discards one too) and is not counted.
 
-    PYTHONPATH=. python benchmarks/redis_peer_bench.py [--rounds 5] [--sizes 64KiB,2MiB] [--json-out F]
+    PYTHONPATH=. python benchmarks/redis_peer_bench.py [--rounds 5] [--sizes 64KiB,2MiB] [--copy] [--json-out F]
 
 Needs the peers' LMCache venv (`../shared/peers/setup.sh`); `--peer-python` and `--peers-dir` say
 where it is.
@@ -32,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from prefixcache.codec import decode_block, encode_block  # noqa: E402
+from prefixcache.codec import decode_block, encode_block, frame_parts  # noqa: E402
 from prefixcache.config import DType, KVLayout  # noqa: E402
 from prefixcache.tiers.redis import RedisOptions, RedisTier  # noqa: E402
 
@@ -153,14 +158,16 @@ class Peer:
 class TierRun:
     """The same runs through the tier: frames encoded on the caller, verified on the way back."""
 
-    def __init__(self, url: str, layout: KVLayout, per_run: int, batch_bytes: int) -> None:
+    def __init__(self, url: str, layout: KVLayout, per_run: int, batch_bytes: int, copy: bool = False) -> None:
         import redis
 
         self.layout = layout
         self.n = max(8, per_run // layout.block_bytes)
         self.batch = max(1, batch_bytes // layout.block_bytes)
-        rng = np.random.default_rng(0)
-        self.payloads = [rng.integers(0, 256, layout.block_bytes, dtype=np.uint8).tobytes() for _ in range(4)]
+        self.encode = encode_block if copy else frame_parts
+        self.done: list[int] = []  # what the tier said it is done with (RemoteLink unpins those paths)
+        slots = np.random.default_rng(0).integers(0, 256, (self.n, layout.block_bytes), dtype=np.uint8)
+        self.payloads = [memoryview(slot) for slot in slots]  # the blocks' slots: one buffer each
         self.tokens = [np.full(layout.block_size, i % 50_000, dtype="<u4") for i in range(self.n)]
         self.plain = redis.Redis.from_url(url)
         self.tier = RedisTier(
@@ -177,15 +184,19 @@ class TierRun:
         self.plain.flushall()
         hashes = [(round_no << 32 | i).to_bytes(16, "big") for i in range(self.n)]
         layout, tier = self.layout, self.tier
+        encode, done = self.encode, partial(self.done.append, round_no)
+        self.done.clear()
         t0 = time.perf_counter()
         for start in range(0, self.n, self.batch):
             for i in range(start, min(self.n, start + self.batch)):
-                frame = encode_block(layout, NS, hashes[i], PARENT, self.tokens[i], self.payloads[i & 3])
-                if not tier.submit(NS, hashes[i], frame):
+                frame = encode(layout, NS, hashes[i], PARENT, self.tokens[i], self.payloads[i])
+                if not tier.submit(NS, hashes[i], frame, done=done):
                     raise RuntimeError("the tier refused a write: raise max_queue_bytes")
             if not tier.wait_idle(600):
                 raise RuntimeError("the tier's writer did not drain")
         t1 = time.perf_counter()
+        if len(self.done) != self.n:
+            raise RuntimeError(f"the tier called done for {len(self.done)} of {self.n} writes")
         for start in range(0, self.n, self.batch):
             batch = hashes[start : start + self.batch]
             for offset, frame in enumerate(tier.fetch(NS, batch, frame_bytes=layout.block_bytes)):
@@ -208,7 +219,7 @@ class TierRun:
 def bench_size(args: argparse.Namespace, url: str, port: int, size: str) -> dict[str, object]:
     layout = LAYOUTS[size]
     peer = Peer(args.peer_python, Path(args.peers_dir), port, size, args.bytes_per_run, args.batch_bytes)
-    tier = TierRun(url, layout, args.bytes_per_run, args.batch_bytes)
+    tier = TierRun(url, layout, args.bytes_per_run, args.batch_bytes, copy=args.copy)
     if peer.keys != tier.n:
         raise RuntimeError(f"LMCache runs {peer.keys} keys, the tier {tier.n}")
     rounds: list[dict[str, float]] = []
@@ -237,6 +248,7 @@ def bench_size(args: argparse.Namespace, url: str, port: int, size: str) -> dict
     return {
         "block": size,
         "keys": tier.n,
+        "frames": "copied" if args.copy else "parts",
         "rounds": rounds,
         "lmcache_put": median("lmcache_put"),
         "lmcache_get": median("lmcache_get"),
@@ -256,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-bytes", type=int, default=32 << 20, help="the peers' harness default")
     parser.add_argument("--peer-python", default=str(Path.home() / ".cache/prefixcache-peers/lmcache/bin/python"))
     parser.add_argument("--peers-dir", default=str(_peers_dir()), help="where redis_kv_bench.py is")
+    parser.add_argument("--copy", action="store_true", help="put owned frames (encode_block), not parts")
     parser.add_argument("--json-out")
     args = parser.parse_args(argv)
 

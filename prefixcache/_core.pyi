@@ -67,7 +67,7 @@ def set_bytes(flags: bytearray | np.ndarray, rows: Sequence[int] | np.ndarray, v
 def resp_set(
     sock: int | ssl.SSLSocket,
     keys: Sequence[bytes],
-    values: Sequence[bytes | bytearray | memoryview],
+    values: Sequence[bytes | bytearray | memoryview | tuple[bytes | bytearray | memoryview, ...]],
     ttls_ms: Sequence[int],
     timeout_s: float | None,
     /,

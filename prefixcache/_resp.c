@@ -1,8 +1,9 @@
 /* The Redis tier's RESP exchanges (tiers/resp.py), compiled into prefixcache._core (issue 17).
  *
  * - resp_set(sock, keys, values, ttls_ms, timeout_s): `SET key value PX ttl` for each entry in one
- *   pipeline: the command bytes built here, every value sent from the caller's buffer (one joined
- *   into the command bytes when it is small), then every reply read.
+ *   pipeline: the command bytes built here, every value sent from the caller's buffers (a value is
+ *   one buffer or a tuple of its parts, e.g. a frame's header and the payload in a host slot; a
+ *   small part is joined into the command bytes), then every reply read.
  * - resp_getex(sock, keys, ttl_ms, timeout_s): `GETEX key PX ttl` (plain `GET` when ttl_ms is None)
  *   for each key in one pipeline, each bulk reply read straight into a bytearray of its exact size.
  *
@@ -377,10 +378,11 @@ core_resp_set(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *keys = PySequence_Fast(args[1], "keys: expected a sequence of bytes");
     PyObject *values = keys ? PySequence_Fast(args[2], "values: expected a sequence of buffers") : NULL;
     PyObject *ttls = values ? PySequence_Fast(args[3], "ttls_ms: expected a sequence of ints") : NULL;
-    Py_buffer *views = NULL;
+    Py_buffer *views = NULL; /* every part of every value, in order */
+    Py_ssize_t *ends = NULL; /* ends[i]: one past value i's last part in views */
     char *command = NULL;
     struct iovec *iov = NULL;
-    Py_ssize_t count = 0, viewed = 0;
+    Py_ssize_t count = 0, parts = 0, viewed = 0;
     PyObject *result = NULL;
     if (ttls == NULL) {
         goto done;
@@ -391,26 +393,42 @@ core_resp_set(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                      PySequence_Fast_GET_SIZE(values), PySequence_Fast_GET_SIZE(ttls));
         goto done;
     }
-    views = PyMem_Calloc((size_t)count + 1, sizeof(Py_buffer));
-    if (views == NULL) {
+    for (Py_ssize_t i = 0; i < count; i++) { /* a value is one buffer or a tuple of its parts */
+        PyObject *value = PySequence_Fast_GET_ITEM(values, i);
+        parts += PyTuple_Check(value) ? PyTuple_GET_SIZE(value) : 1;
+    }
+    views = PyMem_Calloc((size_t)parts + 1, sizeof(Py_buffer));
+    ends = PyMem_Calloc((size_t)count + 1, sizeof(Py_ssize_t));
+    if (views == NULL || ends == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     /* Sizes first: the command bytes go in one allocation whose pieces the iovecs point into. */
     size_t command_bytes = 0, pieces = 1;
-    for (; viewed < count; viewed++) {
+    for (Py_ssize_t i = 0; i < count; i++) {
         const char *key = NULL;
         Py_ssize_t key_length = 0;
-        if (key_of(keys, viewed, &key, &key_length) < 0) {
+        if (key_of(keys, i, &key, &key_length) < 0) {
             goto done;
         }
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(values, viewed), &views[viewed], PyBUF_SIMPLE) < 0) {
-            PyErr_Format(PyExc_TypeError, "values[%zd]: expected a contiguous buffer", viewed);
-            goto done;
+        command_bytes += HEADER_ROOM + (size_t)key_length;
+        PyObject *value = PySequence_Fast_GET_ITEM(values, i);
+        Py_ssize_t own = PyTuple_Check(value) ? PyTuple_GET_SIZE(value) : 1;
+        for (Py_ssize_t j = 0; j < own; j++, viewed++) {
+            PyObject *part = PyTuple_Check(value) ? PyTuple_GET_ITEM(value, j) : value;
+            if (PyObject_GetBuffer(part, &views[viewed], PyBUF_SIMPLE) < 0) {
+                if (PyTuple_Check(value)) {
+                    PyErr_Format(PyExc_TypeError, "values[%zd][%zd]: expected a contiguous buffer", i, j);
+                } else {
+                    PyErr_Format(PyExc_TypeError, "values[%zd]: expected a contiguous buffer or a tuple of them", i);
+                }
+                goto done;
+            }
+            size_t part_length = (size_t)views[viewed].len;
+            command_bytes += part_length <= JOIN_MAX ? part_length : 0;
+            pieces += part_length <= JOIN_MAX ? 0 : 2;
         }
-        size_t value_length = (size_t)views[viewed].len;
-        command_bytes += HEADER_ROOM + (size_t)key_length + (value_length <= JOIN_MAX ? value_length : 0);
-        pieces += value_length <= JOIN_MAX ? 0 : 2;
+        ends[i] = viewed;
     }
     command = PyMem_RawMalloc(command_bytes + 1);
     iov = PyMem_RawMalloc(pieces * sizeof(struct iovec));
@@ -420,7 +438,7 @@ core_resp_set(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     char *at = command, *piece = command;
     size_t used = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
+    for (Py_ssize_t i = 0, first = 0; i < count; first = ends[i++]) {
         const char *key = NULL;
         Py_ssize_t key_length = 0;
         (void)key_of(keys, i, &key, &key_length); /* checked above */
@@ -429,17 +447,23 @@ core_resp_set(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             PyErr_Format(PyExc_TypeError, "ttls_ms[%zd]: expected an int", i);
             goto done;
         }
-        size_t value_length = (size_t)views[i].len;
+        size_t value_length = 0;
+        for (Py_ssize_t j = first; j < ends[i]; j++) {
+            value_length += (size_t)views[j].len;
+        }
         at += sprintf(at, "*5\r\n$3\r\nSET\r\n");
         at = put_bulk(at, key, (size_t)key_length);
         at += sprintf(at, "$%zu\r\n", value_length);
-        if (value_length <= JOIN_MAX) {
-            memcpy(at, views[i].buf, value_length);
-            at += value_length;
-        } else { /* the command so far, then the value from the caller's buffer */
-            iov[used++] = (struct iovec){.iov_base = piece, .iov_len = (size_t)(at - piece)};
-            iov[used++] = (struct iovec){.iov_base = views[i].buf, .iov_len = value_length};
-            piece = at;
+        for (Py_ssize_t j = first; j < ends[i]; j++) {
+            size_t part_length = (size_t)views[j].len;
+            if (part_length <= JOIN_MAX) {
+                memcpy(at, views[j].buf, part_length);
+                at += part_length;
+            } else { /* the command so far, then the part from the caller's buffer */
+                iov[used++] = (struct iovec){.iov_base = piece, .iov_len = (size_t)(at - piece)};
+                iov[used++] = (struct iovec){.iov_base = views[j].buf, .iov_len = part_length};
+                piece = at;
+            }
         }
         at += sprintf(at, "\r\n$2\r\nPX\r\n");
         char number[24];
@@ -500,6 +524,7 @@ done:
         PyBuffer_Release(&views[i]);
     }
     PyMem_Free(views);
+    PyMem_Free(ends);
     PyMem_RawFree(command);
     PyMem_RawFree(iov);
     Py_XDECREF(ttls);

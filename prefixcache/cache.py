@@ -188,6 +188,8 @@ class PrefixCache:
                 raise ResourceExhausted(f"take_lease: lease limit of {self.config.max_leases} reached", "take_lease")
         self.index.touch(path, now)
         if self.config.promote_on_hit:
+            if self.remote_link is not None:
+                self.remote_link.settle()  # a block still being written to Redis stays where it is
             self._promote(prompt, path)
         if take_lease and hit:
             expires = now + self.config.lease_ttl_s
@@ -400,9 +402,9 @@ class PrefixCache:
                 reservation.slots[first:],
                 now,
             )
-            if self.remote_link is not None:
-                for node in nodes:
-                    self._write_through(node)
+            if self.remote_link is not None and nodes:
+                # Sent from their slots: the path stays pinned until the writer is done with them.
+                self.counters.spills_dropped += self.remote_link.write_through(path, nodes, now)
         new = len(nodes)
         unused = reservation.slots[:first] + reservation.slots[first + new :] if new else reservation.slots
         if unused:
@@ -413,11 +415,6 @@ class PrefixCache:
             counters.blocks_committed += new
             counters.blocks_deduplicated += deduplicated
         return CommitResult(new, deduplicated, end - start - new - deduplicated)
-
-    def _write_through(self, node: int) -> None:
-        """Queue a new block for Redis so other instances and restarts can hit it."""
-        if self.remote_link is not None and not self.remote_link.write_through(node, self.clock()):
-            self.counters.spills_dropped += 1
 
     def store(self, ns_id: str, tokens: Tokens, kv: torch.Tensor, start_block: int = 0) -> CommitResult:
         """Reserve, write and commit in one call (the path for bytes sent over the wire).
@@ -492,6 +489,8 @@ class PrefixCache:
         ):
             raise InvalidArgument("older_than_s", f"must be a number >= 0, got {older_than_s!r}")
         with self._lock:
+            if self.remote_link is not None:
+                self.remote_link.release_writes()  # blocks being written go too
             index, live = self.index, self.index.live()
             if prefix_tokens is not None:
                 if ns_id is None:
@@ -514,6 +513,8 @@ class PrefixCache:
     def flush(self) -> int:
         """Drop every unpinned block from every tier, Redis included."""
         with self._lock:
+            if self.remote_link is not None:
+                self.remote_link.release_writes()  # blocks being written go too
             dropped = self.placement.drop_all(self.index.select(self.index.live()), EvictionReason.MANUAL)
             if self.remote_link is not None:
                 self.remote_link.flush()
@@ -565,11 +566,14 @@ class PrefixCache:
             )
 
     def close(self) -> None:
+        # The Redis writer first: it sends blocks from their slots, so the slot tiers' memory must
+        # outlive it. One stuck past its timeouts keeps that memory mapped (freed at exit).
+        if self.remote_link is not None and not self.remote_link.close():
+            log.warning("the Redis writer is still running: the slot tiers stay mapped until exit")
+            return
         with self._lock:  # every write into a tier holds it: none is half done when the tiers go
             for tier in self.tiers.values():
                 tier.close()
-        if self.remote_link is not None:
-            self.remote_link.close()
 
 
 def _recompute_cost(seconds_per_token: float | None) -> float | None:

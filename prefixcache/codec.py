@@ -69,6 +69,9 @@ _TAIL = struct.Struct("<QQ")  # payload length, payload checksum
 _MAX_ID_BYTES = 0xFFFF
 _MAX_HASH_BYTES = 0xFF
 
+# A frame as the parts that join into it: header and payload view, and a keyed frame's MAC.
+FrameParts = tuple[bytes, memoryview] | tuple[bytes, memoryview, bytes]
+
 
 def _checked_tokens(tokens: np.ndarray, layout: KVLayout) -> bytes:
     array = tokens if isinstance(tokens, np.ndarray) and tokens.dtype == np.dtype("<u4") else token_array(tokens)
@@ -117,6 +120,34 @@ def _new_mac(mac_key: bytes, storage_key: str | None) -> hmac.HMAC:
     return hmac.new(mac_key, struct.pack("<I", len(bound)) + bound, _MAC_DIGEST)
 
 
+def frame_parts(
+    layout: KVLayout,
+    namespace_id: str,
+    block_hash: bytes,
+    parent_hash: bytes,
+    tokens: np.ndarray,
+    payload: memoryview | bytes,
+    *,
+    mac_key: bytes | None = None,
+    storage_key: str | None = None,
+) -> FrameParts:
+    """The frame `encode_block` returns, as parts that join into it: the header, a view of
+    `payload` itself (not copied) and, keyed, the MAC. For a writer that sends the payload from
+    where it lies (the Redis tier from a host slot); `payload` must not change until it has."""
+    view = memoryview(payload).cast("B")
+    if view.nbytes != layout.block_bytes:
+        raise LayoutMismatch(f"payload is {view.nbytes} bytes, the layout's block is {layout.block_bytes}")
+    body = _header_body(layout, namespace_id, block_hash, parent_hash, _checked_tokens(tokens, layout))
+    tail = _TAIL.pack(view.nbytes, xxhash.xxh3_64_intdigest(view))
+    if mac_key is None:
+        return (b"".join((_PREFIX.pack(MAGIC, VERSION, len(body) + len(tail)), body, tail)), view)
+    mac = _new_mac(mac_key, storage_key)
+    head = b"".join((_PREFIX.pack(MAGIC, KEYED_VERSION, len(body) + len(tail)), body, tail))
+    mac.update(head)
+    mac.update(view)
+    return (head, view, mac.digest())
+
+
 def encode_block(
     layout: KVLayout,
     namespace_id: str,
@@ -130,18 +161,10 @@ def encode_block(
 ) -> bytes:
     """One frame holding `payload` (exactly `layout.block_bytes` bytes) and its identity;
     with `mac_key`, a keyed frame bound to `storage_key` (the Redis key it goes under)."""
-    view = memoryview(payload).cast("B")
-    if view.nbytes != layout.block_bytes:
-        raise LayoutMismatch(f"payload is {view.nbytes} bytes, the layout's block is {layout.block_bytes}")
-    body = _header_body(layout, namespace_id, block_hash, parent_hash, _checked_tokens(tokens, layout))
-    tail = _TAIL.pack(view.nbytes, xxhash.xxh3_64_intdigest(view))
-    if mac_key is None:
-        return b"".join((_PREFIX.pack(MAGIC, VERSION, len(body) + len(tail)), body, tail, view))
-    mac = _new_mac(mac_key, storage_key)
-    prefix = _PREFIX.pack(MAGIC, KEYED_VERSION, len(body) + len(tail))
-    for part in (prefix, body, tail, view):
-        mac.update(part)
-    return b"".join((prefix, body, tail, view, mac.digest()))
+    parts = frame_parts(
+        layout, namespace_id, block_hash, parent_hash, tokens, payload, mac_key=mac_key, storage_key=storage_key
+    )
+    return b"".join(parts)
 
 
 def decode_block(

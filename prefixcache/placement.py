@@ -101,7 +101,9 @@ class Placement:
 
     # -- what leases, reservations and Redis hold ---------------------------------------
     def reclaim_expired(self, now: float) -> None:
-        """Unpin expired leases and return expired reservations' slots."""
+        """Unpin expired leases and the paths of finished Redis writes; return expired reservations' slots."""
+        if self.remote_link is not None:
+            self.remote_link.settle()
         leases, reservations = self.leases.expired(now)
         for lease in leases:
             self.index.unpin(list(lease.nodes))
@@ -144,6 +146,15 @@ class Placement:
     # -- making room ------------------------------------------------------------------
     def make_room(self, kind: TierKind, count: int, layout: int = 0) -> bool:
         """Free slots of `layout` in `kind` until `count` are free, evicting in LRU order."""
+        if self._make_room(kind, count, layout):
+            return True
+        # Short of room while blocks are pinned for their Redis writes: the writer copies those
+        # frames (or finishes sending them), and the blocks can go.
+        return (
+            self.remote_link is not None and self.remote_link.release_writes() and self._make_room(kind, count, layout)
+        )
+
+    def _make_room(self, kind: TierKind, count: int, layout: int) -> bool:
         free = self.free(kind, layout)
         if len(free) >= count:
             return True
@@ -321,8 +332,14 @@ class Placement:
 
     def trim(self, kind: TierKind, members: Mask, excess: int, reason: EvictionReason, weight: Mask) -> int:
         """Evict unpinned blocks of `kind` among `members` (a mask over node rows) until their
-        `weight` reaches `excess`, least recent first and leaf-first as in `make_room`; returns
-        the weight that left `kind`."""
+        `weight` reaches `excess`, least recent first and leaf-first as in `make_room` (blocks
+        pinned for their Redis writes too, when short); returns the weight that left `kind`."""
+        evicted = self._trim(kind, members, excess, reason, weight)
+        if evicted < excess and self.remote_link is not None and self.remote_link.release_writes():
+            evicted += self._trim(kind, members, excess - evicted, reason, weight)
+        return evicted
+
+    def _trim(self, kind: TierKind, members: Mask, excess: int, reason: EvictionReason, weight: Mask) -> int:
         index, evicted = self.index, 0
         if excess <= 0:
             return 0

@@ -16,6 +16,15 @@ probe's budget counts after the Redis round trip itself (transfer.ProbeBudget).
 
 It never takes the cache lock: `fetch` runs without it (I/O), the other
 methods are called by the cache with its lock held.
+
+Writes are not copied. A block written through (`write_through`, at commit) goes to the tier as
+the frame's header and a view of its slot; its path stays pinned, like a leased one, until the
+tier is done with the frame (`settle` unpins it, under the cache lock, once the writer has said
+so), so a slot is never reused while the writer may still read it. When those blocks must go
+sooner (the tier needs room, a manual eviction, a flush), `release_writes` has the tier copy the
+frames still queued and finish the pipeline in flight (waiting at most RELEASE_WAIT_S): the copy
+a write used to make, now made only then. A block leaving the slot tiers (`keep`) is copied into an owned frame: its slot is freed at
+once.
 """
 
 from __future__ import annotations
@@ -23,10 +32,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
-from .codec import decode_block, encode_block
+from .codec import decode_block, encode_block, frame_parts
 from .config import KVLayout
 from .errors import CorruptBlock
 from .hashing import BlockHash
@@ -40,6 +52,9 @@ from .transfer import ProbeBudget, TransferEstimate, TransferMeter
 log = logging.getLogger(__name__)
 
 PROBE_BATCH = 32  # block hashes asked of Redis per pipelined round trip
+# How long `release_writes` waits, under the cache lock, for the pipeline in flight (one of 64
+# frames of 2 MiB takes ~0.2 s on loopback; a stalled Redis times out later, in the writer).
+RELEASE_WAIT_S = 0.25
 # Checking a fetched frame until measured: header compare + xxh3 (~10 GB/s), plus HMAC-SHA256
 # when frames are keyed (~2 GB/s with SHA-NI; tests/test_redis_hmac.py, docs/deploy.md).
 VERIFY_PRIOR = TransferEstimate(latency_s=5e-6, bytes_per_s=10e9)
@@ -63,6 +78,10 @@ class RemoteLink:
         # What checking fetched frames costs (a MAC dominates), so that a probe's budget counts it.
         self._verify = TransferMeter(VERIFY_PRIOR_KEYED if self._mac_key is not None else VERIFY_PRIOR)
         self._verify_lock = threading.Lock()  # lookups fetch concurrently, without the cache lock
+        # Writes the tier is done with, appended by its writer thread (deque appends are atomic);
+        # `settle` counts them off their `_Pinned` under the cache lock.
+        self._finished: deque[_Pinned] = deque()
+        self._pinned = 0  # paths still pinned for writes
 
     # -- reading (no cache lock held) ------------------------------------------------
     def fetch(
@@ -127,15 +146,53 @@ class RemoteLink:
         self._until[node] = now + self.ttl_s
 
     # -- writing (cache lock held) ------------------------------------------------------
-    def write_through(self, node: int, now: float) -> bool:
-        """Queue a block for Redis so other instances and restarts can hit it; False if dropped."""
-        accepted = self._submit(node)
-        self._until[node] = now + self.ttl_s if accepted else 0.0
-        return accepted
+    def write_through(self, path: list[int], nodes: list[int], now: float) -> int:
+        """Queue new blocks `nodes` (the end of `path + nodes`, a path from the root) for Redis so
+        other instances and restarts can hit them, sent from their slots: the whole path stays
+        pinned until the tier is done with every one (`settle`). Returns how many were dropped."""
+        rows = path + nodes
+        pinned = _Pinned(rows, len(nodes))
+        self.index.pin(rows)
+        done = partial(self._finished.append, pinned)
+        dropped = 0
+        for node in nodes:
+            accepted = self._submit(node, done)
+            self._until[node] = now + self.ttl_s if accepted else 0.0
+            if not accepted:
+                dropped += 1
+                pinned.left -= 1
+        if pinned.left:
+            self._pinned += 1
+        else:
+            self.index.unpin(rows)
+        return dropped
+
+    def settle(self) -> None:
+        """Unpin the paths whose every write the tier is done with."""
+        finished = self._finished
+        while finished:
+            pinned = finished.popleft()
+            pinned.left -= 1
+            if not pinned.left:
+                self.index.unpin(pinned.rows)
+                self._pinned -= 1
+
+    def release_writes(self) -> bool:
+        """Unpin the paths pinned for writes: the tier copies the frames still queued, and the
+        pipeline in flight gets RELEASE_WAIT_S to finish (the cache lock is held: a stalled Redis
+        must not hold up the cache longer; its blocks then stay pinned until their writes end).
+        For when those blocks must go (room, a quota, a manual eviction or flush); whether any
+        path was unpinned."""
+        pinned = self._pinned
+        if pinned:
+            if not self.tier.own_frames(RELEASE_WAIT_S):
+                log.debug("a Redis pipeline is still in flight: the blocks it sends stay pinned")
+            self.settle()
+        return self._pinned < pinned
 
     def keep(self, node: int, now: float) -> bool:
         """A block is leaving the slot tiers: make sure Redis keeps it (False: the write was dropped)."""
-        kept = bool(self._until[node] > now) or self._submit(node)
+        kept = bool(self._until[node] > now) or self._submit(node, None)
         self._until[node] = 0.0
         return kept
 
@@ -143,7 +200,9 @@ class RemoteLink:
         """A block left the slot tiers without a spill; its row will be reused."""
         self._until[node] = 0.0
 
-    def _submit(self, node: int) -> bool:
+    def _submit(self, node: int, done: Callable[[], None] | None) -> bool:
+        """Queue a block's frame: the slot's bytes themselves when `done` is given (the caller
+        keeps the slot until it is called), else a copy (the slot is about to be freed)."""
         index = self.index
         entry = self.namespaces.by_row(int(index.namespace[node]))
         ns_id = entry.id
@@ -153,7 +212,8 @@ class RemoteLink:
         payload = self.arenas[TierKind(int(index.tier[node]))].pools[layout].block_bytes(int(index.slot[node]))
         block_hash = index.hash_of(node)
         mac_key, storage_key = self._mac(ns_id, block_hash)
-        frame = encode_block(
+        encode = encode_block if done is None else frame_parts
+        frame = encode(
             entry.namespace.layout,
             ns_id,
             block_hash,
@@ -163,7 +223,7 @@ class RemoteLink:
             mac_key=mac_key,
             storage_key=storage_key,
         )
-        return self.tier.submit(ns_id, block_hash, frame)
+        return self.tier.submit(ns_id, block_hash, frame, done=done)
 
     def _mac(self, ns_id: str, block_hash: BlockHash) -> tuple[bytes | None, str | None]:
         """(mac_key, storage_key): codec arguments that key a frame to the Redis key it is stored
@@ -199,5 +259,16 @@ class RemoteLink:
         """The tier's numeric counters by name (GetStats' `remote` map)."""
         return {k: v for k, v in vars(self.stats()).items() if isinstance(v, (int, float))}
 
-    def close(self) -> None:
-        self.tier.close()
+    def close(self) -> bool:
+        """Stop the tier's writer; False if it is still running (it may still read slots)."""
+        return self.tier.close()
+
+
+class _Pinned:
+    """A path pinned for its blocks' writes: unpinned when the last of `left` is done."""
+
+    __slots__ = ("rows", "left")
+
+    def __init__(self, rows: list[int], left: int) -> None:
+        self.rows = rows
+        self.left = left

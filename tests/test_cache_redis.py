@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import pickle
 import secrets
+import signal
+import socket
 import struct
 import threading
 import time
@@ -170,6 +172,53 @@ def test_an_evicted_block_whose_redis_copy_has_expired_is_spilled_again(redis_se
             assert a.remote_link.tier.wait_idle(5)
             assert raw.exists(*keys_of(a, ns, tokens)) == 4
         assert hit_blocks(b, ns, tokens) == 4
+
+
+def test_a_slot_is_not_reused_while_its_block_is_still_being_sent_to_redis(
+    private_redis: RedisServer, prefix: str
+) -> None:
+    """Write-through sends each block from its host slot. Redis stopped (SIGSTOP: it reads
+    nothing) and a 4 KiB send buffer hold the writer mid-way through 4 MiB of blocks: a commit
+    that needs those slots is refused after a bounded wait (RELEASE_WAIT_S) rather than reusing
+    them or holding the cache up; once Redis reads again it evicts them, and what Redis got is
+    exactly what was stored."""
+    layout = KVLayout(layers=32, kv_heads=8, head_dim=64, block_size=4, dtype=DType.FLOAT16)  # 1 MiB blocks
+    options = RedisOptions(url=private_redis.url, key_prefix=prefix, write_timeout_s=10, socket_timeout_s=10)
+    host = HostTier(layout, 4 * layout.block_bytes)
+    cache = PrefixCache(
+        CacheConfig(host_capacity=4 * layout.block_bytes, ttl_s=CACHE_TTL_S), layout, host, remote=RedisTier(options)
+    )
+    try:
+        ns = cache.attach(namespace(layout))
+        tier = cache.remote_link.tier
+        warm = tokens_for(9, 1)
+        assert cache.store(ns, warm, kv_for(warm, layout)).stored == 1 and tier.wait_idle(5)
+        assert cache.flush() == 1 and tier.wait_idle(5)
+        (connection,) = tier._writer.connection_pool._available_connections  # the writer's one connection
+        connection._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        a, b = tokens_for(1, 4), tokens_for(2, 3)
+        private_redis.process.send_signal(signal.SIGSTOP)
+        try:
+            assert cache.store(ns, a, kv_for(a, layout)).stored == 4
+            assert poll(lambda: tier._in_flight > 0, 2)  # a pipeline of them stalled mid-send
+            started = time.perf_counter()
+            refused = cache.store(ns, b, kv_for(b, layout))
+            assert (refused.stored, refused.rejected) == (0, 3)  # a's slots are still being read
+            assert time.perf_counter() - started < 2.0  # waited RELEASE_WAIT_S, not for Redis
+        finally:
+            private_redis.process.send_signal(signal.SIGCONT)
+        assert tier.wait_idle(10)
+        connection._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 22)
+        assert cache.store(ns, b, kv_for(b, layout)).stored == 3  # a's writes are done: a1..a3 go
+        assert tier.wait_idle(10)  # and b's, so that a's blocks can take their slots back
+        result = cache.lookup(ns, a)  # a0 from the host tier, a1..a3 back from Redis
+        assert result.hit_tokens == 4 * BS
+        assert same_bytes(read_blocks(cache, result.locations), kv_for(a, layout))
+        stats = cache.stats()
+        assert stats.remote["hits"] == 3 and stats.remote["integrity_failures"] == 0
+        assert stats.remote["writes_failed"] == 0 and stats.spills_dropped == 0
+    finally:
+        cache.close()
 
 
 # ---- sharing across instances and restarts --------------------------------------------------------

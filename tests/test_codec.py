@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixcache.codec import MAGIC, VERSION, decode_block, encode_block
+from prefixcache.codec import MAGIC, VERSION, decode_block, encode_block, frame_parts
 from prefixcache.config import DType, KVLayout
 from prefixcache.errors import CorruptBlock, InvalidArgument, LayoutMismatch
 
@@ -70,6 +70,20 @@ def test_round_trip_is_byte_exact_and_zero_copy(dtype: DType) -> None:
     assert view.obj is frame  # a slice of the frame, not a copy
     restored = torch.frombuffer(bytearray(view), dtype=torch.uint8)
     assert torch.equal(restored, torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("mac_key", [None, bytes(range(32))])
+def test_frame_parts_join_into_the_frame_and_leave_the_payload_where_it_lies(mac_key: bytes | None) -> None:
+    """What the Redis tier sends from a host slot: the same frame, the payload not copied."""
+    slot = bytearray(PAYLOAD)
+    keyed = {"mac_key": mac_key, "storage_key": "pfx:ns:00"} if mac_key else {}
+    parts = frame_parts(LAYOUT, NS, HASH, PARENT, TOKENS, memoryview(slot), **keyed)
+    assert len(parts) == (3 if mac_key else 2)
+    assert b"".join(parts) == encode_block(LAYOUT, NS, HASH, PARENT, TOKENS, PAYLOAD, **keyed)
+    assert parts[1].obj is slot and parts[1].nbytes == LAYOUT.block_bytes  # a view of the slot itself
+    slot[0] ^= 0xFF  # so the slot must not change until the frame is sent: a changed one no longer verifies
+    with pytest.raises(CorruptBlock):
+        decode_block(b"".join(parts), LAYOUT, NS, HASH, PARENT, TOKENS, **keyed)
 
 
 def test_tokens_given_as_python_ints_encode_like_u32() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefixcache.codec import decode_block, encode_block
+from prefixcache.codec import decode_block, encode_block, frame_parts
 from prefixcache.config import DType, KVLayout
 from prefixcache.errors import ConfigError, CorruptBlock
 from prefixcache.tiers.breaker import Backoff, BreakerState, CircuitBreaker, Retry
@@ -175,6 +175,42 @@ def test_a_foreign_value_type_is_a_miss_not_a_fault(tier: RedisTier, redis_serve
     assert tier.wait_idle(5)
     assert tier.fetch(NS, [block_hash(9), block_hash(8)]) == [None, b"frame"]
     assert tier.stats().read_errors == 0
+
+
+def test_a_frame_in_parts_is_sent_from_its_buffers_until_done_whatever_the_outcome(private_redis: RedisServer) -> None:
+    """The write-through path: header and payload view, never copied by the tier; `done` once per
+    accepted write, when it is answered, copied by `own_frames`, or dropped at close."""
+    slots = [bytearray(np.random.default_rng(i).integers(0, 256, LAYOUT.block_bytes, dtype=np.uint8)) for i in range(6)]
+    frames = [encode_block(LAYOUT, NS, block_hash(i), PARENT, TOKENS, bytes(slot)) for i, slot in enumerate(slots)]
+    calls: list[int] = []
+
+    def submit(tier: RedisTier, i: int) -> bool:
+        parts = frame_parts(LAYOUT, NS, block_hash(i), PARENT, TOKENS, memoryview(slots[i]))
+        return tier.submit(NS, block_hash(i), parts, done=lambda: calls.append(i))
+
+    tier = RedisTier(fast_options(private_redis.url, write_timeout_s=5))
+    try:
+        assert submit(tier, 0) and tier.wait_idle(5)
+        assert calls == [0]  # answered
+        assert bytes(tier.fetch(NS, [block_hash(0)])[0]) == frames[0]
+        private_redis.pause(1000)
+        assert submit(tier, 1) and poll(lambda: not tier._queue, 2)  # in flight, waiting on the pause
+        assert submit(tier, 2) and submit(tier, 3)  # queued behind it
+        assert not tier.own_frames(0.05) and calls == [0, 2, 3]  # 2 and 3 copied now; 1 still in flight
+        assert tier.own_frames(5)  # 1 answered once the pause ends
+        assert calls == [0, 2, 3, 1]
+        for slot in slots[1:4]:
+            slot[:] = bytes(len(slot))  # the slots are reused: nothing the tier sends may change
+        assert tier.wait_idle(5) and tier.stats().writes_failed == 0
+        assert [bytes(f) for f in tier.fetch(NS, [block_hash(i) for i in range(4)])] == frames[:4]
+        private_redis.pause(1000)
+        assert submit(tier, 4) and poll(lambda: not tier._queue, 2)
+        assert submit(tier, 5)
+    finally:
+        assert tier.close(timeout_s=0.1)  # 4 answered after the pause, 5 dropped (past the deadline)
+    assert sorted(calls) == [0, 1, 2, 3, 4, 5] and len(calls) == 6
+    assert tier.stats().spills_dropped == 1
+    assert not submit(tier, 0) and len(calls) == 6  # refused: no done
 
 
 # ---- back-pressure ------------------------------------------------------------------------------

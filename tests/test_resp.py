@@ -133,21 +133,34 @@ def test_a_paused_server_times_out_and_the_connection_is_dropped(redis_server: R
 
 def test_partial_sends_deliver_every_value_whole_and_in_order(client) -> None:
     """A socket that takes 4 KiB per sendmsg: 1,500 values (joined ones, 1 MiB ones sent from
-    their buffers, over the 512-buffer limit of one sendmsg) resumed mid-buffer, and Redis
-    stores each byte for byte."""
+    their buffers, over the 512-buffer limit of one sendmsg; every third one in parts, as a frame's
+    header, payload view and MAC) resumed mid-buffer, and Redis stores each byte for byte."""
     rng = np.random.default_rng(5)
-    values: list[bytes | memoryview] = []
+    values: list[bytes | memoryview | tuple[bytes | memoryview, ...]] = []
+    whole: list[bytes] = []
     for i in range(1500):
         size = int(rng.integers(0, 40_000)) if i % 100 else 1 << 20
         value = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
-        values.append(memoryview(value) if i % 2 else value)
+        whole.append(value)
+        if i % 3 == 0:  # small and large parts, and an empty one
+            cut = min(size, 100)
+            values.append(
+                (
+                    value[:cut],
+                    memoryview(value)[cut : size - 32 if size > 132 else size],
+                    b"",
+                    value[max(cut, size - 32) if size > 132 else size :],
+                )
+            )
+        else:
+            values.append(memoryview(value) if i % 2 else value)
     client.ping()
     sock = client.connection_pool._available_connections[0]._sock
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     keys = [f"t:part:{i}" for i in range(len(values))]
     RespPipeline(client).set(keys, values, 60_000)
     for start in range(0, len(keys), 100):
-        assert client.mget(keys[start : start + 100]) == [bytes(v) for v in values[start : start + 100]]
+        assert client.mget(keys[start : start + 100]) == whole[start : start + 100]
 
 
 class _Peer:
@@ -208,8 +221,10 @@ def test_bad_arguments_name_the_argument() -> None:
         core.resp_set(0, [b"a", "b"], [b"1", b"2"], [1, 1], None)
     with pytest.raises(ValueError, match="values, ttls_ms: expected 2 of each"):
         core.resp_set(0, [b"a", b"b"], [b"1"], [1, 1], None)
-    with pytest.raises(TypeError, match=r"values\[0\]: expected a contiguous buffer"):
+    with pytest.raises(TypeError, match=r"values\[0\]: expected a contiguous buffer or a tuple of them"):
         core.resp_set(0, [b"a"], [object()], [1], None)
+    with pytest.raises(TypeError, match=r"values\[1\]\[1\]: expected a contiguous buffer"):
+        core.resp_set(0, [b"a", b"b"], [b"1", (b"head", "not a buffer")], [1, 1], None)
     with pytest.raises(TypeError, match=r"ttls_ms\[0\]: expected an int"):
         core.resp_set(0, [b"a"], [b"1"], ["x"], None)
     with pytest.raises(ValueError, match="sock: expected an open socket's descriptor"):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import array
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -92,6 +92,11 @@ class ShareHandle:
     slots_per_chunk: int = 0
 
 
+# A frame as a remote tier sends it: one buffer, or a tuple of parts that join into it (a header
+# and a view of the payload where it lies, so the block is never copied to be written).
+Frame = bytes | tuple[bytes | memoryview, ...]
+
+
 class RemoteTier(Protocol):
     """A shared store of framed blocks keyed by (namespace id, block hash), e.g. Redis.
 
@@ -117,8 +122,18 @@ class RemoteTier(Protocol):
     ) -> list[bytes | memoryview | None]:
         """Frames for `hashes` (None: a miss, or not asked within the budget)."""
 
-    def submit(self, namespace_id: str, block_hash: bytes, frame: bytes, ttl_s: float | None = None) -> bool:
-        """Queue a write; False when it was dropped (full, down or closing)."""
+    def submit(
+        self,
+        namespace_id: str,
+        block_hash: bytes,
+        frame: Frame,
+        ttl_s: float | None = None,
+        *,
+        done: Callable[[], None] | None = None,
+    ) -> bool:
+        """Queue a write; False when it was dropped (full, down or closing). The frame's buffers
+        are read, not copied, until `done` is called (once, when the write is over, whatever its
+        outcome; never after False)."""
 
     def delete(self, namespace_id: str, block_hash: bytes) -> None: ...
 
@@ -135,7 +150,12 @@ class RemoteTier(Protocol):
     def wait_idle(self, timeout_s: float) -> bool:
         """True once nothing is queued or in flight (tests, shutdown)."""
 
-    def close(self, timeout_s: float = 2.0) -> None: ...
+    def own_frames(self, timeout_s: float) -> bool:
+        """Stop reading the buffers of submitted frames: copy the queued ones (their `done` is called)
+        and wait up to `timeout_s` for those in flight; False if some are still in flight."""
+
+    def close(self, timeout_s: float = 2.0) -> bool:
+        """Stop writing; False if a write is still running (it may still read a frame's buffers)."""
 
 
 class FreeSlots:

@@ -49,7 +49,7 @@ from typing import NamedTuple, cast
 import redis.exceptions
 
 from ..transfer import ProbeBudget, TransferEstimate, TransferMeter
-from .base import TierKind
+from .base import Frame, TierKind
 from .breaker import Backoff, BreakerState, CircuitBreaker, Retry
 from .redis_options import RedisClient, RedisOptions, connect, is_cluster_url, redact_url
 from .redis_stats import RedisCounters, RedisStats
@@ -76,12 +76,10 @@ class MalformedReply(redis.exceptions.RedisError):
 # build than a frozen dataclass.
 class _Set(NamedTuple):
     key: str
-    frame: bytes
+    frame: Frame
     ttl_ms: int
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.frame)
+    nbytes: int
+    done: Callable[[], None] | None  # called once the write is over, whatever its outcome
 
 
 class _Unlink(NamedTuple):
@@ -153,6 +151,7 @@ class RedisTier:
         self._queue: deque[_Op] = deque()
         self._queue_bytes = 0  # queued plus in flight
         self._in_flight = 0
+        self._batches = 0  # batches the writer has finished (`own_frames` waits for the next)
         self._closing = False
         self._close_deadline = 0.0
         self._counters = RedisCounters()
@@ -233,11 +232,24 @@ class RedisTier:
             frames = frames[: frames.index(None)]
         return frames + [None] * (len(hashes) - len(frames))
 
-    def submit(self, namespace_id: str, block_hash: bytes, frame: bytes, ttl_s: float | None = None) -> bool:
-        """Queue an asynchronous SET; False (and a counted drop) when full, down or closed."""
-        op = _Set(self.key(namespace_id, block_hash), frame, self._ttl_ms(ttl_s))
+    def submit(
+        self,
+        namespace_id: str,
+        block_hash: bytes,
+        frame: Frame,
+        ttl_s: float | None = None,
+        *,
+        done: Callable[[], None] | None = None,
+    ) -> bool:
+        """Queue an asynchronous SET; False (and a counted drop) when full, down or closed.
+
+        The frame's buffers are read when the write is sent, not copied here: they must not change
+        until `done` is called (once, from the writer, when the write succeeded, failed or was
+        dropped; never when this returns False)."""
+        nbytes = len(frame) if isinstance(frame, bytes) else sum(memoryview(part).nbytes for part in frame)
+        op = _Set(self.key(namespace_id, block_hash), frame, self._ttl_ms(ttl_s), nbytes, done)
         with self._lock:
-            if self._closing or not self._writes_up() or self._queue_bytes + len(frame) > self.options.max_queue_bytes:
+            if self._closing or not self._writes_up() or self._queue_bytes + nbytes > self.options.max_queue_bytes:
                 self._counters.spills_dropped += 1
                 return False
             self._counters.spills_queued += 1
@@ -286,8 +298,28 @@ class RedisTier:
         with self._changed:
             return self._changed.wait_for(lambda: not self._queue and not self._in_flight, timeout_s)
 
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Stop the writer: drain the queue until the deadline, drop the rest (counted)."""
+    def own_frames(self, timeout_s: float) -> bool:
+        """Stop reading the buffers `submit` was given: copy each queued frame given as parts into
+        bytes of its own (its `done` is called now), and wait up to `timeout_s` for the batch in
+        flight, if any, to finish. False if it has not (its buffers may still be read until its
+        `done`)."""
+        with self._changed:
+            owned: deque[_Op] = deque()
+            for op in self._queue:
+                if isinstance(op, _Set) and op.done is not None:
+                    frame = op.frame if isinstance(op.frame, bytes) else b"".join(op.frame)
+                    owned.append(op._replace(frame=frame, done=None))
+                    op.done()
+                else:
+                    owned.append(op)
+            self._queue = owned
+            batches = self._batches
+            return self._changed.wait_for(lambda: not self._in_flight or self._batches != batches, timeout_s)
+
+    def close(self, timeout_s: float = 2.0) -> bool:
+        """Stop the writer: drain the queue until the deadline, drop the rest (counted). False if
+        the writer is still running after that (a write stuck past its timeouts): then it may
+        still read the buffers of a frame it was given."""
         with self._changed:
             if not self._closing:
                 self._closing = True
@@ -296,10 +328,11 @@ class RedisTier:
         self._thread.join(timeout_s + 2 * self.options.write_timeout_s)
         if self._thread.is_alive():
             log.warning("redis writer did not stop within %.1fs", timeout_s)
-            return
+            return False
         if self._owns_clients:
             for client in {id(c): c for c in (self._reader, self._writer) if c is not None}.values():
                 client.close()
+        return True
 
     def __enter__(self) -> RedisTier:
         return self
@@ -408,9 +441,11 @@ class RedisTier:
             try:
                 self._apply(work)
             finally:
+                _done(work)
                 with self._changed:
                     self._queue_bytes -= sum(op.nbytes for op in work)
                     self._in_flight = 0
+                    self._batches += 1
                     self._changed.notify_all()
 
     def _next_work(self) -> object:
@@ -418,6 +453,7 @@ class RedisTier:
             while True:
                 if self._closing and (not self._queue or self._clock() >= self._close_deadline):
                     self._drop_locked(list(self._queue))
+                    _done(self._queue)
                     self._queue.clear()
                     self._queue_bytes = 0
                     self._changed.notify_all()
@@ -466,7 +502,7 @@ class RedisTier:
             return
         elapsed = time.perf_counter() - start
         self._wrote()
-        written = sum(len(op.frame) for op in batch if isinstance(op, _Set))
+        written = sum(op.nbytes for op in batch if isinstance(op, _Set))
         with self._lock:
             self._counters.bytes_written += written
             self._counters.write_latency.observe(elapsed)
@@ -483,7 +519,7 @@ class RedisTier:
         pipe = self._writer.pipeline(transaction=False)
         for op in batch:
             if isinstance(op, _Set):
-                pipe.set(op.key, op.frame, px=op.ttl_ms)
+                pipe.set(op.key, op.frame if isinstance(op.frame, bytes) else b"".join(op.frame), px=op.ttl_ms)
             else:
                 assert isinstance(op, _Unlink), "an _UnlinkMatching runs alone (_apply)"
                 pipe.unlink(op.key)
@@ -590,6 +626,13 @@ def key_hint(key: str) -> str:
         return parts[0][:16]
     prefix, namespace, block = parts
     return f"{prefix}:{namespace[:12]}…:{block[:8]}…" if block != "*" else f"{prefix}:{namespace[:12]}…:*"
+
+
+def _done(ops: Sequence[_Op] | deque[_Op]) -> None:
+    """Tell the submitters of these writes that the tier is done with their frames."""
+    for op in ops:
+        if isinstance(op, _Set) and op.done is not None:
+            op.done()
 
 
 def _probe_failed(breaker: CircuitBreaker, reason: str) -> None:

@@ -35,6 +35,7 @@ import redis
 import redis.exceptions
 
 from ..native import core
+from .base import Frame
 
 _T = TypeVar("_T")
 
@@ -56,8 +57,9 @@ class RespPipeline:
                 raise _error_reply(text)
         return [None if value is None else memoryview(value) for value in values]
 
-    def set(self, keys: Sequence[str], values: Sequence[bytes | memoryview], ttl_ms: int | list[int]) -> None:
-        """`SET keys[i] values[i] PX ttl_ms` (one TTL for all, or one per key) in one round trip;
+    def set(self, keys: Sequence[str], values: Sequence[Frame], ttl_ms: int | list[int]) -> None:
+        """`SET keys[i] values[i] PX ttl_ms` (one TTL for all, or one per key) in one round trip, a
+        value sent from its own buffers (one, or a tuple of parts that join into it);
         raises on any error reply (after reading every reply: the connection stays in use)."""
         raw = [key.encode() for key in keys]
         ttls = ttl_ms if isinstance(ttl_ms, list) else [ttl_ms] * len(keys)
