@@ -565,15 +565,17 @@ class PrefixCache:
                 remote=remote,
             )
 
-    def close(self) -> None:
-        # The Redis writer first: it sends blocks from their slots, so the slot tiers' memory must
-        # outlive it. One stuck past its timeouts keeps that memory mapped (freed at exit).
+    def close(self) -> bool:
+        """Stop the Redis writer, then release the slot tiers; False if the writer is still running
+        (stuck past its timeouts): it sends blocks from their slots, so their memory stays mapped
+        until the process exits, and the caller must not unmap it either."""
         if self.remote_link is not None and not self.remote_link.close():
             log.warning("the Redis writer is still running: the slot tiers stay mapped until exit")
-            return
+            return False
         with self._lock:  # every write into a tier holds it: none is half done when the tiers go
             for tier in self.tiers.values():
                 tier.close()
+        return True
 
 
 def _recompute_cost(seconds_per_token: float | None) -> float | None:

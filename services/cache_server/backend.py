@@ -186,8 +186,12 @@ class CacheBackend:
                 if cache.remote_link is not None:
                     cache.remote_link.close()  # the Redis write queue still drains
                 return
+            if cache is not None and not cache.close():
+                host = cache.tiers[TierKind.HOST]
+                assert isinstance(host, HostTier)
+                host.unlink()  # the name goes; the memory stays mapped for the Redis writer still sending from it
+                return
             if cache is not None:
-                cache.close()
                 log.info("cache closed; host tier released")
             if self._segment is not None:
                 self._segment.close()  # a no-op once the host tier closed it; else never attached
