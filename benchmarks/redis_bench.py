@@ -1,8 +1,9 @@
 """Redis tier throughput vs. plain redis-py, same bytes, same server, same run.
 
 For 64 KiB and 2 MiB blocks it measures GB/s of payload (1e9 bytes/s):
-- tier put: encode_block (header + xxh3_64 + one copy) and RedisTier.submit on
-  the caller thread, until the background writer has stored everything;
+- tier put: what the cache's write-through does, frame_parts (header + xxh3_64; the payload
+  sent from where it lies, not copied) and RedisTier.submit on the caller thread, until the
+  background writer has stored everything;
 - tier writer: the same with frames encoded beforehand (the writer alone);
 - tier get: RedisTier.fetch of `batch` hashes with the frame-size hint the cache
   gives (pipelined GETEX, round trips of at most `max_fetch_bytes`) and
@@ -34,7 +35,7 @@ import redis
 # Run from anywhere without PYTHONPATH: this checkout's packages (and tests/support/redis_server.py) first.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prefixcache.codec import decode_block, encode_block
+from prefixcache.codec import FrameParts, decode_block, encode_block, frame_parts
 from prefixcache.config import DType, KVLayout
 from prefixcache.tiers.redis import RedisOptions, RedisTier
 
@@ -153,7 +154,10 @@ class Workload:
                 pipe.set(self.pipe_keys[i], self.payload(i), px=TTL_MS)
             pipe.execute()
 
-    def _submit_all(self, namespace: str, start: int, stop: int, frame_of: Callable[[int], bytes]) -> None:
+    def parts(self, i: int) -> FrameParts:
+        return frame_parts(self.layout, NS, self.hashes[i], PARENT, self.tokens[i], self.payload(i))
+
+    def _submit_all(self, namespace: str, start: int, stop: int, frame_of: Callable[[int], bytes | FrameParts]) -> None:
         for i in range(start, stop):
             if not self.tier.submit(namespace, self.hashes[i], frame_of(i)):
                 raise RuntimeError("tier refused a spill: raise max_queue_bytes for the benchmark")
@@ -161,7 +165,7 @@ class Workload:
             raise RuntimeError("tier writer did not drain")
 
     def tier_put(self, start: int, stop: int) -> None:
-        self._submit_all(NS + "-put", start, stop, self.encode)
+        self._submit_all(NS + "-put", start, stop, self.parts)
 
     def tier_writer(self, start: int, stop: int) -> None:
         self._submit_all(NS, start, stop, self.frames.__getitem__)
