@@ -21,10 +21,10 @@ Writes are not copied. A block written through (`write_through`, at commit) goes
 the frame's header and a view of its slot; its path stays pinned, like a leased one, until the
 tier is done with the frame (`settle` unpins it, under the cache lock, once the writer has said
 so), so a slot is never reused while the writer may still read it. When those blocks must go
-sooner (the tier needs room, a manual eviction, a flush), `release_writes` has the tier copy the
-frames still queued and finish the pipeline in flight (waiting at most RELEASE_WAIT_S): the copy
-a write used to make, now made only then. A block leaving the slot tiers (`keep`) is copied into an owned frame: its slot is freed at
-once.
+sooner (room, a quota, a manual eviction, a flush), `release_writes` has the tier copy the
+frames still queued and finish the pipeline in flight (waiting at most RELEASE_WAIT_S): the
+copy a write used to make, now made only then. A block leaving the slot tiers (`keep`) is
+copied into an owned frame: its slot is freed at once.
 """
 
 from __future__ import annotations
@@ -151,21 +151,20 @@ class RemoteLink:
         other instances and restarts can hit them, sent from their slots: the whole path stays
         pinned until the tier is done with every one (`settle`). Returns how many were dropped."""
         rows = path + nodes
-        pinned = _Pinned(rows, len(nodes))
+        pinned = _Pinned(rows, 0)  # counts the accepted writes (their `done` is settled under this lock)
         self.index.pin(rows)
         done = partial(self._finished.append, pinned)
-        dropped = 0
-        for node in nodes:
-            accepted = self._submit(node, done)
-            self._until[node] = now + self.ttl_s if accepted else 0.0
-            if not accepted:
-                dropped += 1
-                pinned.left -= 1
-        if pinned.left:
-            self._pinned += 1
-        else:
-            self.index.unpin(rows)
-        return dropped
+        try:
+            for node in nodes:
+                accepted = self._submit(node, done)
+                self._until[node] = now + self.ttl_s if accepted else 0.0
+                pinned.left += accepted
+        finally:
+            if pinned.left:
+                self._pinned += 1
+            else:
+                self.index.unpin(rows)
+        return len(nodes) - pinned.left
 
     def settle(self) -> None:
         """Unpin the paths whose every write the tier is done with."""
