@@ -160,13 +160,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             self._worker.close()
         else:
             if self._scheduler is not None:
-                e = self._scheduler.prefill.estimate()
-                log.info(
-                    "prefixcache scheduler: vLLM's measured step cost %.3g ms + %.4g tokens/s (%s)",
-                    1000 * e.latency_s,
-                    e.bytes_per_s,
-                    f"{e.samples} steps" if e.samples else "the prior",
-                )
+                self._scheduler.prefill.log()
             self.link.close()
 
     # -- scheduler role -----------------------------------------------------------------
