@@ -307,8 +307,7 @@ class RedisTier:
             owned: deque[_Op] = deque()
             for op in self._queue:
                 if isinstance(op, _Set) and op.done is not None:
-                    frame = op.frame if isinstance(op.frame, bytes) else b"".join(op.frame)
-                    owned.append(op._replace(frame=frame, done=None))
+                    owned.append(op._replace(frame=_joined(op.frame), done=None))
                     op.done()
                 else:
                     owned.append(op)
@@ -519,7 +518,7 @@ class RedisTier:
         pipe = self._writer.pipeline(transaction=False)
         for op in batch:
             if isinstance(op, _Set):
-                pipe.set(op.key, op.frame if isinstance(op.frame, bytes) else b"".join(op.frame), px=op.ttl_ms)
+                pipe.set(op.key, _joined(op.frame), px=op.ttl_ms)
             else:
                 assert isinstance(op, _Unlink), "an _UnlinkMatching runs alone (_apply)"
                 pipe.unlink(op.key)
@@ -626,6 +625,11 @@ def key_hint(key: str) -> str:
         return parts[0][:16]
     prefix, namespace, block = parts
     return f"{prefix}:{namespace[:12]}…:{block[:8]}…" if block != "*" else f"{prefix}:{namespace[:12]}…:*"
+
+
+def _joined(frame: Frame) -> bytes:
+    """A frame as one bytes object of its own (parts copied into it)."""
+    return frame if isinstance(frame, bytes) else b"".join(frame)
 
 
 def _done(ops: Sequence[_Op] | deque[_Op]) -> None:
