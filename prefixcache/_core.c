@@ -3,14 +3,16 @@
  * - xxh3_128 / xxh3_chain: the block hashes (hashing.py), h_i = xxh3_128(h_{i-1} || tokens_i),
  *   digests in xxHash's canonical (big-endian) byte order, as python-xxhash's xxh3_128_digest.
  * - HashTable: the block map's open-addressing table (blockmap.py) over arrays that Python owns
- *   (numpy, viewed through the buffer protocol): find, get_many, insert_many, insert_prefix, place.
+ *   (numpy, viewed through the buffer protocol): find, get_many, insert_many, insert_prefix, place,
+ *   delete_many.
  * - IndexCore: the index's per-row loops over its arrays (index.py): match (probe every hash of
  *   a prompt and verify the chain: parent links, namespace, token ids, TTL, in one call),
  *   add_chain (fill a new chain's rows), touch (log a path in LRU order), pins, eviction's
- *   leaf-first picking (pick_leaves) and batch removal (remove_many).
+ *   leaf-first picking (pick_leaves, or pick_lru over the whole touch log) and batch removal
+ *   (remove_many).
  * - current_entries: the touch log's scan step (touchlog.py).
- * - copy_rows: blocks' raw bytes into a slot pool's rows (tiers/pool.py); set_bytes: a free
- *   list's flags for the slots it hands out (tiers/base.py).
+ * - copy_rows: blocks' raw bytes into a slot pool's rows (tiers/pool.py); flip_flags: a free
+ *   list's flags for the slots it hands out and takes back (tiers/base.py).
  * - resp_set / resp_getex: the Redis tier's pipelines, without the GIL (prefixcache/_resp.c).
  *
  * Arrays come in through the buffer protocol and must be C-contiguous with the expected item
@@ -666,6 +668,41 @@ table_place(HashTable *t, PyObject *arg)
     return PyErr_Occurred() ? NULL : PyLong_FromLong(used);
 }
 
+/* delete_many(rows): unmap distinct mapped rows (each cell becomes a tombstone); KeyError,
+ * changing nothing, if one is not mapped or repeats. O(n): a repeat finds its cell already a
+ * tombstone, and the cells before it are put back. */
+static PyObject *
+table_delete_many(HashTable *t, PyObject *arg)
+{
+    Rows r;
+    if (!ready(t) || get_rows(arg, "rows", t->capacity, &r) < 0) {
+        return NULL;
+    }
+    Py_ssize_t i = 0;
+    for (; i < r.count; i++) {
+        int32_t cell = t->cell_of[r.rows[i]];
+        if (cell < 0 || t->cells[cell] != r.rows[i]) {
+            PyErr_Format(PyExc_KeyError, "rows[%zd]: %lld is not mapped, or repeats", i, (long long)r.rows[i]);
+            break;
+        }
+        t->cells[cell] = DELETED;
+    }
+    for (Py_ssize_t j = 0; j < r.count; j++) {
+        if (i < r.count) {
+            if (j < i) {
+                t->cells[t->cell_of[r.rows[j]]] = (int32_t)r.rows[j]; /* refused: put the cells back */
+            }
+        } else {
+            t->cell_of[r.rows[j]] = EMPTY;
+        }
+    }
+    release_rows(&r);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef table_methods[] = {
     {"get", (PyCFunction)table_get, METH_O, "get(digest) -> row, or -1 when unmapped"},
     {"get_many", (PyCFunction)(void (*)(void))table_get_many, METH_FASTCALL,
@@ -674,6 +711,8 @@ static PyMethodDef table_methods[] = {
      "insert_many(digests, rows) -> EMPTY cells used; KeyError (nothing changed) on a mapped or repeated digest"},
     {"insert_prefix", (PyCFunction)(void (*)(void))table_insert_prefix, METH_FASTCALL,
      "insert_prefix(digests, rows) -> (inserted, EMPTY cells used): up to the first mapped or repeated digest"},
+    {"delete_many", (PyCFunction)table_delete_many, METH_O,
+     "delete_many(rows): unmap distinct mapped rows; KeyError (nothing changed) on an unmapped or repeated row"},
     {"place", (PyCFunction)table_place, METH_O,
      "place(rows) -> EMPTY cells used: re-place unmapped rows by their stored digests"},
     {NULL, NULL, 0, NULL},
@@ -1058,55 +1097,49 @@ index_unpin(IndexCore *x, PyObject *path)
     Py_RETURN_NONE;
 }
 
-static int
-compare_rows(const void *a, const void *b)
-{
-    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return (x > y) - (x < y);
-}
+#define MEMBER (1 << 30) /* remove_many's mark in x->gone (a row's child count stays below it) */
 
 /* remove_many(rows): retire distinct live, unpinned rows each of whose children is among them
  * (what removing each leaf in turn, descendants first, leaves behind): tier -1, one child less
  * for each parent. Checked before any change (KeyError on a repeat, RuntimeError otherwise).
- * The block map's cells are the caller's (BlockMap.delete_many). O(n log n) in the rows given. */
+ * The block map's cells are the caller's (BlockMap.delete_many). O(n) in the rows given: x->gone
+ * (zero between calls) marks the rows and counts each one's children among them. */
 static PyObject *
 index_remove_many(IndexCore *x, PyObject *arg)
 {
     Rows r;
-    if (!index_ready(x) || get_rows(arg, "rows", x->capacity, &r) < 0) {
+    if (!index_ready(x)) {
         return NULL;
     }
-    Py_ssize_t n = r.count;
-    int64_t *sorted = PyMem_Malloc(sizeof(int64_t) * (size_t)(n + 1));
-    int32_t *lost = PyMem_Calloc((size_t)(n + 1), sizeof(int32_t)); /* children among the rows, by sorted position */
-    if (sorted == NULL || lost == NULL) {
-        PyErr_NoMemory();
-        goto done;
+    if (x->gone == NULL && (x->gone = PyMem_RawCalloc((size_t)x->capacity + 1, sizeof(int32_t))) == NULL) {
+        return PyErr_NoMemory();
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (x->tier[r.rows[i]] < 0) {
+    if (get_rows(arg, "rows", x->capacity, &r) < 0) {
+        return NULL;
+    }
+    Py_ssize_t n = r.count, marked = 0;
+    int32_t *gone = x->gone;
+    for (; marked < n; marked++) {
+        int64_t row = r.rows[marked];
+        if (x->tier[row] < 0) {
             PyErr_SetString(PyExc_RuntimeError, "a node to remove is not live");
             goto done;
         }
-    }
-    memcpy(sorted, r.rows, sizeof(int64_t) * (size_t)n);
-    qsort(sorted, (size_t)n, sizeof(int64_t), compare_rows);
-    for (Py_ssize_t i = 1; i < n; i++) {
-        if (sorted[i] == sorted[i - 1]) {
-            PyErr_Format(PyExc_KeyError, "rows: %lld repeats", (long long)sorted[i]);
+        if (gone[row] & MEMBER) {
+            PyErr_Format(PyExc_KeyError, "rows: %lld repeats", (long long)row);
             goto done;
+        }
+        gone[row] |= MEMBER;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t parent = x->parent[r.rows[i]];
+        if (parent != ROOT && (gone[parent] & MEMBER)) {
+            gone[parent] += 1;
         }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t row = r.rows[i];
-        int64_t parent = x->parent[row];
-        const int64_t *at = parent == ROOT ? NULL : bsearch(&parent, sorted, (size_t)n, sizeof(int64_t), compare_rows);
-        if (at != NULL) {
-            lost[at - sorted] += 1;
-        }
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (x->children[sorted[i]] != lost[i] || x->pins[sorted[i]]) {
+        if (x->children[row] != (gone[row] & ~MEMBER) || x->pins[row]) {
             PyErr_SetString(PyExc_RuntimeError, "nodes to remove have children outside them, or pins");
             goto done;
         }
@@ -1119,13 +1152,27 @@ index_remove_many(IndexCore *x, PyObject *arg)
         x->tier[row] = -1;
     }
 done:
-    PyMem_Free(sorted);
-    PyMem_Free(lost);
+    for (Py_ssize_t i = 0; i < marked; i++) {
+        gone[r.rows[i]] = 0; /* rows past `marked` were never marked (a repeat's first is cleared here) */
+    }
     release_rows(&r);
     if (PyErr_Occurred()) {
         return NULL;
     }
     Py_RETURN_NONE;
+}
+
+/* A row goes when it has no children or all of them were picked before it (x->gone counts them). */
+static inline void
+pick_leaf(IndexCore *x, int64_t row, int64_t *out, Py_ssize_t *count)
+{
+    int32_t kids = x->children[row];
+    if (kids == 0 || kids == x->gone[row]) {
+        out[(*count)++] = row;
+        if (x->parent[row] != ROOT) {
+            x->gone[x->parent[row]] += 1;
+        }
+    }
 }
 
 /* pick_leaves(nodes, out, count) -> count: extend the victims out[:count] from `nodes` (eligible
@@ -1162,19 +1209,23 @@ index_pick_leaves(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
         int64_t *out = out_v.buf;
         Py_ssize_t size = length_of(&out_v);
         for (Py_ssize_t i = 0; i < nodes.count && count < size; i++) {
-            int64_t row = nodes.rows[i];
-            int32_t kids = x->children[row];
-            if (kids == 0 || kids == x->gone[row]) {
-                out[count++] = row;
-                if (x->parent[row] != ROOT) {
-                    x->gone[x->parent[row]] += 1;
-                }
-            }
+            pick_leaf(x, nodes.rows[i], out, &count);
         }
     }
     PyBuffer_Release(&out_v);
     release_rows(&nodes);
     return PyErr_Occurred() ? NULL : PyLong_FromSsize_t(count);
+}
+
+static void
+forget(IndexCore *x, const int64_t *victims, Py_ssize_t count)
+{
+    for (Py_ssize_t i = 0; x->gone != NULL && i < count; i++) {
+        int32_t parent = x->parent[victims[i]];
+        if (parent != ROOT) {
+            x->gone[parent] = 0;
+        }
+    }
 }
 
 /* forget_picks(victims): zero the counts pick_leaves left (call before the rows are reused). */
@@ -1185,14 +1236,75 @@ index_forget_picks(IndexCore *x, PyObject *arg)
     if (!index_ready(x) || get_rows(arg, "victims", x->capacity, &victims) < 0) {
         return NULL;
     }
-    for (Py_ssize_t i = 0; x->gone != NULL && i < victims.count; i++) {
-        int32_t parent = x->parent[victims.rows[i]];
-        if (parent != ROOT) {
-            x->gone[parent] = 0;
-        }
-    }
+    forget(x, victims.rows, victims.count);
     release_rows(&victims);
     Py_RETURN_NONE;
+}
+
+/* pick_lru(log_rows, position, end, base, tier, out) -> (count, head): pick_leaves over the whole
+ * touch log (touchlog.py) from `position` in one call, then forget_picks: the current entries of
+ * log_rows[position:end] (live rows still carrying tick base + their position) whose row is in
+ * `tier` and unpinned, in log (LRU) order, until out is full. `head`: the first current entry's
+ * position (where the scan stopped if none), where the log may start from now. What the chunked scan with
+ * pick_leaves gives, without a Python step per chunk. */
+static PyObject *
+index_pick_lru(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer log_v, out_v;
+    Py_ssize_t position, end, tier;
+    long long base;
+    if (!index_ready(x)) {
+        return NULL;
+    }
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "pick_lru(log_rows, position, end, base, tier, out) takes 6 arguments");
+        return NULL;
+    }
+    if (index_arg(args[1], "position", 0, &position) < 0 || index_arg(args[2], "end", position, &end) < 0 ||
+        index_arg(args[4], "tier", 0, &tier) < 0) {
+        return NULL;
+    }
+    base = PyLong_Check(args[3]) ? PyLong_AsLongLong(args[3]) : -1;
+    if (base < 0) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "base: expected an integer >= 0");
+        return NULL;
+    }
+    if (x->gone == NULL && (x->gone = PyMem_RawCalloc((size_t)x->capacity + 1, sizeof(int32_t))) == NULL) {
+        return PyErr_NoMemory();
+    }
+    if (get_array(args[0], "log_rows", 'i', 4, 1, 0, &log_v) < 0) {
+        return NULL;
+    }
+    if (get_array(args[5], "out", 'i', 8, 1, 1, &out_v) < 0) {
+        PyBuffer_Release(&log_v);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (end > length_of(&log_v)) {
+        PyErr_SetString(PyExc_ValueError, "end: past the log");
+    } else {
+        const int32_t *log = log_v.buf;
+        int64_t *out = out_v.buf;
+        Py_ssize_t size = length_of(&out_v), count = 0, head = -1, j;
+        for (j = position; j < end && count < size; j++) {
+            int32_t row = log[j];
+            if (row < 0 || row >= x->capacity || x->tier[row] < 0 || x->tick[row] != base + j) {
+                continue; /* stale: the row was touched again, or removed */
+            }
+            if (head < 0) {
+                head = j;
+            }
+            if (x->tier[row] == tier && !x->pins[row]) {
+                pick_leaf(x, row, out, &count);
+            }
+        }
+        forget(x, out, count);
+        result = Py_BuildValue("(nn)", count, head < 0 ? j : head);
+    }
+    PyBuffer_Release(&out_v);
+    PyBuffer_Release(&log_v);
+    return result;
 }
 
 static PyMethodDef index_methods[] = {
@@ -1207,6 +1319,8 @@ static PyMethodDef index_methods[] = {
     {"pick_leaves", (PyCFunction)(void (*)(void))index_pick_leaves, METH_FASTCALL,
      "pick_leaves(nodes, out, count) -> count: leaf-first victims from an LRU chunk"},
     {"forget_picks", (PyCFunction)index_forget_picks, METH_O, "forget_picks(victims): end a pick"},
+    {"pick_lru", (PyCFunction)(void (*)(void))index_pick_lru, METH_FASTCALL,
+     "pick_lru(log_rows, position, end, base, tier, out) -> (count, head): leaf-first LRU victims of a tier"},
     {"remove_many", (PyCFunction)index_remove_many, METH_O,
      "remove_many(rows): retire live unpinned rows closed under children (the map's cells are the caller's)"},
     {NULL, NULL, 0, NULL},
@@ -1356,23 +1470,24 @@ core_copy_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* set_bytes(flags, rows, value): flags[rows[i]] = value (a free list's flags, tiers/base.py).
- * flags: writable C-contiguous uint8; rows: ints in [0, len(flags)); value: 0..255. */
+/* flip_flags(flags, rows, value): flags[rows[i]] = value (0 or 1) where each was the other (a free
+ * list's flags, tiers/base.py: slots handed out, or given back); ValueError, changing nothing,
+ * if one already holds `value` (a slot freed twice, or taken twice) or repeats. */
 static PyObject *
-core_set_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+core_flip_flags(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer flags_v;
     Rows rows;
     Py_ssize_t value;
     if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "set_bytes(flags, rows, value) takes 3 arguments");
+        PyErr_SetString(PyExc_TypeError, "flip_flags(flags, rows, value) takes 3 arguments");
         return NULL;
     }
     if (index_arg(args[2], "value", 0, &value) < 0) {
         return NULL;
     }
-    if (value > 255) {
-        PyErr_SetString(PyExc_ValueError, "value: expected an integer in 0..255");
+    if (value > 1) {
+        PyErr_SetString(PyExc_ValueError, "value: expected 0 or 1");
         return NULL;
     }
     if (get_array(args[0], "flags", 'u', 1, 1, 1, &flags_v) < 0) {
@@ -1383,11 +1498,25 @@ core_set_bytes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     uint8_t *flags = flags_v.buf;
-    for (Py_ssize_t i = 0; i < rows.count; i++) {
+    Py_ssize_t i = 0;
+    for (; i < rows.count; i++) {
+        if (flags[rows.rows[i]] != 1 - value) {
+            PyErr_Format(PyExc_ValueError, "rows[%zd]: %lld is %zd already, or repeats", i, (long long)rows.rows[i],
+                         value);
+            break;
+        }
         flags[rows.rows[i]] = (uint8_t)value;
+    }
+    if (i < rows.count) {
+        for (Py_ssize_t j = 0; j < i; j++) {
+            flags[rows.rows[j]] = (uint8_t)(1 - value); /* refused: put them back */
+        }
     }
     release_rows(&rows);
     PyBuffer_Release(&flags_v);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 
@@ -1399,8 +1528,8 @@ static PyMethodDef core_methods[] = {
      "xxh3_chain(root, tokens, block_size) -> list of the chained digests of every full block"},
     {"current_entries", (PyCFunction)(void (*)(void))core_current_entries, METH_FASTCALL,
      "current_entries(log_rows, tick, tier, position, stop, base, out) -> (count, leading)"},
-    {"set_bytes", (PyCFunction)(void (*)(void))core_set_bytes, METH_FASTCALL,
-     "set_bytes(flags, rows, value): flags[rows[i]] = value (uint8)"},
+    {"flip_flags", (PyCFunction)(void (*)(void))core_flip_flags, METH_FASTCALL,
+     "flip_flags(flags, rows, value): flags[rows[i]] = value (0 or 1) where each was the other"},
     {"copy_rows", (PyCFunction)(void (*)(void))core_copy_rows, METH_FASTCALL,
      "copy_rows(dst, slots, src): row i of src into row slots[i] of dst (raw bytes)"},
     {"resp_set", (PyCFunction)(void (*)(void))core_resp_set, METH_FASTCALL,

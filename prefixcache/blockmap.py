@@ -5,8 +5,8 @@ Why not a dict: a Python dict of 16-byte `bytes` keys to `int` rows costs
 index's metadata budget. This table costs the digest (padded to 8-byte words)
 plus 16..28 bytes of cells per block. The arrays live here (numpy); searching and
 placing are the compiled core's (`_core.HashTable`, prefixcache/_core.c), which
-probes a whole prompt's hashes in one call. Deletions, which need no search, stay
-vectorised numpy stores.
+probes a whole prompt's hashes in one call, and unmaps a batch of rows (which needs
+no search) in another.
 
 Layout:
 - `columns[k][row]` (rows of `words`): word k of the row's digest as a native u64
@@ -112,17 +112,10 @@ class BlockMap:
         self._count -= 1
 
     def delete_many(self, rows: np.ndarray) -> None:
-        """Unmap distinct mapped `rows` in one vectorised step; raises KeyError, changing nothing,
-        if one is not mapped (or repeats)."""
+        """Unmap distinct mapped `rows` (one call of the compiled core); raises KeyError, changing
+        nothing, if one is not mapped (or repeats), ValueError if one is outside [0, capacity)."""
         rows = np.asarray(rows, dtype=np.int64)
-        if not rows.size:
-            return
-        cells = self.cell_of[rows]
-        ordered = np.sort(cells)
-        if ordered[0] < 0 or (ordered[1:] == ordered[:-1]).any():
-            raise KeyError("a row to delete is not mapped")
-        self.cells.reshape(-1)[cells] = DELETED
-        self.cell_of[rows] = EMPTY
+        self.table.delete_many(rows)
         self._count -= len(rows)
 
     def rebuild(self) -> None:

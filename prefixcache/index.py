@@ -272,11 +272,18 @@ class RadixIndex:
         it has no children left, so every cached prefix stays contiguous. Read from the touch log
         (O(entries scanned), not O(blocks cached)); the picking is the compiled core's. `cut` sees
         each LRU chunk first and returns the nodes to pick from and whether the scan stops after
-        them. Nothing changes but the log's head (leading stale entries)."""
+        them. Nothing changes but the log's head (leading stale entries).
+
+        Without `members` and `cut` (every plain eviction) the whole scan is one call of the core
+        (`IndexCore.pick_lru`); with them, a chunk at a time through Python."""
         out = np.empty(max(wanted, 0), dtype=np.int64)
         count = 0
         if not len(out):
             return out
+        if members is None and cut is None:
+            log = self.log
+            count, log.head = self.core.pick_lru(log.rows, log.head, log.end, log.base, tier, out)
+            return out[:count]
 
         def eligible(nodes: np.ndarray) -> np.ndarray:
             ok = (self.tier[nodes] == tier) & (self.pins[nodes] == 0)

@@ -133,15 +133,20 @@ class Placement:
         self.tenants.counters_of_node(node).evictions[(kind, reason)] += 1
 
     def _count_evictions(self, rows: np.ndarray, kind: TierKind, reason: EvictionReason) -> None:
-        self.counters.evictions[(kind, reason)] += len(rows)
+        key = (kind, reason)
+        self.counters.evictions[key] += len(rows)
+        sole = self.tenants.sole_counters()
+        if sole is not None:  # one tenant: no need to read the rows' namespaces
+            sole.evictions[key] += len(rows)
+            return
         # one tenant lookup per namespace among them
         namespaces = self.index.namespace[rows]
         if not (namespaces != namespaces[0]).any():  # the usual case: one namespace
-            self.tenants.counters_of_node(int(rows[0])).evictions[(kind, reason)] += len(rows)
+            self.tenants.counters_of_node(int(rows[0])).evictions[key] += len(rows)
             return
         _, first, counts = np.unique(namespaces, return_index=True, return_counts=True)
         for i, count in zip(first.tolist(), counts.tolist()):
-            self.tenants.counters_of_node(int(rows[i])).evictions[(kind, reason)] += count
+            self.tenants.counters_of_node(int(rows[i])).evictions[key] += count
 
     # -- making room ------------------------------------------------------------------
     def make_room(self, kind: TierKind, count: int, layout: int = 0) -> bool:

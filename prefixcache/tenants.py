@@ -45,6 +45,10 @@ class Tenants:
         """The counters of the tenant that owns namespace row `ns_row`."""
         return self._counters[int(self._tenant_of_ns[ns_row])]
 
+    def sole_counters(self) -> Counters | None:
+        """The counters of the one tenant when only one has attached (every block is its own)."""
+        return self._counters[0] if len(self._counters) == 1 else None
+
     def counters_of_node(self, node: int) -> Counters:
         return self.counters(int(self._index.namespace[node]))
 

@@ -354,6 +354,27 @@ def test_remove_many_equals_removing_one_by_one_and_checks_first() -> None:
         many.remove_many([roots[0], roots[0]])  # a repeat changes nothing
     many.remove_many(roots)  # parentless leaves only
     assert len(many) == 1 and (many.tier[roots] < 0).all()
+    # the refused calls left the core's per-row scratch clean (the new chain reuses their rows):
+    # a pick sees each row's children as they are, and takes every unpinned block, leaf first
+    _, _, rest = chain(many, [30, 31, 32, 33, 34, 35], salt=20)
+    assert set(rest) & {trunk[0], trunk[1], trunk[2], *roots}
+    assert many.lru_leaves(1, 10).tolist() == [trunk[0], rest[2], rest[1], rest[0]]
+
+
+def test_block_map_delete_many_refuses_a_repeat_or_an_unmapped_row_changing_nothing() -> None:
+    table = BlockMap(8, 16)
+    digests = [bytes([i]) * 16 for i in range(4)]
+    table.insert_many(digests, [0, 1, 2, 3])
+    for rows in ([1, 2, 1], [1, 5], [3, 3]):
+        with pytest.raises(KeyError, match="not mapped, or repeats"):
+            table.delete_many(np.array(rows))
+        assert table.get_many(digests).tolist() == [0, 1, 2, 3] and len(table) == 4
+    with pytest.raises(ValueError, match=r"rows\[0\]: 8 outside \[0, 8\)"):
+        table.delete_many(np.array([8]))
+    table.delete_many(np.array([2, 0]))
+    assert table.get_many(digests).tolist() == [-1, 1, -1, 3] and len(table) == 2
+    table.insert_many([digests[0]], [0])  # a tombstone's cell is taken again
+    assert table.get(digests[0]) == 0
 
 
 @settings(max_examples=60, deadline=None)

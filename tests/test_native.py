@@ -274,7 +274,7 @@ def test_copy_rows_moves_raw_rows_into_slots() -> None:
     assert big[39:19:-1].tobytes() == rows.tobytes() and not big[:20].any()
 
 
-def test_copy_rows_and_set_bytes_reject_bad_buffers_naming_the_argument() -> None:
+def test_copy_rows_and_flip_flags_reject_bad_buffers_naming_the_argument() -> None:
     dst, src = np.zeros((4, 8), dtype=np.uint8), np.ones((2, 8), dtype=np.uint8)
     readonly = dst.copy()
     readonly.flags.writeable = False
@@ -297,23 +297,25 @@ def test_copy_rows_and_set_bytes_reject_bad_buffers_naming_the_argument() -> Non
             core.copy_rows(*args)
     assert not dst.any()  # nothing was written by a refused call
     flags = bytearray(b"\x01") * 5
-    core.set_bytes(flags, (4, 0), 0)
-    core.set_bytes(flags, [], 0)
+    core.flip_flags(flags, (4, 0), 0)
+    core.flip_flags(flags, [], 0)
     assert flags == bytearray(b"\x00\x01\x01\x01\x00")
-    core.set_bytes(np.frombuffer(flags, dtype=np.uint8), np.array([4], dtype=np.int64), 7)
-    assert flags[4] == 7
+    core.flip_flags(np.frombuffer(flags, dtype=np.uint8), np.array([4], dtype=np.int64), 1)
+    assert flags[4] == 1
     for args, error, message in (
         ((flags, [5], 0), ValueError, r"rows\[0\]: 5 outside \[0, 5\)"),
-        ((flags, [0], 256), ValueError, "value: expected an integer in 0..255"),
+        ((flags, [1, 0], 0), ValueError, r"rows\[1\]: 0 is 0 already, or repeats"),  # 1 is put back
+        ((flags, [1, 2, 1], 0), ValueError, r"rows\[2\]: 1 is 0 already, or repeats"),
+        ((flags, [0], 2), ValueError, "value: expected 0 or 1"),
         ((flags, [0], -1), ValueError, "value: expected an integer >= 0"),
         ((np.zeros(5, np.int16), [0], 0), TypeError, "flags: expected uint8"),
         ((np.zeros((5, 2), np.uint8), [0], 0), ValueError, r"flags: expected 1 dimension\(s\)"),
         ((bytes(5), [0], 0), TypeError, "flags: expected a writable"),
-        ((flags, [0]), TypeError, r"set_bytes\(flags, rows, value\) takes 3 arguments"),
+        ((flags, [0]), TypeError, r"flip_flags\(flags, rows, value\) takes 3 arguments"),
     ):
         with pytest.raises(error, match=message):
-            core.set_bytes(*args)
-    assert flags == bytearray(b"\x00\x01\x01\x01\x07")
+            core.flip_flags(*args)
+    assert flags == bytearray(b"\x00\x01\x01\x01\x01")  # what refused calls flipped is back
 
 
 def test_the_touch_log_scan_step_keeps_only_current_entries() -> None:
@@ -377,3 +379,25 @@ def test_lru_leaves_picks_what_evicting_each_lru_node_in_turn_would(seed: int) -
     assert idx.lru_leaves(1, 50).tolist() == idx.lru_leaves(1, 50).tolist() == reference_leaves(idx, 1, 50, None)
     with pytest.raises(ValueError, match="count: more than out holds"):
         idx.core.pick_leaves(np.array([0]), np.empty(1, dtype=np.int64), 2)
+    # pick_lru (the plain pick's one call) moves the head to the first current entry only
+    log, out = idx.log, np.empty(5, dtype=np.int64)
+    count, head = idx.core.pick_lru(log.rows, 0, log.end, log.base, 1, out)
+    assert out[:count].tolist() == reference_leaves(idx, 1, 5, None)
+    first_current = next(
+        j for j in range(log.end) if idx.tier[log.rows[j]] >= 0 and idx.tick[log.rows[j]] == log.base + j
+    )
+    assert head == first_current
+    assert idx.core.pick_lru(log.rows, 0, log.end, log.base, 1, out[:0]) == (0, 0)  # nothing wanted: no scan
+    for args, error, message in (
+        ((log.rows, 0, len(log.rows) + 1, log.base, 1, out), ValueError, "end: past the log"),
+        ((log.rows, 3, 2, log.base, 1, out), ValueError, "end: expected an integer >= 3"),
+        ((log.rows, 0, log.end, -1, 1, out), ValueError, "base: expected an integer >= 0"),
+        ((log.rows.astype(np.int64), 0, log.end, log.base, 1, out), TypeError, "log_rows: expected int32"),
+        (
+            (log.rows, 0, log.end, log.base, 1),
+            TypeError,
+            r"pick_lru\(log_rows, position, end, base, tier, out\) takes 6",
+        ),
+    ):
+        with pytest.raises(error, match=message):
+            idx.core.pick_lru(*args)
