@@ -89,6 +89,29 @@ def buckets_bound_memory(loaded: LoadedModel) -> bool:
     )
 
 
+def rows_invariant(loaded: LoadedModel) -> bool:
+    """Whether the model's matmuls give a row the same bits however many rows share the call, the
+    property a cached prefill's exactness rests on. A probe of each weight shape of its linear
+    layers (the LM head aside: it only ever sees one row), with four draws of random rows: 64-, 144-
+    and 257-row calls against the same rows in a 640-row one (a differing kernel changes a few of
+    ~36k elements, seen in ~85% of draws). oneDNN's AMX bf16 kernels fail it
+    (services/cli.py caps them off, `ONEDNN_MAX_CPU_ISA`)."""
+    model = loaded.model
+    head = model.get_output_embeddings()
+    weights = {
+        tuple(m.weight.shape): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head
+    }
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for (_, width), weight in sorted(weights.items()):
+            for _ in range(4):  # a kernel's different summation shows in a few elements of a draw, not every draw
+                rows = torch.randn(640, width, generator=generator).to(weight.dtype).to(weight.device)
+                full = torch.nn.functional.linear(rows, weight)
+                if any(not torch.equal(torch.nn.functional.linear(rows[:m], weight), full[:m]) for m in (64, 144, 257)):
+                    return False
+    return True
+
+
 @dataclass(frozen=True)
 class PrefillResult:
     cache: DynamicCache  # the prompt's KV (grows as a Generation decodes into it)
@@ -194,6 +217,15 @@ class Engine:
             raise UnsupportedModelError(f"the input embeddings' num_embeddings is {vocab!r}, not a row count")
         self._vocab = vocab
         self._rate = rate_meter if rate_meter is not None else PrefillRateMeter()
+        # bfloat16 is the exact dtype (float32 differs by ~1e-6 whatever the kernels, see `attention`)
+        self.rows_invariant = self._model.dtype == torch.bfloat16 and rows_invariant(loaded)
+        if self._model.dtype == torch.bfloat16 and not self.rows_invariant:
+            logger.warning(
+                "this machine's %s matmuls are not row-invariant: a prefill from cached blocks may differ in the "
+                "last bits from a full one (start the process with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, as "
+                "`prefixcache worker` does)",
+                self._model.dtype,
+            )
 
     @property
     def kv(self) -> KVLayout:
