@@ -282,6 +282,9 @@ class CacheConfig:
     # (None, or more than the first layout's block: that block; smaller blocks fill chunks partly).
     chunk_bytes: int | None = None
     min_block_bytes: int | None = None
+    # Map every page of the host tier's segment at start (tiers/shm.py): start-up pays the tmpfs's
+    # first-touch cost of each page instead of the first commits into it.
+    host_prefault: bool = False
 
     def __post_init__(self) -> None:
         for name in ("host_capacity", "device_capacity"):
@@ -291,6 +294,8 @@ class CacheConfig:
                 object.__setattr__(self, name, parse_size(getattr(self, name), name))
                 if getattr(self, name) < 1:
                     raise ConfigError(name, "must be > 0")
+        if not isinstance(self.host_prefault, bool):
+            raise ConfigError("host_prefault", f"must be true or false, got {self.host_prefault!r}")
         if self.chunk_bytes is not None and self.chunk_bytes % 16:
             raise ConfigError("chunk_bytes", f"must be a multiple of 16 bytes, got {self.chunk_bytes}")
         object.__setattr__(self, "ttl_s", parse_duration(self.ttl_s, "ttl_s"))

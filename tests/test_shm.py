@@ -388,3 +388,31 @@ def test_a_segment_is_live_exactly_while_its_owner_holds_it() -> None:
         assert foreign.exists()
     finally:
         foreign.unlink()
+
+
+def _mapped_kib(path: Path) -> int:
+    """Rss of this process's mapping of `path` (/proc/self/smaps), in KiB."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.endswith(str(path)):
+            return next(int(entry.split()[1]) for entry in lines[i + 1 :] if entry.startswith("Rss:"))
+    raise AssertionError(f"{path} is not mapped")
+
+
+def test_a_prefaulted_segment_has_every_data_page_mapped_and_still_reads_zeros() -> None:
+    """`host_prefault`: every data page is mapped at start (no first-touch fault on a commit);
+    without it, none is until written. The segment's bytes are unchanged (zeros)."""
+    from prefixcache.config import CacheConfig
+    from prefixcache.errors import ConfigError
+    from prefixcache.tiers.shm import OwnedSegment
+
+    for prefault, at_least, at_most in ((True, 4 * MiB, None), (False, 0, MiB // 4)):
+        segment = OwnedSegment(f"pfx-test-prefault-{os.getpid()}-{prefault}", 4 * MiB, prefault=prefault)
+        try:
+            resident = _mapped_kib(segment.path) * 1024
+            assert resident >= at_least and (at_most is None or resident <= at_most), (prefault, resident)
+            assert not any(segment.buf[:: mmap.PAGESIZE]) and not any(segment.buf[-64:])
+        finally:
+            segment.close()
+    with pytest.raises(ConfigError, match="host_prefault: must be true or false, got 'yes'"):
+        CacheConfig(host_prefault="yes")  # type: ignore[arg-type]

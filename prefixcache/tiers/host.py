@@ -55,11 +55,12 @@ class HostTier(TensorPool):
         segment: OwnedSegment | str | None = None,
         chunk_bytes: int | None = None,
         min_block_bytes: int | None = None,
+        prefault: bool = False,
     ) -> None:
         num_slots = slots_for(capacity_bytes, layout, "host_capacity")
         size = num_slots * layout.block_bytes
         if not isinstance(segment, OwnedSegment):
-            segment = OwnedSegment(segment or f"prefixcache-{secrets.token_hex(6)}", size)
+            segment = OwnedSegment(segment or f"prefixcache-{secrets.token_hex(6)}", size, prefault=prefault)
         elif segment.data_bytes < size:
             raise ConfigError(
                 "host_capacity",

@@ -154,7 +154,8 @@ class CacheBackend:
         hold `host_capacity`, or a live service that owns `name`, stops the start with one line."""
         with self._create_lock:
             if self._segment is None and self._cache is None:
-                self._segment = OwnedSegment(name, self.options.cache.host_capacity, owner=owner)
+                cache = self.options.cache
+                self._segment = OwnedSegment(name, cache.host_capacity, owner=owner, prefault=cache.host_prefault)
 
     def copies_in_progress(self) -> int:
         """Threads copying out of tier memory right now (inside `reading()`)."""
@@ -211,7 +212,9 @@ class CacheBackend:
         config = options.cache
         sizing = {"chunk_bytes": config.chunk_bytes, "min_block_bytes": config.min_block_bytes}
         try:
-            host = HostTier(layout, config.host_capacity, self._segment or options.shm_name, **sizing)
+            host = HostTier(
+                layout, config.host_capacity, self._segment or options.shm_name, prefault=config.host_prefault, **sizing
+            )
         except ConfigError as error:
             raise ServiceMisconfigured(f"{error} for this layout") from None
         try:
