@@ -29,11 +29,6 @@ import sys
 # torch's OpenMP threads busy-wait by default, which collapses when the service,
 # workers and clients share a few cores; it must be set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# oneDNN's AMX bf16 matmuls pick their blocking from the row count (a row of a 144-row matmul
-# differs from the same row in a 257-row one, K >= 640; measured on an AMX Xeon), which breaks
-# the worker's exactness (a suffix prefill must reproduce a full one bit for bit); AVX-512 BF16
-# kernels below it are row-invariant. A cap, read when oneDNN starts: no effect without AMX.
-os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 from prefixcache.errors import PrefixCacheError  # noqa: E402 - after the OMP setting
 from prefixcache.version import version  # noqa: E402

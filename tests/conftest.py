@@ -11,9 +11,6 @@ import pytest
 # Before torch is imported here or in any subprocess: OpenMP threads that
 # busy-wait collapse when tests, services and workers share two cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# And before oneDNN starts: the worker's exactness needs row-invariant bf16 matmuls, which its
-# AMX kernels are not (services/cli.py, where every worker process sets the same).
-os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 from tests.support import lifetime  # after the environment is set
 

@@ -50,6 +50,9 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     out = Path(out_path)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.pop(
+        "ONEDNN_MAX_CPU_ISA", None
+    )  # the HF worker's cap (worker/model.py): vLLM's AMX kernels SIGILL under it
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 

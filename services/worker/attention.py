@@ -34,7 +34,7 @@ Invariants and limits:
   non-causal modules raise `ValueError`;
 - bfloat16 on CPU: cached == recomputed bit for bit (verified on random prompt pairs of up
   to 3k tokens, 1 and 2 threads), given row-invariant matmuls: oneDNN's AMX kernels are not,
-  so every process caps oneDNN below them (services/cli.py; `engine.rows_invariant` checks). float32 is not bit-exact on CPU whatever the attention
+  so the worker caps oneDNN below them (worker/model.py; `engine.rows_invariant` checks). float32 is not bit-exact on CPU whatever the attention
   (MKL sgemm and vectorised elementwise kernels such as SiLU round differently with the
   row count and thread split): logits differ by ~1e-6.
 """

@@ -95,7 +95,7 @@ def rows_invariant(loaded: LoadedModel) -> bool:
     layers (the LM head aside: it only ever sees one row), with four draws of random rows: 64-, 144-
     and 257-row calls against the same rows in a 640-row one (a differing kernel changes a few of
     ~36k elements, seen in ~85% of draws). oneDNN's AMX bf16 kernels fail it
-    (services/cli.py caps them off, `ONEDNN_MAX_CPU_ISA`)."""
+    (worker/model.py caps them off, `ONEDNN_MAX_CPU_ISA`)."""
     model = loaded.model
     head = model.get_output_embeddings()
     weights = {
@@ -222,8 +222,8 @@ class Engine:
         if self._model.dtype == torch.bfloat16 and not self.rows_invariant:
             logger.warning(
                 "this machine's %s matmuls are not row-invariant: a prefill from cached blocks may differ in the "
-                "last bits from a full one (start the process with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, as "
-                "`prefixcache worker` does)",
+                "last bits from a full one (start the process with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, which "
+                "importing prefixcache_services.worker.model sets unless oneDNN ran before)",
                 self._model.dtype,
             )
 

@@ -18,6 +18,12 @@ Invariants:
   off a real forward pass.
 - Attention defaults to `attention.PREFIX_EXACT`, the length-invariant kernel that makes
   cached and recomputed KV bitwise identical in bfloat16 (see `attention`).
+- A process that imports this module runs oneDNN capped below AMX (`ONEDNN_MAX_CPU_ISA`, unless
+  set): AMX bf16 matmuls pick their blocking from the row count (a row of a 144-row call differs
+  from the same row in a 257-row one, K >= 640; measured on an AMX Xeon), which would break that
+  exactness; the AVX-512 BF16 kernels below are row-invariant. oneDNN reads the cap at its first
+  primitive, after this import; `engine.rows_invariant` checks it took. Never in a vLLM process:
+  vLLM's CPU kernels need the AMX state that only oneDNN's AMX path enables (capped: SIGILL).
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ from .attention import register_prefix_exact_attention
 from .chat import ChatMessage, ChatMLTemplate, ChatRenderer, HFChatTemplate
 from .compat import check_plain_kv, probe_kv_layout
 from .tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
+
+# Read by oneDNN at its first primitive, so in time after torch is imported (see above).
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 logger = logging.getLogger(__name__)
 

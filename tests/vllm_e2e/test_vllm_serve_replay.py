@@ -153,6 +153,7 @@ def _serve(workdir: Path, name: str, model: Path, connector: dict | None) -> tup
             ),
         ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    env.pop("ONEDNN_MAX_CPU_ISA", None)  # the HF worker's cap (worker/model.py): vLLM's AMX kernels SIGILL under it
     with (workdir / f"{name}.log").open("w") as log:
         process = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
