@@ -15,7 +15,7 @@ Layout:
   bucket is `word0 & bucket_mask`, and a bucket without a free cell overflows into
   the next one (linear probing over buckets).
 - `cell_of[row]`: the flat cell holding a mapped row (-1 when unmapped), so deleting
-  rows costs no search and a batch of deletions is one vectorised store.
+  rows costs no search (a batch of deletions is one O(n) pass of the core).
 
 Invariants:
 - buckets x BUCKET >= 3 x capacity, so the load is at most 1/3; a bucket
