@@ -1097,6 +1097,17 @@ index_unpin(IndexCore *x, PyObject *path)
     Py_RETURN_NONE;
 }
 
+/* x->gone, allocated at its first use (zero between calls of the kernels that use it). */
+static int
+scratch(IndexCore *x)
+{
+    if (x->gone == NULL && (x->gone = PyMem_RawCalloc((size_t)x->capacity + 1, sizeof(int32_t))) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
 #define MEMBER (1 << 30) /* remove_many's mark in x->gone (a row's child count stays below it) */
 
 /* remove_many(rows): retire distinct live, unpinned rows each of whose children is among them
@@ -1111,8 +1122,8 @@ index_remove_many(IndexCore *x, PyObject *arg)
     if (!index_ready(x)) {
         return NULL;
     }
-    if (x->gone == NULL && (x->gone = PyMem_RawCalloc((size_t)x->capacity + 1, sizeof(int32_t))) == NULL) {
-        return PyErr_NoMemory();
+    if (scratch(x) < 0) {
+        return NULL;
     }
     if (get_rows(arg, "rows", x->capacity, &r) < 0) {
         return NULL;
@@ -1192,8 +1203,8 @@ index_pick_leaves(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "pick_leaves(nodes, out, count) takes 3 arguments");
         return NULL;
     }
-    if (x->gone == NULL && (x->gone = PyMem_RawCalloc((size_t)x->capacity + 1, sizeof(int32_t))) == NULL) {
-        return PyErr_NoMemory();
+    if (scratch(x) < 0) {
+        return NULL;
     }
     if (get_rows(args[0], "nodes", x->capacity, &nodes) < 0) {
         return NULL;
@@ -1252,7 +1263,7 @@ index_pick_lru(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer log_v, out_v;
     Py_ssize_t position, end, tier;
-    long long base;
+    Py_ssize_t base;
     if (!index_ready(x)) {
         return NULL;
     }
@@ -1264,14 +1275,11 @@ index_pick_lru(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
         index_arg(args[4], "tier", 0, &tier) < 0) {
         return NULL;
     }
-    base = PyLong_Check(args[3]) ? PyLong_AsLongLong(args[3]) : -1;
-    if (base < 0) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_ValueError, "base: expected an integer >= 0");
+    if (index_arg(args[3], "base", 0, &base) < 0) {
         return NULL;
     }
-    if (x->gone == NULL && (x->gone = PyMem_RawCalloc((size_t)x->capacity + 1, sizeof(int32_t))) == NULL) {
-        return PyErr_NoMemory();
+    if (scratch(x) < 0) {
+        return NULL;
     }
     if (get_array(args[0], "log_rows", 'i', 4, 1, 0, &log_v) < 0) {
         return NULL;
@@ -1350,7 +1358,7 @@ core_current_entries(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_buffer log_v, tick_v, tier_v, out_v;
     Py_ssize_t position, stop;
-    long long base;
+    Py_ssize_t base;
     if (nargs != 7) {
         PyErr_SetString(PyExc_TypeError, "current_entries(log_rows, tick, tier, position, stop, base, out) takes 7 "
                                          "arguments");
@@ -1359,10 +1367,7 @@ core_current_entries(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (index_arg(args[3], "position", 0, &position) < 0 || index_arg(args[4], "stop", position, &stop) < 0) {
         return NULL;
     }
-    base = PyLong_Check(args[5]) ? PyLong_AsLongLong(args[5]) : -1;
-    if (base < 0) {
-        PyErr_Clear();
-        PyErr_SetString(PyExc_ValueError, "base: expected an integer >= 0");
+    if (index_arg(args[5], "base", 0, &base) < 0) {
         return NULL;
     }
     if (get_array(args[0], "log_rows", 'i', 4, 1, 0, &log_v) < 0) {

@@ -82,6 +82,8 @@ class PrefillMeter:
             if previous > 0 and 0 < seconds < MAX_STEP_S:
                 self._meter.observe(previous, seconds)
                 self.observed += 1
+                if self.observed >= 8 and not self.observed & (self.observed - 1):
+                    self.log()  # at 8, 16, 32, ... timed steps
         self._open, self._excluded = ((now, tokens, load_s) if tokens > 0 else None), 0.0
 
     def exclude(self, seconds: float) -> None:
@@ -276,11 +278,7 @@ class SchedulerSide:
             self._plan(state, req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), meta)
         block_bytes = self.link.layout.block_bytes
         load_s = sum(MAPPED_LOAD.seconds(len(op.block_ids) * block_bytes) for op in meta.loads)
-        prefill = self.prefill
-        timed = prefill.observed
-        prefill.step(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0), load_s)
-        if prefill.observed != timed and prefill.observed >= 8 and not prefill.observed & (prefill.observed - 1):
-            prefill.log()
+        self.prefill.step(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0), load_s)
         return meta
 
     def _plan(self, state: _Request, req_id: str, computed_after_step: int, meta: PrefixCacheMetadata) -> None:
