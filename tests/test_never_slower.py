@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, DType, KVLayout
+from prefixcache.remote_link import PROBE_BATCH
 from prefixcache.tiers.host import HostTier
 from prefixcache.tiers.redis import RedisOptions, RedisTier
 from prefixcache.transfer import ProbeBudget, TransferEstimate
@@ -119,7 +120,7 @@ def test_probe_stops_at_the_budget_deadline(populated) -> None:
         SlowProxy(server.port, PROXY_LATENCY_S, PROXY_BYTES_PER_S) as proxy,
         tier_cache(proxy.url, prefix) as (cache, ns),
     ):
-        per_trip = cache.remote_link.tier.options.max_fetch_bytes // LAYOUT.block_bytes
+        per_trip = min(cache.remote_link.tier.options.max_fetch_bytes // LAYOUT.block_bytes, PROBE_BATCH)
         result, seconds = _timed_lookup(cache, ns, prompts["long"], WORKER_S_PER_TOKEN)
         assert result.hit_tokens == per_trip * BS
         assert result.remote_blocks_declined == 96 - per_trip

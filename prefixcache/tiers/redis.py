@@ -184,9 +184,10 @@ class RedisTier:
         """Frames for `hashes` (None = miss) by pipelined GETEX, which also refreshes each hit's TTL.
 
         One round trip, or, when the expected frame size `frame_bytes` is given, round
-        trips of at most `max_fetch_bytes` of replies: past about a MiB in flight, Redis
-        serves large replies several times slower (2 MiB values on loopback: ~2-3 GB/s
-        one per round trip, under 1 GB/s 64 deep; see benchmarks/redis_bench.py).
+        trips of at most `max_fetch_bytes` of replies (4 MiB: on loopback, 64 KiB values 64
+        per trip read ~20% faster than 8 per trip and 2 MiB values two per trip a little faster
+        than one; 128 per trip, or 64 x 2 MiB, is slower again: Redis buffers every reply of a
+        trip, see docs/benchmarks.md).
         With `prefix_only` only a contiguous run of hits is wanted: every entry after
         the first miss is None, and no round trip starts after one that held a miss.
         With a `budget` (which needs `frame_bytes`), each round trip asks only for what the

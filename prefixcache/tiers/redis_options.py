@@ -64,7 +64,7 @@ class RedisOptions:
     write_timeout_s: float = 0.5  # background writer only
     max_queue_bytes: int = 256 << 20
     max_batch: int = 64  # writes per pipelined round trip
-    max_fetch_bytes: int = 512 << 10  # reply bytes per pipelined read round trip (when the frame size is known)
+    max_fetch_bytes: int = 4 << 20  # reply bytes per pipelined read round trip (when the frame size is known)
     socket_read_size: int = 256 << 10  # per-connection receive buffer
     write_retries: int = 1  # on connection errors only (SET is idempotent)
     breaker_failures: int = 3
