@@ -185,9 +185,8 @@ class RedisTier:
 
         One round trip, or, when the expected frame size `frame_bytes` is given, round
         trips of at most `max_fetch_bytes` of replies (4 MiB: on loopback, 64 KiB values 64
-        per trip read ~20% faster than 8 per trip and 2 MiB values two per trip a little faster
-        than one; 128 per trip, or 64 x 2 MiB, is slower again: Redis buffers every reply of a
-        trip, see docs/benchmarks.md).
+        per trip read ~20% faster than 8 per trip, 2 MiB values two per trip a little faster
+        than one, and 128 x 64 KiB or 64 x 2 MiB per trip are slower again; docs/benchmarks.md).
         With `prefix_only` only a contiguous run of hits is wanted: every entry after
         the first miss is None, and no round trip starts after one that held a miss.
         With a `budget` (which needs `frame_bytes`), each round trip asks only for what the
