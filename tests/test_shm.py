@@ -416,3 +416,30 @@ def test_a_prefaulted_segment_has_every_data_page_mapped_and_still_reads_zeros()
             segment.close()
     with pytest.raises(ConfigError, match="host_prefault: must be true or false, got 'yes'"):
         CacheConfig(host_prefault="yes")  # type: ignore[arg-type]
+
+
+_EXIT_WITHOUT_CLOSE = r"""
+import os, sys
+from prefixcache.tiers.shm import OwnedSegment
+segment = OwnedSegment(sys.argv[1], 1 << 20, owner="test")
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # a forked child's normal exit runs its copy of the at-exit handler
+os.waitpid(child, 0)
+print(segment.path.exists(), flush=True)
+"""
+
+
+def test_an_owner_that_exits_without_closing_removes_its_segment_but_a_forked_child_does_not() -> None:
+    name = f"pfx-test-exit-{os.getpid()}"
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITHOUT_CLOSE, name],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True", "the forked child's exit removed its parent's live segment"
+    assert not (SHM_DIR / name).exists(), "the owner's exit left its segment"

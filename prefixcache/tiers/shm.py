@@ -19,14 +19,17 @@ Invariants:
   which a restarted container or a busy machine reuses.
 - A segment whose owner is gone is reclaimed by unlinking its name: a worker still mapping it
   keeps reading and writing its pages until it unmaps them, and the tmpfs frees them then.
-  A live segment is never unlinked by anyone but its owner.
+  A live segment is never unlinked by anyone but its owner. An owner that exits without
+  closing it (but is not killed) unlinks the name at exit; a killed owner's stays until then.
 - This module imports no torch: `prefixcache shm list|clean` and test janitors stay fast.
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
 import fcntl
+import functools
 import json
 import logging
 import mmap
@@ -277,11 +280,24 @@ def _reserve(fd: int, total: int, path: Path) -> None:
         raise ConfigError("host_capacity", f"cannot reserve {mib(total)} in {where}: {error.strerror}") from None
 
 
+def _unlink_at_exit(path: Path, inode: int, pid: int) -> None:
+    """At interpreter exit, remove the name of a segment this process still owns: not in a forked
+    child (its copy of the handler), nor a file that has replaced ours under the name."""
+    if os.getpid() != pid:
+        return
+    try:
+        if os.stat(path).st_ino == inode:  # our descriptor is still open: the inode is not reused
+            os.unlink(path)
+    except OSError:
+        pass
+
+
 class OwnedSegment:
     """A segment this process created, reserved and locked; `buf` is its data part.
 
     `close()` unmaps it and unlinks the name (tolerating a name already removed, e.g. by an
-    operator), then drops the lock. It is idempotent.
+    operator), then drops the lock. It is idempotent. A process that exits without it unlinks
+    the name at exit.
     """
 
     def __init__(
@@ -303,6 +319,10 @@ class OwnedSegment:
             self._discard()
             raise
         self.buf = memoryview(self._map)[: self.data_bytes]
+        # A process that exits without close() (a script, an unhandled error) still removes its
+        # name; only a kill leaves it, to the name's next owner or `prefixcache shm clean`.
+        self._at_exit = functools.partial(_unlink_at_exit, self.path, os.fstat(self._fd).st_ino, os.getpid())
+        atexit.register(self._at_exit)
 
     def _create(self, record: OwnerRecord) -> int:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -357,6 +377,7 @@ class OwnedSegment:
         if self._fd < 0 or self._unlinked:
             return
         self._unlinked = True
+        atexit.unregister(self._at_exit)
         try:
             if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
                 os.unlink(self.path)
