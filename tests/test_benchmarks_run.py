@@ -105,9 +105,8 @@ def test_every_script_is_run_or_left_out_for_a_reason() -> None:
 
 
 def test_arena_bench() -> None:
-    stdout = run_script(
-        "arena_bench.py", "--repeats", "20", "--rounds", "1"
-    ).stdout  # this tree only: no --baseline-tree
+    # This tree only: no --baseline-tree.
+    stdout = run_script("arena_bench.py", "--repeats", "20", "--rounds", "1").stdout
     report = json.loads(stdout.strip().splitlines()[-1])
     figures = [
         "lookup_8k_us",

@@ -431,15 +431,18 @@ print(segment.path.exists(), flush=True)
 
 
 def test_an_owner_that_exits_without_closing_removes_its_segment_but_a_forked_child_does_not() -> None:
-    name = f"pfx-test-exit-{os.getpid()}"
-    done = subprocess.run(
-        [sys.executable, "-c", _EXIT_WITHOUT_CLOSE, name],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "True", "the forked child's exit removed its parent's live segment"
-    assert not (SHM_DIR / name).exists(), "the owner's exit left its segment"
+    path = SHM_DIR / f"pfx-test-exit-{os.getpid()}"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _EXIT_WITHOUT_CLOSE, path.name],
+            cwd=ROOT,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "True", "the forked child's exit removed its parent's live segment"
+        assert not path.exists(), "the owner's exit left its segment"
+    finally:
+        path.unlink(missing_ok=True)  # a failed run leaves nothing behind either

@@ -27,6 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import functools
@@ -280,16 +281,21 @@ def _reserve(fd: int, total: int, path: Path) -> None:
         raise ConfigError("host_capacity", f"cannot reserve {mib(total)} in {where}: {error.strerror}") from None
 
 
+def _unlink_if_ours(path: Path, inode: int) -> bool:
+    """Unlink `path` if it is still our file `inode` (held open by us, so not reused); False if
+    another file has replaced it. FileNotFoundError if the name is gone."""
+    if os.stat(path).st_ino != inode:
+        return False
+    os.unlink(path)
+    return True
+
+
 def _unlink_at_exit(path: Path, inode: int, pid: int) -> None:
-    """At interpreter exit, remove the name of a segment this process still owns: not in a forked
-    child (its copy of the handler), nor a file that has replaced ours under the name."""
-    if os.getpid() != pid:
-        return
-    try:
-        if os.stat(path).st_ino == inode:  # our descriptor is still open: the inode is not reused
-            os.unlink(path)
-    except OSError:
-        pass
+    """At interpreter exit, remove the name of a segment this process still owns (not in a forked
+    child, which runs its copy of the handler)."""
+    if os.getpid() == pid:
+        with contextlib.suppress(OSError):
+            _unlink_if_ours(path, inode)
 
 
 class OwnedSegment:
@@ -321,7 +327,8 @@ class OwnedSegment:
         self.buf = memoryview(self._map)[: self.data_bytes]
         # A process that exits without close() (a script, an unhandled error) still removes its
         # name; only a kill leaves it, to the name's next owner or `prefixcache shm clean`.
-        self._at_exit = functools.partial(_unlink_at_exit, self.path, os.fstat(self._fd).st_ino, os.getpid())
+        self._inode = os.fstat(self._fd).st_ino
+        self._at_exit = functools.partial(_unlink_at_exit, self.path, self._inode, os.getpid())
         atexit.register(self._at_exit)
 
     def _create(self, record: OwnerRecord) -> int:
@@ -379,9 +386,7 @@ class OwnedSegment:
         self._unlinked = True
         atexit.unregister(self._at_exit)
         try:
-            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
-                os.unlink(self.path)
-            else:
+            if not _unlink_if_ours(self.path, self._inode):
                 log.warning("shared memory %s was replaced by another file; leaving that one", self.path)
         except FileNotFoundError:
             log.warning("shared memory %s was already removed; nothing to unlink", self.path)
