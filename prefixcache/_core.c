@@ -1565,7 +1565,7 @@ PyInit__core(void)
     Py_INCREF(&HashTableType);
     Py_INCREF(&IndexCoreType);
     if (PyModule_AddObject(module, "HashTable", (PyObject *)&HashTableType) < 0 ||
-        PyModule_AddObject(module, "IndexCore", (PyObject *)&IndexCoreType) < 0 ||
+        PyModule_AddObject(module, "IndexCore", (PyObject *)&IndexCoreType) < 0 || resp_register(module) < 0 ||
         PyModule_AddIntConstant(module, "STOP_NONE", STOP_NONE) < 0 ||
         PyModule_AddIntConstant(module, "STOP_NOT_CACHED", STOP_NOT_CACHED) < 0 ||
         PyModule_AddIntConstant(module, "STOP_EXPIRED", STOP_EXPIRED) < 0 ||

@@ -194,13 +194,15 @@ def test_a_slot_is_not_reused_while_its_block_is_still_being_sent_to_redis(
         warm = tokens_for(9, 1)
         assert cache.store(ns, warm, kv_for(warm, layout)).stored == 1 and tier.wait_idle(5)
         assert cache.flush() == 1 and tier.wait_idle(5)
-        (connection,) = tier._writer.connection_pool._available_connections  # the writer's one connection
-        connection._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        pool = tier._writer.connection_pool
+        connections = [*pool._available_connections, *pool._in_use_connections]  # the writer's lanes
+        for connection in connections:
+            connection._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         a, b = tokens_for(1, 4), tokens_for(2, 3)
         private_redis.process.send_signal(signal.SIGSTOP)
         try:
             assert cache.store(ns, a, kv_for(a, layout)).stored == 4
-            assert poll(lambda: tier._in_flight > 0, 2)  # a pipeline of them stalled mid-send
+            assert poll(lambda: len(tier._ops.flight(-1)) > 0, 2)  # a pipeline of them stalled mid-send
             started = time.perf_counter()
             refused = cache.store(ns, b, kv_for(b, layout))
             assert (refused.stored, refused.rejected) == (0, 3)  # a's slots are still being read
@@ -208,7 +210,8 @@ def test_a_slot_is_not_reused_while_its_block_is_still_being_sent_to_redis(
         finally:
             private_redis.process.send_signal(signal.SIGCONT)
         assert tier.wait_idle(10)
-        connection._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 22)
+        for connection in connections:
+            connection._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 22)
         assert cache.store(ns, b, kv_for(b, layout)).stored == 3  # a's writes are done: a1..a3 go
         assert tier.wait_idle(10)  # and b's, so that a's blocks can take their slots back
         result = cache.lookup(ns, a)  # a0 from the host tier, a1..a3 back from Redis

@@ -13,9 +13,16 @@ Invariants:
   are caught; anything else is a bug and propagates.
 - The caller never waits on a write: `submit` appends to a queue bounded in
   bytes (frames queued or in flight) or refuses at once.
-- One background thread owns every write, delete and recovery probe, in queue
-  order (a delete queued after a write runs after it). The request path never
-  probes: while the breaker is down `fetch` does no I/O at all.
+- One queue, the compiled core's `RespWriter`, holds every write and delete in
+  order (a delete queued after a write runs after it). Background threads own
+  every write, delete and recovery probe: on plain connections `write_lanes`
+  threads (lane 0 the one that probes and runs what Python must) stream the SETs
+  at the queue's head from the core without the GIL (`RespWriter.run`), each on a
+  connection of its own, so the first write of a burst is on the wire while
+  callers still frame the next ones; deletes, TLS and Redis Cluster writes, and a
+  batch whose exchange failed go through Python on the lane that took them. One
+  more thread hands written batches back (counters, `done`). The request path
+  never probes: while the breaker is down `fetch` does no I/O at all.
 - Constructing the tier does no I/O, so a service starts promptly with Redis
   down and picks it up when a probe succeeds.
 - Two breakers. The link breaker counts faults of the connection (timeouts, resets,
@@ -41,13 +48,13 @@ import random
 import re
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager as ContextManager
 from typing import NamedTuple, cast
 
 import redis.exceptions
 
+from ..native import core
 from ..transfer import ProbeBudget, TransferEstimate, TransferMeter
 from .base import Frame, TierKind
 from .breaker import Backoff, BreakerState, CircuitBreaker, Retry
@@ -72,14 +79,17 @@ class MalformedReply(redis.exceptions.RedisError):
     """Redis answered something a GETEX/SET cannot return."""
 
 
-# Queue entries are NamedTuples: one is built per submit, and a tuple is several times cheaper to
-# build than a frozen dataclass.
-class _Set(NamedTuple):
-    key: str
-    frame: Frame
-    ttl_ms: int
-    nbytes: int
-    done: Callable[[], None] | None  # called once the write is over, whatever its outcome
+class _Set:
+    """A queued SET; `own_frames` may swap its frame for an owned copy and settle `done` early."""
+
+    __slots__ = ("key", "frame", "ttl_ms", "nbytes", "done")
+
+    def __init__(self, key: str, frame: Frame, ttl_ms: int, nbytes: int, done: Callable[[], None] | None) -> None:
+        self.key = key
+        self.frame = frame
+        self.ttl_ms = ttl_ms
+        self.nbytes = nbytes
+        self.done = done  # called once the write is over, whatever its outcome (then None)
 
 
 class _Unlink(NamedTuple):
@@ -101,6 +111,10 @@ class _UnlinkMatching(NamedTuple):
 _Op = _Set | _Unlink | _UnlinkMatching
 _STOP = object()
 _PROBE = object()
+_STREAM = object()
+_POP = object()
+_SET_FIRST = 1  # RespWriter.head(): a SET heads the queue
+_EVERY_LANE = -1
 
 
 def _frames_from(replies: object, expected: int) -> list[bytes | memoryview | None]:
@@ -148,10 +162,11 @@ class RedisTier:
         self._write_retry = Retry(options.write_retries, Backoff(0.01, 0.1), (redis.exceptions.ConnectionError,))
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._queue: deque[_Op] = deque()
-        self._queue_bytes = 0  # queued plus in flight
-        self._in_flight = 0
-        self._batches = 0  # batches the writer has finished (`own_frames` waits for the next)
+        self._ops = core.RespWriter(options.write_lanes)  # the write queue, in order
+        self._pending = 0  # ops queued, in flight or written but not yet settled
+        self._queue_bytes = 0  # their bytes
+        self._settling = threading.Lock()  # held while written batches are settled (own_frames waits on it)
+        self._streams = True  # until a TLS connection says otherwise (RespWriter.run needs a plain socket)
         self._closing = False
         self._close_deadline = 0.0
         self._counters = RedisCounters()
@@ -163,7 +178,13 @@ class RedisTier:
         if client is None and not is_cluster_url(options.url):
             self._reader, self._writer = self._build_clients()  # no I/O for a standalone client
         self._thread = threading.Thread(target=self._run, name="prefixcache-redis-writer", daemon=True)
-        self._thread.start()
+        self._lanes = [
+            threading.Thread(target=self._run_lane, args=(lane,), name=f"prefixcache-redis-writer-{lane}", daemon=True)
+            for lane in range(1, options.write_lanes)
+        ]
+        self._completer = threading.Thread(target=self._complete, name="prefixcache-redis-completer", daemon=True)
+        for thread in (self._thread, *self._lanes, self._completer):
+            thread.start()
 
     # ---- request path -------------------------------------------------------------------
 
@@ -247,13 +268,15 @@ class RedisTier:
         until `done` is called (once, from the writer, when the write succeeded, failed or was
         dropped; never when this returns False)."""
         nbytes = len(frame) if isinstance(frame, bytes) else sum(memoryview(part).nbytes for part in frame)
-        op = _Set(self.key(namespace_id, block_hash), frame, self._ttl_ms(ttl_s), nbytes, done)
+        key = self.key(namespace_id, block_hash)
+        op = _Set(key, frame, self._ttl_ms(ttl_s), nbytes, done)
         with self._lock:
             if self._closing or not self._writes_up() or self._queue_bytes + nbytes > self.options.max_queue_bytes:
                 self._counters.spills_dropped += 1
                 return False
+            self._ops.push(op, key.encode(), frame, op.ttl_ms)
             self._counters.spills_queued += 1
-            self._enqueue_locked(op)
+            self._queued_locked(op)
         return True
 
     def delete(self, namespace_id: str, block_hash: bytes) -> None:
@@ -294,26 +317,25 @@ class RedisTier:
             )
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """True once nothing is queued or in flight (tests, shutdown)."""
+        """True once nothing is queued, in flight or unsettled (tests, shutdown)."""
         with self._changed:
-            return self._changed.wait_for(lambda: not self._queue and not self._in_flight, timeout_s)
+            return self._changed.wait_for(lambda: not self._pending, timeout_s)
 
     def own_frames(self, timeout_s: float) -> bool:
-        """Stop reading the buffers `submit` was given: copy each queued frame given as parts into
+        """Stop reading the buffers `submit` was given: copy each queued frame that lies in them into
         bytes of its own (its `done` is called now), and wait up to `timeout_s` for the batch in
-        flight, if any, to finish. False if it has not (its buffers may still be read until its
+        flight, if any, to be done. False if it is not (its buffers may still be read until its
         `done`)."""
         with self._changed:
-            owned: deque[_Op] = deque()
-            for op in self._queue:
-                if isinstance(op, _Set) and op.done is not None:
-                    owned.append(op._replace(frame=_joined(op.frame), done=None))
-                    op.done()
-                else:
-                    owned.append(op)
-            self._queue = owned
-            batches = self._batches
-            return self._changed.wait_for(lambda: not self._in_flight or self._batches != batches, timeout_s)
+            for op, frame in self._ops.own_queued():
+                op.frame = frame
+                if op.done is not None:
+                    done, op.done = op.done, None
+                    done()
+        flight = [op for op in self._ops.flight(_EVERY_LANE) if isinstance(op, _Set)]
+        self._settle_written()  # the completer may not have got to a batch already written
+        with self._changed:
+            return self._changed.wait_for(lambda: all(op.done is None for op in flight), timeout_s)
 
     def close(self, timeout_s: float = 2.0) -> bool:
         """Stop the writer: drain the queue until the deadline, drop the rest (counted). False if
@@ -323,11 +345,16 @@ class RedisTier:
             if not self._closing:
                 self._closing = True
                 self._close_deadline = self._clock() + timeout_s
+                self._ops.stop(timeout_s)
             self._changed.notify_all()
-        self._thread.join(timeout_s + 2 * self.options.write_timeout_s)
-        if self._thread.is_alive():
-            log.warning("redis writer did not stop within %.1fs", timeout_s)
-            return False
+        deadline = time.monotonic() + timeout_s + 2 * self.options.write_timeout_s
+        for thread in (self._thread, *self._lanes):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.warning("redis writer did not stop within %.1fs", timeout_s)
+                return False
+        self._ops.shutdown()  # every lane is out: the completer settles what they wrote, then stops
+        self._completer.join()
         if self._owns_clients:
             for client in {id(c): c for c in (self._reader, self._writer) if c is not None}.values():
                 client.close()
@@ -414,69 +441,136 @@ class RedisTier:
 
     def _read_failed(self, exc: BaseException) -> None:
         self._breaker.record_failure(f"read: {error_kind(exc)}")
+        if not self._breaker.is_up():
+            self._ops.interrupt()  # a streaming writer stops to drop what is queued
         with self._changed:
             self._counters.read_errors += 1
             self._changed.notify_all()  # the writer may have a probe to schedule
 
-    def _enqueue(self, op: _Op) -> None:
+    def _enqueue(self, op: _Unlink | _UnlinkMatching) -> None:
+        """Queue an op the writer runs through Python (in order with the SETs around it)."""
         with self._lock:
             if not self._closing:
-                self._enqueue_locked(op)
+                self._ops.push(op, None, None, 0)
+                self._queued_locked(op)
 
-    def _enqueue_locked(self, op: _Op) -> None:
-        self._queue.append(op)
+    def _queued_locked(self, op: _Op) -> None:
+        self._pending += 1
         self._queue_bytes += op.nbytes
-        self._changed.notify_all()
+        self._changed.notify_all()  # a writer waiting in Python (not streaming)
+
+    def _settle(self, ops: list[_Op]) -> None:
+        """The tier is done with these ops: call their `done`, count them out of the queue."""
+        dones = []
+        with self._changed:
+            for op in ops:
+                if isinstance(op, _Set) and op.done is not None:
+                    dones.append(op.done)
+                    op.done = None
+        for done in dones:
+            done()
+        with self._changed:
+            self._queue_bytes -= sum(op.nbytes for op in ops)
+            self._pending -= len(ops)
+            self._changed.notify_all()
 
     # ---- writer thread ------------------------------------------------------------------
 
     def _run(self) -> None:
-        self._probe()
-        while (work := self._next_work()) is not _STOP:
-            if work is _PROBE:
-                self._probe()
-                continue
-            work = cast(list[_Op], work)  # _next_work: a batch unless a sentinel
-            try:
-                self._apply(work)
-            finally:
-                _done(work)
-                with self._changed:
-                    self._queue_bytes -= sum(op.nbytes for op in work)
-                    self._in_flight = 0
-                    self._batches += 1
-                    self._changed.notify_all()
+        """Lane 0: probes, the ops Python runs, and SETs."""
+        try:
+            self._probe()
+            while (work := self._next_work()) is not _STOP:
+                if work is _PROBE:
+                    self._probe()
+                elif work is _STREAM:
+                    self._stream(0)
+                elif batch := self._ops.pop(self.options.max_batch):  # _POP: unlocked, it may wait for lanes
+                    self._run_batch(0, batch)
+        finally:
+            self._stop_lanes()
+            dropped = self._ops.drain()
+            with self._lock:
+                self._drop_locked(dropped)
+            self._settle(dropped)
+
+    def _run_lane(self, lane: int) -> None:
+        """Lanes 1 and up: SETs only, while streaming is possible; once closing, until the queue is
+        drained or the deadline passed (RespWriter.stop)."""
+        while True:
+            with self._changed:
+                while not self._closing and not self._can_stream():
+                    self._changed.wait(1.0)  # (a recovered breaker does not notify)
+                if not self._can_stream():
+                    return
+            self._stream(lane)
+            if self._closing:
+                return
+
+    def _stop_lanes(self) -> None:
+        with self._changed:
+            self._closing = True  # (a lane waits for it; set by close() unless lane 0 died)
+            self._changed.notify_all()
+        self._ops.stop(0.0)
 
     def _next_work(self) -> object:
         with self._changed:
             while True:
-                if self._closing and (not self._queue or self._clock() >= self._close_deadline):
-                    self._drop_locked(list(self._queue))
-                    _done(self._queue)
-                    self._queue.clear()
-                    self._queue_bytes = 0
-                    self._changed.notify_all()
+                if self._closing and (not len(self._ops) or self._clock() >= self._close_deadline):
                     return _STOP
                 if self._breaker.probe_due() or (self._breaker.is_up() and self._write_breaker.probe_due()):
                     return _PROBE
-                if self._queue:
-                    return self._pop_batch_locked()
+                head = self._ops.head()
+                if (not head or head == _SET_FIRST) and self._can_stream():
+                    return _STREAM  # waits for work in the core, without the GIL
+                if head:
+                    return _POP
                 # Sleep until new work, close, or (while down) the next probe.
                 down = self._breaker if not self._breaker.is_up() else self._write_breaker
                 self._changed.wait(None if down.is_up() else down.seconds_until_probe())
 
-    def _pop_batch_locked(self) -> list[_Op]:
-        """Consecutive single-key ops up to max_batch, or one SCAN-based op alone (keeps queue order)."""
-        if isinstance(self._queue[0], _UnlinkMatching):
-            batch: list[_Op] = [self._queue.popleft()]
-        else:
-            batch = []
-            while (
-                self._queue and len(batch) < self.options.max_batch and not isinstance(self._queue[0], _UnlinkMatching)
-            ):
-                batch.append(self._queue.popleft())
-        self._in_flight = len(batch)
-        return batch
+    def _can_stream(self) -> bool:
+        return self._streams and isinstance(self._writer, redis.Redis) and self._writes_up()
+
+    def _stream(self, lane: int) -> None:
+        """Let the core write SETs from the queue's head on `lane` until it stops (RespWriter.run)."""
+        writer = self._writer
+        if not isinstance(writer, redis.Redis):  # (_can_stream said it was; a lane may race a rebuild)
+            return
+        try:
+            if not RespPipeline(writer).stream(self._ops, self.options.max_batch, lane):
+                self._streams = False  # TLS: its socket methods need the GIL; lane 0 goes batch by batch
+            return
+        except REDIS_ERRORS as exc:
+            batch = self._ops.flight(lane) or (self._ops.pop(self.options.max_batch) if lane == 0 else [])
+            if not batch:  # no connection to wait on
+                self._write_failed(exc, f"connect: {error_kind(exc)}")
+                return
+            if isinstance(exc, redis.exceptions.ConnectionError):
+                self._run_batch(lane, batch)  # sent again on a new connection, under the write retry policy
+                return
+            try:
+                self._failed(batch, exc)
+            finally:
+                self._settle(self._ops.finish(lane))
+
+    def _run_batch(self, lane: int, batch: list[_Op]) -> None:
+        """Run a lane's batch in flight through Python, then settle it."""
+        try:
+            self._apply(batch)
+        finally:
+            self._settle(self._ops.finish(lane))
+
+    def _complete(self) -> None:
+        """The completer thread: settles what the core wrote, batch by batch."""
+        while self._ops.wait_done(1.0):
+            self._settle_written()
+
+    def _settle_written(self) -> None:
+        with self._settling:
+            for ops, written, seconds in self._ops.completed():
+                self._succeeded(written, seconds)
+                self._settle(ops)
 
     def _drop_locked(self, ops: list[_Op]) -> None:
         self._counters.spills_dropped += sum(1 for op in ops if isinstance(op, _Set))
@@ -493,15 +587,20 @@ class RedisTier:
         try:
             self._write_retry.call(lambda: self._pipeline(batch), self._rng)
         except REDIS_ERRORS as exc:
-            reason = f"write of {len(batch)} key(s) from {key_hint(batch[0].key)}: {error_kind(exc)}"
-            self._write_failed(exc, reason)
-            with self._lock:
-                self._counters.writes_failed += sum(1 for op in batch if isinstance(op, _Set))
-            log.debug("redis %s failed", reason)
+            self._failed(batch, exc)
             return
-        elapsed = time.perf_counter() - start
+        self._succeeded(sum(op.nbytes for op in batch if isinstance(op, _Set)), time.perf_counter() - start)
+
+    def _failed(self, batch: list[_Op], exc: BaseException) -> None:
+        key = batch[0].key if isinstance(batch[0], (_Set, _Unlink)) else batch[0].pattern
+        reason = f"write of {len(batch)} key(s) from {key_hint(key)}: {error_kind(exc)}"
+        self._write_failed(exc, reason)
+        with self._lock:
+            self._counters.writes_failed += sum(1 for op in batch if isinstance(op, _Set))
+        log.debug("redis %s failed", reason)
+
+    def _succeeded(self, written: int, elapsed: float) -> None:
         self._wrote()
-        written = sum(op.nbytes for op in batch if isinstance(op, _Set))
         with self._lock:
             self._counters.bytes_written += written
             self._counters.write_latency.observe(elapsed)
@@ -630,13 +729,6 @@ def key_hint(key: str) -> str:
 def _joined(frame: Frame) -> bytes:
     """A frame as one bytes object of its own (parts copied into it)."""
     return frame if isinstance(frame, bytes) else b"".join(frame)
-
-
-def _done(ops: Sequence[_Op] | deque[_Op]) -> None:
-    """Tell the submitters of these writes that the tier is done with their frames."""
-    for op in ops:
-        if isinstance(op, _Set) and op.done is not None:
-            op.done()
 
 
 def _probe_failed(breaker: CircuitBreaker, reason: str) -> None:

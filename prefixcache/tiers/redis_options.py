@@ -64,6 +64,7 @@ class RedisOptions:
     write_timeout_s: float = 0.5  # background writer only
     max_queue_bytes: int = 256 << 20
     max_batch: int = 64  # writes per pipelined round trip
+    write_lanes: int = 4  # writer connections sending at once (SETs; deletes go in order on one)
     max_fetch_bytes: int = 4 << 20  # reply bytes per pipelined read round trip (when the frame size is known)
     socket_read_size: int = 256 << 10  # per-connection receive buffer
     write_retries: int = 1  # on connection errors only (SET is idempotent)
@@ -112,10 +113,18 @@ class RedisOptions:
         for name, low in (("max_fetch_bytes", 1), ("socket_read_size", 4096)):
             if getattr(self, name) < low:
                 raise ConfigError(name, f"must be at least {low} bytes")
-        for name, low in (("max_batch", 1), ("breaker_failures", 1), ("max_connections", 1), ("write_retries", 0)):
+        for name, low, high in (
+            ("max_batch", 1, 1 << 16),
+            ("write_lanes", 1, 16),
+            ("breaker_failures", 1, 1 << 16),
+            ("max_connections", 1, 1 << 16),
+            ("write_retries", 0, 1 << 16),
+        ):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= 1 << 16:
-                raise ConfigError(name, f"must be an integer in [{low}, 65536], got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ConfigError(name, f"must be an integer in [{low}, {high}], got {value!r}")
+        if self.write_lanes > self.max_connections:
+            raise ConfigError("write_lanes", f"must not exceed max_connections ({self.max_connections})")
         tls_files = (self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
         if any(tls_files) and scheme not in TLS_SCHEMES:
             raise ConfigError("tls_ca_file", "TLS options need a rediss:// or rediss+cluster:// URL")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import socket
 import ssl
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import redis
 import redis.exceptions
@@ -67,16 +67,32 @@ class RespPipeline:
         if error is not None:
             raise _error_reply(error)
 
-    def _exchange(self, call: Callable[[int | ssl.SSLSocket, float | None], _T]) -> _T:
+    def stream(self, writer: core.RespWriter, max_batch: int, lane: int) -> bool:
+        """Run `writer` (the tier's write queue) as `lane` on one of this client's connections until
+        it returns (`RespWriter.run`: an interrupt, a stop, or on lane 0 an operation Python runs);
+        False at once on a TLS connection, whose socket methods need the GIL. Raises ResponseError
+        for an error reply and redis-py's exceptions for faults, the batch left in the lane's flight."""
+        refused = self._exchange(lambda fd, timeout: writer.run(fd, timeout, max_batch, lane), plain_only=True)
+        if refused is _NOT_PLAIN:
+            return False
+        if refused is not None:
+            raise _error_reply(cast(bytes, refused))
+        return True
+
+    def _exchange(self, call: Callable[[int | ssl.SSLSocket, float | None], _T], plain_only: bool = False) -> _T:
         connection = self._pool.get_connection()
         healthy = False
         try:
             sock = connection._sock
             if sock is None:
                 raise redis.exceptions.ConnectionError("connection is not open")
+            plain = type(sock) is socket.socket
+            if plain_only and not plain:
+                healthy = True
+                return cast(_T, _NOT_PLAIN)
             try:
                 # a plain socket by its descriptor, under its timeout; a TLS one as itself (its own timeout)
-                out = call(sock.fileno(), sock.gettimeout()) if type(sock) is socket.socket else call(sock, None)
+                out = call(sock.fileno(), sock.gettimeout()) if plain else call(sock, None)
             except TimeoutError as exc:  # socket.timeout
                 raise redis.exceptions.TimeoutError(f"Timeout reading from {_address(connection)}") from exc
             except OSError as exc:
@@ -91,6 +107,9 @@ class RespPipeline:
             if not healthy:
                 connection.disconnect()
             self._pool.release(connection)
+
+
+_NOT_PLAIN = object()  # stream(): the connection is TLS
 
 
 def _address(connection: object) -> str:

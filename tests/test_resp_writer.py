@@ -1,0 +1,301 @@
+"""The Redis tier's write queue (`RespWriter`, prefixcache/_resp.c) against a real redis-server:
+lanes that each stream SETs on their own connection without the GIL, an operation Python runs
+ordered after every SET queued before it and before every SET queued after it, a failed or stalled
+exchange left in its lane's flight, the socket handed back as its owner set it, queued values copied
+out of the caller's buffers, and every argument checked by name."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from prefixcache.errors import ConfigError
+from prefixcache.native import core
+from prefixcache.tiers.redis import RedisTier
+from prefixcache.tiers.redis_options import RedisOptions
+from tests.support.redis_server import RedisServer
+
+pytestmark = pytest.mark.redis
+
+MiB = 1 << 20
+
+
+def poll(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return bool(predicate())
+
+
+def connect(server: RedisServer, timeout_s: float | None = 5.0) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.settimeout(timeout_s)  # as redis-py leaves its sockets: non-blocking underneath
+    return sock
+
+
+class Lanes:
+    """`writer.run` on `lanes` threads, each with its own connection; what each run ended with."""
+
+    def __init__(self, writer: core.RespWriter, server: RedisServer, lanes: range, max_batch: int = 64) -> None:
+        self.socks = {lane: connect(server) for lane in lanes}
+        self.ended: dict[int, object] = {}
+        self.threads = [
+            threading.Thread(target=self._run, args=(writer, lane, max_batch), daemon=True) for lane in lanes
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, writer: core.RespWriter, lane: int, max_batch: int) -> None:
+        try:
+            self.ended[lane] = writer.run(self.socks[lane].fileno(), 5.0, max_batch, lane)
+        except Exception as exc:  # noqa: BLE001 - the test asserts on it
+            self.ended[lane] = exc
+
+    def join(self, timeout_s: float = 10.0) -> None:
+        for thread in self.threads:
+            thread.join(timeout_s)
+            assert not thread.is_alive(), "a lane did not return"
+        for sock in self.socks.values():
+            sock.close()
+
+
+def settle(writer: core.RespWriter, count: int, timeout_s: float = 10.0) -> list[tuple[list, int, float]]:
+    """Every done batch until `count` ops came back."""
+    batches: list[tuple[list, int, float]] = []
+    deadline = time.monotonic() + timeout_s
+    while sum(len(ops) for ops, _, _ in batches) < count and time.monotonic() < deadline:
+        writer.wait_done(0.1)
+        batches += writer.completed()
+    return batches
+
+
+def test_lanes_write_every_set_once_with_its_ttl_and_report_each_batch(redis_server: RedisServer) -> None:
+    rng = np.random.default_rng(1)
+    sizes = [0, 1, 100, 1 << 14, (1 << 14) + 1, 64 << 10, (64 << 10) + 3, 2 * MiB] * 12
+    values = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    writer = core.RespWriter(4)
+    lanes = Lanes(writer, redis_server, range(4))
+    for i, value in enumerate(values):  # a frame as parts: a small header and the payload in place
+        writer.push(i, f"w:{i}".encode(), (b"hdr%d" % i, memoryview(value)), 60_000)
+    batches = settle(writer, len(values))
+    writer.stop(0)
+    lanes.join()
+    assert sorted(op for ops, _, _ in batches for op in ops) == list(range(len(values)))  # each once
+    assert sum(nbytes for _, nbytes, _ in batches) == sum(len(b"hdr%d" % i) + n for i, n in enumerate(sizes))
+    assert all(seconds > 0 for _, _, seconds in batches)
+    assert len(batches) > 1 and all(ops for ops, _, _ in batches)
+    # a batch holds at most 1 MiB of values beyond its first, so a 2 MiB value travels alone
+    assert all(nbytes <= 3 * MiB for _, nbytes, _ in batches)
+    assert set(lanes.ended.values()) == {None}  # stopped, not failed
+    client = redis_server.client()
+    for i, value in enumerate(values):
+        assert client.get(f"w:{i}") == b"hdr%d" % i + value.tobytes()
+    assert 50_000 < client.pttl("w:0") <= 60_000
+    assert len(writer) == 0 and writer.flight(-1) == []
+
+
+@pytest.mark.parametrize("round_", range(5))
+def test_an_op_python_runs_waits_for_the_sets_before_it_and_holds_the_lanes_until_finished(
+    private_redis: RedisServer, round_: int
+) -> None:
+    writer = core.RespWriter(4)
+    lanes = Lanes(writer, private_redis, range(1, 4))  # lane 0 is this test
+    payload = np.full(MiB, round_, dtype=np.uint8)  # 1 MiB each: a batch of its own on each lane
+    private_redis.pause(400)
+    for i in range(3):
+        writer.push(("set", i), f"o:{i}".encode(), memoryview(payload), 60_000)
+    assert poll(lambda: len(writer.flight(-1)) == 3, 2)  # one on each of lanes 1-3, stalled
+    writer.push(("python", 0), None, None, 0)
+    writer.push(("set", 3), b"o:3", memoryview(payload), 60_000)
+    assert writer.head() == 2
+    started = time.monotonic()
+    assert writer.pop(64) == [("python", 0)]  # only once every SET before it is over
+    assert time.monotonic() - started > 0.1
+    client = private_redis.client()
+    assert client.exists("o:0", "o:1", "o:2") == 3
+    time.sleep(0.05)
+    assert writer.flight(-1) == [("python", 0)] and len(writer) == 1  # no lane takes o:3 meanwhile
+    assert client.exists("o:3") == 0
+    assert writer.finish(0) == [("python", 0)]
+    batches = settle(writer, 4)
+    assert sorted(op for ops, _, _ in batches for op in ops) == [("set", i) for i in range(4)]
+    assert client.exists("o:3") == 1
+    writer.stop(0)
+    lanes.join()
+
+
+def test_lane_zero_returns_at_an_op_python_runs_and_the_others_wait(redis_server: RedisServer) -> None:
+    writer = core.RespWriter(2)
+    writer.push("first", b"z:1", b"v", 1000)
+    writer.push("python", None, None, 0)
+    writer.push("last", b"z:2", b"v", 1000)
+    lanes = Lanes(writer, redis_server, range(2))
+    assert poll(lambda: 0 in lanes.ended, 5) and lanes.ended[0] is None  # returned for Python
+    assert writer.pop(64) == ["python"]
+    assert 1 not in lanes.ended and writer.head() == 1  # lane 1 waits: "last" stays queued
+    assert writer.finish(0) == ["python"]
+    batches = settle(writer, 2)
+    assert [op for ops, _, _ in batches for op in ops] == ["first", "last"]
+    writer.stop(0)
+    lanes.join()
+
+
+def _nonblocking(sock: socket.socket) -> bool:
+    return bool(fcntl.fcntl(sock.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK)
+
+
+def _receive_timeout(sock: socket.socket) -> tuple[int, int]:
+    return struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
+
+
+def test_a_stalled_server_times_out_within_the_timeout_and_the_socket_is_handed_back_as_it_was(
+    private_redis: RedisServer,
+) -> None:
+    writer = core.RespWriter(1)
+    sock = connect(private_redis)
+    assert _nonblocking(sock) and _receive_timeout(sock) == (0, 0)
+    writer.push("stalled", b"p:1", b"x" * 1000, 1000)
+    private_redis.pause(1500)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        writer.run(sock.fileno(), 0.2, 64, 0)
+    assert 0.15 < time.monotonic() - started < 1.0
+    assert _nonblocking(sock) and _receive_timeout(sock) == (0, 0)  # Python's socket works as before
+    assert writer.flight(0) == ["stalled"] and writer.finish(0) == ["stalled"]
+    sock.close()
+
+
+def test_a_connection_closed_mid_batch_raises_and_leaves_the_batch_in_flight(private_redis: RedisServer) -> None:
+    writer = core.RespWriter(1)
+    sock = connect(private_redis)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    writer.push("big", b"c:1", np.zeros(8 * MiB, dtype=np.uint8), 1000)
+    private_redis.pause(300)
+    threading.Timer(0.1, lambda: sock.shutdown(socket.SHUT_RDWR)).start()
+    with pytest.raises(OSError):  # ConnectionError (EPIPE, reset) or a closed socket's errno
+        writer.run(sock.fileno(), 5.0, 64, 0)
+    assert writer.flight(0) == ["big"]
+    with pytest.raises(RuntimeError, match="lane 0 has a batch in flight"):
+        writer.pop(64)
+    with pytest.raises(RuntimeError, match="has a batch in flight"):
+        writer.run(sock.fileno(), 5.0, 64, 0)
+    assert writer.finish(0) == ["big"] and writer.flight(0) == []
+    sock.close()
+
+
+def test_own_queued_copies_borrowed_values_and_the_copies_are_what_is_sent(redis_server: RedisServer) -> None:
+    slot = bytearray(b"a" * 70_000)
+    writer = core.RespWriter(1)
+    writer.push("parts", b"own:1", (b"head", memoryview(slot)), 60_000)
+    writer.push("whole", b"own:2", bytes(slot), 60_000)  # a bytes object is the writer's already
+    writer.push("python", None, None, 0)
+    owned = writer.own_queued()
+    assert [(op, value) for op, value in owned] == [("parts", b"head" + bytes(slot))]
+    slot[:] = b"b" * len(slot)  # the caller reuses its buffer
+    assert writer.head() == 1 and len(writer) == 3  # still queued, in order
+    lanes = Lanes(writer, redis_server, range(1))
+    assert poll(lambda: 0 in lanes.ended, 5)  # returned at the Python op
+    assert redis_server.client().get("own:1") == b"head" + b"a" * 70_000
+    assert writer.pop(64) == ["python"] and writer.finish(0) == ["python"]
+
+
+def test_stop_returns_once_idle_or_past_its_deadline_and_drain_hands_back_the_rest(
+    private_redis: RedisServer,
+) -> None:
+    writer = core.RespWriter(1)
+    sock = connect(private_redis)
+    writer.stop(5.0)
+    assert writer.run(sock.fileno(), 5.0, 64, 0) is None  # nothing queued: returns at once
+    writer = core.RespWriter(1)
+    for i in range(3):
+        writer.push(i, f"s:{i}".encode(), b"v" * MiB, 60_000)  # three batches of one
+    private_redis.pause(300)
+    writer.stop(0.05)
+    assert writer.run(sock.fileno(), 5.0, 64, 0) is None  # the batch at the deadline finishes
+    assert writer.drain() == [1, 2] and len(writer) == 0
+    assert settle(writer, 1)[0][0] == [0]
+    writer.shutdown()
+    assert not writer.wait_done(1.0)  # shut down, nothing left to hand over
+    sock.close()
+
+
+def test_interrupt_returns_every_running_lane(redis_server: RedisServer) -> None:
+    writer = core.RespWriter(3)
+    lanes = Lanes(writer, redis_server, range(3))
+    time.sleep(0.05)
+    writer.interrupt()
+    lanes.join(5)
+    assert lanes.ended == {0: None, 1: None, 2: None}
+
+
+def test_an_error_reply_comes_back_as_text_with_the_batch_left_in_flight(redis_server: RedisServer) -> None:
+    writer = core.RespWriter(1)
+    sock = connect(redis_server)
+    writer.push("bad", b"e:1", b"v", 0)  # PX 0: Redis refuses it
+    writer.push("good", b"e:2", b"v", 1000)
+    refused = writer.run(sock.fileno(), 5.0, 64, 0)
+    assert refused is not None and b"invalid expire time" in refused
+    assert writer.finish(0) == ["bad", "good"]
+    assert redis_server.client().get("e:2") == b"v"  # the rest of the batch was written, in step
+    sock.close()
+
+
+def test_every_argument_is_checked_by_name() -> None:
+    for lanes in (0, 17):
+        with pytest.raises(ValueError, match="lanes"):
+            core.RespWriter(lanes)
+    writer = core.RespWriter(2)
+    with pytest.raises(TypeError, match="key"):
+        writer.push("op", "text key", b"v", 1)
+    with pytest.raises(TypeError, match="value"):
+        writer.push("op", b"k", 42, 1)
+    with pytest.raises(TypeError, match="ttl_ms"):
+        writer.push("op", b"k", b"v", "soon")
+    assert len(writer) == 0  # nothing half-queued
+    with pytest.raises(ValueError, match="lane"):
+        writer.run(0, 1.0, 64, 2)
+    with pytest.raises(ValueError, match="max_batch"):
+        writer.run(0, 1.0, 0, 0)
+    with pytest.raises(ValueError, match="lane"):
+        writer.finish(5)
+    with pytest.raises(ValueError, match="max_batch"):
+        writer.pop(0)
+
+
+def test_write_lanes_is_checked_by_name(redis_server: RedisServer) -> None:
+    for lanes in (0, 17, True):
+        with pytest.raises(ConfigError, match="write_lanes"):
+            RedisOptions(url=redis_server.url, write_lanes=lanes)
+    with pytest.raises(ConfigError, match="write_lanes.*max_connections"):
+        RedisOptions(url=redis_server.url, write_lanes=8, max_connections=4)
+
+
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_a_delete_queued_after_writes_runs_after_them_on_every_lane(redis_server: RedisServer, lanes: int) -> None:
+    """The tier's order guarantee under lanes: 40 rounds of 24 writes (1 KiB to 1 MiB) and a delete
+    of one of them queued last; the deleted key must never survive, the others must all be there."""
+    options = RedisOptions(url=redis_server.url, key_prefix=f"order{lanes}", write_lanes=lanes, write_timeout_s=5)
+    rng = np.random.default_rng(lanes)
+    client = redis_server.client()
+    with RedisTier(options) as tier:
+        for round_ in range(40):
+            hashes = [bytes([round_, i]) * 8 for i in range(24)]
+            sizes = rng.integers(1 << 10, MiB, len(hashes))
+            for block_hash, size in zip(hashes, sizes, strict=True):
+                assert tier.submit("ns", block_hash, bytes(int(size)))
+            victim = hashes[int(rng.integers(0, len(hashes)))]
+            tier.delete("ns", victim)
+            assert tier.wait_idle(10)
+            assert client.exists(tier.key("ns", victim)) == 0, f"round {round_}: the delete ran before its write"
+            assert client.exists(*[tier.key("ns", h) for h in hashes if h != victim]) == len(hashes) - 1
+        stats = tier.stats()
+        assert stats.writes_failed == 0 and stats.spills_dropped == 0 and stats.queue_bytes == 0
