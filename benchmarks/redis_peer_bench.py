@@ -20,7 +20,7 @@ batches of `--batch-bytes`, then get them all back, GB/s of payload (1e9 B/s) fo
   payload copied into each frame, as a block leaving the slot tiers is spilled).
 Round 0 is a warm-up for both (the harness discards one too) and is not counted.
 
-    PYTHONPATH=. python benchmarks/redis_peer_bench.py [--rounds 5] [--sizes 64KiB,2MiB] [--copy] [--json-out F]
+    PYTHONPATH=. python benchmarks/redis_peer_bench.py [--rounds 5] [--sizes 64KiB,2MiB] [--copy] [--write-lanes N] [--json-out F]
 
 Needs the peers' LMCache venv (`../shared/peers/setup.sh`); `--peer-python` and `--peers-dir` say
 where it is.
@@ -158,7 +158,15 @@ class Peer:
 class TierRun:
     """The same runs through the tier: frames encoded on the caller, verified on the way back."""
 
-    def __init__(self, url: str, layout: KVLayout, per_run: int, batch_bytes: int, copy: bool = False) -> None:
+    def __init__(
+        self,
+        url: str,
+        layout: KVLayout,
+        per_run: int,
+        batch_bytes: int,
+        copy: bool = False,
+        write_lanes: int | None = None,
+    ) -> None:
         import redis
 
         self.layout = layout
@@ -177,6 +185,7 @@ class TierRun:
                 socket_timeout_s=30,
                 write_timeout_s=30,
                 max_queue_bytes=2 * batch_bytes + (64 << 20),
+                **({} if write_lanes is None else {"write_lanes": write_lanes}),
             )
         )
 
@@ -219,7 +228,7 @@ class TierRun:
 def bench_size(args: argparse.Namespace, url: str, port: int, size: str) -> dict[str, object]:
     layout = LAYOUTS[size]
     peer = Peer(args.peer_python, Path(args.peers_dir), port, size, args.bytes_per_run, args.batch_bytes)
-    tier = TierRun(url, layout, args.bytes_per_run, args.batch_bytes, copy=args.copy)
+    tier = TierRun(url, layout, args.bytes_per_run, args.batch_bytes, copy=args.copy, write_lanes=args.write_lanes)
     if peer.keys != tier.n:
         raise RuntimeError(f"LMCache runs {peer.keys} keys, the tier {tier.n}")
     rounds: list[dict[str, float]] = []
@@ -249,6 +258,7 @@ def bench_size(args: argparse.Namespace, url: str, port: int, size: str) -> dict
         "block": size,
         "keys": tier.n,
         "frames": "copied" if args.copy else "parts",
+        "write_lanes": tier.tier.options.write_lanes,
         "rounds": rounds,
         "lmcache_put": median("lmcache_put"),
         "lmcache_get": median("lmcache_get"),
@@ -269,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-python", default=str(Path.home() / ".cache/prefixcache-peers/lmcache/bin/python"))
     parser.add_argument("--peers-dir", default=str(_peers_dir()), help="where redis_kv_bench.py is")
     parser.add_argument("--copy", action="store_true", help="put owned frames (encode_block), not parts")
+    parser.add_argument("--write-lanes", type=int, help="the tier's writer connections (default: RedisOptions')")
     parser.add_argument("--json-out")
     args = parser.parse_args(argv)
 

@@ -162,7 +162,8 @@ class RedisTier:
         self._write_retry = Retry(options.write_retries, Backoff(0.01, 0.1), (redis.exceptions.ConnectionError,))
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._ops = core.RespWriter(options.write_lanes)  # the write queue, in order
+        # The write queue, in order; Cluster writes go batch by batch through redis-py, on lane 0 alone.
+        self._ops = core.RespWriter(1 if is_cluster_url(options.url) else options.write_lanes)
         self._pending = 0  # ops queued, in flight or written but not yet settled
         self._queue_bytes = 0  # their bytes
         self._settling = threading.Lock()  # held while written batches are settled (own_frames waits on it)
@@ -180,7 +181,7 @@ class RedisTier:
         self._thread = threading.Thread(target=self._run, name="prefixcache-redis-writer", daemon=True)
         self._lanes = [
             threading.Thread(target=self._run_lane, args=(lane,), name=f"prefixcache-redis-writer-{lane}", daemon=True)
-            for lane in range(1, options.write_lanes)
+            for lane in range(1, self._ops.lanes)
         ]
         self._completer = threading.Thread(target=self._complete, name="prefixcache-redis-completer", daemon=True)
         for thread in (self._thread, *self._lanes, self._completer):
