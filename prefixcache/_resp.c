@@ -916,7 +916,7 @@ writer_dealloc(RespWriter *self)
     for (WriterBatch *batch = self->done_head; batch != NULL;) {
         WriterBatch *next = batch->next;
         Py_XDECREF(entries_release(batch->entries));
-        PyMem_Free(batch);
+        PyMem_RawFree(batch); /* (allocated by run(), without the GIL) */
         batch = next;
     }
     if (self->lanes) { /* initialised */
@@ -1299,7 +1299,7 @@ writer_completed(RespWriter *self, PyObject *unused)
             Py_CLEAR(result);
         }
         Py_XDECREF(item);
-        PyMem_Free(batches);
+        PyMem_RawFree(batches);
         batches = next;
     }
     return result;
