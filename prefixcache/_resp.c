@@ -1,6 +1,6 @@
 /* The Redis tier's RESP exchanges (tiers/resp.py), compiled into prefixcache._core (issue 17).
  *
- * - resp_set(sock, keys, values, ttls_ms, timeout_s): `SET key value PX ttl` for each entry in one
+ * - resp_set(sock, keys, values, ttls_ms, timeout_s): `PSETEX key ttl value` for each entry in one
  *   pipeline: the command bytes built here, every value sent from the caller's buffers (a value is
  *   one buffer or a tuple of its parts, e.g. a frame's header and the payload in a host slot; a
  *   small part is joined into the command bytes), then every reply read.
@@ -400,7 +400,13 @@ set_room(const SetCommand *sets, size_t count, size_t *command_bytes, size_t *pi
 }
 
 /* Writes the pipeline into `command`; `iov` gets its pieces and, between them, every large part
- * straight from its buffer. Returns the number of iovecs. Needs no GIL. */
+ * straight from its buffer. Returns the number of iovecs. Needs no GIL.
+ *
+ * Each write is `PSETEX key ttl value`, which is `SET key value PX ttl` with the value last (Redis
+ * lists PSETEX as deprecated in favour of SET PX, and keeps it): Redis adopts a large argument's
+ * read buffer as the stored value only when that argument ends the buffer, so a command read
+ * whole with `PX ttl` behind its value has the value copied out. Redis's CPU per 128 MiB of
+ * single-SET writes measured 8% lower this way at 64 KiB and 2 MiB (docs/benchmarks.md). */
 static size_t
 set_build(const SetCommand *sets, size_t count, char *command, struct iovec *iov)
 {
@@ -412,8 +418,11 @@ set_build(const SetCommand *sets, size_t count, char *command, struct iovec *iov
         for (Py_ssize_t j = 0; j < set->part_count; j++) {
             value_length += (size_t)set->parts[j].len;
         }
-        at += sprintf(at, "*5\r\n$3\r\nSET\r\n");
+        char number[24];
+        int digits = sprintf(number, "%lld", set->ttl_ms);
+        at += sprintf(at, "*4\r\n$6\r\nPSETEX\r\n");
         at = put_bulk(at, set->key, set->key_length);
+        at = put_bulk(at, number, (size_t)digits);
         at += sprintf(at, "$%zu\r\n", value_length);
         for (Py_ssize_t j = 0; j < set->part_count; j++) {
             size_t part_length = (size_t)set->parts[j].len;
@@ -426,36 +435,39 @@ set_build(const SetCommand *sets, size_t count, char *command, struct iovec *iov
                 piece = at;
             }
         }
-        at += sprintf(at, "\r\n$2\r\nPX\r\n");
-        char number[24];
-        int digits = sprintf(number, "%lld", set->ttl_ms);
-        at = put_bulk(at, number, (size_t)digits);
+        at += sprintf(at, "\r\n");
     }
     iov[used++] = (struct iovec){.iov_base = piece, .iov_len = (size_t)(at - piece)};
     return used;
 }
 
-/* Builds, sends and reads a SET pipeline, without the GIL for a plain socket's link (the caller
- * released it). Returns 0 (every reply +OK), 1 (an error reply: the first one's text in
- * error[0..*error_length), ERROR_TEXT bytes at most), -1 (a link fault, recorded in `link`; the
- * connection is out of step) or -2 (out of memory, nothing sent). */
+/* Builds, sends and reads SETs, `depth` commands in flight at a time (one pipeline when it is
+ * `count`), without the GIL for a plain socket's link (the caller released it). Returns 0 (every
+ * reply +OK), 1 (an error reply: the first one's text in error[0..*error_length), ERROR_TEXT bytes
+ * at most), -1 (a link fault, recorded in `link`; the connection is out of step) or -2 (out of
+ * memory, nothing sent). */
 static int
-set_exchange(Link *link, const SetCommand *sets, size_t count, char *error, size_t *error_length)
+set_exchange(Link *link, const SetCommand *sets, size_t count, size_t depth, char *error, size_t *error_length)
 {
     size_t command_bytes, pieces;
-    set_room(sets, count, &command_bytes, &pieces);
+    set_room(sets, count, &command_bytes, &pieces); /* room for the largest group, at most all */
     char *command = PyMem_RawMalloc(command_bytes);
     struct iovec *iov = PyMem_RawMalloc(pieces * sizeof(struct iovec));
     Reader *reader = PyMem_RawMalloc(sizeof(Reader));
     int failed = 0, errors = 0;
     if (command == NULL || iov == NULL || reader == NULL) {
         failed = -2;
-    } else if (link_send(link, iov, set_build(sets, count, command, iov)) < 0) {
-        failed = -1;
     } else {
         reader->link = link; /* field by field: the 64 KiB buffer needs no clearing */
         reader->start = reader->end = 0;
-        for (size_t i = 0; i < count && !failed; i++) {
+    }
+    for (size_t sent = 0; sent < count && !failed;) {
+        size_t group = count - sent < depth ? count - sent : depth;
+        if (link_send(link, iov, set_build(sets + sent, group, command, iov)) < 0) {
+            failed = -1;
+            break;
+        }
+        for (size_t i = 0; i < group && !failed; i++) {
             const char *line;
             size_t length;
             if (reader_line(reader, &line, &length) < 0) {
@@ -471,9 +483,10 @@ set_exchange(Link *link, const SetCommand *sets, size_t count, char *error, size
                 failed = link_bad_line(link, "a SET answered neither +OK nor an error", line, length);
             }
         }
-        if (!failed && reader->start != reader->end) {
-            failed = link_fail(link, IO_PROTOCOL, "more reply bytes than commands");
-        }
+        sent += group;
+    }
+    if (!failed && reader->start != reader->end) {
+        failed = link_fail(link, IO_PROTOCOL, "more reply bytes than commands");
     }
     PyMem_RawFree(reader);
     PyMem_RawFree(iov);
@@ -548,7 +561,7 @@ core_resp_set(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     char error[ERROR_TEXT];
     size_t error_length = 0;
     link_release(&link);
-    int outcome = set_exchange(&link, sets, (size_t)count, error, &error_length);
+    int outcome = set_exchange(&link, sets, (size_t)count, (size_t)count, error, &error_length);
     link_acquire(&link);
     if (outcome == -2) {
         PyErr_NoMemory();
@@ -750,19 +763,20 @@ link_unblock(Link *link, int flags)
  * RespWriter is the Redis tier's write queue. Callers push operations with the GIL held; the
  * tier's writer threads call run(), one per lane (each on a connection of its own), which
  * releases the GIL and then, while the queue's head is a SET, takes SETs from the head (at most
- * max_batch, and at most LANE_BATCH_BYTES of values beyond the first), sends them as one
- * pipeline, reads their replies and hands the batch over as done, waiting on the queue (never on
- * the GIL) when it is empty.
+ * max_batch, and at most LANE_BATCH_BYTES of values beyond the first), sends them one at a time,
+ * each once the last one's reply is read, and hands the batch over as done, waiting on the queue
+ * (never on the GIL) when it is empty.
  *
  * Why: callers hold the GIL while they frame blocks, and a Python writer woken by their first
  * submit could not take it back until they blocked, so Redis sat idle while a burst was framed;
- * here the first SET is on the wire while the next is framed. Why short pipelines on several
- * lanes: after a large value Redis reads as much as its new query buffer holds (the value's size
- * class), so when the next command is already in the socket the read runs past that command's
- * value, which Redis then copies out instead of adopting its read buffer; a connection with about
- * 1 MiB in flight (one 2 MiB block, sixteen 64 KiB ones) rarely lets that happen, and a few such
- * connections keep Redis fed (docs/benchmarks.md). SETs of one key on two lanes may land in
- * either order; they carry the same block's frame.
+ * here the first SET is on the wire while the next is framed. Why one SET in flight on each of
+ * several lanes: after a large value Redis reads as much as its new query buffer holds (the
+ * value's size class), so when the next command is already in the socket the read runs past that
+ * command's value, which Redis then copies out instead of adopting its read buffer (see
+ * set_build); one command at a time per connection never lets that happen, and a few connections
+ * keep Redis fed (docs/benchmarks.md). A lane still takes a batch per wake-up, so waking and
+ * handing back cost once per batch. SETs of one key on two lanes may land in either order; they
+ * carry the same block's frame.
  *
  * Everything else stays Python's: an operation pushed without a key is run by Python on lane 0
  * (lane 0's run() returns when it heads the queue, the other lanes wait; pop() hands it over once
@@ -775,6 +789,7 @@ link_unblock(Link *link, int flags)
 
 #define MAX_LANES 16
 #define LANE_BATCH_BYTES (1 << 20) /* a batch's values add up to at most this, beyond its first */
+#define LANE_DEPTH 1               /* SETs a lane has in flight: see above */
 
 typedef struct WriterEntry {
     struct WriterEntry *next;
@@ -793,6 +808,7 @@ typedef struct WriterBatch {
     WriterEntry *entries;
     size_t bytes;
     double seconds;
+    size_t trips; /* round trips it took: the link meter's unit (seconds = trips x latency + ...) */
 } WriterBatch;
 
 typedef struct {
@@ -956,7 +972,7 @@ batch_arg(PyObject *arg, size_t *most)
     return 0;
 }
 
-/* push(op, key, value, ttl_ms): queue `SET key value PX ttl_ms` (value one buffer or a tuple of its
+/* push(op, key, value, ttl_ms): queue `PSETEX key ttl_ms value` (value one buffer or a tuple of its
  * parts, read in place until the write is over); with key None, an operation Python runs. */
 static PyObject *
 writer_push(RespWriter *self, PyObject *const *args, Py_ssize_t nargs)
@@ -1222,7 +1238,7 @@ writer_run(RespWriter *self, PyObject *const *args, Py_ssize_t nargs)
         }
         struct timespec start;
         clock_gettime(CLOCK_MONOTONIC, &start);
-        outcome = set_exchange(&link, sets, count, error, &error_length);
+        outcome = set_exchange(&link, sets, count, LANE_DEPTH, error, &error_length);
         WriterBatch *batch = outcome == 0 ? PyMem_RawMalloc(sizeof(WriterBatch)) : NULL;
         pthread_mutex_lock(&self->lock);
         if (outcome == 0 && batch == NULL) {
@@ -1231,7 +1247,8 @@ writer_run(RespWriter *self, PyObject *const *args, Py_ssize_t nargs)
         if (outcome != 0) {
             break; /* the batch stays in flight for Python */
         }
-        *batch = (WriterBatch){.entries = self->flight[lane], .bytes = bytes, .seconds = seconds_since(&start)};
+        *batch = (WriterBatch){.entries = self->flight[lane], .bytes = bytes, .seconds = seconds_since(&start),
+                               .trips = (count + LANE_DEPTH - 1) / LANE_DEPTH};
         self->flight[lane] = NULL;
         if (self->done_tail != NULL) {
             self->done_tail->next = batch;
@@ -1281,8 +1298,8 @@ writer_wait_done(RespWriter *self, PyObject *arg)
     return PyBool_FromLong(more);
 }
 
-/* completed() -> [(ops, bytes, seconds)] of the batches run() wrote since the last call, their
- * buffers released. */
+/* completed() -> [(ops, bytes, seconds, round trips)] of the batches run() wrote since the last
+ * call, their buffers released. */
 static PyObject *
 writer_completed(RespWriter *self, PyObject *unused)
 {
@@ -1294,7 +1311,8 @@ writer_completed(RespWriter *self, PyObject *unused)
     while (batches != NULL) {
         WriterBatch *next = batches->next;
         PyObject *ops = entries_release(batches->entries);
-        PyObject *item = ops ? Py_BuildValue("(Nnd)", ops, (Py_ssize_t)batches->bytes, batches->seconds) : NULL;
+        PyObject *item = ops ? Py_BuildValue("(Nndn)", ops, (Py_ssize_t)batches->bytes, batches->seconds,
+                                                 (Py_ssize_t)batches->trips) : NULL;
         if (item == NULL || result == NULL || PyList_Append(result, item) < 0) {
             Py_CLEAR(result);
         }
@@ -1405,7 +1423,7 @@ writer_shutdown(RespWriter *self, PyObject *unused)
 
 static PyMethodDef writer_methods[] = {
     {"push", (PyCFunction)(void (*)(void))writer_push, METH_FASTCALL,
-     "push(op, key, value, ttl_ms): queue SET key value PX ttl_ms; key None: an operation Python runs"},
+     "push(op, key, value, ttl_ms): queue PSETEX key ttl_ms value; key None: an operation Python runs"},
     {"head", (PyCFunction)writer_head, METH_NOARGS, "head() -> 0 (empty), 1 (a SET first), 2 (a Python op first)"},
     {"pop", (PyCFunction)writer_pop, METH_O, "pop(max_batch) -> the ops of the next batch, now in lane 0's flight"},
     {"flight", (PyCFunction)writer_flight, METH_O, "flight(lane) -> the ops in a lane's flight (every lane's for -1)"},
@@ -1415,7 +1433,7 @@ static PyMethodDef writer_methods[] = {
     {"wait_done", (PyCFunction)writer_wait_done, METH_O,
      "wait_done(timeout_s) -> True once a batch is done (or after timeout_s); False once shut down and none is"},
     {"completed", (PyCFunction)writer_completed, METH_NOARGS,
-     "completed() -> [(ops, bytes, seconds)] of the batches run() wrote since the last call"},
+     "completed() -> [(ops, bytes, seconds, round trips)] of the batches run() wrote since the last call"},
     {"own_queued", (PyCFunction)writer_own_queued, METH_NOARGS,
      "own_queued() -> [(op, value)]: queued values copied out of the caller's buffers"},
     {"drain", (PyCFunction)writer_drain, METH_NOARGS, "drain() -> the ops of everything queued, removed"},

@@ -587,7 +587,7 @@ def test_redis_conf_runs_the_tier_as_the_acl_user_and_evicts_when_full(tmp_path:
                     denied()
             admin.config_set("maxmemory", "4mb")
             for i in range(64):  # 16 MiB into a 4 MiB Redis: never an OOM error
-                user.set(f"pfx:ns:{i}", os.urandom(256 << 10), px=60_000)
+                user.psetex(f"pfx:ns:{i}", 60_000, os.urandom(256 << 10))
         assert 0 < admin.dbsize() < 64 and admin.info("stats")["evicted_keys"] > 0
 
 

@@ -21,6 +21,7 @@ from prefixcache.errors import ConfigError, CorruptBlock
 from prefixcache.tiers.breaker import Backoff, BreakerState, CircuitBreaker, Retry
 from prefixcache.tiers.redis import RedisOptions, RedisTier
 from prefixcache.tiers.redis_options import connect
+from tests.slow_proxy import SlowProxy
 from tests.support.poll import poll
 from tests.support.redis_server import RedisServer, make_tls_files
 
@@ -148,6 +149,21 @@ def test_integrity_failure_is_counted_and_the_key_deleted(
         assert raw.exists(key) == 0
     assert not (tmp_path / "pwned").exists()
     assert tier.stats().integrity_failures == 1
+
+
+def test_writes_alone_teach_the_link_meter_one_round_trips_latency(redis_server: RedisServer) -> None:
+    """A lane sends its SETs one at a time, so a batch of n took n round trips: the link meter must
+    see one round trip's share of it, not the whole batch as one round trip's latency."""
+    with (
+        SlowProxy(redis_server.port, latency_s=0.01, bytes_per_s=1e9) as proxy,
+        RedisTier(fast_options(proxy.url, write_lanes=1, socket_timeout_s=2.0, write_timeout_s=5.0)) as tier,
+    ):
+        for i in range(48):
+            assert tier.submit(NS, block_hash(i), frame_for(i))
+        assert tier.wait_idle(30)
+        estimate = tier.link_estimate()
+    assert estimate.samples > 0
+    assert 0.015 <= estimate.latency_s <= 0.06, estimate  # a round trip crosses the proxy twice: ~20 ms
 
 
 def test_delete_namespace_and_flush_touch_only_their_keys(tier: RedisTier, redis_server: RedisServer) -> None:

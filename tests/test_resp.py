@@ -213,7 +213,7 @@ def test_a_set_reply_other_than_ok_or_an_error_is_a_fault() -> None:
             core.resp_set(peer.ours.fileno(), [b"k"], [b"v"], [5], 1.0)
     finally:
         peer.finish()
-    assert bytes(peer.received) == b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n$2\r\nPX\r\n$1\r\n5\r\n"
+    assert bytes(peer.received) == b"*4\r\n$6\r\nPSETEX\r\n$1\r\nk\r\n$1\r\n5\r\n$1\r\nv\r\n"
 
 
 def test_bad_arguments_name_the_argument() -> None:

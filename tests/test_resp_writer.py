@@ -68,11 +68,11 @@ class Lanes:
             sock.close()
 
 
-def settle(writer: core.RespWriter, count: int, timeout_s: float = 10.0) -> list[tuple[list, int, float]]:
+def settle(writer: core.RespWriter, count: int, timeout_s: float = 10.0) -> list[tuple[list, int, float, int]]:
     """Every done batch until `count` ops came back."""
-    batches: list[tuple[list, int, float]] = []
+    batches: list[tuple[list, int, float, int]] = []
     deadline = time.monotonic() + timeout_s
-    while sum(len(ops) for ops, _, _ in batches) < count and time.monotonic() < deadline:
+    while sum(len(ops) for ops, *_ in batches) < count and time.monotonic() < deadline:
         writer.wait_done(0.1)
         batches += writer.completed()
     return batches
@@ -89,12 +89,12 @@ def test_lanes_write_every_set_once_with_its_ttl_and_report_each_batch(redis_ser
     batches = settle(writer, len(values))
     writer.stop(0)
     lanes.join()
-    assert sorted(op for ops, _, _ in batches for op in ops) == list(range(len(values)))  # each once
-    assert sum(nbytes for _, nbytes, _ in batches) == sum(len(b"hdr%d" % i) + n for i, n in enumerate(sizes))
-    assert all(seconds > 0 for _, _, seconds in batches)
-    assert len(batches) > 1 and all(ops for ops, _, _ in batches)
+    assert sorted(op for ops, *_ in batches for op in ops) == list(range(len(values)))  # each once
+    assert sum(nbytes for _, nbytes, *_ in batches) == sum(len(b"hdr%d" % i) + n for i, n in enumerate(sizes))
+    assert all(seconds > 0 for _, _, seconds, _ in batches)
+    assert len(batches) > 1 and all(ops for ops, *_ in batches)
     # a batch holds at most 1 MiB of values beyond its first, so a 2 MiB value travels alone
-    assert all(nbytes <= 3 * MiB for _, nbytes, _ in batches)
+    assert all(nbytes <= 3 * MiB for _, nbytes, *_ in batches)
     assert set(lanes.ended.values()) == {None}  # stopped, not failed
     client = redis_server.client()
     for i, value in enumerate(values):
@@ -127,7 +127,7 @@ def test_an_op_python_runs_waits_for_the_sets_before_it_and_holds_the_lanes_unti
     assert client.exists("o:3") == 0
     assert writer.finish(0) == [("python", 0)]
     batches = settle(writer, 4)
-    assert sorted(op for ops, _, _ in batches for op in ops) == [("set", i) for i in range(4)]
+    assert sorted(op for ops, *_ in batches for op in ops) == [("set", i) for i in range(4)]
     assert client.exists("o:3") == 1
     writer.stop(0)
     lanes.join()
@@ -144,7 +144,7 @@ def test_lane_zero_returns_at_an_op_python_runs_and_the_others_wait(redis_server
     assert 1 not in lanes.ended and writer.head() == 1  # lane 1 waits: "last" stays queued
     assert writer.finish(0) == ["python"]
     batches = settle(writer, 2)
-    assert [op for ops, _, _ in batches for op in ops] == ["first", "last"]
+    assert [op for ops, *_ in batches for op in ops] == ["first", "last"]
     writer.stop(0)
     lanes.join()
 
@@ -235,6 +235,35 @@ def test_interrupt_returns_every_running_lane(redis_server: RedisServer) -> None
     writer.interrupt()
     lanes.join(5)
     assert lanes.ended == {0: None, 1: None, 2: None}
+
+
+def test_a_lane_sends_each_write_as_psetex_once_the_last_ones_reply_is_read() -> None:
+    """One write in flight per connection, its value last: what lets Redis keep the bytes it read
+    as the stored value instead of copying them out (set_build in prefixcache/_resp.c)."""
+    writer = core.RespWriter(1)
+    ours, server = socket.socketpair()  # the server's side answers as Redis would, when the test says
+    server.settimeout(5)
+    for i in range(3):
+        writer.push(i, b"k%d" % i, (b"h", b"v" * 100), 1000)
+    lane = threading.Thread(target=writer.run, args=(ours.fileno(), 5.0, 64, 0), daemon=True)
+    lane.start()
+    for i in range(3):
+        expected = b"*4\r\n$6\r\nPSETEX\r\n$2\r\nk%d\r\n$4\r\n1000\r\n$101\r\nh%s\r\n" % (i, b"v" * 100)
+        received = b""
+        while len(received) < len(expected):
+            received += server.recv(1 << 16)
+        assert received == expected  # whole, and nothing of the next write
+        server.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            server.recv(1)  # nor until this one is answered
+        server.settimeout(5)
+        server.sendall(b"+OK\r\n")
+    assert sorted(op for ops, *_ in settle(writer, 3) for op in ops) == [0, 1, 2]  # one batch of three
+    writer.stop(0)
+    lane.join(5)
+    assert not lane.is_alive()
+    ours.close()
+    server.close()
 
 
 def test_an_error_reply_comes_back_as_text_with_the_batch_left_in_flight(redis_server: RedisServer) -> None:

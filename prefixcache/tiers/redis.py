@@ -3,9 +3,10 @@
 Key `<prefix>:<namespace id>:<block hash hex>`, value one codec frame. The tier
 never looks inside a frame; the cache verifies each with `codec.decode_block`
 and reports failures back (`record_integrity_failure`, `delete`). Writes are
-single-key `SET key frame PX ttl` (atomic, always with a TTL); a hit refreshes
-the TTL with `GETEX key PX ttl` (sliding TTL). Nothing needs two keys in one
-slot, so Redis Cluster spreads blocks by hash.
+single-key `PSETEX key ttl frame` (SET with PX, the value last so Redis can keep
+its read buffer as the value; atomic, always with a TTL); a hit refreshes the
+TTL with `GETEX key PX ttl` (sliding TTL). Nothing needs two keys in one slot,
+so Redis Cluster spreads blocks by hash.
 
 Invariants:
 - Fail-open: no public method raises on a Redis fault. Reads turn into misses,
@@ -569,8 +570,8 @@ class RedisTier:
 
     def _settle_written(self) -> None:
         with self._settling:
-            for ops, written, seconds in self._ops.completed():
-                self._succeeded(written, seconds)
+            for ops, written, seconds, trips in self._ops.completed():
+                self._succeeded(written, seconds, trips)
                 self._settle(ops)
 
     def _drop_locked(self, ops: list[_Op]) -> None:
@@ -600,12 +601,14 @@ class RedisTier:
             self._counters.writes_failed += sum(1 for op in batch if isinstance(op, _Set))
         log.debug("redis %s failed", reason)
 
-    def _succeeded(self, written: int, elapsed: float) -> None:
+    def _succeeded(self, written: int, elapsed: float, trips: int = 1) -> None:
+        """A batch of `written` bytes took `elapsed` seconds over `trips` round trips (a lane sends
+        its SETs one at a time): the latency and the link meter see one round trip's share."""
         self._wrote()
         with self._lock:
             self._counters.bytes_written += written
-            self._counters.write_latency.observe(elapsed)
-            self._link.observe(written, elapsed)
+            self._counters.write_latency.observe(elapsed / trips)
+            self._link.observe(written // trips, elapsed / trips)
 
     def _pipeline(self, batch: list[_Op]) -> None:
         assert self._writer is not None  # _apply checked
@@ -618,7 +621,7 @@ class RedisTier:
         pipe = self._writer.pipeline(transaction=False)
         for op in batch:
             if isinstance(op, _Set):
-                pipe.set(op.key, _joined(op.frame), px=op.ttl_ms)
+                pipe.psetex(op.key, op.ttl_ms, _joined(op.frame))
             else:
                 assert isinstance(op, _Unlink), "an _UnlinkMatching runs alone (_apply)"
                 pipe.unlink(op.key)
@@ -681,7 +684,7 @@ class RedisTier:
             self._breaker.record_success()
         if self._write_breaker.probe_due() and self._writer is not None:
             try:
-                self._writer.set(f"{self.options.key_prefix}:probe", b"1", px=10_000)
+                self._writer.psetex(f"{self.options.key_prefix}:probe", 10_000, b"1")
             except REDIS_ERRORS as exc:
                 reason = f"write probe: {error_kind(exc)}"
                 self._write_breaker.record_failure(reason)  # down: schedules its next probe

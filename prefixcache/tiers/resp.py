@@ -1,4 +1,4 @@
-"""Pipelined GETEX and SET of block frames over RESP, run by the compiled core (prefixcache/_resp.c).
+"""Pipelined GETEX and PSETEX (SET with PX) of block frames over RESP, run by the compiled core (prefixcache/_resp.c).
 
 Why not redis-py's pipeline for the data path: for a large bulk reply it copies the bytes three
 times (socket reads into its chunk buffer, that into hiredis's growing buffer, that into a new
@@ -58,7 +58,7 @@ class RespPipeline:
         return [None if value is None else memoryview(value) for value in values]
 
     def set(self, keys: Sequence[str], values: Sequence[Frame], ttl_ms: int | list[int]) -> None:
-        """`SET keys[i] values[i] PX ttl_ms` (one TTL for all, or one per key) in one round trip, a
+        """`PSETEX keys[i] ttl_ms values[i]` (one TTL for all, or one per key) in one round trip, a
         value sent from its own buffers (one, or a tuple of parts that join into it);
         raises on any error reply (after reading every reply: the connection stays in use)."""
         raw = [key.encode() for key in keys]
