@@ -450,7 +450,7 @@ static int
 set_exchange(Link *link, const SetCommand *sets, size_t count, size_t depth, char *error, size_t *error_length)
 {
     size_t command_bytes, pieces;
-    set_room(sets, count, &command_bytes, &pieces); /* room for the largest group, at most all */
+    set_room(sets, count, &command_bytes, &pieces); /* room for all: any group fits */
     char *command = PyMem_RawMalloc(command_bytes);
     struct iovec *iov = PyMem_RawMalloc(pieces * sizeof(struct iovec));
     Reader *reader = PyMem_RawMalloc(sizeof(Reader));
