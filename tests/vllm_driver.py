@@ -3,14 +3,18 @@
     python tests/vllm_driver.py SPEC.json OUT.json
 
 SPEC: {"model": DIR, "apc": bool, "connector": {kv_connector_extra_config} | null,
-"kv_cache_dtype": "auto" | "fp8" | ...,
+"kv_cache_dtype": "auto" | "fp8" | ..., "block_size": int (32), "tensor_parallel_size": int (1),
 "max_model_len": int, "steps": [...]} with steps
 - {"generate": NAME, "prompts": [[token ids]...], "salts": [str|null...]?, "max_tokens": n,
    "kill_pid_after_s": [pid, seconds]?}: greedy outputs and num_cached_tokens per prompt;
    with kill_pid_after_s a thread SIGKILLs pid that long after generation starts;
 - {"barrier": NAME}: writes OUT.NAME.reached, waits for OUT.NAME.go (the test acts meanwhile).
-OUT: {"startup_s": s, "steps": {NAME: {"outputs": [[ids]...], "cached": [n...], "seconds": s,
-"metrics": {connector counter: cumulative value}}}}.
+- {"stall": NAME, "running": [ids], "running_tokens": n, "arriving": [ids], "arrive_after": k}:
+   steps the engine by hand; "running" decodes n tokens, "arriving" is added once it has k; the
+   result has each token's time of "running" (`gaps`: seconds between consecutive tokens, `arrived_at`:
+   the index of the first gap after the arrival), the arriving request's `cached` and `ttft_s`.
+OUT: {"startup_s": s, "kv_blocks": vLLM's KV cache capacity in blocks, "steps": {NAME: {"outputs":
+[[ids]...], "cached": [n...], "seconds": s, "metrics": {connector counter: cumulative value}}}}.
 Engines take tens of seconds to start, so one process serves many checks; vLLM spawns
 processes, hence the __main__ guard.
 """
@@ -46,6 +50,34 @@ def _connector_metrics(llm) -> dict[str, float]:
     return values
 
 
+def _stall(llm, step: dict) -> dict:
+    """One request decoding while another arrives: the decoding one's token times."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=step["running_tokens"], ignore_eos=True)
+    engine.add_request(f"{step['stall']}-running", {"prompt_token_ids": step["running"]}, params)
+    times: list[float] = []
+    arrived_at = None
+    arrival = {"cached": None, "ttft_s": None}
+    added = 0.0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            now = time.monotonic()
+            if output.request_id.endswith("-running"):
+                while len(times) < len(output.outputs[0].token_ids):
+                    times.append(now)
+            elif arrival["ttft_s"] is None and output.outputs[0].token_ids:
+                arrival = {"cached": output.num_cached_tokens or 0, "ttft_s": now - added}
+        if arrived_at is None and len(times) >= step["arrive_after"]:
+            added = time.monotonic()
+            arrived_at = len(times) - 1
+            short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+            engine.add_request(f"{step['stall']}-arriving", {"prompt_token_ids": step["arriving"]}, short)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return {"gaps": gaps, "arrived_at": arrived_at, **arrival, "metrics": _connector_metrics(llm)}
+
+
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     out = Path(out_path)
@@ -69,7 +101,7 @@ def main(spec_path: str, out_path: str) -> None:
         model=spec["model"],
         skip_tokenizer_init=True,
         dtype="bfloat16",
-        block_size=32,
+        block_size=spec.get("block_size", 32),
         enforce_eager=True,
         max_model_len=spec.get("max_model_len", 2048),
         enable_prefix_caching=bool(spec.get("apc")),
@@ -77,12 +109,19 @@ def main(spec_path: str, out_path: str) -> None:
         kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
         seed=0,
         disable_log_stats=False,
+        tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+        distributed_executor_backend="mp" if spec.get("tensor_parallel_size", 1) > 1 else None,
         **kwargs,
     )
-    result: dict = {"startup_s": time.monotonic() - started, "steps": {}}
+    blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    result: dict = {"startup_s": time.monotonic() - started, "kv_blocks": blocks, "steps": {}}
     for step in spec["steps"]:
         if "barrier" in step:
             _barrier(out, step["barrier"])
+            continue
+        if "stall" in step:
+            result["steps"][step["stall"]] = _stall(llm, step)
+            out.write_text(json.dumps(result))
             continue
         prompts = []
         salts = step.get("salts") or [None] * len(step["prompts"])

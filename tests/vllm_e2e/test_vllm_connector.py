@@ -121,7 +121,10 @@ class Engine:
         return json.loads(self.out.read_text())
 
     def log(self) -> str:
-        return self.out.with_suffix(".log").read_text(errors="replace")[-4000:]
+        return self.log_text()[-4000:]
+
+    def log_text(self) -> str:
+        return self.out.with_suffix(".log").read_text(errors="replace")
 
     def worker_totals(self) -> dict[str, float]:
         """The worker's shutdown line `prefixcache worker totals: k=v, ...` (seconds as floats:
@@ -154,15 +157,25 @@ def _start(
     connector: dict | None,
     apc: bool,
     kv_cache_dtype: str = "auto",
+    env: dict[str, str] | None = None,
+    **spec_extra: object,
 ) -> Engine:
+    """One driver process (tests/vllm_driver.py); `spec_extra` adds SPEC keys (block_size, ...)."""
     spec = workdir / f"{name}.spec.json"
     out = workdir / f"{name}.json"
     spec.write_text(
         json.dumps(
-            {"model": str(model), "apc": apc, "connector": connector, "steps": steps, "kv_cache_dtype": kv_cache_dtype}
+            {
+                "model": str(model),
+                "apc": apc,
+                "connector": connector,
+                "steps": steps,
+                "kv_cache_dtype": kv_cache_dtype,
+                **spec_extra,
+            }
         )
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1", **(env or {}))
     with out.with_suffix(".log").open("w") as log:
         process = subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "vllm_driver.py"), str(spec), str(out)],

@@ -109,15 +109,15 @@ def test_fp8_held_as_uint8_round_trips_byte_for_byte(dtype: DType) -> None:
     paged = PagedCache(
         [PagedLayer.of(storage[:, :, :, :].clone(), KVPacking.TOKEN_STACKED, D) for _ in range(LAYERS)], dtype.torch
     )
-    blocks = paged.gather([4, 1])
+    blocks = paged.gather(((4, 1),))
     assert blocks.dtype == dtype.torch
     other = PagedCache(
         [PagedLayer.of(torch.zeros_like(storage), KVPacking.TOKEN_STACKED, D) for _ in range(LAYERS)], dtype.torch
     )
-    other.load(blocks, [0, 7])
+    other.load(blocks, ((3, 7),))
     for a, b in zip(paged.layers, other.layers, strict=True):
-        assert torch.equal(a.keys[[4, 1]], b.keys[[0, 7]]) and torch.equal(a.values[[4, 1]], b.values[[0, 7]])
-    assert torch.equal(other.gather([0, 7]).view(torch.uint8), blocks.view(torch.uint8))  # no conversion
+        assert torch.equal(a.keys[[4, 1]], b.keys[[3, 7]]) and torch.equal(a.values[[4, 1]], b.values[[3, 7]])
+    assert torch.equal(other.gather(((3, 7),)).view(torch.uint8), blocks.view(torch.uint8))  # no conversion
     with pytest.raises(ConfigError) as error:
         PagedCache(paged.layers, torch.bfloat16)
     assert error.value.field == "cache_dtype"
@@ -172,7 +172,7 @@ def test_a_loaded_block_is_what_the_backend_reads_and_gathers_back_bit_exact(pac
     tensors = _paged(packing, nhd)
     cache = PagedCache([PagedLayer.of(t, packing, D) for t in tensors])
     blocks = torch.randn(2, *layout.block_shape).to(torch.bfloat16)
-    cache.load(blocks, [5, 2])
+    assert cache.load(blocks, ((5, 2),)) == 2 * LAYERS
     for number, t in enumerate(tensors):
         keys, values = views(t)
         for i, block_id in enumerate([5, 2]):
@@ -180,14 +180,52 @@ def test_a_loaded_block_is_what_the_backend_reads_and_gathers_back_bit_exact(pac
             assert torch.equal(values[block_id], blocks[i, number, 1])
         untouched = [b for b in range(BLOCKS) if b not in (5, 2)]
         assert not keys[untouched].any() and not values[untouched].any()
-    assert torch.equal(cache.gather([2, 5]), blocks.flip(0))
+    assert torch.equal(cache.gather(((2, 5),)), blocks.flip(0))
+
+
+def test_hybrid_groups_load_only_the_blocks_vllm_allocated_and_gather_per_group() -> None:
+    # Layer 0 in a sliding-window group (vLLM's null block 0 before the window), layer 1 full.
+    layout = KVLayout(layers=2, kv_heads=H, head_dim=D, block_size=N, dtype="bfloat16")
+    tensors = [torch.zeros(BLOCKS, H, N, 2 * D, dtype=torch.bfloat16) for _ in range(2)]
+    cache = PagedCache([PagedLayer.of(t, KVPacking.TOKEN_STACKED, D, group) for group, t in enumerate(tensors)])
+    blocks = torch.randn(3, *layout.block_shape).to(torch.bfloat16)
+    ids = ((0, 0, 6), (1, 2, 3))  # sliding group: only the last block is in the window
+    assert cache.load(blocks, ids) == 1 + 3
+    keys, _ = _vllm_cpu_views(tensors[0])
+    assert torch.equal(keys[6], blocks[2, 0, 0]) and not keys[[1, 2, 3, 4, 5, 7]].any()
+    keys, values = _vllm_cpu_views(tensors[1])
+    for i, block_id in enumerate((1, 2, 3)):
+        assert torch.equal(keys[block_id], blocks[i, 1, 0]) and torch.equal(values[block_id], blocks[i, 1, 1])
+    gathered = cache.gather(((6,), (3,)))
+    assert torch.equal(gathered[0], blocks[2])
+    with pytest.raises(ValueError, match="group 0"):
+        cache.gather(ids)  # a freed (null) block is never read as KV
+
+
+@pytest.mark.parametrize("cuda_shape", [False, True])
+def test_mla_latent_rows_are_stored_as_two_halves_bit_exact(cuda_shape: bool) -> None:
+    # CPU_MLA: [blocks, 1, N, 576]; the CUDA MLA backends: [blocks, N, 576]. One latent row per token.
+    width = 576
+    storage = torch.randn(BLOCKS, N, width).to(torch.bfloat16)
+    tensor = storage if cuda_shape else storage.unsqueeze(1)
+    cache = PagedCache([PagedLayer.of(tensor, KVPacking.LATENT, width // 2)])
+    blocks = cache.gather(((3, 5),))
+    assert blocks.shape == (2, 1, 2, 1, N, width // 2)
+    assert torch.equal(torch.cat([blocks[0, 0, 0, 0], blocks[0, 0, 1, 0]], dim=-1), storage[3])
+    target = torch.zeros_like(storage)
+    PagedCache([PagedLayer.of(target if cuda_shape else target.unsqueeze(1), KVPacking.LATENT, width // 2)]).load(
+        blocks, ((1, 2),)
+    )
+    assert torch.equal(target[1], storage[3]) and torch.equal(target[2], storage[5]) and not target[3:].any()
 
 
 def test_backends_the_connector_cannot_copy_fail_by_name() -> None:
     assert packing_of_backend("CPU_ATTN") is KVPacking.TOKEN_STACKED
     assert packing_of_backend("FLASHINFER") is KVPacking.CONTENT_SPLIT
+    assert packing_of_backend("CPU_MLA") is KVPacking.LATENT
+    assert packing_of_backend("FLASHMLA") is KVPacking.LATENT
     with pytest.raises(ConfigError) as error:
-        packing_of_backend("TRITON_MLA")
+        packing_of_backend("TURBOQUANT_ATTN")
     assert error.value.field == "attention_backend"
 
 
@@ -255,3 +293,57 @@ def test_the_auto_policy_measures_vllms_prefill_rate_from_its_steps() -> None:
     meter.idle()  # ...which the scheduler saw arrive with nothing running
     meter.step(64)
     assert meter.estimate().samples == 8 and meter.tokens_per_s == pytest.approx(1000, rel=1e-6)
+
+
+def _kv_cache_config(*groups: tuple[list[str], object]) -> object:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(
+        num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in groups]
+    )
+
+
+def test_groups_of_a_hybrid_sliding_window_model_share_one_layout_in_model_order() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from prefixcache.integrations.vllm.groups import KVGroups
+
+    sliding = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=64)
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    config = _kv_cache_config(
+        (["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"], sliding),
+        (["model.layers.1.self_attn.attn", "model.layers.10.self_attn.attn"], full),
+    )
+    groups = KVGroups.of(config, 32, "Gemma3ForCausalLM")
+    assert groups.layer_names == tuple(f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 10))
+    assert groups.layer_groups == (0, 1, 0, 1)
+    assert groups.kinds == ("sliding_window(64)", "full") and (groups.kv_heads, groups.head_size) == (2, 64)
+    with pytest.raises(ConfigError, match="32-token blocks, vLLM.s block size is 16") as error:
+        KVGroups.of(config, 16, "Gemma3ForCausalLM")
+    assert error.value.field == "kv_cache_groups"
+
+
+def test_groups_refuse_mamba_state_and_mixed_geometries_naming_the_model_class() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+
+    from prefixcache.integrations.vllm.groups import KVGroups
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    mamba = MambaSpec(block_size=32, shapes=((4, 4),), dtypes=(torch.bfloat16,))
+    with pytest.raises(ConfigError) as error:
+        KVGroups.of(
+            _kv_cache_config((["model.layers.3.self_attn.attn"], full), (["model.layers.0.linear_attn"], mamba)),
+            32,
+            "Qwen3NextForCausalLM",
+        )
+    message = str(error.value)
+    assert error.value.field == "kv_cache_groups"
+    assert "Qwen3NextForCausalLM" in message and "MambaSpec" in message and "without the connector" in message
+    wide = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="different KV geometries"):
+        KVGroups.of(
+            _kv_cache_config((["model.layers.0.a"], full), (["model.layers.1.a"], wide)), 32, "Gemma4ForCausalLM"
+        )
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    groups = KVGroups.of(_kv_cache_config((["model.layers.0.self_attn.attn"], mla)), 16, "DeepseekV2ForCausalLM")
+    assert groups.latent and (groups.kv_heads, groups.head_size) == (1, 288)

@@ -231,7 +231,13 @@ def weights_digest(model: str, mode: str = "sampled") -> str:
 
 
 def namespace_of(
-    vllm_config: Any, settings: ConnectorSettings, layers: int, kv_heads: int, head_dim: int, tp_rank: int
+    vllm_config: Any,
+    settings: ConnectorSettings,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    tp_rank: int,
+    latent: bool = False,
 ) -> VllmNamespace:
     model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
     tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -252,6 +258,8 @@ def namespace_of(
             "needs a weights digest (sampled or full) of a local checkpoint",
         )
     parts = [revision, f"weights={digest[:32]}" if digest else "weights=unknown", f"tp={tp_rank}/{tp_size}"]
+    if latent:
+        parts.append("kv=mla")  # one latent row per token, stored as the block's two halves
     name = model_config.served_model_name if isinstance(model_config.served_model_name, str) else model_config.model
     return VllmNamespace(
         model=os.path.basename(str(name).rstrip("/")) or str(name),

@@ -5,12 +5,14 @@ one per worker (role WORKER: copies); this class only validates the configuratio
 the namespace and delegates to `SchedulerSide` / `WorkerSide`.
 
 Invariants:
-- Supported: one full-attention KV cache group (every decoder-only model with plain
-  attention), tensor_parallel_size 1, pipeline_parallel_size 1, backends CPU_ATTN,
-  FLASH_ATTN, FLASHINFER. Anything else fails at start-up with an error that says so.
+- Supported: every KV cache group of full, sliding-window, chunked-local or MLA attention
+  with one geometry across layers (groups.py), vLLM's hybrid KV cache manager on
+  (`SupportsHMA`), any tensor_parallel_size (a shard per rank), pipeline_parallel_size 1,
+  backends CPU_ATTN, FLASH_ATTN, FLASHINFER and the MLA ones (paged.py). Anything else fails
+  at start-up with an error that names the model class and what is unsupported.
 - The cache is best effort: the connector sets `kv_load_failure_policy="recompute"` so a
   failed load makes vLLM recompute, never fail the request, and `requires_kv_delivery` is
-  False (a dropped save is a future miss).
+  False (a dropped save is a future miss). Loads are asynchronous (scheduler.py, worker.py).
 """
 
 from __future__ import annotations
@@ -22,14 +24,16 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ...errors import ConfigError
 from .config import ConnectorSettings, check_layer_scales, describe, namespace_of
+from .groups import KVGroups
 from .link import LOGGER, CacheLink
 from .metadata import PrefixCacheMetadata
-from .paged import PagedCache, PagedLayer, packing_of_backend
+from .paged import KVPacking, PagedCache, PagedLayer, packing_of_backend
 from .scheduler import SchedulerSide
 from .stats import PrefixCachePromMetrics, PrefixCacheStats, StatsBox
 from .worker import WorkerSide
@@ -46,49 +50,84 @@ if TYPE_CHECKING:
 log = logging.getLogger(LOGGER)
 
 
-class PrefixCacheConnector(KVConnectorBase_V1):
+def _model_class(vllm_config: VllmConfig) -> str:
+    architectures = getattr(vllm_config.model_config.hf_config, "architectures", None) or ["this model"]
+    return str(architectures[0])
+
+
+def _platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def _tp_rank(role: KVConnectorRole) -> int:
+    """This worker's tensor-parallel rank (the scheduler looks up rank 0's shard)."""
+    if role == KVConnectorRole.SCHEDULER:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.settings = ConnectorSettings.parse(transfer.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        model_class = _model_class(vllm_config)
+        if parallel.pipeline_parallel_size != 1:
             raise ConfigError(
-                "tensor_parallel_size",
-                "PrefixCacheConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only",
+                "pipeline_parallel_size",
+                f"{model_class}: PrefixCacheConnector stores every layer of a block together, so it needs "
+                "pipeline_parallel_size=1 (tensor parallelism is supported)",
             )
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        if getattr(parallel, "decode_context_parallel_size", 1) != 1:
             raise ConfigError(
-                "kv_cache_groups", f"PrefixCacheConnector needs one full-attention KV cache group (got {len(groups)})"
+                "decode_context_parallel_size", f"{model_class}: decode context parallelism is not supported"
             )
-        spec = groups[0].kv_cache_spec
-        if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
-            raise ConfigError("head_size_v", "keys and values of different head sizes are not supported")
-        self.layer_names = list(groups[0].layer_names)
         self.block_size = vllm_config.cache_config.block_size
+        self.groups = KVGroups.of(kv_cache_config, self.block_size, model_class)
+        self.layer_names = list(self.groups.layer_names)
+        tp_rank = _tp_rank(role)
         namespace = namespace_of(
-            vllm_config, self.settings, len(self.layer_names), spec.num_kv_heads, spec.head_size, tp_rank=0
+            vllm_config,
+            self.settings,
+            len(self.layer_names),
+            self.groups.kv_heads,
+            self.groups.head_size,
+            tp_rank=tp_rank,
+            latent=self.groups.latent,
         )
         self.stats = StatsBox()
-        role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else f"worker (tp rank {tp_rank})"
         self.link = CacheLink(self.settings, namespace, role_name)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
                 transfer.kv_load_failure_policy = "recompute"  # read by the scheduler right after this
-            self._scheduler = SchedulerSide(self.link, self.stats, self.block_size)
+            loads = not (self.groups.latent and _platform_is_cpu())
+            if not loads:
+                log.warning(
+                    "prefixcache: %s on vLLM's CPU MLA backend, which cannot prefill on top of cached KV (vLLM "
+                    "turns prefix caching off for MLA on CPU): the connector saves blocks (for MLA engines on "
+                    "GPUs sharing this service) and loads none",
+                    model_class,
+                )
+            self._scheduler = SchedulerSide(self.link, self.stats, self.block_size, loads)
             log.info(
-                "prefixcache: connector %s, namespace %s/%s %s%s",
+                "prefixcache: connector %s, namespace %s/%s %s%s; KV cache groups: %s",
                 describe(self.settings),
                 namespace.model,
                 namespace.revision,
                 namespace.layout,
                 f" kv_scale={namespace.kv_scale}" if namespace.kv_scale else "",
+                self.groups.describe(),
             )
         else:
-            self._worker = WorkerSide(self.link, self.stats)
+            self._worker = WorkerSide(self.link, self.stats, tp_rank)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -98,11 +137,18 @@ class PrefixCacheConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         backend = self._backend_name()
         packing = packing_of_backend(backend)
+        if (packing is KVPacking.LATENT) != self.groups.latent:
+            raise ConfigError(
+                "attention_backend", f"backend {backend} does not match the layers' {self.groups.describe()}"
+            )
         head_size = self.link.layout.head_dim
         missing = [name for name in self.layer_names if name not in kv_caches]
         if missing:
             raise ConfigError("kv_caches", f"no KV tensor for layer {missing[0]}")
-        layers = [PagedLayer.of(kv_caches[name], packing, head_size) for name in self.layer_names]
+        layers = [
+            PagedLayer.of(kv_caches[name], packing, head_size, group)
+            for name, group in zip(self.layer_names, self.groups.layer_groups, strict=True)
+        ]
         check_layer_scales(self.link.namespace.kv_scale, self._layer_scales())
         assert self._worker is not None
         self._worker.paged = PagedCache(layers, self.link.layout.dtype.torch)
@@ -120,9 +166,15 @@ class PrefixCacheConnector(KVConnectorBase_V1):
 
     def _attention_layers(self) -> dict[str, Any]:
         from vllm.config import get_layers_from_vllm_config
-        from vllm.model_executor.layers.attention.attention import Attention
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-        return dict(get_layers_from_vllm_config(self._vllm_config, Attention, self.layer_names))
+        # The base class (abstract) so MLA layers are found too: the lookup is an isinstance test.
+        layers = get_layers_from_vllm_config(
+            self._vllm_config,
+            AttentionLayerBase,  # type: ignore[type-abstract, unused-ignore]
+            self.layer_names,
+        )
+        return dict(layers)
 
     def _backend_name(self) -> str:
         return str(self._attention_layers()[self.layer_names[0]].get_attn_backend().get_name())
@@ -140,7 +192,7 @@ class PrefixCacheConnector(KVConnectorBase_V1):
             self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish inside start_load_kv
+        return  # loads are asynchronous: a loading request is not in the step's forward
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -152,8 +204,19 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         if self._worker is not None and isinstance(meta, PrefixCacheMetadata) and meta.saves:
             self._worker.save(meta)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Loads that ended since the last step; a failed one makes vLLM recompute its request."""
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self._worker.finished_loads()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_load_errors() if self._worker is not None else set()
+        return set()  # failed loads are reported per request (get_transfer_results)
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -161,16 +224,21 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         else:
             if self._scheduler is not None:
                 self._scheduler.prefill.log()
+                self._scheduler.close()
             self.link.close()
 
     # -- scheduler role -----------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        if self._scheduler is not None:
+            self._scheduler.started(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.match(request, num_computed_tokens), False
+        return self._scheduler.match(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
+        self._scheduler.allocated(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PrefixCacheMetadata:
         assert self._scheduler is not None
@@ -180,6 +248,12 @@ class PrefixCacheConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         self._scheduler.finished(request)
         return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Saves copy blocks out in the step that computed them, so nothing waits on the blocks."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     # -- stats --------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> PrefixCacheStats | None:

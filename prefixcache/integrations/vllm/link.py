@@ -8,7 +8,10 @@ Invariants:
 - While down, reconnecting is tried at most once per `RETRY_S`, so a dead service costs a
   request nothing but a clock read; a restarted service (new shared-memory segment, namespace
   unknown) is re-attached on the next try.
-- Thread-safe: the scheduler calls from one thread, the worker's save thread from another.
+- Thread-safe: the scheduler's thread and its lookup threads, the worker's load and save
+  threads all share one link. A failure drops only the client the failing call used: a call
+  that fails on a client another thread already replaced leaves the new one alone (else
+  concurrent calls failing on a restarted service would close each other's fresh clients).
 """
 
 from __future__ import annotations
@@ -99,14 +102,19 @@ class CacheLink:
             try:
                 return operation(*attached), attached[1]
             except PrefixCacheError as error:
-                if attempt or not service_level(error):
+                if not service_level(error):
                     raise
-                self.failed(error)
+                self.failed(error, attached[0])
+                if attempt:
+                    raise
         return None
 
-    def failed(self, error: BaseException) -> None:
-        """A call on the current client failed: drop it; the next `client()` re-attaches when due."""
+    def failed(self, error: BaseException, client: CacheClient | None = None) -> None:
+        """A call on `client` (default: the current one) failed: drop it; the next `client()`
+        re-attaches when due. A client already replaced is not the current one's business."""
         with self._lock:
+            if client is not None and client is not self._client:
+                return
             if self._client is not None:
                 self._client.close()
             self._client, self._attachment = None, None

@@ -3,9 +3,12 @@
 Invariants:
 - A `LoadOp` carries the client's `Hit` as the Lookup answered it (service-issued ids and
   slots only) and the shared-memory segment it was answered for; the worker copies hit block
-  `first_block + i` into vLLM block `block_ids[i]`.
-- A `SaveOp` covers the prompt's full blocks `start_block..start_block+len(block_ids)` and
-  carries the tokens up to their end: the service derives every block hash from them.
+  `first_block + i` into block `block_ids[g][i]` of every KV cache group g (null ids: nothing
+  to copy for that group there). The Hit is rank 0's shard under tensor parallelism: other
+  ranks look their own shard up from `tokens` and `cache_salt`.
+- A `SaveOp` covers the prompt's full blocks `start_block..start_block+n` and carries the
+  tokens up to their end: the service derives every block hash from them. A request's saves
+  come in prompt order, one per step that completed blocks, while vLLM still holds them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from ...client.api import Hit
+from .paged import GroupBlockIds
 
 
 @dataclass(frozen=True)
@@ -23,7 +27,13 @@ class LoadOp:
     hit: Hit  # the scheduler's Lookup answer as is: its lease is the worker's to release
     host_segment: str  # the segment the slots live in ("" when read by stream)
     first_block: int  # the first leased block to load (vLLM computed those before it)
-    block_ids: tuple[int, ...]  # vLLM blocks for leased blocks first_block.. in order
+    block_ids: GroupBlockIds  # per group, vLLM blocks for leased blocks first_block.. in order
+    tokens: tuple[int, ...]  # the prompt's tokens up to the loaded blocks' end (other TP ranks)
+    cache_salt: str | None
+
+    @property
+    def blocks(self) -> int:
+        return len(self.block_ids[0])
 
 
 @dataclass(frozen=True)
@@ -31,8 +41,12 @@ class SaveOp:
     request_id: str
     tokens: tuple[int, ...]  # the prompt up to the end of the last saved block
     start_block: int
-    block_ids: tuple[int, ...]
+    block_ids: GroupBlockIds
     cache_salt: str | None
+
+    @property
+    def blocks(self) -> int:
+        return len(self.block_ids[0])
 
 
 @dataclass

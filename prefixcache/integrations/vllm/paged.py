@@ -12,11 +12,23 @@ values share the last axis depends on the backend:
 - `CONTENT_SPLIT` (CUDA FlashAttention `FLASH_ATTN` and FlashInfer `FLASHINFER`): keys are
   `[..., :head_size]`, values `[..., head_size:]` of each token's row; NHD (`LBNHC`, tokens
   outer) and HND (`LBHNC`/`BLHNC`, heads outer) differ only in strides, which these views keep.
+- `LATENT` (MLA: vLLM's CPU backend `CPU_MLA` as `[num_blocks, 1, block_size, width]`, the CUDA
+  MLA backends `FLASHMLA`, `CUTLASS_MLA`, `FLASHINFER_MLA`, `TRITON_MLA`, `FLASH_ATTN_MLA` as
+  `[num_blocks, block_size, width]`): one latent row per token (kv_lora_rank + rope dims, 576
+  for DeepSeek-V2/V3), no separate keys and values. The cache stores the row as the canonical
+  block's two halves with one "head" (`head_size` = width / 2), i.e. `CONTENT_SPLIT` of a
+  one-head view: the bytes of a block are exactly vLLM's, in vLLM's order.
 
-Either way `PagedLayer.keys` / `.values` are strided `[num_blocks, kv_heads, block_size,
+Every way `PagedLayer.keys` / `.values` are strided `[num_blocks, kv_heads, block_size,
 head_size]` views of vLLM's own storage, so a block copy is an indexed copy between them and
 the cache's canonical block `[layers, 2, kv_heads, block_size, head_size]`: a memcpy-like
 gather/scatter on CPU, and the same code moves host->device or device->host on CUDA.
+
+Hybrid models (vLLM's hybrid KV cache manager): each layer belongs to one KV cache group with a
+block table of its own, so a copy takes one list of vLLM block ids per group (`GroupBlockIds`).
+vLLM puts its null block (id 0) where a group needs no KV, e.g. a sliding-window group before
+the window of the hit point; a load skips those positions, so sliding layers move only their
+window, and a gather never meets one (the scheduler saves blocks while vLLM still holds them).
 
 Invariants: nothing here allocates a second paged cache (views alias vLLM's tensors); bytes
 are copied, never converted (a dtype that differs only in name, e.g. fp8 stored as uint8, is
@@ -26,22 +38,33 @@ reinterpreted with `view`).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ...errors import ConfigError
 
+NULL_BLOCK = 0  # vLLM's null block id (BlockPool.null_block): no KV needed at that position
+GroupBlockIds = tuple[tuple[int, ...], ...]  # per KV cache group, vLLM block ids in prompt order
+
 
 class KVPacking(enum.Enum):
     TOKEN_STACKED = "token_stacked"  # CPU_ATTN: per (block, head) [K rows | V rows]
     CONTENT_SPLIT = "content_split"  # FLASH_ATTN, FLASHINFER: per token [K | V]
+    LATENT = "latent"  # MLA backends: per token one latent row, stored as two halves
 
 
 _PACKING_OF_BACKEND = {
     "CPU_ATTN": KVPacking.TOKEN_STACKED,
     "FLASH_ATTN": KVPacking.CONTENT_SPLIT,
     "FLASHINFER": KVPacking.CONTENT_SPLIT,
+    "CPU_MLA": KVPacking.LATENT,
+    "FLASHMLA": KVPacking.LATENT,
+    "CUTLASS_MLA": KVPacking.LATENT,
+    "FLASHINFER_MLA": KVPacking.LATENT,
+    "TRITON_MLA": KVPacking.LATENT,
+    "FLASH_ATTN_MLA": KVPacking.LATENT,
 }
 
 
@@ -57,16 +80,20 @@ def packing_of_backend(name: str) -> KVPacking:
 class PagedLayer:
     keys: torch.Tensor  # [num_blocks, kv_heads, block_size, head_size], a view of vLLM's cache
     values: torch.Tensor
+    group: int = 0  # the KV cache group whose block table addresses this layer
 
     @classmethod
-    def of(cls, tensor: torch.Tensor, packing: KVPacking, head_size: int) -> PagedLayer:
+    def of(cls, tensor: torch.Tensor, packing: KVPacking, head_size: int, group: int = 0) -> PagedLayer:
+        """`head_size`: the canonical block's head_dim (for LATENT, half the latent row)."""
+        if packing is KVPacking.LATENT and tensor.dim() == 3:
+            tensor = tensor.unsqueeze(1)  # the CUDA MLA backends' [blocks, block_size, width]: one head
         if tensor.dim() != 4 or tensor.shape[-1] != 2 * head_size:
             raise ConfigError(
                 "kv_caches", f"expected [blocks, kv_heads, block_size, {2 * head_size}], got {tuple(tensor.shape)}"
             )
         blocks, heads, block_size, _ = tensor.shape
-        if packing is KVPacking.CONTENT_SPLIT:
-            return cls(tensor[..., :head_size], tensor[..., head_size:])
+        if packing is not KVPacking.TOKEN_STACKED:
+            return cls(tensor[..., :head_size], tensor[..., head_size:], group)
         sb, sh, sn, sc = tensor.stride()
         if sc != 1 or sn != 2 * head_size:
             raise ConfigError(
@@ -79,7 +106,7 @@ class PagedLayer:
         half = block_size * head_size
         keys = tensor.as_strided(shape, strides, tensor.storage_offset())
         values = tensor.as_strided(shape, strides, tensor.storage_offset() + half)
-        return cls(keys, values)
+        return cls(keys, values, group)
 
 
 class PagedCache:
@@ -103,26 +130,52 @@ class PagedCache:
     def device(self) -> torch.device:
         return self.layers[0].keys.device
 
-    def load(self, blocks: torch.Tensor, block_ids: list[int]) -> None:
-        """vLLM block block_ids[i] <- canonical block blocks[i] (`[n, layers, 2, H, N, D]`, any device)."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.long, device=self.device)
+
+    def load(self, blocks: torch.Tensor, block_ids: GroupBlockIds) -> int:
+        """Group g's vLLM block block_ids[g][i] <- canonical block blocks[i] (`[n, layers, 2, H, N, D]`,
+        any device), for the layers of group g; null positions are skipped. Returns the blocks'
+        layer-copies made (a sliding-window layer outside its window makes none)."""
         source = blocks.to(self.device, non_blocking=True)
         if source.dtype != self.layers[0].keys.dtype:  # fp8 held as uint8: same bytes, never converted
             if source.dtype.itemsize != self.layers[0].keys.dtype.itemsize:
                 raise ValueError(f"blocks of {source.dtype} cannot be viewed as vLLM's {self.layers[0].keys.dtype}")
             source = source.view(self.layers[0].keys.dtype)
+        plans: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for group, ids in enumerate(block_ids):
+            if len(ids) != len(source):
+                raise ValueError(f"group {group}: {len(ids)} block ids for {len(source)} blocks")
+            kept = [i for i, block in enumerate(ids) if block != NULL_BLOCK]
+            if kept:
+                rows = None if len(kept) == len(ids) else self._index(kept)
+                plans[group] = (self._index([ids[i] for i in kept]), rows)
+        copies = 0
         for number, layer in enumerate(self.layers):
-            layer.keys.index_copy_(0, index, source[:, number, 0])
-            layer.values.index_copy_(0, index, source[:, number, 1])
+            plan = plans.get(layer.group)
+            if plan is None:
+                continue
+            index, rows = plan
+            part = source[:, number] if rows is None else source.index_select(0, rows)[:, number]
+            layer.keys.index_copy_(0, index, part[:, 0])
+            layer.values.index_copy_(0, index, part[:, 1])
+            copies += len(index)
+        return copies
 
-    def gather(self, block_ids: list[int]) -> torch.Tensor:
-        """Canonical blocks `[n, layers, 2, H, N, D]` (on CPU, in `self.dtype`) of vLLM blocks block_ids."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+    def gather(self, block_ids: GroupBlockIds) -> torch.Tensor:
+        """Canonical blocks `[n, layers, 2, H, N, D]` (on CPU, in `self.dtype`): layer l of block i is
+        read from block_ids[group of l][i]. Every id must be a real block (ValueError on a null)."""
+        indexes = []
+        for group, ids in enumerate(block_ids):
+            if NULL_BLOCK in ids:
+                raise ValueError(f"group {group} no longer holds every block to gather")
+            indexes.append(self._index(ids))
         first = self.layers[0].keys
         out = torch.empty(
-            (len(block_ids), len(self.layers), 2, *first.shape[1:]), dtype=first.dtype, device=self.device
+            (len(block_ids[0]), len(self.layers), 2, *first.shape[1:]), dtype=first.dtype, device=self.device
         )
         for number, layer in enumerate(self.layers):
+            index = indexes[layer.group]
             torch.index_select(layer.keys, 0, index, out=out[:, number, 0])
             torch.index_select(layer.values, 0, index, out=out[:, number, 1])
         return out.cpu().view(self.dtype)  # uint8-held fp8 -> the namespace's float8 type, same bytes

@@ -1,9 +1,17 @@
 """The scheduler half: ask the service what vLLM may load, plan loads and saves per step.
 
-Per request: `match` (vLLM's get_num_new_matched_tokens) looks the prompt up with a lease and
-answers the cached tokens beyond vLLM's own prefix cache; `allocated` records the blocks vLLM
-gave it; `build` turns that into a `LoadOp` the step it is first scheduled and a `SaveOp` the
-step its prompt is fully computed; `finished` forgets it and releases a lease no worker took.
+Nothing here waits for the service on vLLM's scheduler thread while vLLM has work running.
+Per request: `started` (vLLM's on_new_request) sends the Lookup, with a lease, to a small
+thread pool as the request arrives; `match` (get_num_new_matched_tokens) answers None ("ask
+again next step") while it is in flight and vLLM is running other requests, waits for it
+when vLLM is idle (nothing to stall), and gives up at `lookup_timeout_s` (the request then
+prefills in full). With the answer it offers the cached tokens beyond vLLM's own prefix cache,
+loaded asynchronously (`(n, True)`: vLLM parks the request until the worker reports the copy
+done, and keeps stepping the others). `allocated` records the blocks vLLM gave it, one list per
+KV cache group; `build` turns that into a `LoadOp` the same step, and into a `SaveOp` each step
+that completes prompt blocks (sliding-window groups free blocks that leave the window in later
+steps, so blocks are saved while vLLM holds them); `finished` forgets the request and releases
+a lease no worker took, also one whose Lookup is still in flight.
 
 Invariants:
 - External tokens are a whole number of vLLM blocks, never reach the prompt's last token
@@ -11,9 +19,11 @@ Invariants:
 - A lease is either handed to the worker in a `LoadOp` (the worker releases it) or released
   here; re-asking about a request first releases the previous lease (the call is side-effect
   free as vLLM requires).
-- Saves start at the block the cache already holds for this prompt (the hit's end), so the
-  service's "commit after a cached prefix" rule holds; the service verifies tokens itself.
-- Any service failure means 0 external tokens: the request prefills normally.
+- Saves start at the block the cache already holds for this prompt (the hit's end) and follow
+  each other in prompt order, so the service's "commit after a cached prefix" rule holds; the
+  service verifies tokens itself.
+- Any service failure or a Lookup past its deadline means 0 external tokens: the request
+  prefills normally.
 - The `auto` policy's prefill rate is vLLM's own, measured by `PrefillMeter` from the steps
   this side sees (the prior only until a few steps were timed, and again once they are stale).
 """
@@ -23,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,8 +43,9 @@ from ...client.api import Attachment, CacheClient, Hit
 from ...errors import PrefixCacheError
 from ...tiers.base import TierKind
 from ...transfer import TransferEstimate, TransferMeter
-from .link import LOGGER, CacheLink, service_level
+from .link import LOGGER, CacheLink
 from .metadata import LoadOp, PrefixCacheMetadata, SaveOp
+from .paged import NULL_BLOCK
 from .stats import StatsBox
 
 if TYPE_CHECKING:
@@ -49,6 +61,7 @@ PREFILL_PRIOR_TOKENS_PER_S = 5e3
 PREFILL_PRIOR_STEP_S = 5e-3  # a step's fixed cost in the prior (the reference worker's prior too)
 MAX_STEP_S = 60.0  # a longer gap between two steps is not a step (the engine waited)
 PREFILL_STALE_S = 120.0  # older measurements give way to the prior again
+LOOKUP_THREADS = 4  # Lookups in flight at once (gRPC waits without the GIL)
 
 
 class PrefillMeter:
@@ -126,90 +139,155 @@ def worth_loading(
     return load_s < tokens / prefill_tokens_per_s
 
 
+Answer = tuple[Hit, Attachment]
+
+
 @dataclass
 class _Request:
     request: Request
     salt: str | None
+    pending: Future[Answer | None] | None = None  # the Lookup in flight
+    deadline: float = 0.0  # time.monotonic() past which the request goes ahead without it
     hit: Hit | None = None
     attachment: Attachment | None = None
     local_tokens: int = 0  # computed by vLLM's own prefix cache
     external_tokens: int = 0  # promised to vLLM from the cache
     cached_blocks: int = 0  # blocks of this prompt the cache holds (saves start here)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     load_pending: bool = False
-    saved: bool = False
+    saved_blocks: int = -1  # prompt blocks saved or held by the cache (-1: saving not started)
+    saves_stopped: bool = False  # a block to save was already freed by vLLM: the chain ends here
+    asked_again: bool = False  # the first answer's lease had ended before vLLM asked for it
 
 
 class SchedulerSide:
-    def __init__(self, link: CacheLink, stats: StatsBox, block_size: int) -> None:
+    def __init__(self, link: CacheLink, stats: StatsBox, block_size: int, loads: bool = True) -> None:
+        """`loads` False: save only (the engine cannot prefill on top of loaded KV; see connector.py)."""
         self.link = link
         self.stats = stats
         self.block_size = block_size
+        self.loads = loads
         self.settings = link.settings
         self._requests: dict[str, _Request] = {}
+        self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="prefixcache-lookup")
+        self._engine_busy = False  # vLLM's last step computed something (a wait would stall it)
         self.prefill = PrefillMeter(self.settings.prefill_tokens_per_s or PREFILL_PRIOR_TOKENS_PER_S)
 
-    # -- get_num_new_matched_tokens ------------------------------------------------------
-    def match(self, request: Request, num_computed_tokens: int) -> int:
+    # -- on_new_request / get_num_new_matched_tokens --------------------------------------
+    def started(self, request: Request) -> _Request:
+        """Send the request's Lookup in the background as it arrives (vLLM's on_new_request)."""
         state = self._requests.get(request.request_id)
         if state is None:
             if not self._requests:
                 self.prefill.idle()  # no request was running: vLLM waited for this one
             state = _Request(request, self.settings.salt_for(getattr(request, "cache_salt", None)))
             self._requests[request.request_id] = state
-        self._drop_lease(state)
-        state.local_tokens, state.external_tokens = num_computed_tokens, 0
-        prompt = list(request.prompt_token_ids or ())
-        usable = (len(prompt) - 1) // self.block_size * self.block_size  # vLLM computes >= 1 token
-        if usable <= num_computed_tokens:
-            return 0  # nothing to gain; saves still start at vLLM's own local blocks' worth of 0
-        self.stats.add(lookups=1)
+        if state.pending is None and self.loads and self._usable(request) > 0:
+            state.deadline = time.monotonic() + self.settings.lookup_timeout_s
+            state.pending = self._lookups.submit(self._lookup, list(request.prompt_token_ids or ()), state.salt)
+        return state
+
+    def _usable(self, request: Request) -> int:
+        """Prompt tokens the cache could provide: whole blocks, never the last token."""
+        return (len(request.prompt_token_ids or ()) - 1) // self.block_size * self.block_size
+
+    def _lookup(self, prompt: list[int], salt: str | None) -> Answer | None:
+        """One Lookup with a lease (a lookup thread); None when the service is unusable."""
         recompute = None if self.settings.hit_policy == "always" else 1.0 / self.prefill.tokens_per_s
-        started = time.perf_counter()
+        self.stats.add(lookups=1)
         try:
-            answer = self.link.call(
+            return self.link.call(
                 lambda client, _: client.lookup(
                     prompt,
-                    cache_salt=state.salt,
+                    cache_salt=salt,
                     take_lease=True,
                     timeout_s=self.settings.lookup_timeout_s,
                     recompute_s_per_token=recompute,
                 )
             )
-        except PrefixCacheError as error:
-            if service_level(error):
-                self.link.failed(error)
-            self.stats.add(lookup_errors=1)
-            return 0
-        finally:
-            self.prefill.exclude(time.perf_counter() - started)
+        except PrefixCacheError:
+            return None  # the link dropped a client that failed as a service
+
+    def match(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        state = self._requests.get(request.request_id) or self.started(request)
+        self._drop_lease(state)
+        state.local_tokens, state.external_tokens = num_computed_tokens, 0
+        usable = self._usable(request)
+        if usable <= num_computed_tokens or not self.loads:
+            self._abandon(state)
+            state.saved_blocks = max(state.saved_blocks, 0)
+            return 0, False  # nothing to gain; saves start at the prompt's first block
+        if state.pending is None:  # answered before and dropped (vLLM asks again): ask anew
+            self.started(request)
+        pending = state.pending
+        assert pending is not None
+        if not pending.done():
+            remaining = state.deadline - time.monotonic()
+            if remaining > 0 and self._engine_busy:
+                return None, False  # vLLM steps its running requests; ask again next step
+            if remaining > 0:
+                waited = time.perf_counter()
+                try:
+                    pending.result(timeout=remaining)  # vLLM is idle: waiting stalls nobody
+                except TimeoutError:
+                    pass
+                self.prefill.exclude(time.perf_counter() - waited)
+            if not pending.done():
+                self._abandon(state)
+                self.stats.add(lookup_errors=1)
+                state.saved_blocks = max(state.saved_blocks, 0)
+                return 0, False  # past the deadline: prefill in full
+        state.pending = None
+        answer = pending.result()
         if answer is None:
             self.stats.add(lookup_errors=1)
-            return 0
+            state.saved_blocks = max(state.saved_blocks, 0)
+            return 0, False
         hit, attachment = answer
         attached = self.link.client()
         client = attached[0] if attached is not None else None
-        if not self._valid(hit, attachment, len(prompt), state.salt):
+        prompt_tokens = len(request.prompt_token_ids or ())
+        if not self._valid(hit, attachment, prompt_tokens, state.salt):
             self._release(client, hit)
             self.link.failed(
                 PrefixCacheError(
-                    f"invalid Lookup answer for {len(prompt)} tokens: "
+                    f"invalid Lookup answer for {prompt_tokens} tokens: "
                     f"{hit.hit_tokens} hit tokens in {hit.blocks} blocks"
-                )
+                ),
+                client,
             )
             self.stats.add(lookup_errors=1)
-            return 0
+            state.saved_blocks = max(state.saved_blocks, 0)
+            return 0, False
+        if not state.asked_again and hit.lease_deadline is not None and hit.lease_deadline < time.monotonic():
+            self._release(client, hit)  # the request waited past its lease: ask once more
+            state.asked_again = True
+            self.started(request)
+            return self.match(request, num_computed_tokens)
         state.cached_blocks = hit.hit_tokens // self.block_size
+        state.saved_blocks = max(state.saved_blocks, state.cached_blocks)
         external = min(hit.hit_tokens, usable) - num_computed_tokens
         if external > 0 and not self._worth_loading(external, num_computed_tokens, hit, attachment):
             external = 0
         if external <= 0:
             self._release(client, hit)
             self.stats.add(misses=1)
-            return 0
+            return 0, False
         state.hit, state.attachment, state.external_tokens = hit, attachment, external
         self.stats.add(offered_tokens=external)
-        return external
+        return external, True
+
+    def _abandon(self, state: _Request) -> None:
+        """Forget the Lookup in flight; its lease, if any, is released when it answers."""
+        pending, state.pending = state.pending, None
+        if pending is not None:
+            pending.add_done_callback(self._release_answer)
+
+    def _release_answer(self, pending: Future[Answer | None]) -> None:
+        answer = None if pending.cancelled() or pending.exception() else pending.result()
+        if answer is not None and answer[0].lease_id:
+            attached = self.link.client()
+            self._release(attached[0] if attached is not None else None, answer[0])
 
     def _valid(self, hit: Hit, attachment: Attachment, prompt_tokens: int, salt: str | None) -> bool:
         # A salted lookup answers in the salted namespace, whose id differs from the attached one.
@@ -238,11 +316,11 @@ class SchedulerSide:
         )
 
     # -- update_state_after_alloc ---------------------------------------------------------
-    def allocated(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def allocated(self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
         if state is None:
             return
-        state.block_ids = list(block_ids)
+        state.block_ids = [list(ids) for ids in block_ids]
         if num_external_tokens > 0 and state.hit is not None:
             if num_external_tokens != state.external_tokens:  # vLLM trimmed it (e.g. a local sub-block tail)
                 log.debug(
@@ -260,12 +338,15 @@ class SchedulerSide:
     # -- build_connector_meta -------------------------------------------------------------
     def build(self, scheduler_output: SchedulerOutput) -> PrefixCacheMetadata:
         meta = PrefixCacheMetadata()
+        for req_id, parked in self._requests.items():  # async loads: vLLM parks these requests
+            if parked.load_pending:
+                self._plan_load(parked, req_id, meta)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0])
-                self._plan(state, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0), meta)
+                state.block_ids = [list(ids) for ids in new.block_ids]
+                self._plan_saves(state, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0), meta)
         cached = scheduler_output.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, req_id in enumerate(cached.req_ids):
@@ -274,37 +355,65 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if new_ids is not None:
-                state.block_ids = list(new_ids[0]) if req_id in resumed else state.block_ids + list(new_ids[0])
-            self._plan(state, req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), meta)
+                if req_id in resumed:
+                    state.block_ids = [list(ids) for ids in new_ids]
+                else:
+                    state.block_ids = [old + list(ids) for old, ids in zip(state.block_ids, new_ids, strict=True)]
+            self._plan_saves(state, req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), meta)
         block_bytes = self.link.layout.block_bytes
-        load_s = sum(MAPPED_LOAD.seconds(len(op.block_ids) * block_bytes) for op in meta.loads)
-        self.prefill.step(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0), load_s)
+        load_s = sum(MAPPED_LOAD.seconds(op.blocks * block_bytes) for op in meta.loads)
+        tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        self._engine_busy = tokens > 0
+        self.prefill.step(tokens, load_s)
         return meta
 
-    def _plan(self, state: _Request, req_id: str, computed_after_step: int, meta: PrefixCacheMetadata) -> None:
+    def _plan_load(self, state: _Request, req_id: str, meta: PrefixCacheMetadata) -> None:
+        hit, attachment = state.hit, state.attachment
+        state.load_pending = False
+        if hit is None or attachment is None:
+            return
         bs = self.block_size
-        if state.load_pending and state.hit is not None and state.attachment is not None:
-            hit, first = state.hit, state.local_tokens // bs
-            end = first + state.external_tokens // bs
-            meta.loads.append(
-                LoadOp(req_id, hit, state.attachment.host_segment, first, tuple(state.block_ids[first:end]))
+        first = state.local_tokens // bs
+        end = first + state.external_tokens // bs
+        prompt = tuple(state.request.prompt_token_ids or ())
+        meta.loads.append(
+            LoadOp(
+                req_id,
+                hit,
+                attachment.host_segment,
+                first,
+                tuple(tuple(ids[first:end]) for ids in state.block_ids),
+                prompt[: end * bs],
+                state.salt,
             )
-            state.load_pending, state.hit = False, None  # the worker owns the lease now
-            state.cached_blocks = max(state.cached_blocks, end)
+        )
+        state.hit = None  # the worker owns the lease now
+        state.cached_blocks = max(state.cached_blocks, end)
+        state.saved_blocks = max(state.saved_blocks, end)
+
+    def _plan_saves(self, state: _Request, req_id: str, computed_after_step: int, meta: PrefixCacheMetadata) -> None:
+        """Save the prompt blocks this step completes, from where the cache's copy of the prompt ends."""
+        if state.saves_stopped or state.saved_blocks < 0:
+            return
+        bs = self.block_size
         prompt = state.request.prompt_token_ids or ()
-        if not state.saved and computed_after_step >= len(prompt):
-            state.saved = True
-            full = len(prompt) // bs
-            start = state.cached_blocks
-            if full > start and len(state.block_ids) >= full:
-                meta.saves.append(
-                    SaveOp(req_id, tuple(prompt[: full * bs]), start, tuple(state.block_ids[start:full]), state.salt)
-                )
+        full = min(computed_after_step, len(prompt)) // bs
+        start = state.saved_blocks
+        if full <= start or any(len(ids) < full for ids in state.block_ids):
+            return
+        block_ids = tuple(tuple(ids[start:full]) for ids in state.block_ids)
+        if any(NULL_BLOCK in ids for ids in block_ids):
+            state.saves_stopped = True  # vLLM freed them (outside a window) before the cache held them
+            self.stats.add(saves_dropped=1)
+            return
+        state.saved_blocks = full
+        meta.saves.append(SaveOp(req_id, tuple(prompt[: full * bs]), start, block_ids, state.salt))
 
     # -- request_finished -----------------------------------------------------------------
     def finished(self, request: Request) -> None:
         state = self._requests.pop(request.request_id, None)
         if state is not None:
+            self._abandon(state)
             self._drop_lease(state)
 
     def _drop_lease(self, state: _Request) -> None:
@@ -320,4 +429,7 @@ class SchedulerSide:
         try:
             client.release(hit)
         except PrefixCacheError as error:
-            self.link.failed(error)
+            self.link.failed(error, client)
+
+    def close(self) -> None:
+        self._lookups.shutdown(wait=False, cancel_futures=True)

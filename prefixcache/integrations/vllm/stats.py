@@ -33,6 +33,7 @@ FIELDS = (
     "external_tokens",
     "loaded_blocks",
     "loaded_tokens",
+    "loaded_layer_blocks",
     "load_seconds",
     "load_failures",
     "saved_blocks",
@@ -51,6 +52,7 @@ _DESCRIPTIONS = {
     "external_tokens": "Tokens the scheduler told vLLM to load from prefixcache",
     "loaded_blocks": "Blocks copied from prefixcache into vLLM's KV cache",
     "loaded_tokens": "Tokens whose KV was copied from prefixcache",
+    "loaded_layer_blocks": "Layer-blocks copied (a sliding-window layer copies only its window's blocks)",
     "load_seconds": "Seconds spent copying KV from prefixcache",
     "load_failures": "Scheduled loads that failed (vLLM recomputed those blocks)",
     "saved_blocks": "Blocks newly published to prefixcache",
@@ -58,7 +60,7 @@ _DESCRIPTIONS = {
     "save_rejected": "Saved blocks prefixcache had no room for",
     "save_seconds": "Seconds spent copying KV out and storing it",
     "save_failures": "Saves that failed (the blocks are simply not cached)",
-    "saves_dropped": "Saves dropped because the save queue was full",
+    "saves_dropped": "Saves dropped: the save queue was full, or vLLM had freed a block before it was saved",
 }
 
 

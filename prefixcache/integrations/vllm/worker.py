@@ -1,9 +1,17 @@
 """The worker half: copy leased cache blocks into vLLM's paged KV, and new prompt blocks out.
 
-Loads run synchronously in `start_load_kv`, before the step's forward reads them; saves copy
-the blocks out of vLLM's cache in `wait_for_save` (after the forward wrote them, before the
+Loads are asynchronous: `start_load_kv` hands the step's `LoadOp`s to a loader thread and
+returns; vLLM keeps the loading requests parked (WAITING_FOR_REMOTE_KVS, their blocks
+allocated and unused by any forward) and steps the others meanwhile, and `finished_loads`
+reports each request once its copy is done or failed (vLLM then recomputes it). Saves copy the
+blocks out of vLLM's cache in `wait_for_save` (after the forward wrote them, before the
 scheduler can free them) and hand the copy to one background thread that stores it, so a slow
 service never stalls a step.
+
+Tensor parallelism: each rank stores and loads its own shard of every block under its own
+namespace (`tp=<rank>/<size>`). The scheduler's Lookup and lease are rank 0's; every other rank
+looks its shard up itself (the `LoadOp` carries the tokens) and fails the load when its shard
+is shorter, so a hit is used only when every rank holds its part.
 
 Data paths (chosen per load):
 - co-located (the service's host tier mapped here, the slots all in it): shared memory ->
@@ -14,10 +22,11 @@ else the Store stream.
 
 Invariants:
 - A load whose shared-memory segment differs from this worker's attachment (the service
-  restarted between Lookup and load; a stream load's lease is unknown to a restarted service), whose lease expired before the copy finished,
-  or that failed in any way is reported by vLLM block id through
-  `get_block_ids_with_load_errors`, so vLLM recomputes those blocks; wrong KV is never kept.
-- The worker releases every lease it received, whatever happened to the load.
+  restarted between Lookup and load; a stream load's lease is unknown to a restarted service),
+  whose lease expired before the copy finished, or that failed in any way is reported as a
+  failed receive (vLLM recomputes the request: with several KV cache groups vLLM cannot map
+  block ids back to requests); wrong KV is never kept.
+- The worker releases every lease it received or took, whatever happened to the load.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import time
 
 import torch
 
-from ...client.api import Hit
+from ...client.api import CacheClient, Hit
 from ...errors import PrefixCacheError
 from .link import LOGGER, CacheLink, service_level
 from .metadata import LoadOp, PrefixCacheMetadata, SaveOp
@@ -42,61 +51,96 @@ SAVE_QUEUE_BLOCKS = 4096  # blocks copied out and waiting for the service; more 
 
 
 class WorkerSide:
-    def __init__(self, link: CacheLink, stats: StatsBox) -> None:
+    def __init__(self, link: CacheLink, stats: StatsBox, tp_rank: int = 0) -> None:
         self.link = link
         self.stats = stats
+        self.tp_rank = tp_rank
         self.paged: PagedCache | None = None
-        self._load_errors: set[int] = set()
+        self._loads: queue.Queue[LoadOp | None] = queue.Queue()
+        self._loaded: set[str] = set()  # requests whose load ended since vLLM last asked
+        self._load_failed: set[str] = set()
+        self._loaded_lock = threading.Lock()
         self._queue: queue.Queue[tuple[SaveOp, torch.Tensor] | None] = queue.Queue()
         self._queued_blocks = 0
         self._queued_lock = threading.Lock()
+        self._loader = threading.Thread(target=self._load_loop, name="prefixcache-load", daemon=True)
         self._saver = threading.Thread(target=self._save_loop, name="prefixcache-save", daemon=True)
+        self._loader.start()
         self._saver.start()
 
     # -- loads ------------------------------------------------------------------------------
     def load(self, meta: PrefixCacheMetadata) -> None:
+        """Start the step's loads (start_load_kv): the loader thread copies, vLLM goes on."""
         for op in meta.loads:
-            started = time.perf_counter()
-            try:
-                self._load_one(op)
-            except (PrefixCacheError, RuntimeError, ValueError) as error:
-                self._load_errors.update(op.block_ids)
-                self.stats.add(load_failures=1)
-                log.debug(
-                    "prefixcache worker: load of %d blocks for %s failed (%s); vLLM recomputes them",
-                    len(op.block_ids),
-                    op.request_id,
-                    error,
-                )
-                continue
-            finally:
+            self._loads.put(op)
+
+    def _load_loop(self) -> None:
+        with torch.inference_mode():  # as vLLM's own forward: tensors mapped there are inference tensors
+            while (op := self._loads.get()) is not None:
+                self._load_and_report(op)
+
+    def _load_and_report(self, op: LoadOp) -> None:
+        started = time.perf_counter()
+        failed = True
+        try:
+            copies = self._load_one(op)
+            failed = False
+        except (PrefixCacheError, RuntimeError, ValueError) as error:
+            self.stats.add(load_failures=1)
+            log.debug(
+                "prefixcache worker: load of %d blocks for %s failed (%s); vLLM recomputes it",
+                op.blocks,
+                op.request_id,
+                error,
+            )
+        finally:
+            with self._loaded_lock:  # reported first: vLLM may schedule it while the Release travels
+                self._loaded.add(op.request_id)
+                if failed:
+                    self._load_failed.add(op.request_id)
+            if self.tp_rank == 0:
                 self._release(op.hit)
+        if not failed:
             self.stats.add(
-                loaded_blocks=len(op.block_ids),
+                loaded_blocks=op.blocks,
                 load_seconds=time.perf_counter() - started,
-                loaded_tokens=len(op.block_ids) * self.link.layout.block_size,
+                loaded_tokens=op.blocks * self.link.layout.block_size,
+                loaded_layer_blocks=copies,
             )
 
-    def _load_one(self, op: LoadOp) -> None:
+    def _load_one(self, op: LoadOp) -> int:
         if self.paged is None:
             raise PrefixCacheError("vLLM's KV caches were never registered")
         attached = self.link.client()
         if attached is None:
             raise PrefixCacheError("service unusable")
         client, attachment = attached
+        end = op.first_block + op.blocks
+        hit = op.hit
+        if self.tp_rank:  # this rank's shard: its own Lookup and lease
+            hit = client.lookup(list(op.tokens), cache_salt=op.cache_salt, take_lease=True)
+            try:
+                if hit.blocks < end:
+                    raise PrefixCacheError(f"rank {self.tp_rank} holds {hit.blocks} of the {end} blocks rank 0 holds")
+                return self._copy(client, hit, op, end)
+            finally:
+                self._release(hit)
         if op.host_segment and attachment.shared_memory and attachment.host_segment != op.host_segment:
-            self.link.failed(PrefixCacheError("the service restarted"))  # re-attach for later loads
+            self.link.failed(PrefixCacheError("the service restarted"), client)  # re-attach for later loads
             raise PrefixCacheError(f"lease {op.hit.lease_id} is from another attachment of the service")
-        end = op.first_block + len(op.block_ids)
-        if end > op.hit.blocks:
-            raise PrefixCacheError(f"load of blocks {op.first_block}..{end} beyond the {op.hit.blocks} leased")
+        if end > hit.blocks:
+            raise PrefixCacheError(f"load of blocks {op.first_block}..{end} beyond the {hit.blocks} leased")
+        return self._copy(client, hit, op, end)
+
+    def _copy(self, client: CacheClient, hit: Hit, op: LoadOp, end: int) -> int:
+        assert self.paged is not None
         try:  # mapped memory when the client has every block of the range mapped, else the stream
-            blocks = client.read(op.hit, blocks=slice(op.first_block, end))
+            blocks = client.read(hit, blocks=slice(op.first_block, end))
         except PrefixCacheError as error:
             if service_level(error):  # an unreachable or restarted service, not an expired lease
-                self.link.failed(error)
+                self.link.failed(error, client)
             raise
-        self.paged.load(blocks, list(op.block_ids))
+        return self.paged.load(blocks, op.block_ids)
 
     def _release(self, hit: Hit) -> None:
         attached = self.link.client()
@@ -105,11 +149,14 @@ class WorkerSide:
         try:
             attached[0].release(hit)
         except PrefixCacheError as error:
-            self.link.failed(error)
+            self.link.failed(error, attached[0])
 
-    def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+    def finished_loads(self) -> tuple[set[str], set[str]]:
+        """(requests whose load ended, those of them that failed) since the last call."""
+        with self._loaded_lock:
+            done, failed = self._loaded, self._load_failed
+            self._loaded, self._load_failed = set(), set()
+        return done, failed
 
     # -- saves -------------------------------------------------------------------------------
     def save(self, meta: PrefixCacheMetadata) -> None:
@@ -117,12 +164,12 @@ class WorkerSide:
             return
         for op in meta.saves:
             with self._queued_lock:
-                if self._queued_blocks + len(op.block_ids) > SAVE_QUEUE_BLOCKS:
+                if self._queued_blocks + op.blocks > SAVE_QUEUE_BLOCKS:
                     self.stats.add(saves_dropped=1)
                     continue
-                self._queued_blocks += len(op.block_ids)
+                self._queued_blocks += op.blocks
             started = time.perf_counter()
-            kv = self.paged.gather(list(op.block_ids))
+            kv = self.paged.gather(op.block_ids)
             self.stats.add(save_seconds=time.perf_counter() - started)
             self._queue.put((op, kv))
 
@@ -139,7 +186,7 @@ class WorkerSide:
                 self._store(op, kv)
             finally:
                 with self._queued_lock:
-                    self._queued_blocks -= len(op.block_ids)
+                    self._queued_blocks -= op.blocks
                 self._queue.task_done()
         self._queue.task_done()
 
@@ -153,9 +200,7 @@ class WorkerSide:
             )
         except PrefixCacheError as error:
             self.stats.add(save_failures=1)
-            if service_level(error):
-                self.link.failed(error)
-            else:
+            if not service_level(error):  # the link already dropped a client that failed as a service
                 log.info("prefixcache worker: save for %s refused: %s", op.request_id, error)
             return
         if answer is None:
@@ -184,5 +229,7 @@ class WorkerSide:
         totals = self.stats.totals
         log.info("prefixcache worker totals: %s", ", ".join(f"{k}={v:.6g}" for k, v in sorted(totals.items())))
         self._queue.put(None)
+        self._loads.put(None)
         self._saver.join(timeout=5.0)
+        self._loader.join(timeout=5.0)
         self.link.close()
