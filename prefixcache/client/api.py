@@ -289,6 +289,7 @@ class CacheClient:
         part = hit.locations if count == hit.blocks else hit.locations[start:stop]
         if self._pools.covers(part):
             self._pools.gather(part, target)
+            self._pools.check_current()  # slots of a restarted service's new segment: not these bytes
             if hit.lease_deadline is None or time.monotonic() >= hit.lease_deadline:
                 raise UnknownLease(hit.lease_id)  # the slots may have been reused while we copied
             return target
@@ -399,6 +400,7 @@ class CacheClient:
         slots = list(reservation.slots)
         if not slots:
             return CommitResult(0, 0, len(kv))
+        self._pools.check_current()  # a restarted service's slots are not in this mapping
         self._pools.scatter(slots, kv[: len(slots)])
         request = pb.CommitRequest(
             namespace_id=ns_id, tokens=tokens, reservation_id=reservation.reservation_id, start_block=start_block

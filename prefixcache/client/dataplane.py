@@ -31,6 +31,7 @@ from ..rpc import cache_pb2 as pb
 from ..tiers.base import TierKind
 from ..tiers.host import MappedSegment
 from ..tiers.pool import TensorPool, addressing
+from .errors import CacheUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,12 @@ class LocalPools:
     @property
     def host(self) -> TensorPool | None:
         return self.pools.get(int(TierKind.HOST))
+
+    def check_current(self) -> None:
+        """CacheUnavailable when the mapped host segment is no longer the service's: a restarted
+        service (whose namespace ids are the same) hands out slots of its new segment."""
+        if self._host is not None and not self._host.current():
+            raise CacheUnavailable("the service's shared memory was replaced (it restarted); attach again")
 
     def covers(self, locations: BlockLocations) -> bool:
         return bool(self.pools) and all(int(t) in self.pools for t in np.unique(locations.tiers).tolist())

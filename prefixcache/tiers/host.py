@@ -25,7 +25,7 @@ from ..errors import ConfigError
 from .arena import Arena, chunk_bytes_for
 from .base import TierKind
 from .pool import TensorPool, addressing
-from .shm import OwnedSegment
+from .shm import SHM_DIR, OwnedSegment
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,8 @@ class MappedSegment:
         chunk_bytes, per_chunk, need = addressing(num_slots, layout.block_bytes, chunk_bytes, per_chunk)
         fd = _posixshmem.shm_open("/" + segment_name.lstrip("/"), os.O_RDWR, mode=0o600)
         try:
+            self._path = SHM_DIR / segment_name.lstrip("/")
+            self._inode = os.fstat(fd).st_ino
             size = os.fstat(fd).st_size
             if size < need:
                 raise ConfigError("segment", f"shared memory {segment_name!r} is smaller than {num_slots} slots")
@@ -128,6 +130,15 @@ class MappedSegment:
             os.close(fd)
         data = torch.frombuffer(memoryview(self._map), dtype=torch.uint8, count=need)
         self.pool = TensorPool(TierKind.HOST, layout, data, chunk_bytes, per_chunk)
+
+    def current(self) -> bool:
+        """Whether the segment's name still names the file mapped here. A restarted service
+        creates a new file (under the same name when `--shm-name` fixes it): slots it hands out
+        then live there, not in this mapping, whose bytes must be neither read nor written."""
+        try:
+            return os.stat(self._path).st_ino == self._inode
+        except OSError:
+            return False
 
     def close(self) -> None:
         self.pool.close()

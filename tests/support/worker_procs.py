@@ -75,14 +75,21 @@ class CacheService:
     """One cache service process; `restart` keeps its port (and its Redis, if any)."""
 
     def __init__(
-        self, workdir: Path, host_capacity: str = "256MiB", redis_url: str | None = None, extra_args: Sequence[str] = ()
+        self,
+        workdir: Path,
+        host_capacity: str = "256MiB",
+        redis_url: str | None = None,
+        extra_args: Sequence[str] = (),
+        fixed_shm_name: str | None = None,
     ) -> None:
+        """`fixed_shm_name`: the same `--shm-name` on every (re)start, as a deployment pins it."""
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.host_capacity = host_capacity
         self.redis_url = redis_url
         self.redis_key_prefix = f"pfxt{secrets.token_hex(4)}"
         self.extra_args = tuple(extra_args)
+        self.fixed_shm_name = fixed_shm_name
         self.port = 0  # fixed by the first start
         self.shm_name = ""
         self.process: subprocess.Popen | None = None
@@ -127,7 +134,7 @@ class CacheService:
 
     def start(self, timeout_s: float = SERVICE_READY_S) -> CacheService:
         self._starts += 1
-        self.shm_name = f"pfx-test-{secrets.token_hex(4)}-{self._starts}"
+        self.shm_name = self.fixed_shm_name or f"pfx-test-{secrets.token_hex(4)}-{self._starts}"
         with self.log_path.open("a") as log:
             self.process = lifetime.popen(
                 self._command(), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=log, text=True

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(LOGGER)
@@ -243,6 +244,10 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PrefixCacheMetadata:
         assert self._scheduler is not None
         return self._scheduler.build(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None and connector_output.failed_recving:
+            self._scheduler.receives_failed(set(connector_output.failed_recving))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None

@@ -158,6 +158,7 @@ class _Request:
     saved_blocks: int = -1  # prompt blocks saved or held by the cache (-1: saving not started)
     saves_stopped: bool = False  # a block to save was already freed by vLLM: the chain ends here
     asked_again: bool = False  # the first answer's lease had ended before vLLM asked for it
+    load_failed: bool = False  # its load failed: vLLM recomputes it, and is offered nothing again
 
 
 class SchedulerSide:
@@ -213,7 +214,7 @@ class SchedulerSide:
         self._drop_lease(state)
         state.local_tokens, state.external_tokens = num_computed_tokens, 0
         usable = self._usable(request)
-        if usable <= num_computed_tokens or not self.loads:
+        if usable <= num_computed_tokens or not self.loads or state.load_failed:
             self._abandon(state)
             state.saved_blocks = max(state.saved_blocks, 0)
             return 0, False  # nothing to gain; saves start at the prompt's first block
@@ -408,6 +409,15 @@ class SchedulerSide:
             return
         state.saved_blocks = full
         meta.saves.append(SaveOp(req_id, tuple(prompt[: full * bs]), start, block_ids, state.salt))
+
+    # -- update_connector_output --------------------------------------------------------------
+    def receives_failed(self, request_ids: set[str]) -> None:
+        """The workers' failed loads: vLLM puts those requests back to recompute from scratch and
+        asks again; offering them the same (failing) hit again would loop."""
+        for req_id in request_ids:
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.load_failed = True
 
     # -- request_finished -----------------------------------------------------------------
     def finished(self, request: Request) -> None:

@@ -1,0 +1,129 @@
+"""What the connector costs vLLM's scheduler thread per request, next to a Lookup on that thread.
+
+    PYTHONPATH=. .venv-vllm/bin/python benchmarks/vllm_scheduler_cost.py [--requests 200] [--tokens 2048]
+        [--json-out FILE]
+
+A real `prefixcache serve` holds the first 1,536 tokens of every prompt (stored once through the
+client); the scheduler half of the connector (`SchedulerSide`, no engine) is driven the way
+vLLM drives it, with vLLM's own `Request` objects:
+- `on_new_request` (`started`): hands the Lookup to the lookup threads;
+- `get_num_new_matched_tokens` while the Lookup is in flight and vLLM is busy (`None`);
+- `get_num_new_matched_tokens` once answered (validation, policy: returns the hit, async).
+`lookup on the scheduler thread` is one Lookup RPC with a lease plus its Release, timed on the
+calling thread: what every request cost the scheduler before the Lookups moved off it (the
+connector up to 00e251e called it inside get_num_new_matched_tokens). Medians and p99 in
+microseconds; the ratio is the new per-request total over the old.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+BLOCK = 32
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--json-out")
+    args = parser.parse_args()
+
+    import torch
+    from service_process import start_service
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from prefixcache.client.api import CacheClient
+    from prefixcache.config import KVLayout
+    from prefixcache.integrations.vllm.config import ConnectorSettings, VllmNamespace
+    from prefixcache.integrations.vllm.link import CacheLink
+    from prefixcache.integrations.vllm.scheduler import SchedulerSide
+    from prefixcache.integrations.vllm.stats import StatsBox
+
+    layout = KVLayout(layers=8, kv_heads=4, head_dim=64, block_size=BLOCK, dtype="bfloat16")
+    service, address = start_service("--host-capacity", "2GiB", "--block-size", str(BLOCK))
+    try:
+        settings = ConnectorSettings.parse({"cache": address, "hit_policy": "always", "lookup_timeout_s": 5.0})
+        namespace = VllmNamespace("cost-bench", "r1", layout)
+        prompts = [[(i * 7919 + j) % 30000 + 1 for j in range(args.tokens)] for i in range(args.requests)]
+        writer = CacheClient(address)
+        writer.attach(namespace.model, layout, namespace.revision)
+        cached = 1536 // BLOCK
+        for prompt in prompts:
+            writer.store(prompt[: cached * BLOCK], torch.zeros((cached, *layout.block_shape), dtype=torch.bfloat16))
+        scheduler = SchedulerSide(CacheLink(settings, namespace, "scheduler"), StatsBox(), BLOCK)
+        scheduler._engine_busy = True  # as while vLLM steps other requests: never wait
+        params = SamplingParams(max_tokens=1)
+        requests = [Request(f"r{i}", p, params, None) for i, p in enumerate(prompts)]
+        started, pending, answered, hits = [], [], [], 0
+        for request in requests:
+            t = time.perf_counter()
+            scheduler.started(request)
+            started.append(time.perf_counter() - t)
+            while True:
+                t = time.perf_counter()
+                tokens, _ = scheduler.match(request, 0)
+                spent = time.perf_counter() - t
+                if tokens is None:
+                    pending.append(spent)
+                    time.sleep(0.0005)  # the next scheduler step
+                    continue
+                answered.append(spent)
+                hits += tokens > 0
+                break
+            scheduler.finished(request)  # releases the lease (as vLLM would after the load)
+        client, _ = scheduler.link.client() or (None, None)
+        assert client is not None
+        rpc = []
+        for prompt in prompts:
+            t = time.perf_counter()
+            hit = client.lookup(prompt, take_lease=True)
+            client.release(hit)
+            rpc.append(time.perf_counter() - t)
+        scheduler.close()
+    finally:
+        service.terminate()
+        service.wait(30)
+    polls = len(pending) / len(requests)
+    new_total = statistics.median(started) + polls * statistics.median(pending) + statistics.median(answered)
+    summary = {
+        "requests": len(requests),
+        "prompt_tokens": args.tokens,
+        "hits": hits,
+        "us": {
+            "on_new_request": (1e6 * statistics.median(started), 1e6 * _p(started, 0.99)),
+            "match while in flight": (1e6 * statistics.median(pending), 1e6 * _p(pending, 0.99)),
+            "match once answered": (1e6 * statistics.median(answered), 1e6 * _p(answered, 0.99)),
+            "lookup on the scheduler thread (before)": (1e6 * statistics.median(rpc), 1e6 * _p(rpc, 0.99)),
+        },
+        "polls_per_request": polls,
+        "new_over_old_per_request": new_total / statistics.median(rpc),
+    }
+    print("| scheduler-thread work | median us | p99 us |\n|---|---:|---:|")
+    for name, (median, p99) in summary["us"].items():
+        print(f"| {name} | {median:.1f} | {p99:.1f} |")
+    print(
+        f"\n{hits}/{len(requests)} hits; {polls:.2f} in-flight polls a request; per request "
+        f"{new_total * 1e6:.1f} us now vs {1e6 * statistics.median(rpc):.1f} us before "
+        f"({summary['new_over_old_per_request']:.3f}x)"
+    )
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
