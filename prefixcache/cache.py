@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -116,6 +116,17 @@ class PrefixCache:
 
     def namespace(self, ns_id: str) -> Namespace:
         return self.namespaces.get(ns_id).namespace
+
+    def idle_namespaces(self, ns_ids: Iterable[str]) -> set[str]:
+        """Those of `ns_ids` that hold no block in the index and no lease or reservation now (the
+        service stops counting them against their tenant; Redis keys are by id, so a namespace
+        attached again finds its blocks there)."""
+        with self._lock:
+            rows = {self.namespaces.get(ns_id).index: ns_id for ns_id in ns_ids}
+            busy = set(np.unique(self.index.namespace[self.index.live()]).tolist())
+            busy.update(lease.namespace for lease in self.leases.leases())
+            busy.update(reservation.namespace for reservation in self.leases.reservations())
+            return {ns_id for row, ns_id in rows.items() if row not in busy}
 
     def layout_of(self, ns_id: str) -> KVLayout:
         return self.namespaces.get(ns_id).namespace.layout

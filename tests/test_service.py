@@ -196,13 +196,48 @@ def test_namespaces_per_tenant_are_bounded(start):
         client.attach("model", layout_of())
         assert client.inspect(prompt(1), cache_salt="never-used").hit_tokens == 0  # creates nothing
         assert client.evict(namespace_id=client.attachment.namespace_id, cache_salt="never-used") == 0
-        for salt in ("a", "b", "a"):  # the attached namespace and two salts: the budget of 3
-            client.lookup(prompt(1), cache_salt=salt, take_lease=False)
+        kv = random_kv(1, layout_of(), seed=3)
+        for salt in ("a", "b", "a"):  # the attached namespace and two salts holding blocks: the budget of 3
+            client.store(prompt(1), kv, cache_salt=salt)
         with pytest.raises(ResourceExhausted, match="cache_salt"):
             client.lookup(prompt(1), cache_salt="c", take_lease=False)
         with pytest.raises(ResourceExhausted, match="model"):
             client.attach("another-model", layout_of())
         assert client.attach("model", layout_of()).namespace_id  # attaching again is idempotent
+        # issue 33: once the salts hold nothing they are reclaimed, never a permanent lock-out
+        client.evict(namespace_id=client.attachment.namespace_id, cache_salt="b")
+        assert client.lookup(prompt(1), cache_salt="c", take_lease=False).hit_tokens == 0
+        assert client.lookup(prompt(1), cache_salt="a", take_lease=False).hit_tokens == BLOCK  # kept: holds a block
+        assert client.lookup(prompt(1), cache_salt="b", take_lease=False).hit_tokens == 0  # derived again
+    finally:
+        server.shutdown(0)
+
+
+def test_salts_that_hold_nothing_never_lock_a_tenant_out(start):
+    """Issue 33, finding 4: 1,024 distinct cache_salt values on Lookup exhausted a tenant's
+    namespaces for good (new salts and a new model revision refused until restart, after a Flush
+    and after the TTL). Salts holding no blocks, leases or reservations are reclaimed at the limit."""
+    backend = BackendOptions(cache=CacheConfig(host_capacity="1MiB"), block_size=BLOCK, max_namespaces_per_tenant=8)
+    server = build_server(ServerOptions(backend=backend, listen="127.0.0.1:0"))
+    try:
+        client = start.client(server)
+        client.attach("model", layout_of())
+        kv = random_kv(1, layout_of(), seed=4)
+        for i in range(7):  # the budget, every salt holding a block
+            client.store(prompt(1), kv, cache_salt=f"stored-{i}")
+        with pytest.raises(ResourceExhausted, match="cache_salt"):
+            client.lookup(prompt(1), cache_salt="one-more", take_lease=False)
+        client.flush()
+        for i in range(100):  # an end user sending a new salt with every request
+            assert client.lookup(prompt(1), cache_salt=f"user-{i}", take_lease=False).hit_tokens == 0
+        assert client.attach("model", layout_of(), revision="v2").namespace_id  # a new revision still attaches
+        client.store(prompt(1), kv, cache_salt="kept")
+        hit = client.lookup(prompt(1), cache_salt="kept")  # a block and a lease: never reclaimed
+        for i in range(100):
+            client.lookup(prompt(1), cache_salt=f"again-{i}", take_lease=False)
+        assert client.lookup(prompt(1), cache_salt="kept", take_lease=False).namespace_id == hit.namespace_id
+        client.release(hit)
+        assert client.lookup(prompt(1), cache_salt="kept", take_lease=False).hit_tokens == BLOCK
     finally:
         server.shutdown(0)
 
