@@ -136,6 +136,18 @@ def register(subparsers) -> None:
         default=16,
         help="threads for Fetch/Store streams, one per open stream (default %(default)s)",
     )
+    add(
+        "--stream-idle-timeout",
+        default="10s",
+        help="cancel a Fetch/Store stream with no message through for this long (default %(default)s)",
+    )
+    add("--stream-timeout", default="10m", help="cancel a Fetch/Store stream open this long (default %(default)s)")
+    add(
+        "--max-store-buffer",
+        default=None,
+        help="bytes Store streams may buffer at once; a Store beyond is refused at its header "
+        "(default: the host capacity)",
+    )
     add("--max-message-size", default="16MiB", help="largest gRPC message either way (default %(default)s)")
     redis = parser.add_argument_group("Redis tier (optional: shared across instances and restarts)")
     redis.add_argument(
@@ -285,6 +297,11 @@ def options_from(args: argparse.Namespace) -> ServerOptions:
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         workers=args.workers,
         stream_workers=args.stream_workers,
+        stream_idle_timeout_s=parse_duration(args.stream_idle_timeout, "stream_idle_timeout"),
+        stream_timeout_s=parse_duration(args.stream_timeout, "stream_timeout"),
+        max_store_buffer_bytes=None
+        if args.max_store_buffer is None
+        else parse_size(args.max_store_buffer, "max_store_buffer"),
         grace_s=parse_duration(args.grace, "grace"),
     )
 

@@ -38,6 +38,9 @@ class ServerOptions:
     max_concurrent_rpcs: int = 128  # calls held; beyond: RESOURCE_EXHAUSTED + retry hint (pools.Admission)
     workers: int = 2  # unary calls run at once (plus one per call waiting on Redis); pools.py
     stream_workers: int = 16  # threads for streams (Fetch, Store, reflection); one per open stream
+    stream_idle_timeout_s: float = 10.0  # a Fetch/Store with no message through for this long is cancelled
+    stream_timeout_s: float = 600.0  # ... and one open this long in all (pools.StreamWatch)
+    max_store_buffer_bytes: int | None = None  # what Store streams buffer at once; None: the host capacity
     grace_s: float = 10.0
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
@@ -56,7 +59,16 @@ class ServerOptions:
         for name in ("max_concurrent_rpcs", "workers", "stream_workers"):
             if not 1 <= getattr(self, name) <= 65536:
                 raise ConfigError(name, "must be in [1, 65536]")
-        for name in ("grace_s", "keepalive_time_s", "keepalive_timeout_s", "expire_interval_s"):
+        if self.max_store_buffer_bytes is not None and self.max_store_buffer_bytes < 1:
+            raise ConfigError("max_store_buffer", "must be at least 1 byte")
+        for name in (
+            "grace_s",
+            "keepalive_time_s",
+            "keepalive_timeout_s",
+            "expire_interval_s",
+            "stream_idle_timeout_s",
+            "stream_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, "must be > 0")
 

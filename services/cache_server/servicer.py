@@ -24,6 +24,7 @@ from prefixcache.tiers.base import TierKind
 from . import convert, status
 from .auth import OPEN, Authenticator, NotPermitted, Principal
 from .backend import CacheBackend
+from .pools import ByteBudget, StreamWatch, Watched
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefixCache"].full_name
 MAX_CHUNK_BYTES = (4 << 20) - 1024  # a whole FetchChunk message stays <= 4 MiB
@@ -92,10 +93,19 @@ def byte_chunks(views: Iterable[memoryview], limit: int) -> Iterator[tuple[int, 
 
 
 class PrefixCacheServicer:
-    def __init__(self, backend: CacheBackend, authenticator: Authenticator, limits: Limits) -> None:
+    def __init__(
+        self,
+        backend: CacheBackend,
+        authenticator: Authenticator,
+        limits: Limits,
+        streams: StreamWatch,
+        store_buffers: ByteBudget,
+    ) -> None:
         self._backend = backend
         self._auth = authenticator
         self._limits = limits
+        self._streams = streams  # cancels a Fetch/Store whose peer stalls
+        self._store_buffers = store_buffers  # what Store streams buffer at once
 
     def _begin(self, request, context: grpc.ServicerContext) -> Principal:
         status.check_parsed(request)
@@ -172,6 +182,10 @@ class PrefixCacheServicer:
         return convert.lookup_response(result, self._backend.remaining_s(result.lease_expires_at))
 
     def Fetch(self, request: pb.FetchRequest, context) -> Iterator[bytes]:
+        with self._streams.watching(context) as watched:
+            yield from self._fetch(request, context, watched)
+
+    def _fetch(self, request: pb.FetchRequest, context, watched: Watched) -> Iterator[bytes]:
         principal = self._begin(request, context)
         lease_id = convert.positive_id(request.lease_id, "lease_id")
         limit = convert.chunk_bytes(
@@ -194,6 +208,7 @@ class PrefixCacheServicer:
             # they were read, so these bytes are the leased blocks and nothing else.
             self._backend.lease(principal, lease_id)
             yield message
+            watched.moved()  # gRPC asks for the next one once this one is sent
 
     @staticmethod
     def _require_same_host(principal: Principal, method: str) -> None:
@@ -231,7 +246,12 @@ class PrefixCacheServicer:
         return convert.commit_response(result)
 
     def Store(self, requests: Iterator[wire.StorePart], context) -> pb.CommitResponse:
+        with self._streams.watching(context) as watched:
+            return self._store(requests, context, watched)
+
+    def _store(self, requests: Iterator[wire.StorePart], context, watched: Watched) -> pb.CommitResponse:
         first = next(requests, None)
+        watched.moved()
         if first is None:
             raise InvalidArgument("header", "the stream is empty; the first message must carry the header")
         principal = self._begin(first, context)
@@ -253,12 +273,13 @@ class PrefixCacheServicer:
                 f"the host tier's {capacity} bytes",
                 "header.block_count",
             )
-        buffer = torch.empty(total, dtype=torch.uint8)
-        received = _receive(requests, buffer.numpy())
-        if received != total:
-            raise InvalidArgument("data", f"{received} bytes received; header.block_count announced {total}")
-        kv = buffer.view(layout.dtype.torch).view(header.block_count, *layout.block_shape)
-        return convert.commit_response(self._backend.store(principal, ns_id, salt, tokens, kv, header.start_block))
+        with self._store_buffers.holding(total, _store_refusal):
+            buffer = torch.empty(total, dtype=torch.uint8)
+            received = _receive(requests, buffer.numpy(), watched)
+            if received != total:
+                raise InvalidArgument("data", f"{received} bytes received; header.block_count announced {total}")
+            kv = buffer.view(layout.dtype.torch).view(header.block_count, *layout.block_shape)
+            return convert.commit_response(self._backend.store(principal, ns_id, salt, tokens, kv, header.start_block))
 
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         principal = self._begin(request, context)
@@ -296,10 +317,19 @@ class PrefixCacheServicer:
         return pb.FlushResponse(evicted=self._backend.flush(principal))
 
 
-def _receive(requests: Iterator[wire.StorePart], out: np.ndarray) -> int:
+def _store_refusal(used: int, limit: int) -> ResourceExhausted:
+    return ResourceExhausted(
+        f"header.block_count: Store streams buffer {used} of {limit} bytes now (--max-store-buffer); "
+        "retry shortly, or store fewer blocks per stream",
+        "header.block_count",
+    )
+
+
+def _receive(requests: Iterator[wire.StorePart], out: np.ndarray, watched: Watched) -> int:
     """Copy the `data` messages into `out`; returns the bytes received."""
     offset = 0
     for part in requests:
+        watched.moved()
         status.check_parsed(part)
         if part.header is not None:
             raise InvalidArgument("header", "only the first message may carry a header")
