@@ -142,3 +142,53 @@ def test_store_buffering_is_bounded_across_streams(clients) -> None:
     finally:
         release.set()
         server.shutdown(0)
+
+
+def test_one_tenant_holds_at_most_its_share_of_the_stream_threads() -> None:
+    """Finding 6: pools were service-wide, so one tenant's stalled streams took every stream
+    thread from the others. With two tenants and 4 stream threads (share 0.5), acme's third
+    stream is refused at once while globex still stores through the stream."""
+    from prefixcache_services.cache_server.auth import Authenticator, parse_credentials
+
+    credentials = parse_credentials("tok-acme-0123456789 acme\ntok-globex-0123456789 globex\n")
+    backend = BackendOptions(cache=CacheConfig(host_capacity=4 << 20), block_size=BLOCK)
+    server = build_server(
+        ServerOptions(
+            backend=backend,
+            listen="127.0.0.1:0",
+            authenticator=Authenticator(credentials),
+            stream_workers=4,
+            stream_idle_timeout_s=5,
+        )
+    )
+    release = threading.Event()
+    with running_servers() as make:
+        try:
+            acme, globex = (make.client(server, auth_token=f"tok-{n}-0123456789") for n in ("acme", "globex"))
+            layout = layout_of()
+            ns = acme.attach("model", layout, same_host=False).namespace_id
+            globex.attach("model", layout, same_host=False)
+            metadata = (("authorization", "Bearer tok-acme-0123456789"),)
+
+            def stalled():
+                yield store_header(ns, tokens=prompt(1, start=7000), block_count=1)
+                release.wait(30)
+
+            stub = stub_for(server)
+            held = [stub.Store.future(stalled(), metadata=metadata, timeout=30) for _ in range(2)]
+            assert poll(lambda: server.shares.held("streams", "acme") == 2, 5)
+            with pytest.raises(ResourceExhausted, match="share of stream threads"):
+                acme.store(prompt(2), random_kv(2, layout, seed=9), timeout_s=10)
+            tokens, kv = prompt(2, start=100), random_kv(2, layout, seed=10)
+            assert globex.store(tokens, kv, timeout_s=10).stored == 2  # the other tenant is served
+            hit = globex.lookup(tokens)
+            assert same_bytes(globex.read(hit, timeout_s=10), kv)
+            globex.release(hit)
+            release.set()
+            for call in held:
+                call.exception(10)
+            assert poll(lambda: server.shares.held("streams", "acme") == 0, 5)  # counted out as they end
+            assert acme.store(prompt(2), random_kv(2, layout, seed=9), timeout_s=10).stored == 2
+        finally:
+            release.set()
+            server.shutdown(0)

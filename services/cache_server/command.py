@@ -141,6 +141,13 @@ def register(subparsers) -> None:
         default="10s",
         help="cancel a Fetch/Store stream with no message through for this long (default %(default)s)",
     )
+    add(
+        "--tenant-share",
+        type=float,
+        default=0.5,
+        help="with --credentials naming several tenants: the share of --max-concurrent-rpcs and of "
+        "--stream-workers one tenant may hold at once (default %(default)s)",
+    )
     add("--stream-timeout", default="10m", help="cancel a Fetch/Store stream open this long (default %(default)s)")
     add(
         "--max-store-buffer",
@@ -298,6 +305,7 @@ def options_from(args: argparse.Namespace) -> ServerOptions:
         workers=args.workers,
         stream_workers=args.stream_workers,
         stream_idle_timeout_s=parse_duration(args.stream_idle_timeout, "stream_idle_timeout"),
+        tenant_share=args.tenant_share,
         stream_timeout_s=parse_duration(args.stream_timeout, "stream_timeout"),
         max_store_buffer_bytes=None
         if args.max_store_buffer is None

@@ -41,6 +41,7 @@ class ServerOptions:
     stream_idle_timeout_s: float = 10.0  # a Fetch/Store with no message through for this long is cancelled
     stream_timeout_s: float = 600.0  # ... and one open this long in all (pools.StreamWatch)
     max_store_buffer_bytes: int | None = None  # what Store streams buffer at once; None: the host capacity
+    tenant_share: float = 0.5  # multi-tenant: one tenant's most of the calls and stream threads (pools.TenantShares)
     grace_s: float = 10.0
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
@@ -59,6 +60,8 @@ class ServerOptions:
         for name in ("max_concurrent_rpcs", "workers", "stream_workers"):
             if not 1 <= getattr(self, name) <= 65536:
                 raise ConfigError(name, "must be in [1, 65536]")
+        if not 0 < self.tenant_share <= 1:
+            raise ConfigError("tenant_share", f"must be in (0, 1], got {self.tenant_share}")
         if self.max_store_buffer_bytes is not None and self.max_store_buffer_bytes < 1:
             raise ConfigError("max_store_buffer", "must be at least 1 byte")
         for name in (

@@ -405,3 +405,35 @@ class ByteBudget:
         finally:
             with self._lock:
                 self.used -= nbytes
+
+
+class TenantShares:
+    """In multi-tenant mode, each tenant may hold at most a share of the service's unary calls
+    (`--max-concurrent-rpcs`) and of its stream threads (`--stream-workers`) at once; a call
+    beyond its tenant's share is refused (RESOURCE_EXHAUSTED) when it starts, so one tenant
+    can no longer take every thread or call slot from the others. A call is counted from its
+    handler's start until gRPC ends it (`context.add_callback`)."""
+
+    def __init__(self, shares: dict[str, int]) -> None:
+        self.shares = shares  # kind ("calls", "streams") -> most held by one tenant
+        self._lock = threading.Lock()
+        self._held: dict[tuple[str, str], int] = {}
+
+    def enter(self, kind: str, tenant: str, context: grpc.ServicerContext, refuse: Callable[[int], Exception]) -> None:
+        key = (kind, tenant)
+        with self._lock:
+            if self._held.get(key, 0) >= self.shares[kind]:
+                raise refuse(self.shares[kind])
+            self._held[key] = self._held.get(key, 0) + 1
+        if not context.add_callback(functools.partial(self._leave, key)):
+            self._leave(key)  # the call is over already
+
+    def held(self, kind: str, tenant: str) -> int:
+        with self._lock:
+            return self._held.get((kind, tenant), 0)
+
+    def _leave(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            self._held[key] -= 1
+            if not self._held[key]:
+                del self._held[key]

@@ -43,7 +43,16 @@ from .auth import AuthInterceptor
 from .backend import CacheBackend
 from .metrics import ServiceMetrics, remote_stats_of
 from .options import ServerOptions
-from .pools import HEALTH_METHODS, Admission, ByteBudget, CountingPool, ElasticPool, StreamsOnOwnPool, StreamWatch
+from .pools import (
+    HEALTH_METHODS,
+    Admission,
+    ByteBudget,
+    CountingPool,
+    ElasticPool,
+    StreamsOnOwnPool,
+    StreamWatch,
+    TenantShares,
+)
 from .servicer import SERVICE_NAME, Limits, PrefixCacheServicer, register
 from .status import CallTracker
 
@@ -110,6 +119,17 @@ class CacheServer:
         )
         self.streams = StreamWatch(options.stream_idle_timeout_s, options.stream_timeout_s)
         self.store_buffers = ByteBudget(options.max_store_buffer_bytes or options.backend.cache.host_capacity)
+        tenants = {principal.tenant for principal in options.authenticator.principals}
+        self.shares = (  # one tenant cannot take every call slot or stream thread from the others
+            TenantShares(
+                {
+                    "calls": max(1, int(options.max_concurrent_rpcs * options.tenant_share)),
+                    "streams": max(1, int(options.stream_workers * options.tenant_share)),
+                }
+            )
+            if len(tenants) > 1
+            else None
+        )
         # Readiness: prefixcache.v1.PrefixCache says NOT_SERVING while the service cannot take
         # new work (every stream thread held, or the calls held at --max-concurrent-rpcs), so a
         # balancer sends work elsewhere; "" (liveness) stays SERVING: a busy pod is not restarted.
@@ -127,7 +147,9 @@ class CacheServer:
             interceptors.append(AuthInterceptor(options.authenticator, denied))
         server = grpc.server(self.unary_pool, interceptors=interceptors, options=options.grpc_options())
         limits = Limits(options.backend.block_size, options.backend.cache.max_prompt_tokens, options.max_chunk_bytes)
-        servicer = PrefixCacheServicer(self.backend, options.authenticator, limits, self.streams, self.store_buffers)
+        servicer = PrefixCacheServicer(
+            self.backend, options.authenticator, limits, self.streams, self.store_buffers, self.shares
+        )
         register(server, servicer, self.tracker, self.metrics.observe if self.metrics else _no_observer)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

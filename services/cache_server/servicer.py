@@ -8,6 +8,7 @@ codes by status.py, which also wraps each method (timing, calls in flight).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from prefixcache.tiers.base import TierKind
 from . import convert, status
 from .auth import OPEN, Authenticator, NotPermitted, Principal
 from .backend import CacheBackend
-from .pools import ByteBudget, StreamWatch, Watched
+from .pools import ByteBudget, StreamWatch, TenantShares, Watched
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefixCache"].full_name
 MAX_CHUNK_BYTES = (4 << 20) - 1024  # a whole FetchChunk message stays <= 4 MiB
@@ -100,19 +101,26 @@ class PrefixCacheServicer:
         limits: Limits,
         streams: StreamWatch,
         store_buffers: ByteBudget,
+        shares: TenantShares | None = None,
     ) -> None:
         self._backend = backend
         self._auth = authenticator
         self._limits = limits
         self._streams = streams  # cancels a Fetch/Store whose peer stalls
         self._store_buffers = store_buffers  # what Store streams buffer at once
+        self._shares = shares  # multi-tenant mode: each tenant's share of calls and stream threads
 
-    def _begin(self, request, context: grpc.ServicerContext) -> Principal:
+    def _begin(self, request, context: grpc.ServicerContext, kind: str | None = "calls") -> Principal:
+        """The caller, once the request parsed and the service is open; counted in its tenant's
+        share of `kind` ("calls", "streams"; None: never refused, e.g. Release)."""
         status.check_parsed(request)
         self._backend.check_open()
         if not self._auth.enabled:
             return OPEN
-        return self._auth.authenticate(context.invocation_metadata())
+        principal = self._auth.authenticate(context.invocation_metadata())
+        if self._shares is not None and kind is not None:
+            self._shares.enter(kind, principal.tenant, context, functools.partial(_share_refusal, kind))
+        return principal
 
     def _tokens(self, values, field: str = "tokens") -> np.ndarray:
         return convert.tokens(values, self._limits.max_prompt_tokens, field)
@@ -186,7 +194,7 @@ class PrefixCacheServicer:
             yield from self._fetch(request, context, watched)
 
     def _fetch(self, request: pb.FetchRequest, context, watched: Watched) -> Iterator[bytes]:
-        principal = self._begin(request, context)
+        principal = self._begin(request, context, "streams")
         lease_id = convert.positive_id(request.lease_id, "lease_id")
         limit = convert.chunk_bytes(
             request.max_chunk_bytes, self._limits.default_chunk_bytes, self._limits.max_chunk_bytes
@@ -254,7 +262,7 @@ class PrefixCacheServicer:
         watched.moved()
         if first is None:
             raise InvalidArgument("header", "the stream is empty; the first message must carry the header")
-        principal = self._begin(first, context)
+        principal = self._begin(first, context, "streams")
         if first.header is None:
             raise InvalidArgument("header", "the first message must carry the header")
         header = first.header
@@ -282,7 +290,7 @@ class PrefixCacheServicer:
             return convert.commit_response(self._backend.store(principal, ns_id, salt, tokens, kv, header.start_block))
 
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        principal = self._begin(request, context)
+        principal = self._begin(request, context, None)  # frees what a lease pins: never refused
         self._backend.release(principal, convert.positive_id(request.lease_id, "lease_id"))
         return pb.ReleaseResponse()
 
@@ -315,6 +323,11 @@ class PrefixCacheServicer:
     def Flush(self, request: pb.FlushRequest, context) -> pb.FlushResponse:
         principal = self._begin(request, context)
         return pb.FlushResponse(evicted=self._backend.flush(principal))
+
+
+def _share_refusal(kind: str, share: int) -> ResourceExhausted:
+    what = "stream threads (--stream-workers)" if kind == "streams" else "calls (--max-concurrent-rpcs)"
+    return ResourceExhausted(f"this tenant already holds its share of {what}: {share} (--tenant-share); retry shortly")
 
 
 def _store_refusal(used: int, limit: int) -> ResourceExhausted:
