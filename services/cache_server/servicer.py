@@ -58,6 +58,7 @@ PROTO_FIELDS: dict[str, dict[str, str]] = {
     "Reserve": {"count": "block_count"},
     "Store": {
         "namespace_id": "header.namespace_id",
+        "cache_salt": "header.cache_salt",
         "tokens": "header.tokens",
         "start_block": "header.start_block",
         "count": "header.block_count",
