@@ -192,11 +192,19 @@ class PrefixCache:
         if full == 0:
             stop = MissReason.TOO_SHORT
         lease_id = expires = None
+        # several tenants: each holds at most its share of the leases (leases.TENANT_LEASE_SHARE)
+        owner = self.tenants.tenant(prompt.entry.index)
+        tenant = None if self.tenants.sole_counters() is not None else owner
         if take_lease and hit:
-            if self.leases.full():
+            if self.leases.full(tenant):
                 self.placement.reclaim_expired(now)
             if self.leases.full():
                 raise ResourceExhausted(f"take_lease: lease limit of {self.config.max_leases} reached", "take_lease")
+            if self.leases.full(tenant):
+                raise ResourceExhausted(
+                    f"take_lease: this tenant holds its share of the lease limit ({self.leases.tenant_share})",
+                    "take_lease",
+                )
         self.index.touch(path, now)
         if self.config.promote_on_hit:
             if self.remote_link is not None:
@@ -205,7 +213,7 @@ class PrefixCache:
         if take_lease and hit:
             expires = now + self.config.lease_ttl_s
             self.index.pin(path)
-            lease_id = self.leases.add_lease(prompt.entry.index, tuple(path.tolist()), expires).id
+            lease_id = self.leases.add_lease(prompt.entry.index, tuple(path.tolist()), expires, owner).id
         self._count_lookup(prompt, hit, stop)
         return LookupResult(
             prompt.entry.id,
