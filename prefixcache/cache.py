@@ -376,7 +376,7 @@ class PrefixCache:
             reservation.namespace >= 0  # another tenant's stays theirs, untouched
             and self.tenants.tenant(reservation.namespace) != prompt.entry.namespace.tenant
         ):
-            raise InvalidArgument("reservation_id", f"reservation {reservation_id} is unknown or has expired")
+            raise InvalidArgument("reservation_id", "the reservation is unknown or has expired")
         if reservation.layout != prompt.entry.layout:  # its slots hold blocks of another size
             raise InvalidArgument(
                 "reservation_id", f"reservation {reservation_id} was made for another KV layout than the namespace's"
