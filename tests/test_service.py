@@ -577,6 +577,19 @@ def test_inspect_and_evict(start):
     assert client.stats().snapshot.tiers[0].blocks == 0
 
 
+def test_metrics_bind_loopback_unless_told_whatever_listen_is(start):
+    """Issue 33: the exporter bound the --listen host, so --listen 0.0.0.0 with --metrics-port
+    exposed the unauthenticated figures on every interface."""
+    backend = BackendOptions(cache=CacheConfig(host_capacity="1MiB"), block_size=BLOCK)
+    server = build_server(ServerOptions(backend=backend, listen="0.0.0.0:0", metrics_port=0))
+    try:
+        assert server.metrics is not None and server.metrics._http.server_address[0] == "127.0.0.1"
+    finally:
+        server.shutdown(0)
+    wide = start(metrics_port=0, metrics_host="0.0.0.0")  # beyond loopback only when asked
+    assert wide.metrics._http.server_address[0] == "0.0.0.0"
+
+
 def test_metrics_endpoint(start):
     server = start(metrics_port=0)
     client = start.client(server)

@@ -114,7 +114,12 @@ def register(subparsers) -> None:
     add("--tls-cert", default=None, help="PEM certificate chain (enables TLS, with --tls-key)")
     add("--tls-key", default=None, help="PEM private key")
     add("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (default: off)")
-    add("--metrics-host", default=None, help="metrics bind address (default: the --listen host)")
+    add(
+        "--metrics-host",
+        default=None,
+        help="metrics bind address (default 127.0.0.1, whatever --listen is: the figures are "
+        "unauthenticated; e.g. 0.0.0.0 in a pod scraped by Prometheus)",
+    )
     add("--grace", default="10s", help="drain period on SIGTERM (default %(default)s)")
     add(
         "--max-concurrent-rpcs",

@@ -30,7 +30,7 @@ class ServerOptions:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     metrics_port: int | None = None  # None: no exporter; 0: any free port
-    metrics_host: str | None = None  # default: the host of `listen`
+    metrics_host: str | None = None  # default: loopback, whatever `listen` is (the figures are unauthenticated)
     max_receive_bytes: int = 16 * MIB  # a 1M-token Lookup is ~5 MiB of varints
     max_send_bytes: int = 16 * MIB
     max_chunk_bytes: int = 4 * MIB - 1024  # Fetch/Store data per message: whole messages stay <= 4 MiB,

@@ -59,6 +59,9 @@ from .status import CallTracker
 log = logging.getLogger(__name__)
 
 HANDLER_EXIT_S = 0.5  # cancelled handlers return at their next send; a stream handler copies <= 4 MiB first
+# The exporter is unauthenticated and service-wide: it binds beyond loopback only when told to
+# (--metrics-host), never because --listen does (issue 33).
+METRICS_DEFAULT_HOST = "127.0.0.1"
 LOAD_CHECK_S = 0.25  # how often health is set from the load (CacheServer.full)
 SHUTDOWN_BOUND_S = 1.0  # past the grace period: cancel, HANDLER_EXIT_S, FENCE_S and the unmap, with margin
 
@@ -188,7 +191,7 @@ class CacheServer:
         if self.metrics is not None:
             assert self.options.metrics_port is not None  # the exporter exists only with a port
             self.metrics_port = self.metrics.serve(
-                self.options.metrics_host or self.options.host, self.options.metrics_port
+                self.options.metrics_host or METRICS_DEFAULT_HOST, self.options.metrics_port
             )
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
