@@ -379,15 +379,14 @@ class PrefixCache:
             raise InvalidArgument("reservation_id", "the reservation is unknown or has expired")
         if reservation.layout != prompt.entry.layout:  # its slots hold blocks of another size
             raise InvalidArgument(
-                "reservation_id", f"reservation {reservation_id} was made for another KV layout than the namespace's"
+                "reservation_id", "the reservation was made for another KV layout than the namespace's"
+            )
+        end = start_block + len(reservation.slots)
+        if end > len(prompt.hashes):  # checked first: a refused commit keeps its reservation (retry it right)
+            raise InvalidArgument(
+                "start_block", f"the reservation's blocks would end at {end}, past the prompt's full blocks"
             )
         self.leases.take_reservation(reservation_id)
-        end = start_block + len(reservation.slots)
-        if end > len(prompt.hashes):
-            self.placement.free_reserved(reservation)
-            raise InvalidArgument(
-                "start_block", f"blocks {start_block}..{end} exceed the prompt's {len(prompt.hashes)} full blocks"
-            )
         return self._publish(prompt, reservation, start_block, end, match)
 
     def _match_for_commit(self, prompt: Prompt, end: int) -> Match:
