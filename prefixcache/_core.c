@@ -1538,9 +1538,9 @@ static PyMethodDef core_methods[] = {
     {"copy_rows", (PyCFunction)(void (*)(void))core_copy_rows, METH_FASTCALL,
      "copy_rows(dst, slots, src): row i of src into row slots[i] of dst (raw bytes)"},
     {"resp_set", (PyCFunction)(void (*)(void))core_resp_set, METH_FASTCALL,
-     "resp_set(sock, keys, values, ttls_ms, timeout_s) -> None, or the first error reply's text"},
+     "resp_set(sock, keys, values, ttls_ms, timeout_s, deadline_s=None) -> None, or the first error reply's text"},
     {"resp_getex", (PyCFunction)(void (*)(void))core_resp_getex, METH_FASTCALL,
-     "resp_getex(sock, keys, ttl_ms, timeout_s) -> (values, [(position, error reply text)])"},
+     "resp_getex(sock, keys, ttl_ms, timeout_s, max_value=None, deadline_s=None) -> (values, [(position, error reply text)])"},
     {NULL, NULL, 0, NULL},
 };
 

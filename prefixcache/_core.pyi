@@ -75,10 +75,17 @@ def resp_set(
     values: Sequence[bytes | bytearray | memoryview | tuple[bytes | bytearray | memoryview, ...]],
     ttls_ms: Sequence[int],
     timeout_s: float | None,
+    deadline_s: float | None = None,
     /,
 ) -> bytes | None: ...
 def resp_getex(
-    sock: int | ssl.SSLSocket, keys: Sequence[bytes], ttl_ms: int | None, timeout_s: float | None, /
+    sock: int | ssl.SSLSocket,
+    keys: Sequence[bytes],
+    ttl_ms: int | None,
+    timeout_s: float | None,
+    max_value: int | None = None,
+    deadline_s: float | None = None,
+    /,
 ) -> tuple[list[bytearray | None], list[tuple[int, bytes]]]: ...
 
 class RespWriter:
@@ -99,7 +106,15 @@ class RespWriter:
     def pop(self, max_batch: int, /) -> list[Any]: ...
     def flight(self, lane: int, /) -> list[Any]: ...
     def finish(self, lane: int, /) -> list[Any]: ...
-    def run(self, fd: int | ssl.SSLSocket, timeout_s: float | None, max_batch: int, lane: int, /) -> bytes | None: ...
+    def run(
+        self,
+        fd: int | ssl.SSLSocket,
+        timeout_s: float | None,
+        max_batch: int,
+        lane: int,
+        deadline_s: float | None = None,
+        /,
+    ) -> bytes | None: ...
     def wait_done(self, timeout_s: float, /) -> bool: ...
     def completed(self) -> list[tuple[list[Any], int, float, int]]: ...
     def own_queued(self) -> list[tuple[Any, bytes]]: ...

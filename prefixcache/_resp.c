@@ -4,8 +4,13 @@
  *   pipeline: the command bytes built here, every value sent from the caller's buffers (a value is
  *   one buffer or a tuple of its parts, e.g. a frame's header and the payload in a host slot; a
  *   small part is joined into the command bytes), then every reply read.
- * - resp_getex(sock, keys, ttl_ms, timeout_s): `GETEX key PX ttl` (plain `GET` when ttl_ms is None)
- *   for each key in one pipeline, each bulk reply read straight into a bytearray of its exact size.
+ * - resp_getex(sock, keys, ttl_ms, timeout_s, max_value, deadline_s): `GETEX key PX ttl` (plain
+ *   `GET` when ttl_ms is None) for each key in one pipeline, each bulk reply read straight into a
+ *   bytearray of its exact size, once its length line says it is at most max_value (a longer one
+ *   is a fault before anything is allocated: Redis, or whatever answers in its place, must never
+ *   size our allocations).
+ * - deadline_s (resp_set, resp_getex, RespWriter.run's each batch): the whole exchange ends by
+ *   then, beyond timeout_s for each wait, so a peer dripping bytes cannot hold it.
  *
  * Why compiled: the tier's writer is one thread beside callers that encode frames and serve
  * RPCs. In Python it holds the GIL between the syscalls of a pipeline (building commands, parsing
@@ -20,7 +25,8 @@
  * Every reply of a pipeline is read before returning unless the socket fails, so a connection
  * whose call returned is in step. Faults raise TimeoutError, ConnectionError (closed by the
  * server), OSError (errno) or ValueError (a reply of a kind the command cannot return, or bytes
- * after the last reply); the caller must then drop the connection. Error replies are data:
+ * after the last reply; args (text, position of the reply at fault or -1)); a deadline raises
+ * TimeoutError("deadline: ..."); the caller must then drop the connection. Error replies are data:
  * resp_set returns the first one's text, resp_getex each one's with the key's position.
  */
 #define PY_SSIZE_T_CLEAN
@@ -49,13 +55,19 @@
 
 /* ---- socket I/O, without the GIL ---------------------------------------------------------- */
 
-enum { IO_OK = 0, IO_ERRNO, IO_TIMEOUT, IO_CLOSED, IO_PROTOCOL, IO_PYTHON /* exception set */ };
+static struct timespec deadline_after(double seconds); /* (with the writer's clock helpers) */
+
+enum { IO_OK = 0, IO_ERRNO, IO_TIMEOUT, IO_CLOSED, IO_PROTOCOL, IO_PYTHON /* exception set */, IO_DEADLINE };
 
 typedef struct {
     int fd;
     PyObject *sock; /* a TLS socket, driven through its own methods with the GIL held; NULL for fd */
     PyThreadState *released; /* set while the GIL is released (fd only) */
     int timeout_ms; /* per wait; -1 waits for ever */
+    int has_deadline; /* the whole exchange ends by `deadline` (a peer dripping bytes within
+                       * timeout_ms of each other cannot hold it longer) */
+    struct timespec deadline;
+    Py_ssize_t at;  /* for IO_PROTOCOL: the reply's position in the pipeline, -1 if none */
     int blocking;   /* the descriptor blocks, under SO_SNDTIMEO/SO_RCVTIMEO: EAGAIN is a timeout */
     int status;     /* IO_* of the first fault */
     int error;      /* errno, for IO_ERRNO */
@@ -116,18 +128,46 @@ link_bad_line(Link *link, const char *what, const char *line, size_t length)
     return link_fail(link, IO_PROTOCOL, what);
 }
 
+/* Milliseconds left until the link's deadline (rounded up), <= 0 once it has passed. */
+static long long
+link_ms_left(const Link *link)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    long long ns = (long long)(link->deadline.tv_sec - now.tv_sec) * 1000000000LL + (link->deadline.tv_nsec - now.tv_nsec);
+    return ns <= 0 ? 0 : (ns + 999999) / 1000000;
+}
+
+/* After each transfer: a fault once the exchange is past its deadline, however fast bytes came. */
+static int
+link_on_time(Link *link)
+{
+    return link->has_deadline && link_ms_left(link) <= 0 ? link_fail(link, IO_DEADLINE, NULL) : 0;
+}
+
 /* Waits until the socket is ready for `events`; -1 (the fault recorded) on a timeout or an error. */
 static int
 link_wait(Link *link, short events)
 {
     struct pollfd ready = {.fd = link->fd, .events = events};
     for (;;) {
-        int count = poll(&ready, 1, link->timeout_ms);
+        int wait_ms = link->timeout_ms, deadline_first = 0;
+        if (link->has_deadline) {
+            long long left = link_ms_left(link);
+            if (left <= 0) {
+                return link_fail(link, IO_DEADLINE, NULL);
+            }
+            if (wait_ms < 0 || left < wait_ms) {
+                wait_ms = (int)left;
+                deadline_first = 1;
+            }
+        }
+        int count = poll(&ready, 1, wait_ms);
         if (count > 0) {
             return 0;
         }
         if (count == 0) {
-            return link_fail(link, IO_TIMEOUT, NULL);
+            return link_fail(link, deadline_first ? IO_DEADLINE : IO_TIMEOUT, NULL);
         }
         if (errno != EINTR) {
             return link_fail(link, IO_ERRNO, NULL);
@@ -145,6 +185,9 @@ link_send(Link *link, struct iovec *iov, size_t count)
             if (iov[i].iov_len && link_call(link, "sendall", iov[i].iov_base, iov[i].iov_len, PyBUF_READ) < 0) {
                 return -1;
             }
+            if (link_on_time(link) < 0) {
+                return -1;
+            }
         }
         return 0;
     }
@@ -152,7 +195,8 @@ link_send(Link *link, struct iovec *iov, size_t count)
     while (first < count) {
         struct msghdr message = {.msg_iov = iov + first,
                                  .msg_iovlen = count - first < IOV_PER_CALL ? count - first : IOV_PER_CALL};
-        ssize_t sent = sendmsg(link->fd, &message, MSG_NOSIGNAL);
+        /* never blocks in the kernel but under SO_SNDTIMEO (link_block): waits are poll()s, bounded */
+        ssize_t sent = sendmsg(link->fd, &message, MSG_NOSIGNAL | (link->blocking ? 0 : MSG_DONTWAIT));
         if (sent < 0) {
             if (errno == EINTR) {
                 continue;
@@ -170,6 +214,9 @@ link_send(Link *link, struct iovec *iov, size_t count)
                 return link_fail(link, IO_CLOSED, NULL);
             }
             return link_fail(link, IO_ERRNO, NULL);
+        }
+        if (link_on_time(link) < 0) {
+            return -1;
         }
         size_t left = (size_t)sent;
         while (first < count && left >= iov[first].iov_len) {
@@ -190,12 +237,12 @@ link_recv(Link *link, char *buf, size_t room)
 {
     if (link->sock != NULL) {
         Py_ssize_t got = link_call(link, "recv_into", buf, room, PyBUF_WRITE);
-        return got == 0 ? link_fail(link, IO_CLOSED, NULL) : got;
+        return got == 0 ? link_fail(link, IO_CLOSED, NULL) : got < 0 || link_on_time(link) < 0 ? -1 : got;
     }
     for (;;) {
-        ssize_t got = recv(link->fd, buf, room, 0);
+        ssize_t got = recv(link->fd, buf, room, link->blocking ? 0 : MSG_DONTWAIT);
         if (got > 0) {
-            return got;
+            return link_on_time(link) < 0 ? -1 : got;
         }
         if (got == 0) {
             return link_fail(link, IO_CLOSED, NULL);
@@ -292,15 +339,23 @@ raise_fault(const Link *link)
     case IO_TIMEOUT:
         PyErr_SetString(PyExc_TimeoutError, "timed out");
         break;
+    case IO_DEADLINE: /* the message is how tiers/resp.py tells it from a quiet socket */
+        PyErr_SetString(PyExc_TimeoutError, "deadline: the exchange ran past its deadline");
+        break;
     case IO_CLOSED:
         PyErr_SetString(PyExc_ConnectionError, "Connection closed by server.");
         break;
     case IO_PROTOCOL: {
         PyObject *seen = PyBytes_FromStringAndSize(link->seen, (Py_ssize_t)link->seen_length);
-        if (seen != NULL) {
-            PyErr_Format(PyExc_ValueError, "unexpected reply: %s (%R)", link->what, seen);
-            Py_DECREF(seen);
+        PyObject *text = seen ? PyUnicode_FromFormat("unexpected reply: %s (%R)", link->what, seen) : NULL;
+        /* args (text, position): tiers/resp.py names the key of an oversized value */
+        PyObject *exc = text ? Py_BuildValue("(On)", text, link->at) : NULL;
+        if (exc != NULL) {
+            PyErr_SetObject(PyExc_ValueError, exc);
         }
+        Py_XDECREF(exc);
+        Py_XDECREF(text);
+        Py_XDECREF(seen);
         break;
     }
     case IO_PYTHON:
@@ -313,10 +368,31 @@ raise_fault(const Link *link)
 
 /* ---- arguments --------------------------------------------------------------------------- */
 
+/* deadline_arg: None, or the seconds the whole exchange may take from now (every wait, and the
+ * check after every transfer, stop at it). */
+static int
+link_deadline(PyObject *deadline_arg, Link *link)
+{
+    if (deadline_arg == NULL || deadline_arg == Py_None) {
+        return 0;
+    }
+    double seconds = PyFloat_AsDouble(deadline_arg);
+    if (seconds == -1.0 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (!(seconds > 0)) {
+        PyErr_SetString(PyExc_ValueError, "deadline_s: expected None or seconds > 0");
+        return -1;
+    }
+    link->has_deadline = 1;
+    link->deadline = deadline_after(seconds);
+    return 0;
+}
+
 static int
 link_args(PyObject *sock_arg, PyObject *timeout_arg, Link *link)
 {
-    *link = (Link){.fd = -1, .timeout_ms = -1};
+    *link = (Link){.fd = -1, .timeout_ms = -1, .at = -1};
     if (!PyLong_Check(sock_arg)) { /* a TLS socket: its methods do the I/O, under its own timeout */
         if (timeout_arg != Py_None) {
             PyErr_SetString(PyExc_ValueError, "timeout_s: a socket object waits by its own timeout; pass None");
@@ -497,12 +573,13 @@ set_exchange(Link *link, const SetCommand *sets, size_t count, size_t depth, cha
 PyObject *
 core_resp_set(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "resp_set(sock, keys, values, ttls_ms, timeout_s) takes 5 arguments");
+    if (nargs != 5 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "resp_set(sock, keys, values, ttls_ms, timeout_s, deadline_s=None) takes 5 or 6 arguments");
         return NULL;
     }
     Link link;
-    if (link_args(args[0], args[4], &link) < 0) {
+    if (link_args(args[0], args[4], &link) < 0 || link_deadline(nargs > 5 ? args[5] : NULL, &link) < 0) {
         return NULL;
     }
     PyObject *keys = PySequence_Fast(args[1], "keys: expected a sequence of bytes");
@@ -589,13 +666,27 @@ done:
 PyObject *
 core_resp_getex(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "resp_getex(sock, keys, ttl_ms, timeout_s) takes 4 arguments");
+    if (nargs < 4 || nargs > 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "resp_getex(sock, keys, ttl_ms, timeout_s, max_value=None, deadline_s=None) takes 4 to 6 arguments");
         return NULL;
     }
     Link link;
-    if (link_args(args[0], args[3], &link) < 0) {
+    if (link_args(args[0], args[3], &link) < 0 || link_deadline(nargs > 5 ? args[5] : NULL, &link) < 0) {
         return NULL;
+    }
+    /* The largest value the caller can use (its frame size): a longer bulk reply is a fault found
+     * from its length line, before a byte of it is allocated or read. */
+    long long max_value = LLONG_MAX;
+    if (nargs > 4 && args[4] != Py_None) {
+        max_value = PyLong_AsLongLong(args[4]);
+        if (max_value == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (max_value < 0) {
+            PyErr_SetString(PyExc_ValueError, "max_value: expected None or bytes >= 0");
+            return NULL;
+        }
     }
     long long ttl = 0;
     if (args[2] != Py_None) {
@@ -673,6 +764,9 @@ core_resp_getex(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                 long long size = strtoll(digits, &end, 10);
                 if (*end || errno || n != length - 1 || size < -1) {
                     failed = link_bad_line(&link, "a bad bulk length", line, length);
+                } else if (size > max_value) {
+                    link.at = i;
+                    failed = link_bad_line(&link, "a bulk reply longer than the largest value expected", line, length);
                 } else if (size >= 0) {
                     link_acquire(&link);
                     PyObject *value = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)size);
@@ -1170,7 +1264,7 @@ writer_finish(RespWriter *self, PyObject *arg)
     return entries_release(flight);
 }
 
-/* run(fd, timeout_s, max_batch, lane) -> None, or the first error reply's text of the batch left
+/* run(fd, timeout_s, max_batch, lane, deadline_s=None) -> None, or the first error reply's text of the batch left
  * in the lane's flight. Writes SETs from the head of the queue, batch after batch, without the
  * GIL, waiting for more while there are none. Returns (None) after interrupt(), once stop()'s deadline has
  * passed or nothing is queued while stopping, and on lane 0 when an operation Python runs heads
@@ -1179,16 +1273,18 @@ writer_finish(RespWriter *self, PyObject *arg)
 static PyObject *
 writer_run(RespWriter *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "run(fd, timeout_s, max_batch, lane) takes 4 arguments");
+    if (nargs != 4 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "run(fd, timeout_s, max_batch, lane, deadline_s=None) takes 4 or 5 arguments");
         return NULL;
     }
     Link link;
     size_t most;
     int lane;
-    if (link_args(args[0], args[1], &link) < 0 || batch_arg(args[2], &most) < 0 || lane_arg(self, args[3], &lane) < 0) {
+    if (link_args(args[0], args[1], &link) < 0 || batch_arg(args[2], &most) < 0 || lane_arg(self, args[3], &lane) < 0 ||
+        link_deadline(nargs > 4 ? args[4] : NULL, &link) < 0) {
         return NULL;
     }
+    double batch_deadline_s = link.has_deadline && nargs > 4 ? PyFloat_AsDouble(args[4]) : 0; /* (checked) */
     if (link.sock != NULL) {
         PyErr_SetString(PyExc_TypeError, "fd: expected a plain socket's descriptor (a TLS socket needs the GIL)");
         return NULL;
@@ -1238,6 +1334,9 @@ writer_run(RespWriter *self, PyObject *const *args, Py_ssize_t nargs)
         }
         struct timespec start;
         clock_gettime(CLOCK_MONOTONIC, &start);
+        if (link.has_deadline) { /* each batch's exchange has the whole deadline */
+            link.deadline = deadline_after(batch_deadline_s);
+        }
         outcome = set_exchange(&link, sets, count, LANE_DEPTH, error, &error_length);
         WriterBatch *batch = outcome == 0 ? PyMem_RawMalloc(sizeof(WriterBatch)) : NULL;
         pthread_mutex_lock(&self->lock);
@@ -1429,7 +1528,8 @@ static PyMethodDef writer_methods[] = {
     {"flight", (PyCFunction)writer_flight, METH_O, "flight(lane) -> the ops in a lane's flight (every lane's for -1)"},
     {"finish", (PyCFunction)writer_finish, METH_O, "finish(lane) -> the ops of the lane's batch in flight, now over"},
     {"run", (PyCFunction)(void (*)(void))writer_run, METH_FASTCALL,
-     "run(fd, timeout_s, max_batch, lane) -> None, or the error reply's text of the batch left in flight"},
+     "run(fd, timeout_s, max_batch, lane, deadline_s=None) -> None, or the error reply's text of the batch left in "
+     "flight; deadline_s bounds each batch's exchange"},
     {"wait_done", (PyCFunction)writer_wait_done, METH_O,
      "wait_done(timeout_s) -> True once a batch is done (or after timeout_s); False once shut down and none is"},
     {"completed", (PyCFunction)writer_completed, METH_NOARGS,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -117,6 +117,17 @@ class PrefixCache:
     def namespace(self, ns_id: str) -> Namespace:
         return self.namespaces.get(ns_id).namespace
 
+    def idle_namespaces(self, ns_ids: Iterable[str]) -> set[str]:
+        """Those of `ns_ids` that hold no block in the index and no lease or reservation now (the
+        service stops counting them against their tenant; Redis keys are by id, so a namespace
+        attached again finds its blocks there)."""
+        with self._lock:
+            rows = {self.namespaces.get(ns_id).index: ns_id for ns_id in ns_ids}
+            busy = set(np.unique(self.index.namespace[self.index.live()]).tolist())
+            busy.update(lease.namespace for lease in self.leases.leases())
+            busy.update(reservation.namespace for reservation in self.leases.reservations())
+            return {ns_id for row, ns_id in rows.items() if row not in busy}
+
     def layout_of(self, ns_id: str) -> KVLayout:
         return self.namespaces.get(ns_id).namespace.layout
 
@@ -181,11 +192,19 @@ class PrefixCache:
         if full == 0:
             stop = MissReason.TOO_SHORT
         lease_id = expires = None
+        # several tenants: each holds at most its share of the leases (leases.TENANT_LEASE_SHARE)
+        owner = self.tenants.tenant(prompt.entry.index)
+        tenant = None if self.tenants.sole_counters() is not None else owner
         if take_lease and hit:
-            if self.leases.full():
+            if self.leases.full(tenant):
                 self.placement.reclaim_expired(now)
             if self.leases.full():
                 raise ResourceExhausted(f"take_lease: lease limit of {self.config.max_leases} reached", "take_lease")
+            if self.leases.full(tenant):
+                raise ResourceExhausted(
+                    f"take_lease: this tenant holds its share of the lease limit ({self.leases.tenant_share})",
+                    "take_lease",
+                )
         self.index.touch(path, now)
         if self.config.promote_on_hit:
             if self.remote_link is not None:
@@ -194,7 +213,7 @@ class PrefixCache:
         if take_lease and hit:
             expires = now + self.config.lease_ttl_s
             self.index.pin(path)
-            lease_id = self.leases.add_lease(prompt.entry.index, tuple(path.tolist()), expires).id
+            lease_id = self.leases.add_lease(prompt.entry.index, tuple(path.tolist()), expires, owner).id
         self._count_lookup(prompt, hit, stop)
         return LookupResult(
             prompt.entry.id,
@@ -357,18 +376,17 @@ class PrefixCache:
             reservation.namespace >= 0  # another tenant's stays theirs, untouched
             and self.tenants.tenant(reservation.namespace) != prompt.entry.namespace.tenant
         ):
-            raise InvalidArgument("reservation_id", f"reservation {reservation_id} is unknown or has expired")
+            raise InvalidArgument("reservation_id", "the reservation is unknown or has expired")
         if reservation.layout != prompt.entry.layout:  # its slots hold blocks of another size
             raise InvalidArgument(
-                "reservation_id", f"reservation {reservation_id} was made for another KV layout than the namespace's"
+                "reservation_id", "the reservation was made for another KV layout than the namespace's"
+            )
+        end = start_block + len(reservation.slots)
+        if end > len(prompt.hashes):  # checked first: a refused commit keeps its reservation (retry it right)
+            raise InvalidArgument(
+                "start_block", f"the reservation's blocks would end at {end}, past the prompt's full blocks"
             )
         self.leases.take_reservation(reservation_id)
-        end = start_block + len(reservation.slots)
-        if end > len(prompt.hashes):
-            self.placement.free_reserved(reservation)
-            raise InvalidArgument(
-                "start_block", f"blocks {start_block}..{end} exceed the prompt's {len(prompt.hashes)} full blocks"
-            )
         return self._publish(prompt, reservation, start_block, end, match)
 
     def _match_for_commit(self, prompt: Prompt, end: int) -> Match:

@@ -148,6 +148,14 @@ def frame_parts(
     return (head, view, mac.digest())
 
 
+def frame_size(layout: KVLayout, namespace_id: str, hash_bytes: int, parent_bytes: int, keyed: bool) -> int:
+    """The exact size of a frame of `layout` in `namespace_id` (hashes of these lengths): what a
+    reader may accept at most, known before a byte of it arrives."""
+    ns = len(namespace_id.encode("utf-8"))
+    body = _body_struct(ns, hash_bytes, parent_bytes, 4 * layout.block_size).size
+    return _PREFIX.size + body + _TAIL.size + layout.block_bytes + (MAC_BYTES if keyed else 0)
+
+
 def encode_block(
     layout: KVLayout,
     namespace_id: str,

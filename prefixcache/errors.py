@@ -29,13 +29,16 @@ class ConfigError(InvalidArgument):
 
 
 class UnknownNamespace(InvalidArgument):
+    # The message never repeats the id (SECURITY.md: errors name the field, never the value).
     def __init__(self, namespace_id: str) -> None:
-        super().__init__("namespace_id", f"unknown namespace id {namespace_id!r}; call Attach first")
+        super().__init__("namespace_id", "unknown namespace id; call Attach first")
+        self.namespace_id = namespace_id
 
 
 class UnknownLease(InvalidArgument):
     def __init__(self, lease_id: int) -> None:
-        super().__init__("lease_id", f"lease {lease_id} is unknown or has expired")
+        super().__init__("lease_id", "the lease is unknown or has expired")
+        self.lease_id = lease_id
 
 
 class LayoutMismatch(PrefixCacheError):

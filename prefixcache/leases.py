@@ -28,6 +28,7 @@ class Lease:
     namespace: int
     nodes: tuple[int, ...]
     expires_at: float
+    tenant: str = ""  # the namespace's tenant: each holds at most its share of the table (`full`)
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,18 @@ class Reservation:
     layout: int = 0  # the KV layout whose slots these are (the namespace's; the cache's first without one)
 
 
+# With several tenants, one holds at most this share of max_leases: one client taking every
+# lease cannot refuse every other tenant's next one (issue 33).
+TENANT_LEASE_SHARE = 0.5
+
+
 class LeaseTable:
     """The live leases and reservations of one cache, by id."""
 
     def __init__(self, max_leases: int) -> None:
         self.max_leases = max_leases
+        self.tenant_share = max(1, int(max_leases * TENANT_LEASE_SHARE))
+        self._per_tenant: dict[str, int] = {}  # live leases by tenant
         self._leases: dict[int, Lease] = {}
         self._reservations: dict[int, Reservation] = {}
         self._random = array.array("Q")  # unused random 64-bit words for ids
@@ -56,12 +64,27 @@ class LeaseTable:
     def leases(self) -> Iterable[Lease]:
         return self._leases.values()
 
-    def full(self) -> bool:
-        return len(self._leases) >= self.max_leases
+    def full(self, tenant: str | None = None) -> bool:
+        """No lease may be added now: the table is full, or `tenant` (given when the cache holds
+        several tenants) holds its share."""
+        if len(self._leases) >= self.max_leases:
+            return True
+        return tenant is not None and self._per_tenant.get(tenant, 0) >= self.tenant_share
 
-    def add_lease(self, namespace: int, nodes: tuple[int, ...], expires_at: float) -> Lease:
-        lease = Lease(self._new_id(), namespace, nodes, expires_at)
+    def tenant_leases(self, tenant: str) -> int:
+        return self._per_tenant.get(tenant, 0)
+
+    def _counted_out(self, lease: Lease) -> None:
+        left = self._per_tenant[lease.tenant] - 1
+        if left:
+            self._per_tenant[lease.tenant] = left
+        else:
+            del self._per_tenant[lease.tenant]
+
+    def add_lease(self, namespace: int, nodes: tuple[int, ...], expires_at: float, tenant: str = "") -> Lease:
+        lease = Lease(self._new_id(), namespace, nodes, expires_at, tenant)
         self._leases[lease.id] = lease
+        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
         return lease
 
     def live_lease(self, lease_id: int, now: float) -> Lease | None:
@@ -70,7 +93,10 @@ class LeaseTable:
         return lease if lease is not None and lease.expires_at > now else None
 
     def pop_lease(self, lease_id: int) -> Lease | None:
-        return self._leases.pop(lease_id, None)
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            self._counted_out(lease)
+        return lease
 
     # -- reservations ----------------------------------------------------------------
     def reservations(self) -> Iterable[Reservation]:
@@ -99,6 +125,7 @@ class LeaseTable:
         leases = [lease for lease in self._leases.values() if lease.expires_at <= now]
         for lease in leases:
             del self._leases[lease.id]
+            self._counted_out(lease)
         reservations = [r for r in self._reservations.values() if r.expires_at <= now]
         for reservation in reservations:
             del self._reservations[reservation.id]

@@ -38,7 +38,7 @@ from functools import partial
 
 import numpy as np
 
-from .codec import decode_block, encode_block, frame_parts
+from .codec import decode_block, encode_block, frame_parts, frame_size
 from .config import KVLayout
 from .errors import CorruptBlock
 from .hashing import BlockHash
@@ -98,10 +98,19 @@ class RemoteLink:
         order, and whether they end at a block that failed verification (its key is then deleted)."""
         payloads: list[memoryview] = []
         verify = self.verify_estimate() if budget is not None else None
+        # a longer reply is refused before it is allocated (hashes of one chain share a length)
+        hash_bytes = max((len(h) for h in hashes[start:]), default=0)
+        most = frame_size(layout, ns_id, hash_bytes, max(hash_bytes, len(root)), self._mac_key is not None)
         for batch_start in range(start, len(hashes), PROBE_BATCH):
             batch = hashes[batch_start : batch_start + PROBE_BATCH]
             frames = self.tier.fetch(
-                ns_id, batch, frame_bytes=layout.block_bytes, prefix_only=True, budget=budget, verify=verify
+                ns_id,
+                batch,
+                frame_bytes=layout.block_bytes,
+                prefix_only=True,
+                budget=budget,
+                verify=verify,
+                max_frame_bytes=most,
             )
             checked, started = len(payloads), time.perf_counter()
             try:

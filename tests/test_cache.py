@@ -391,8 +391,13 @@ def test_commit_validates_its_block_range_without_leaking_slots() -> None:
         with pytest.raises(InvalidArgument) as caught:
             cache.commit(ns, prompt(1, 2), reservation.id, 1)
         assert caught.value.field == "start_block"
+        # issue 33: a refused commit keeps its reservation (it expires with its TTL if never
+        # committed), so the writer can commit the KV it wrote with the right range
+        assert cache.leases.reservation(reservation.id) == reservation
+        assert cache.stats().tiers[0].blocks == 2  # its two slots, still reserved
+        assert_consistent(cache)
+        assert cache.commit(ns, prompt(1, 2), reservation.id, 0).stored == 2
         assert reservation.id not in cache.leases
-        assert cache.stats().tiers[0].blocks == 0
         assert_consistent(cache)
 
 

@@ -398,7 +398,7 @@ def test_bad_arguments_name_the_problem(stack, populated, cli, tmp_path):
         (["top", "--cache", stack.address, "--interval", "0"], "--interval: must be > 0"),
         (
             ["inspect", "--cache", stack.address, "--namespace", "feedfacefeedface", "--text", "hi"],
-            "unknown namespace id 'feedfacefeedface'",
+            "unknown namespace id; call Attach first",  # never the id itself (issue 33)
         ),
         (
             ["inspect", "--cache", stack.address, "--namespace", populated.namespace_id, "--tokens-file", str(bad)],

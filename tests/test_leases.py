@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixcache.errors import InvalidArgument
+from prefixcache.errors import InvalidArgument, ResourceExhausted
 from prefixcache.leases import LeaseTable
 from prefixcache.tiers.base import TierKind
 from tests.support.core import (
@@ -71,3 +71,29 @@ def test_slot_tiers_hand_out_bytes_and_share_handles_through_the_interface() -> 
         assert host is not None and host.segment and host.cuda_ipc is None
         assert (host.kind, host.num_slots, host.slot_bytes) == (TierKind.HOST, 4, TINY.block_bytes)
         assert cache.tiers[TierKind.DEVICE].share_handle() is None  # a CPU stand-in cannot be shared
+
+
+def test_with_several_tenants_one_holds_at_most_its_share_of_the_leases() -> None:
+    """Issue 33, finding 6: one client took all of --max-leases while another tenant's next lease
+    was refused. With two tenants each holds at most half; leases count out as they go."""
+    table = LeaseTable(max_leases=4)
+    assert table.tenant_share == 2
+    first = [table.add_lease(0, (i,), expires_at=10.0, tenant="acme") for i in range(2)]
+    assert table.full("acme") and not table.full("globex") and not table.full()
+    table.pop_lease(first[0].id)
+    assert not table.full("acme") and table.tenant_leases("acme") == 1
+    table.expired(11.0)
+    assert table.tenant_leases("acme") == 0
+    clock = ManualClock()
+    with make_cache(host_slots=8, clock=clock, max_leases=4) as cache:
+        acme = cache.attach(namespace(tenant="acme"))
+        globex = cache.attach(namespace(tenant="globex"))
+        tokens = list(range(4 * TINY.block_size))
+        for ns in (acme, globex):
+            cache.store(ns, tokens, kv_for(tokens))
+        leases = [cache.lookup(acme, tokens, take_lease=True).lease_id for _ in range(2)]
+        with pytest.raises(ResourceExhausted, match="take_lease: this tenant holds its share"):
+            cache.lookup(acme, tokens, take_lease=True)
+        assert cache.lookup(globex, tokens, take_lease=True).lease_id is not None  # the other tenant is served
+        cache.release(leases[0])
+        assert cache.lookup(acme, tokens, take_lease=True).lease_id is not None

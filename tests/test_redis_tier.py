@@ -479,12 +479,20 @@ def test_connect_sets_every_timeout_and_disables_library_retries(redis_server: R
         ("socket_timeout_s", 0),
         ("max_batch", 0),
         ("tls_ca_file", "/ca.pem"),
+        ("read_deadline_s", "10ms"),  # under the 50 ms per-wait timeout
+        ("write_deadline_s", "x"),
     ],
 )
 def test_bad_options_name_the_field(field: str, value: object) -> None:
     values = {"url": "redis://127.0.0.1:1", field: value}
     with pytest.raises(ConfigError, match=field if field != "url" else "redis_url"):
         RedisOptions(**values)
+
+
+def test_whole_exchange_deadlines_default_to_four_timeouts() -> None:
+    options = RedisOptions(url="redis://127.0.0.1:1", socket_timeout_s="50ms", write_timeout_s=0.5)
+    assert (options.read_deadline_s, options.write_deadline_s) == (0.2, 2.0)
+    assert RedisOptions(url="redis://127.0.0.1:1", read_deadline_s="1s").read_deadline_s == 1.0
 
 
 def test_password_is_not_in_repr() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -233,3 +234,62 @@ def test_bad_arguments_name_the_argument() -> None:
         core.resp_getex(0, [b"a"], None, -1.0)
     with pytest.raises(TypeError, match=r"keys\[0\]: expected bytes"):
         core.resp_getex(0, ["a"], None, None)
+
+
+def test_a_value_longer_than_max_value_is_refused_from_its_length_line() -> None:
+    """Issue 33: a reply announcing a terabyte was allocated (MemoryError). With max_value the
+    length line alone is the fault, naming the reply's position; nothing is allocated."""
+    peer = _Peer(b"$-1\r\n$1099511627776\r\n")
+    try:
+        with pytest.raises(ValueError, match="longer than the largest value expected") as caught:
+            core.resp_getex(peer.ours.fileno(), [b"a", b"k"], 1000, 0.3, 4096, None)
+        assert caught.value.args[1] == 1  # the second key's reply
+    finally:
+        peer.finish()
+    peer = _Peer(b"$4\r\nabcd\r\n")  # up to max_value is read as before
+    try:
+        assert [bytes(v) for v in core.resp_getex(peer.ours.fileno(), [b"k"], None, 0.3, 4)[0]] == [b"abcd"]
+    finally:
+        peer.finish()
+
+
+@pytest.mark.parametrize("call", ["getex", "set"])
+def test_the_deadline_bounds_a_whole_exchange_with_a_peer_dripping_bytes(call) -> None:
+    """Issue 33: one byte every 25 ms (under the 50 ms per-wait timeout) held an exchange for as
+    long as the reply lasted. With deadline_s the exchange ends at it."""
+    ours, theirs = socket.socketpair()
+    ours.settimeout(0.05)
+    reply = b"$3000\r\n" + b"x" * 3000 + b"\r\n" if call == "getex" else b"+" + b"O" * 3000 + b"\r\n"
+
+    def drip() -> None:
+        theirs.recv(1 << 16)
+        for i in range(len(reply)):
+            try:
+                theirs.send(reply[i : i + 1])
+            except OSError:
+                return
+            time.sleep(0.025)
+
+    thread = threading.Thread(target=drip)
+    thread.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="deadline"):
+            if call == "getex":
+                core.resp_getex(ours.fileno(), [b"k"], 1000, 0.05, None, 0.2)
+            else:
+                core.resp_set(ours.fileno(), [b"k"], [b"v"], [1000], 0.05, 0.2)
+        assert 0.19 < time.monotonic() - start < 0.35
+    finally:
+        ours.close()
+        thread.join(5)
+        theirs.close()
+
+
+def test_bad_limits_name_the_argument() -> None:
+    with pytest.raises(ValueError, match="deadline_s: expected None or seconds > 0"):
+        core.resp_getex(0, [b"a"], None, None, None, 0.0)
+    with pytest.raises(ValueError, match="max_value: expected None or bytes >= 0"):
+        core.resp_getex(0, [b"a"], None, None, -1)
+    with pytest.raises(ValueError, match="deadline_s: expected None or seconds > 0"):
+        core.resp_set(0, [b"a"], [b"1"], [1], None, -2.0)

@@ -196,13 +196,48 @@ def test_namespaces_per_tenant_are_bounded(start):
         client.attach("model", layout_of())
         assert client.inspect(prompt(1), cache_salt="never-used").hit_tokens == 0  # creates nothing
         assert client.evict(namespace_id=client.attachment.namespace_id, cache_salt="never-used") == 0
-        for salt in ("a", "b", "a"):  # the attached namespace and two salts: the budget of 3
-            client.lookup(prompt(1), cache_salt=salt, take_lease=False)
+        kv = random_kv(1, layout_of(), seed=3)
+        for salt in ("a", "b", "a"):  # the attached namespace and two salts holding blocks: the budget of 3
+            client.store(prompt(1), kv, cache_salt=salt)
         with pytest.raises(ResourceExhausted, match="cache_salt"):
             client.lookup(prompt(1), cache_salt="c", take_lease=False)
         with pytest.raises(ResourceExhausted, match="model"):
             client.attach("another-model", layout_of())
         assert client.attach("model", layout_of()).namespace_id  # attaching again is idempotent
+        # issue 33: once the salts hold nothing they are reclaimed, never a permanent lock-out
+        client.evict(namespace_id=client.attachment.namespace_id, cache_salt="b")
+        assert client.lookup(prompt(1), cache_salt="c", take_lease=False).hit_tokens == 0
+        assert client.lookup(prompt(1), cache_salt="a", take_lease=False).hit_tokens == BLOCK  # kept: holds a block
+        assert client.lookup(prompt(1), cache_salt="b", take_lease=False).hit_tokens == 0  # derived again
+    finally:
+        server.shutdown(0)
+
+
+def test_salts_that_hold_nothing_never_lock_a_tenant_out(start):
+    """Issue 33, finding 4: 1,024 distinct cache_salt values on Lookup exhausted a tenant's
+    namespaces for good (new salts and a new model revision refused until restart, after a Flush
+    and after the TTL). Salts holding no blocks, leases or reservations are reclaimed at the limit."""
+    backend = BackendOptions(cache=CacheConfig(host_capacity="1MiB"), block_size=BLOCK, max_namespaces_per_tenant=8)
+    server = build_server(ServerOptions(backend=backend, listen="127.0.0.1:0"))
+    try:
+        client = start.client(server)
+        client.attach("model", layout_of())
+        kv = random_kv(1, layout_of(), seed=4)
+        for i in range(7):  # the budget, every salt holding a block
+            client.store(prompt(1), kv, cache_salt=f"stored-{i}")
+        with pytest.raises(ResourceExhausted, match="cache_salt"):
+            client.lookup(prompt(1), cache_salt="one-more", take_lease=False)
+        client.flush()
+        for i in range(100):  # an end user sending a new salt with every request
+            assert client.lookup(prompt(1), cache_salt=f"user-{i}", take_lease=False).hit_tokens == 0
+        assert client.attach("model", layout_of(), revision="v2").namespace_id  # a new revision still attaches
+        client.store(prompt(1), kv, cache_salt="kept")
+        hit = client.lookup(prompt(1), cache_salt="kept")  # a block and a lease: never reclaimed
+        for i in range(100):
+            client.lookup(prompt(1), cache_salt=f"again-{i}", take_lease=False)
+        assert client.lookup(prompt(1), cache_salt="kept", take_lease=False).namespace_id == hit.namespace_id
+        client.release(hit)
+        assert client.lookup(prompt(1), cache_salt="kept", take_lease=False).hit_tokens == BLOCK
     finally:
         server.shutdown(0)
 
@@ -540,6 +575,19 @@ def test_inspect_and_evict(start):
     assert client.lookup(tokens, take_lease=False).hit_tokens == BLOCK
     assert client.evict(older_than_s=0) == 1
     assert client.stats().snapshot.tiers[0].blocks == 0
+
+
+def test_metrics_bind_loopback_unless_told_whatever_listen_is(start):
+    """Issue 33: the exporter bound the --listen host, so --listen 0.0.0.0 with --metrics-port
+    exposed the unauthenticated figures on every interface."""
+    backend = BackendOptions(cache=CacheConfig(host_capacity="1MiB"), block_size=BLOCK)
+    server = build_server(ServerOptions(backend=backend, listen="0.0.0.0:0", metrics_port=0))
+    try:
+        assert server.metrics is not None and server.metrics._http.server_address[0] == "127.0.0.1"
+    finally:
+        server.shutdown(0)
+    wide = start(metrics_port=0, metrics_host="0.0.0.0")  # beyond loopback only when asked
+    assert wide.metrics._http.server_address[0] == "0.0.0.0"
 
 
 def test_metrics_endpoint(start):

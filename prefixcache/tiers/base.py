@@ -119,8 +119,10 @@ class RemoteTier(Protocol):
         prefix_only: bool = False,
         budget: ProbeBudget | None = None,
         verify: TransferEstimate | None = None,
+        max_frame_bytes: int | None = None,
     ) -> list[bytes | memoryview | None]:
-        """Frames for `hashes` (None: a miss, or not asked within the budget)."""
+        """Frames for `hashes` (None: a miss, or not asked within the budget); a value longer than
+        `max_frame_bytes` is never allocated (the fetch fails as a fault)."""
 
     def submit(
         self,

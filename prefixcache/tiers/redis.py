@@ -36,6 +36,17 @@ Invariants:
 - Logs carry the error kind (exception type and Redis error code) and a key's
   prefix, namespace and hash prefix, never the exception text: redis-py puts the
   command, its key and raw frame bytes in it.
+- Nothing Redis sends sizes an allocation beyond what the caller can use: a fetch
+  given `max_frame_bytes` has a longer value refused from its length line
+  (`OversizedReply`: counted in `oversized_replies` and `integrity_failures`, its key
+  deleted, and a fault of the link for the breaker), so a planted 32 MiB value or a
+  reply announcing a terabyte costs nothing but the fault. A MemoryError in a read
+  is a failed read too, never the caller's error.
+- Every exchange has a whole deadline (`read_deadline_s` a read round trip,
+  `write_deadline_s` a write batch) beyond the per-wait socket timeouts, so a Redis
+  dripping bytes cannot hold a lookup or a writer lane; each one cut is a fault for
+  the breaker and counted (`read_deadlines`, `write_deadlines`). Redis Cluster's
+  redis-py path has only the per-wait timeouts.
 - Every successful round trip, read or write, and every read that times out is
   a sample of the link (`TransferMeter`, seeded with `LINK_PRIOR`); a fetch given
   a `ProbeBudget` asks only for the blocks that estimate says are worth it.
@@ -61,7 +72,7 @@ from .base import Frame, TierKind
 from .breaker import Backoff, BreakerState, CircuitBreaker, Retry
 from .redis_options import RedisClient, RedisOptions, connect, is_cluster_url, redact_url
 from .redis_stats import RedisCounters, RedisStats
-from .resp import RespPipeline
+from .resp import ExchangeDeadline, OversizedReply, RespPipeline
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +214,7 @@ class RedisTier:
         prefix_only: bool = False,
         budget: ProbeBudget | None = None,
         verify: TransferEstimate | None = None,
+        max_frame_bytes: int | None = None,
     ) -> list[bytes | memoryview | None]:
         """Frames for `hashes` (None = miss) by pipelined GETEX, which also refreshes each hit's TTL.
 
@@ -215,6 +227,8 @@ class RedisTier:
         With a `budget` (which needs `frame_bytes`), each round trip asks only for what the
         budget grants; the blocks it declines come back as None. `verify` is the caller's
         cost of checking what comes back (e.g. a frame MAC), counted after the link's.
+        A value longer than `max_frame_bytes` (the frame size the namespace implies) is refused
+        before it is read (see the module docstring): the round trip fails as a fault.
         """
         if budget is not None and not frame_bytes:
             raise ValueError("a fetch with a budget needs frame_bytes")
@@ -235,7 +249,7 @@ class RedisTier:
                 if not batch:
                     break
             assert client is not None  # None returned early above whenever there are hashes
-            got = self._round_trip(client, namespace_id, batch, ttl_ms)
+            got = self._round_trip(client, namespace_id, batch, ttl_ms, max_frame_bytes)
             if got is None:
                 break
             frames.extend(got)
@@ -390,13 +404,13 @@ class RedisTier:
         return budget.grant(wanted, estimate, frame_bytes, per_trip, time.perf_counter())
 
     def _round_trip(
-        self, client: RedisClient, namespace_id: str, hashes: Sequence[bytes], ttl_ms: int
+        self, client: RedisClient, namespace_id: str, hashes: Sequence[bytes], ttl_ms: int, most: int | None
     ) -> list[bytes | memoryview | None] | None:
         """One pipelined GETEX per hash; None after a fault (recorded in the breaker)."""
         start = time.perf_counter()
         try:
             try:
-                frames = self._read_frames(client, namespace_id, hashes, ttl_ms, self._plain_get)
+                frames = self._read_frames(client, namespace_id, hashes, ttl_ms, self._plain_get, most)
             except redis.exceptions.ResponseError as exc:
                 if self._plain_get or _redis_code(exc) not in WRITE_REFUSALS:
                     raise
@@ -406,10 +420,18 @@ class RedisTier:
                     self._breaker.name,
                     error_kind(exc),
                 )
-                frames = self._read_frames(client, namespace_id, hashes, ttl_ms, True)
-        except REDIS_ERRORS as exc:
+                frames = self._read_frames(client, namespace_id, hashes, ttl_ms, True, most)
+        except (*REDIS_ERRORS, MemoryError) as exc:  # MemoryError: a read we could not hold is a failed read
             if isinstance(exc, redis.exceptions.TimeoutError):
                 self._observe_link(0, time.perf_counter() - start)  # at least this slow
+            if isinstance(exc, OversizedReply):
+                self.delete(namespace_id, hashes[exc.position])  # not ours: the next lookup misses
+                with self._lock:
+                    self._counters.oversized_replies += 1
+                    self._counters.integrity_failures += 1
+            elif isinstance(exc, ExchangeDeadline):
+                with self._lock:
+                    self._counters.read_deadlines += 1
             self._read_failed(exc)
             return None
         self._observe_link(sum(len(frame) for frame in frames if frame is not None), time.perf_counter() - start)
@@ -417,16 +439,22 @@ class RedisTier:
         return frames
 
     def _read_frames(
-        self, client: RedisClient, namespace_id: str, hashes: Sequence[bytes], ttl_ms: int, plain: bool
+        self,
+        client: RedisClient,
+        namespace_id: str,
+        hashes: Sequence[bytes],
+        ttl_ms: int,
+        plain: bool,
+        most: int | None = None,
     ) -> list[bytes | memoryview | None]:
         """Pipelined GETEX (GET when `plain`: Redis refuses the TTL refresh as a write): read in
-        place by the compiled core for a standalone client (tiers/resp.py), else through redis-py."""
+        place by the compiled core for a standalone client (tiers/resp.py), else through redis-py
+        (which allocates what Redis announces: a value longer than `most` is refused after it)."""
         keys = [self.key(namespace_id, block_hash) for block_hash in hashes]
         if isinstance(client, redis.Redis):
+            pipeline = RespPipeline(client, self.options.read_deadline_s)
             with self._io_wait():
-                return cast(
-                    list[bytes | memoryview | None], RespPipeline(client).getex(keys, None if plain else ttl_ms)
-                )
+                return cast(list[bytes | memoryview | None], pipeline.getex(keys, None if plain else ttl_ms, most))
         pipe = client.pipeline(transaction=False)
         for key in keys:
             if plain:
@@ -435,7 +463,11 @@ class RedisTier:
                 pipe.getex(key, px=ttl_ms)
         with self._io_wait():
             replies = pipe.execute(raise_on_error=False)
-        return _frames_from(replies, len(keys))
+        frames = _frames_from(replies, len(keys))
+        for position, frame in enumerate(frames):
+            if most is not None and frame is not None and len(frame) > most:
+                raise OversizedReply(f"a value of {len(frame)} bytes, more than the {most} expected", position)
+        return frames
 
     def _observe_link(self, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -540,10 +572,11 @@ class RedisTier:
         if not isinstance(writer, redis.Redis):  # (_can_stream said it was; a lane may race a rebuild)
             return
         try:
-            if not RespPipeline(writer).stream(self._ops, self.options.max_batch, lane):
+            if not RespPipeline(writer, self.options.write_deadline_s).stream(self._ops, self.options.max_batch, lane):
                 self._streams = False  # TLS: its socket methods need the GIL; lane 0 goes batch by batch
             return
         except REDIS_ERRORS as exc:
+            self._count_write_deadline(exc)
             batch = self._ops.flight(lane) or (self._ops.pop(self.options.max_batch) if lane == 0 else [])
             if not batch:  # no connection to wait on
                 self._write_failed(exc, f"connect: {error_kind(exc)}")
@@ -589,6 +622,7 @@ class RedisTier:
         try:
             self._write_retry.call(lambda: self._pipeline(batch), self._rng)
         except REDIS_ERRORS as exc:
+            self._count_write_deadline(exc)
             self._failed(batch, exc)
             return
         self._succeeded(sum(op.nbytes for op in batch if isinstance(op, _Set)), time.perf_counter() - start)
@@ -600,6 +634,11 @@ class RedisTier:
         with self._lock:
             self._counters.writes_failed += sum(1 for op in batch if isinstance(op, _Set))
         log.debug("redis %s failed", reason)
+
+    def _count_write_deadline(self, exc: BaseException) -> None:
+        if isinstance(exc, ExchangeDeadline):
+            with self._lock:
+                self._counters.write_deadlines += 1
 
     def _succeeded(self, written: int, elapsed: float, trips: int = 1) -> None:
         """A batch of `written` bytes took `elapsed` seconds over `trips` round trips (a lane sends
@@ -614,7 +653,7 @@ class RedisTier:
         assert self._writer is not None  # _apply checked
         sets = [op for op in batch if isinstance(op, _Set)]
         if isinstance(self._writer, redis.Redis) and len(sets) == len(batch):
-            RespPipeline(self._writer).set(
+            RespPipeline(self._writer, self.options.write_deadline_s).set(
                 [op.key for op in sets], [op.frame for op in sets], [op.ttl_ms for op in sets]
             )
             return

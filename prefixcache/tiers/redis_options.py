@@ -62,6 +62,11 @@ class RedisOptions:
     socket_timeout_s: float = 0.05  # reads (GETEX); a cache miss beats a slow hit
     connect_timeout_s: float = 0.2
     write_timeout_s: float = 0.5  # background writer only
+    # Whole exchanges: a read round trip, a write batch. The timeouts above bound each wait on the
+    # socket, so a peer sending a byte now and then could hold an exchange for ever without these.
+    # None: 4 x the timeout (0.2 s a read round trip of up to max_fetch_bytes, 2 s a write batch).
+    read_deadline_s: float | None = None
+    write_deadline_s: float | None = None
     max_queue_bytes: int = 256 << 20
     max_batch: int = 64  # writes per pipelined round trip
     write_lanes: int = 4  # writer connections sending at once (SETs; deletes go in order on one)
@@ -105,6 +110,12 @@ class RedisOptions:
             seconds = parse_duration(getattr(self, name), name)
             if seconds <= 0:
                 raise ConfigError(name, "must be > 0")
+            object.__setattr__(self, name, seconds)
+        for name, timeout in (("read_deadline_s", "socket_timeout_s"), ("write_deadline_s", "write_timeout_s")):
+            value = getattr(self, name)
+            seconds = 4 * getattr(self, timeout) if value is None else parse_duration(value, name)
+            if seconds < getattr(self, timeout):
+                raise ConfigError(name, f"must be at least {timeout} ({getattr(self, timeout):g} s), got {seconds:g} s")
             object.__setattr__(self, name, seconds)
         if self.breaker_backoff_min_s > self.breaker_backoff_max_s:
             raise ConfigError("breaker_backoff_min_s", "must not exceed breaker_backoff_max_s")

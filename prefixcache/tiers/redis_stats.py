@@ -63,7 +63,10 @@ class RedisCounters:
     spills_queued: int = 0
     spills_dropped: int = 0  # refused at submit (queue full, tier down, closed) or dropped from the queue
     writes_failed: int = 0  # SETs sent in a batch that failed
-    integrity_failures: int = 0
+    integrity_failures: int = 0  # frames that failed verification, and values refused as oversized
+    oversized_replies: int = 0  # values announced longer than the frame size: refused unread, key deleted
+    read_deadlines: int = 0  # read round trips cut by read_deadline_s (each also a read error)
+    write_deadlines: int = 0  # write batches cut by write_deadline_s (each also a failed write)
     probes_declined: int = 0  # lookups whose probe a budget cut short or skipped (ProbeBudget)
     probe_blocks_declined: int = 0  # blocks those probes never asked for
     read_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
@@ -94,6 +97,9 @@ class RedisStats:
     link_samples: int = 0  # 0: the estimate is still the prior
     write_state: BreakerState = BreakerState.UP  # writes have a breaker of their own (`state`: reads)
     write_breaker_trips: int = 0
+    oversized_replies: int = 0
+    read_deadlines: int = 0
+    write_deadlines: int = 0
     reads_up: bool = True  # numeric copies of the two states for the stats maps and metrics
     writes_up: bool = True
 
@@ -135,6 +141,9 @@ class RedisStats:
             link_samples=link.samples if link else 0,
             write_state=write_state,
             write_breaker_trips=write_trips,
+            oversized_replies=counters.oversized_replies,
+            read_deadlines=counters.read_deadlines,
+            write_deadlines=counters.write_deadlines,
             reads_up=state is BreakerState.UP,
             writes_up=write_state is BreakerState.UP,
         )

@@ -20,7 +20,10 @@ Invariants:
   reply can reach the next command.
 - Faults surface as redis-py exceptions (ConnectionError, TimeoutError, ResponseError and its
   OOM/READONLY subclasses, InvalidResponse), so the tier's breaker and fail-open handling see
-  what redis-py would raise.
+  what redis-py would raise; two are told apart: `ExchangeDeadline` (a TimeoutError: the whole
+  exchange ran past `deadline_s`, however steadily bytes came) and `OversizedReply` (an
+  InvalidResponse: a value longer than `max_value` announced, refused from its length line
+  before a byte of it was allocated; it names the key's position).
 - The caller checks every frame (`codec.decode_block`); this module never looks inside one.
 """
 
@@ -40,18 +43,35 @@ from .base import Frame
 _T = TypeVar("_T")
 
 
+class ExchangeDeadline(redis.exceptions.TimeoutError):
+    """The whole exchange ran past its deadline (bytes may have kept coming, too slowly)."""
+
+
+class OversizedReply(redis.exceptions.InvalidResponse):
+    """A reply announced a value longer than the caller can use; `position` is its key's index."""
+
+    def __init__(self, message: str, position: int) -> None:
+        super().__init__(message)
+        self.position = position
+
+
 class RespPipeline:
-    """GETEX/SET pipelines over the connections of one standalone redis-py client."""
+    """GETEX/SET pipelines over the connections of one standalone redis-py client. `deadline_s`
+    (None: none) bounds each whole exchange, beyond the socket's timeout for each wait."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, deadline_s: float | None = None) -> None:
         self._pool = client.connection_pool
+        self._deadline_s = deadline_s
 
-    def getex(self, keys: list[str], ttl_ms: int | None) -> list[memoryview | None]:
+    def getex(self, keys: list[str], ttl_ms: int | None, max_value: int | None = None) -> list[memoryview | None]:
         """`GETEX key PX ttl_ms` (plain `GET` when `ttl_ms` is None) for each key in one round trip;
         None for a missing key, or for a key holding another type (WRONGTYPE: a foreign value our
-        next SET replaces)."""
+        next SET replaces). A value announced longer than `max_value` raises OversizedReply."""
         raw = [key.encode() for key in keys]
-        values, errors = self._exchange(lambda fd, timeout: core.resp_getex(fd, raw, ttl_ms, timeout))
+        deadline = self._deadline_s
+        values, errors = self._exchange(
+            lambda fd, timeout: core.resp_getex(fd, raw, ttl_ms, timeout, max_value, deadline)
+        )
         for _, text in errors:
             if not text.startswith(b"WRONGTYPE"):
                 raise _error_reply(text)
@@ -63,7 +83,8 @@ class RespPipeline:
         raises on any error reply (after reading every reply: the connection stays in use)."""
         raw = [key.encode() for key in keys]
         ttls = ttl_ms if isinstance(ttl_ms, list) else [ttl_ms] * len(keys)
-        error = self._exchange(lambda fd, timeout: core.resp_set(fd, raw, values, ttls, timeout))
+        deadline = self._deadline_s
+        error = self._exchange(lambda fd, timeout: core.resp_set(fd, raw, values, ttls, timeout, deadline))
         if error is not None:
             raise _error_reply(error)
 
@@ -71,8 +92,12 @@ class RespPipeline:
         """Run `writer` (the tier's write queue) as `lane` on one of this client's connections until
         it returns (`RespWriter.run`: an interrupt, a stop, or on lane 0 an operation Python runs);
         False at once on a TLS connection, whose socket methods need the GIL. Raises ResponseError
-        for an error reply and redis-py's exceptions for faults, the batch left in the lane's flight."""
-        refused = self._exchange(lambda fd, timeout: writer.run(fd, timeout, max_batch, lane), plain_only=True)
+        for an error reply and redis-py's exceptions for faults, the batch left in the lane's flight.
+        The deadline bounds each batch's exchange."""
+        deadline = self._deadline_s
+        refused = self._exchange(
+            lambda fd, timeout: writer.run(fd, timeout, max_batch, lane, deadline), plain_only=True
+        )
         if refused is _NOT_PLAIN:
             return False
         if refused is not None:
@@ -93,14 +118,19 @@ class RespPipeline:
             try:
                 # a plain socket by its descriptor, under its timeout; a TLS one as itself (its own timeout)
                 out = call(sock.fileno(), sock.gettimeout()) if plain else call(sock, None)
-            except TimeoutError as exc:  # socket.timeout
+            except TimeoutError as exc:  # socket.timeout, or the core's deadline
+                if exc.args and str(exc.args[0]).startswith("deadline"):
+                    raise ExchangeDeadline(f"Exchange with {_address(connection)} ran past its deadline") from exc
                 raise redis.exceptions.TimeoutError(f"Timeout reading from {_address(connection)}") from exc
             except OSError as exc:
                 raise redis.exceptions.ConnectionError(
                     f"Error {exc.errno} on {_address(connection)}: {exc.strerror or exc}"
                 ) from exc
-            except ValueError as exc:
-                raise redis.exceptions.InvalidResponse(str(exc)) from exc
+            except ValueError as exc:  # args (text, position of the reply at fault or -1)
+                text = str(exc.args[0]) if exc.args else str(exc)
+                if len(exc.args) == 2 and isinstance(exc.args[1], int) and exc.args[1] >= 0:
+                    raise OversizedReply(text, exc.args[1]) from exc
+                raise redis.exceptions.InvalidResponse(text) from exc
             healthy = True
             return out
         finally:

@@ -19,7 +19,11 @@ Invariants:
 - A namespace with a `cache_salt` is a namespace of its own, derived from the
   caller's attached namespace; the tenant is never taken from a request.
 - A tenant registers at most `max_namespaces_per_tenant` namespaces (the core
-  never forgets one and holds 32k in all): one tenant cannot exhaust them.
+  never forgets one and holds 32k in all): one tenant cannot exhaust them. At the
+  limit, its salted namespaces that hold no blocks, leases or reservations are
+  reclaimed from its count (`_reclaim_locked`): a salt is derived again from its
+  parent on its next use, to the same id, so no client holds a stale one, and salts
+  that were flushed, evicted or expired never lock the tenant out.
 - The cache is created at most once; after `close()` every call raises `Draining`.
 - Tier memory is unmapped only when no thread is copying out of it: the only reads
   outside the cache lock (a Fetch stream copying leased slots into a message) run inside
@@ -35,6 +39,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal, overload
@@ -68,6 +73,7 @@ from .inspect import BlockReport, inspect_prefix
 log = logging.getLogger(__name__)
 
 
+RECLAIM_RETRY_S = 1.0  # a tenant's reclaim scan that freed nothing waits this long to run again
 FENCE_S = 0.25  # how long close() waits for copies out of the tiers (each is one chunk, <= 4 MiB)
 
 
@@ -132,6 +138,7 @@ class CacheBackend:
         self._owners: dict[str, str] = {}  # namespace id -> tenant
         self._salted: dict[tuple[str, str], str] = {}  # (namespace id, salt) -> namespace id
         self._counts: dict[str, int] = {}  # tenant -> namespaces registered
+        self._reclaim_after: dict[str, float] = {}  # tenant -> no reclaim scan before (monotonic)
         self._draining = threading.Event()
         self._fence = TierFence()
         self._closed = False
@@ -199,7 +206,10 @@ class CacheBackend:
 
     def expire(self) -> int:
         cache = self._cache
-        return cache.expire() if cache is not None and not self._closed else 0
+        dropped = cache.expire() if cache is not None and not self._closed else 0
+        if dropped:
+            self._reclaim_after.clear()  # salts may hold nothing now
+        return dropped
 
     def _require(self) -> PrefixCache:
         """The cache, for calls that resolved a namespace first (so it exists)."""
@@ -255,6 +265,8 @@ class CacheBackend:
             # tenant gets a bounded share instead of the power to exhaust everyone's.
             if namespace_id(cache.hasher.root(namespace)) not in self._owners:
                 if self._counts.get(tenant, 0) >= limit:
+                    self._reclaim_locked(cache, tenant)
+                if self._counts.get(tenant, 0) >= limit:
                     raise ResourceExhausted(
                         f"{field}: this tenant already has {limit} namespaces (models, revisions and salts)", field
                     )
@@ -262,6 +274,24 @@ class CacheBackend:
             ns_id = cache.attach(namespace)
             self._owners[ns_id] = tenant
         return ns_id
+
+    def _reclaim_locked(self, cache: PrefixCache, tenant: str) -> None:
+        """Stop counting `tenant`'s salted namespaces that hold nothing (the registry lock held).
+        A scan that freed nothing is not repeated within RECLAIM_RETRY_S: a tenant whose salts all
+        hold blocks cannot make every new salt scan the index."""
+        now = time.monotonic()
+        if now < self._reclaim_after.get(tenant, 0.0):
+            return
+        salted = {key: ns for key, ns in self._salted.items() if self._owners.get(ns) == tenant}
+        idle = cache.idle_namespaces(salted.values())
+        for key, ns in salted.items():
+            if ns in idle:
+                del self._salted[key]
+                del self._owners[ns]
+                self._counts[tenant] -= 1
+        self._reclaim_after[tenant] = 0.0 if idle else now + RECLAIM_RETRY_S
+        if idle:
+            log.info("reclaimed %d idle salted namespaces of a tenant at its limit", len(idle))
 
     @overload
     def resolve(self, principal: Principal, ns_id: str, salt: str | None, create: Literal[True] = True) -> str: ...
@@ -284,7 +314,8 @@ class CacheBackend:
         if salted is None and create:
             cache = self._require()
             salted = self._register(cache, dataclasses.replace(cache.namespace(ns_id), cache_salt=salt), "cache_salt")
-            self._salted[(ns_id, salt)] = salted
+            with self._registry_lock:  # (a reclaim walks it)
+                self._salted[(ns_id, salt)] = salted
         return salted
 
     def _own_namespaces(self, principal: Principal) -> list[str]:
@@ -417,6 +448,7 @@ class CacheBackend:
         older_than_s: float | None,
         prefix: np.ndarray | None,
     ) -> int:
+        self._reclaim_after.clear()  # salts may hold nothing after it
         if ns_id is None:
             if prefix is not None:
                 raise InvalidArgument("namespace_id", "evicting by prefix needs a namespace_id")
@@ -440,6 +472,7 @@ class CacheBackend:
 
     def flush(self, principal: Principal) -> int:
         """Admin: everything, every tier. A tenant: its own namespaces only."""
+        self._reclaim_after.clear()  # salts may hold nothing after it
         if self._cache is None:
             return 0
         if principal.admin:

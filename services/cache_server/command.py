@@ -114,7 +114,12 @@ def register(subparsers) -> None:
     add("--tls-cert", default=None, help="PEM certificate chain (enables TLS, with --tls-key)")
     add("--tls-key", default=None, help="PEM private key")
     add("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (default: off)")
-    add("--metrics-host", default=None, help="metrics bind address (default: the --listen host)")
+    add(
+        "--metrics-host",
+        default=None,
+        help="metrics bind address (default 127.0.0.1, whatever --listen is: the figures are "
+        "unauthenticated; e.g. 0.0.0.0 in a pod scraped by Prometheus)",
+    )
     add("--grace", default="10s", help="drain period on SIGTERM (default %(default)s)")
     add(
         "--max-concurrent-rpcs",
@@ -135,6 +140,25 @@ def register(subparsers) -> None:
         type=int,
         default=16,
         help="threads for Fetch/Store streams, one per open stream (default %(default)s)",
+    )
+    add(
+        "--stream-idle-timeout",
+        default="10s",
+        help="cancel a Fetch/Store stream with no message through for this long (default %(default)s)",
+    )
+    add(
+        "--tenant-share",
+        type=float,
+        default=0.5,
+        help="with --credentials naming several tenants: the share of --max-concurrent-rpcs and of "
+        "--stream-workers one tenant may hold at once (default %(default)s)",
+    )
+    add("--stream-timeout", default="10m", help="cancel a Fetch/Store stream open this long (default %(default)s)")
+    add(
+        "--max-store-buffer",
+        default=None,
+        help="bytes Store streams may buffer at once; a Store beyond is refused at its header "
+        "(default: the host capacity)",
     )
     add("--max-message-size", default="16MiB", help="largest gRPC message either way (default %(default)s)")
     redis = parser.add_argument_group("Redis tier (optional: shared across instances and restarts)")
@@ -285,6 +309,12 @@ def options_from(args: argparse.Namespace) -> ServerOptions:
         max_concurrent_rpcs=args.max_concurrent_rpcs,
         workers=args.workers,
         stream_workers=args.stream_workers,
+        stream_idle_timeout_s=parse_duration(args.stream_idle_timeout, "stream_idle_timeout"),
+        tenant_share=args.tenant_share,
+        stream_timeout_s=parse_duration(args.stream_timeout, "stream_timeout"),
+        max_store_buffer_bytes=None
+        if args.max_store_buffer is None
+        else parse_size(args.max_store_buffer, "max_store_buffer"),
         grace_s=parse_duration(args.grace, "grace"),
     )
 

@@ -96,6 +96,9 @@ REMOTE_EVENTS = (
     "spills_dropped",
     "writes_failed",
     "integrity_failures",
+    "oversized_replies",
+    "read_deadlines",
+    "write_deadlines",
     "probes_declined",
     "probe_blocks_declined",
 )

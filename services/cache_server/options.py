@@ -30,7 +30,7 @@ class ServerOptions:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     metrics_port: int | None = None  # None: no exporter; 0: any free port
-    metrics_host: str | None = None  # default: the host of `listen`
+    metrics_host: str | None = None  # default: loopback, whatever `listen` is (the figures are unauthenticated)
     max_receive_bytes: int = 16 * MIB  # a 1M-token Lookup is ~5 MiB of varints
     max_send_bytes: int = 16 * MIB
     max_chunk_bytes: int = 4 * MIB - 1024  # Fetch/Store data per message: whole messages stay <= 4 MiB,
@@ -38,6 +38,10 @@ class ServerOptions:
     max_concurrent_rpcs: int = 128  # calls held; beyond: RESOURCE_EXHAUSTED + retry hint (pools.Admission)
     workers: int = 2  # unary calls run at once (plus one per call waiting on Redis); pools.py
     stream_workers: int = 16  # threads for streams (Fetch, Store, reflection); one per open stream
+    stream_idle_timeout_s: float = 10.0  # a Fetch/Store with no message through for this long is cancelled
+    stream_timeout_s: float = 600.0  # ... and one open this long in all (pools.StreamWatch)
+    max_store_buffer_bytes: int | None = None  # what Store streams buffer at once; None: the host capacity
+    tenant_share: float = 0.5  # multi-tenant: one tenant's most of the calls and stream threads (pools.TenantShares)
     grace_s: float = 10.0
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
@@ -56,7 +60,18 @@ class ServerOptions:
         for name in ("max_concurrent_rpcs", "workers", "stream_workers"):
             if not 1 <= getattr(self, name) <= 65536:
                 raise ConfigError(name, "must be in [1, 65536]")
-        for name in ("grace_s", "keepalive_time_s", "keepalive_timeout_s", "expire_interval_s"):
+        if not 0 < self.tenant_share <= 1:
+            raise ConfigError("tenant_share", f"must be in (0, 1], got {self.tenant_share}")
+        if self.max_store_buffer_bytes is not None and self.max_store_buffer_bytes < 1:
+            raise ConfigError("max_store_buffer", "must be at least 1 byte")
+        for name in (
+            "grace_s",
+            "keepalive_time_s",
+            "keepalive_timeout_s",
+            "expire_interval_s",
+            "stream_idle_timeout_s",
+            "stream_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, "must be > 0")
 

@@ -18,6 +18,9 @@ a thread or running, on both pools) and refuses the rest with RESOURCE_EXHAUSTED
 hint (trailer `prefixcache-retry-after-ms`). Health checks and Release are never refused for
 load and never wait behind other calls: they run on a small pool of their own. (gRPC's own
 `maximum_concurrent_rpcs` is not used: it counts health checks and Release like any call.)
+
+`StreamWatch` cancels a stream whose peer stalls (idle or too long in all), so stalled peers
+cannot keep the stream threads; `ByteBudget` bounds what Store streams buffer at once.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -302,3 +306,134 @@ class Admission(grpc.ServerInterceptor):
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(refuse)
         return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+class StreamWatch:
+    """Ends streams whose peer stalls: a Fetch or Store with no message through for `idle_s`, or
+    open for `total_s` in all, is cancelled (the peer sees CANCELLED), which frees its thread.
+
+    Why: a stream holds a thread of `StreamsOnOwnPool`'s pool while it is open, blocked in gRPC
+    on the peer (a Store waiting for its next message, a Fetch whose peer does not read), and
+    nothing else ever ends it; 16 stalled streams held every stream thread for good. One daemon
+    thread checks every `tick_s`; a handler marks progress after each message (`Watched.moved`)."""
+
+    def __init__(self, idle_s: float, total_s: float, tick_s: float = 0.25) -> None:
+        self.idle_s = idle_s
+        self.total_s = total_s
+        self._lock = threading.Lock()
+        self._open: dict[int, Watched] = {}
+        self._next = 0
+        self.cancelled = {"idle": 0, "total": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(tick_s,), name="rpc-stream-watch", daemon=True)
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def watching(self, context: grpc.ServicerContext) -> Iterator[Watched]:
+        now = time.monotonic()
+        with self._lock:
+            self._next += 1
+            watched = Watched(self._next, context, now)
+            self._open[watched.key] = watched
+        try:
+            yield watched
+        finally:
+            with self._lock:
+                self._open.pop(watched.key, None)
+
+    def open_streams(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def _run(self, tick_s: float) -> None:
+        while not self._stop.wait(tick_s):
+            now = time.monotonic()
+            with self._lock:
+                due = []
+                for watched in list(self._open.values()):
+                    reason = (
+                        "total"
+                        if now - watched.started > self.total_s
+                        else "idle"
+                        if now - watched.last > self.idle_s
+                        else None
+                    )
+                    if reason is not None:
+                        del self._open[watched.key]
+                        self.cancelled[reason] += 1
+                        due.append(watched)
+            for watched in due:
+                watched.context.cancel()  # wakes the handler blocked on the peer; its thread returns
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Watched:
+    """One open stream under a `StreamWatch`."""
+
+    __slots__ = ("key", "context", "started", "last")
+
+    def __init__(self, key: int, context: grpc.ServicerContext, now: float) -> None:
+        self.key = key
+        self.context = context
+        self.started = now
+        self.last = now
+
+    def moved(self) -> None:
+        self.last = time.monotonic()
+
+
+class ByteBudget:
+    """Bytes that Store streams may buffer at once (each buffers its whole payload before the
+    store); a stream that does not fit is refused at its header, before any byte is buffered."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self.used = 0
+
+    @contextlib.contextmanager
+    def holding(self, nbytes: int, refuse: Callable[[int, int], BaseException]) -> Iterator[None]:
+        with self._lock:
+            if self.used + nbytes > self.limit:
+                raise refuse(self.used, self.limit)
+            self.used += nbytes
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.used -= nbytes
+
+
+class TenantShares:
+    """In multi-tenant mode, each tenant may hold at most a share of the service's unary calls
+    (`--max-concurrent-rpcs`) and of its stream threads (`--stream-workers`) at once; a call
+    beyond its tenant's share is refused (RESOURCE_EXHAUSTED) when it starts, so one tenant
+    can no longer take every thread or call slot from the others. A call is counted from its
+    handler's start until gRPC ends it (`context.add_callback`)."""
+
+    def __init__(self, shares: dict[str, int]) -> None:
+        self.shares = shares  # kind ("calls", "streams") -> most held by one tenant
+        self._lock = threading.Lock()
+        self._held: dict[tuple[str, str], int] = {}
+
+    def enter(self, kind: str, tenant: str, context: grpc.ServicerContext, refuse: Callable[[int], Exception]) -> None:
+        key = (kind, tenant)
+        with self._lock:
+            if self._held.get(key, 0) >= self.shares[kind]:
+                raise refuse(self.shares[kind])
+            self._held[key] = self._held.get(key, 0) + 1
+        if not context.add_callback(functools.partial(self._leave, key)):
+            self._leave(key)  # the call is over already
+
+    def held(self, kind: str, tenant: str) -> int:
+        with self._lock:
+            return self._held.get((kind, tenant), 0)
+
+    def _leave(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            self._held[key] -= 1
+            if not self._held[key]:
+                del self._held[key]

@@ -5,7 +5,8 @@ Lifecycle:
    memory under a name derived from the bound address (or `--shm-name`;
    tiers/shm.py reclaims a dead predecessor's, refuses a live one's), starts the server and the expiry
    ticker (`cache.expire()` every `expire_interval_s`), then sets health to
-   SERVING for "" and "prefixcache.v1.PrefixCache".
+   SERVING for "" and "prefixcache.v1.PrefixCache"; the latter (readiness) is NOT_SERVING
+   while the service cannot take new work (`CacheServer.full`), "" (liveness) stays SERVING.
 2. `shutdown(grace_s)` (SIGTERM in `serve`): health NOT_SERVING, new calls get
    UNAVAILABLE, calls in flight (Fetch streams included) get up to the grace
    period to finish, then the rest are cancelled, the server stops, the ticker
@@ -42,13 +43,26 @@ from .auth import AuthInterceptor
 from .backend import CacheBackend
 from .metrics import ServiceMetrics, remote_stats_of
 from .options import ServerOptions
-from .pools import HEALTH_METHODS, Admission, CountingPool, ElasticPool, StreamsOnOwnPool
+from .pools import (
+    HEALTH_METHODS,
+    Admission,
+    ByteBudget,
+    CountingPool,
+    ElasticPool,
+    StreamsOnOwnPool,
+    StreamWatch,
+    TenantShares,
+)
 from .servicer import SERVICE_NAME, Limits, PrefixCacheServicer, register
 from .status import CallTracker
 
 log = logging.getLogger(__name__)
 
 HANDLER_EXIT_S = 0.5  # cancelled handlers return at their next send; a stream handler copies <= 4 MiB first
+# The exporter is unauthenticated and service-wide: it binds beyond loopback only when told to
+# (--metrics-host), never because --listen does (issue 33).
+METRICS_DEFAULT_HOST = "127.0.0.1"
+LOAD_CHECK_S = 0.25  # how often health is set from the load (CacheServer.full)
 SHUTDOWN_BOUND_S = 1.0  # past the grace period: cancel, HANDLER_EXIT_S, FENCE_S and the unmap, with margin
 
 
@@ -106,6 +120,24 @@ class CacheServer:
             self.control_pool,
             HEALTH_METHODS | {f"/{SERVICE_NAME}/Release"},
         )
+        self.streams = StreamWatch(options.stream_idle_timeout_s, options.stream_timeout_s)
+        self.store_buffers = ByteBudget(options.max_store_buffer_bytes or options.backend.cache.host_capacity)
+        tenants = {principal.tenant for principal in options.authenticator.principals}
+        self.shares = (  # one tenant cannot take every call slot or stream thread from the others
+            TenantShares(
+                {
+                    "calls": max(1, int(options.max_concurrent_rpcs * options.tenant_share)),
+                    "streams": max(1, int(options.stream_workers * options.tenant_share)),
+                }
+            )
+            if len(tenants) > 1
+            else None
+        )
+        # Readiness: prefixcache.v1.PrefixCache says NOT_SERVING while the service cannot take
+        # new work (every stream thread held, or the calls held at --max-concurrent-rpcs), so a
+        # balancer sends work elsewhere; "" (liveness) stays SERVING: a busy pod is not restarted.
+        self._load_ticker = Ticker("prefixcache-load", LOAD_CHECK_S, self._report_load)
+        self._full = False
         if self.metrics is not None:
             self.metrics.watch_handlers(self.unary_pool.load)
         self._server = self._build_grpc()
@@ -118,7 +150,9 @@ class CacheServer:
             interceptors.append(AuthInterceptor(options.authenticator, denied))
         server = grpc.server(self.unary_pool, interceptors=interceptors, options=options.grpc_options())
         limits = Limits(options.backend.block_size, options.backend.cache.max_prompt_tokens, options.max_chunk_bytes)
-        servicer = PrefixCacheServicer(self.backend, options.authenticator, limits)
+        servicer = PrefixCacheServicer(
+            self.backend, options.authenticator, limits, self.streams, self.store_buffers, self.shares
+        )
         register(server, servicer, self.tracker, self.metrics.observe if self.metrics else _no_observer)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -153,10 +187,11 @@ class CacheServer:
         )
         self._server.start()
         self._ticker.start()
+        self._load_ticker.start()
         if self.metrics is not None:
             assert self.options.metrics_port is not None  # the exporter exists only with a port
             self.metrics_port = self.metrics.serve(
-                self.options.metrics_host or self.options.host, self.options.metrics_port
+                self.options.metrics_host or METRICS_DEFAULT_HOST, self.options.metrics_port
             )
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -197,11 +232,31 @@ class CacheServer:
                 )
             self._stop_pools()
             self._ticker.stop()
+            self._load_ticker.stop()
+            self.streams.close()
             self.backend.close()
             if self.metrics is not None:
                 self.metrics.close()
             self._stopped.set()
             log.info("stopped")
+
+    def full(self) -> bool:
+        """The service cannot take new work now: every stream thread is held, or the calls held
+        have reached --max-concurrent-rpcs."""
+        options = self.options
+        return self.stream_pool.held >= options.stream_workers or self.admission.held() >= options.max_concurrent_rpcs
+
+    def _report_load(self) -> None:
+        full = self.full()
+        if full == self._full or self._stopped.is_set():
+            return
+        self._full = full
+        if full:
+            log.warning("health NOT_SERVING: every stream thread or --max-concurrent-rpcs is taken")
+        else:
+            log.info("health SERVING: new work is taken again")
+        state = health_pb2.HealthCheckResponse.NOT_SERVING if full else health_pb2.HealthCheckResponse.SERVING
+        self.health.set(SERVICE_NAME, state)  # (ignored once draining: then it stays NOT_SERVING)
 
     def _stop_pools(self) -> None:
         # gRPC leaves the executors it was given running; their threads are idle by now.
@@ -222,5 +277,7 @@ def build_server(options: ServerOptions) -> CacheServer:
         server._server.stop(0)
         server._stop_pools()
         server._ticker.stop()
+        server._load_ticker.stop()
+        server.streams.close()
         server.backend.close()
         raise

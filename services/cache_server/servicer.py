@@ -8,6 +8,7 @@ codes by status.py, which also wraps each method (timing, calls in flight).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from prefixcache.tiers.base import TierKind
 from . import convert, status
 from .auth import OPEN, Authenticator, NotPermitted, Principal
 from .backend import CacheBackend
+from .pools import ByteBudget, StreamWatch, TenantShares, Watched
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefixCache"].full_name
 MAX_CHUNK_BYTES = (4 << 20) - 1024  # a whole FetchChunk message stays <= 4 MiB
@@ -56,6 +58,7 @@ PROTO_FIELDS: dict[str, dict[str, str]] = {
     "Reserve": {"count": "block_count"},
     "Store": {
         "namespace_id": "header.namespace_id",
+        "cache_salt": "header.cache_salt",
         "tokens": "header.tokens",
         "start_block": "header.start_block",
         "count": "header.block_count",
@@ -92,17 +95,33 @@ def byte_chunks(views: Iterable[memoryview], limit: int) -> Iterator[tuple[int, 
 
 
 class PrefixCacheServicer:
-    def __init__(self, backend: CacheBackend, authenticator: Authenticator, limits: Limits) -> None:
+    def __init__(
+        self,
+        backend: CacheBackend,
+        authenticator: Authenticator,
+        limits: Limits,
+        streams: StreamWatch,
+        store_buffers: ByteBudget,
+        shares: TenantShares | None = None,
+    ) -> None:
         self._backend = backend
         self._auth = authenticator
         self._limits = limits
+        self._streams = streams  # cancels a Fetch/Store whose peer stalls
+        self._store_buffers = store_buffers  # what Store streams buffer at once
+        self._shares = shares  # multi-tenant mode: each tenant's share of calls and stream threads
 
-    def _begin(self, request, context: grpc.ServicerContext) -> Principal:
+    def _begin(self, request, context: grpc.ServicerContext, kind: str | None = "calls") -> Principal:
+        """The caller, once the request parsed and the service is open; counted in its tenant's
+        share of `kind` ("calls", "streams"; None: never refused, e.g. Release)."""
         status.check_parsed(request)
         self._backend.check_open()
         if not self._auth.enabled:
             return OPEN
-        return self._auth.authenticate(context.invocation_metadata())
+        principal = self._auth.authenticate(context.invocation_metadata())
+        if self._shares is not None and kind is not None:
+            self._shares.enter(kind, principal.tenant, context, functools.partial(_share_refusal, kind))
+        return principal
 
     def _tokens(self, values, field: str = "tokens") -> np.ndarray:
         return convert.tokens(values, self._limits.max_prompt_tokens, field)
@@ -172,7 +191,11 @@ class PrefixCacheServicer:
         return convert.lookup_response(result, self._backend.remaining_s(result.lease_expires_at))
 
     def Fetch(self, request: pb.FetchRequest, context) -> Iterator[bytes]:
-        principal = self._begin(request, context)
+        with self._streams.watching(context) as watched:
+            yield from self._fetch(request, context, watched)
+
+    def _fetch(self, request: pb.FetchRequest, context, watched: Watched) -> Iterator[bytes]:
+        principal = self._begin(request, context, "streams")
         lease_id = convert.positive_id(request.lease_id, "lease_id")
         limit = convert.chunk_bytes(
             request.max_chunk_bytes, self._limits.default_chunk_bytes, self._limits.max_chunk_bytes
@@ -194,6 +217,7 @@ class PrefixCacheServicer:
             # they were read, so these bytes are the leased blocks and nothing else.
             self._backend.lease(principal, lease_id)
             yield message
+            watched.moved()  # gRPC asks for the next one once this one is sent
 
     @staticmethod
     def _require_same_host(principal: Principal, method: str) -> None:
@@ -231,10 +255,15 @@ class PrefixCacheServicer:
         return convert.commit_response(result)
 
     def Store(self, requests: Iterator[wire.StorePart], context) -> pb.CommitResponse:
+        with self._streams.watching(context) as watched:
+            return self._store(requests, context, watched)
+
+    def _store(self, requests: Iterator[wire.StorePart], context, watched: Watched) -> pb.CommitResponse:
         first = next(requests, None)
+        watched.moved()
         if first is None:
             raise InvalidArgument("header", "the stream is empty; the first message must carry the header")
-        principal = self._begin(first, context)
+        principal = self._begin(first, context, "streams")
         if first.header is None:
             raise InvalidArgument("header", "the first message must carry the header")
         header = first.header
@@ -253,15 +282,16 @@ class PrefixCacheServicer:
                 f"the host tier's {capacity} bytes",
                 "header.block_count",
             )
-        buffer = torch.empty(total, dtype=torch.uint8)
-        received = _receive(requests, buffer.numpy())
-        if received != total:
-            raise InvalidArgument("data", f"{received} bytes received; header.block_count announced {total}")
-        kv = buffer.view(layout.dtype.torch).view(header.block_count, *layout.block_shape)
-        return convert.commit_response(self._backend.store(principal, ns_id, salt, tokens, kv, header.start_block))
+        with self._store_buffers.holding(total, _store_refusal):
+            buffer = torch.empty(total, dtype=torch.uint8)
+            received = _receive(requests, buffer.numpy(), watched)
+            if received != total:
+                raise InvalidArgument("data", f"{received} bytes received; header.block_count announced {total}")
+            kv = buffer.view(layout.dtype.torch).view(header.block_count, *layout.block_shape)
+            return convert.commit_response(self._backend.store(principal, ns_id, salt, tokens, kv, header.start_block))
 
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        principal = self._begin(request, context)
+        principal = self._begin(request, context, None)  # frees what a lease pins: never refused
         self._backend.release(principal, convert.positive_id(request.lease_id, "lease_id"))
         return pb.ReleaseResponse()
 
@@ -296,10 +326,24 @@ class PrefixCacheServicer:
         return pb.FlushResponse(evicted=self._backend.flush(principal))
 
 
-def _receive(requests: Iterator[wire.StorePart], out: np.ndarray) -> int:
+def _share_refusal(kind: str, share: int) -> ResourceExhausted:
+    what = "stream threads (--stream-workers)" if kind == "streams" else "calls (--max-concurrent-rpcs)"
+    return ResourceExhausted(f"this tenant already holds its share of {what}: {share} (--tenant-share); retry shortly")
+
+
+def _store_refusal(used: int, limit: int) -> ResourceExhausted:
+    return ResourceExhausted(
+        f"header.block_count: Store streams buffer {used} of {limit} bytes now (--max-store-buffer); "
+        "retry shortly, or store fewer blocks per stream",
+        "header.block_count",
+    )
+
+
+def _receive(requests: Iterator[wire.StorePart], out: np.ndarray, watched: Watched) -> int:
     """Copy the `data` messages into `out`; returns the bytes received."""
     offset = 0
     for part in requests:
+        watched.moved()
         status.check_parsed(part)
         if part.header is not None:
             raise InvalidArgument("header", "only the first message may carry a header")

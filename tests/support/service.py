@@ -320,6 +320,12 @@ MATRIX = {
         "header.block_count",
         lambda s, ns: _store(s, ns, store_header(ns, block_count=2**32 - 1)),
     ),
+    "store bad salt": (  # issue 33: named as every other Store header field is
+        "Store",
+        CODE.INVALID_ARGUMENT,
+        "header.cache_salt",
+        lambda s, ns: _store(s, ns, store_header(ns, cache_salt="\n")),
+    ),
     "store bad tokens": (
         "Store",
         CODE.INVALID_ARGUMENT,
