@@ -1,0 +1,213 @@
+"""The disk tier (tiers/disk.py) over real files: alone, and under a real host tier in PrefixCache.
+
+What it shows: blocks pushed out of a tiny host tier come back from disk byte for byte (and from
+Redis past the disk, test_cache_redis covers Redis alone); admission after reuse (a block evicted
+once is not written, the second time it is); an exact byte budget with LRU eviction; a restart on
+the same directory serves what was there, rebuilt from the chunk tables; torn, flipped, truncated
+and foreign data are counted integrity misses, never wrong bytes; a full filesystem (a small tmpfs
+this test mounts when root) and a deleted directory turn the tier off with the host tier still
+serving. (A read-only remount is not tested: the kernel refuses `remount,ro` while the tier holds
+its files open for writing; the real case, ext4's errors=remount-ro, needs a loop device.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from prefixcache.cache import PrefixCache
+from prefixcache.config import CacheConfig, DType, KVLayout
+from prefixcache.errors import ConfigError
+from prefixcache.tiers.disk import FILE_PREFIX, PAGE, TABLE_BYTES, DiskOptions, DiskTier
+from prefixcache.tiers.host import HostTier
+from tests.support.core import ManualClock, kv_for, namespace, read_blocks, same_bytes
+
+pytestmark = pytest.mark.unit
+
+LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=8, block_size=4, dtype=DType.FLOAT16)  # 512-byte blocks
+BS = LAYOUT.block_size
+CHUNK = TABLE_BYTES + 16 * PAGE  # 16 one-page slots a chunk (a 512-byte block's frame fits a page)
+
+
+@contextmanager
+def disk_cache(directory: Path, host_slots: int = 4, chunks: int = 4, **options) -> Iterator[tuple[PrefixCache, str]]:
+    disk = DiskTier(DiskOptions(str(directory), chunks * CHUNK, chunk_bytes=CHUNK, **options))
+    host = HostTier(LAYOUT, host_slots * LAYOUT.block_bytes)
+    cache = PrefixCache(
+        CacheConfig(host_capacity=host_slots * LAYOUT.block_bytes), LAYOUT, host, clock=ManualClock(), disk=disk
+    )
+    try:
+        yield cache, cache.attach(namespace(LAYOUT))
+    finally:
+        cache.close()
+
+
+def tokens_for(seed: int, blocks: int) -> list[int]:
+    return [seed * 10_000 + i for i in range(blocks * BS)]
+
+
+def store(cache: PrefixCache, ns: str, tokens: list[int]) -> int:
+    return cache.store(ns, tokens, kv_for(tokens, LAYOUT)).stored
+
+
+def hit_blocks(cache: PrefixCache, ns: str, tokens: list[int]) -> int:
+    """Blocks hit, each checked byte for byte against what was stored."""
+    result = cache.lookup(ns, tokens)
+    hit = result.hit_tokens // BS
+    if hit:
+        assert same_bytes(read_blocks(cache, result.locations), kv_for(tokens, LAYOUT)[:hit])
+    return hit
+
+
+def cycle(cache: PrefixCache, ns: str, seeds: range, blocks: int = 4) -> None:
+    """Store each prompt in turn: with a host tier of `blocks`, each pushes the previous out."""
+    for seed in seeds:
+        store(cache, ns, tokens_for(seed, blocks))
+    assert cache.disk is not None and cache.disk.wait_idle(5)
+
+
+def test_admission_after_reuse_then_a_disk_hit_is_promoted(tmp_path: Path) -> None:
+    with disk_cache(tmp_path) as (cache, ns):
+        disk = cache.disk
+        assert disk is not None
+        a = tokens_for(1, 4)
+        cycle(cache, ns, range(1, 3))  # a evicted once: offered, not written
+        stats = disk.stats()
+        assert stats.rejected == 4 and stats.admitted == 0 and stats.blocks == 0
+        assert cache.lookup(ns, a).hit_tokens == 0
+        cycle(cache, ns, range(1, 3))  # a stored again and evicted a second time: written
+        stats = disk.stats()
+        assert stats.admitted == 4 and stats.blocks == 4 and stats.bytes_written > 4 * LAYOUT.block_bytes
+        assert hit_blocks(cache, ns, a) == 4  # all four from disk, now in the host tier
+        assert cache.stats().promotions == {"host": 4}
+        assert disk.stats().hits == 4
+
+
+def test_admit_after_one_writes_at_the_first_eviction(tmp_path: Path) -> None:
+    with disk_cache(tmp_path, admit_after=1) as (cache, ns):
+        cycle(cache, ns, range(1, 3))
+        assert cache.disk is not None and cache.disk.stats().blocks == 4
+        assert hit_blocks(cache, ns, tokens_for(1, 4)) == 4
+
+
+def test_byte_budget_evicts_least_recently_used(tmp_path: Path) -> None:
+    with disk_cache(tmp_path, chunks=1, admit_after=1) as (cache, ns):  # 16 slots on disk
+        cycle(cache, ns, range(1, 8))  # 6 prompts of 4 blocks leave the host tier: 24 > 16
+        disk = cache.disk
+        assert disk is not None
+        stats = disk.stats()
+        assert stats.blocks == 16 and stats.evictions_lru == 8
+        assert os.path.getsize(tmp_path / f"{FILE_PREFIX}0000.dat") == CHUNK  # the exact budget, preallocated
+        assert hit_blocks(cache, ns, tokens_for(1, 4)) == 0  # the oldest went
+        assert hit_blocks(cache, ns, tokens_for(6, 4)) == 4
+
+
+def test_restart_serves_what_was_on_disk(tmp_path: Path) -> None:
+    with disk_cache(tmp_path, admit_after=1) as (cache, ns):
+        cycle(cache, ns, range(1, 4))  # prompts 1 and 2 on disk
+    with disk_cache(tmp_path, admit_after=1) as (cache, ns):
+        assert cache.disk is not None and cache.disk.stats().restored_blocks == 8
+        assert hit_blocks(cache, ns, tokens_for(1, 4)) == 4
+        assert hit_blocks(cache, ns, tokens_for(2, 4)) == 4
+        assert hit_blocks(cache, ns, tokens_for(3, 4)) == 0  # never left the old host tier
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_flipped_and_foreign_blocks_are_counted_misses(tmp_path: Path) -> None:
+    with disk_cache(tmp_path, admit_after=1, io_threads=1) as (cache, ns):  # one writer: slots in eviction order
+        cycle(cache, ns, range(1, 3))  # leaf first: slots 0..3 hold blocks 3, 2, 1, 0
+    data = tmp_path / f"{FILE_PREFIX}0000.dat"
+    _flip(data, TABLE_BYTES + 2 * PAGE + 400)  # inside block 1's payload
+    with disk_cache(tmp_path, admit_after=1) as (cache, ns):
+        assert hit_blocks(cache, ns, tokens_for(1, 4)) == 1  # stops before the flipped block
+        assert cache.disk is not None and cache.disk.stats().integrity_failures == 1
+        assert cache.disk.stats().blocks == 3  # its slot freed
+    other = KVLayout(layers=2, kv_heads=2, head_dim=8, block_size=4, dtype=DType.BFLOAT16)  # same size, foreign
+    disk = DiskTier(DiskOptions(str(tmp_path), 4 * CHUNK, chunk_bytes=CHUNK, admit_after=1))
+    host = HostTier(other, 4 * other.block_bytes)
+    cache = PrefixCache(CacheConfig(host_capacity=4 * other.block_bytes), other, host, disk=disk, clock=ManualClock())
+    try:
+        ns = cache.attach(namespace(other))
+        tokens = tokens_for(1, 4)
+        assert cache.lookup(ns, tokens).hit_tokens == 0  # another namespace id: its keys are others
+        assert disk.stats().integrity_failures == 0
+    finally:
+        cache.close()
+
+
+def test_truncated_and_torn_files_are_misses(tmp_path: Path) -> None:
+    with disk_cache(tmp_path, admit_after=1, io_threads=1) as (cache, ns):
+        cycle(cache, ns, range(1, 3))  # slots 0..3 hold blocks 3, 2, 1, 0
+    data = tmp_path / f"{FILE_PREFIX}0000.dat"
+    with open(data, "r+b") as f:  # a torn write: block 2's record names a frame only half there
+        f.seek(TABLE_BYTES + 1 * PAGE + 100)
+        f.write(bytes(200))
+    with disk_cache(tmp_path, admit_after=1) as (cache, ns):
+        assert hit_blocks(cache, ns, tokens_for(1, 4)) == 2
+        assert cache.disk is not None and cache.disk.stats().integrity_failures == 1
+    os.truncate(data, TABLE_BYTES + PAGE)  # a file of another size: rebuilt empty, nothing served
+    with disk_cache(tmp_path, admit_after=1) as (cache, ns):
+        assert cache.disk is not None and cache.disk.stats().restored_blocks == 0
+        assert hit_blocks(cache, ns, tokens_for(1, 4)) == 0
+
+
+def test_deleted_directory_turns_the_tier_off_host_keeps_serving(tmp_path: Path, caplog) -> None:
+    directory = tmp_path / "disk"
+    with disk_cache(directory, admit_after=1) as (cache, ns):
+        cycle(cache, ns, range(1, 3))
+        shutil.rmtree(directory)
+        cycle(cache, ns, range(3, 6))  # writes meet the missing directory
+        disk = cache.disk
+        assert disk is not None and not disk.is_up() and disk.stats().up == 0
+        assert sum("disk tier off" in r.getMessage() for r in caplog.records) == 1
+        assert hit_blocks(cache, ns, tokens_for(5, 4)) == 4  # the host tier still serves
+        assert hit_blocks(cache, ns, tokens_for(1, 4)) == 0  # the tier answers misses
+
+
+def test_options_name_the_bad_field(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="disk_capacity"):
+        DiskOptions(str(tmp_path), 4096)
+    with pytest.raises(ConfigError, match="disk_admit_after"):
+        DiskOptions(str(tmp_path), "1GiB", admit_after=0)
+    with pytest.raises(ConfigError, match="disk_chunk_bytes"):
+        DiskOptions(str(tmp_path), "1GiB", chunk_bytes=1000)
+
+
+# ---- a real small filesystem: full and read-only (root only: it mounts a tmpfs) -----------------
+
+
+@contextmanager
+def small_tmpfs(tmp_path: Path, size: str) -> Iterator[Path]:
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)]).returncode
+    ):
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_filesystem_turns_the_tier_off_at_start(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path, "256k") as mount:
+        with disk_cache(mount, chunks=8) as (cache, ns):  # 8 chunks of 128 KiB > 256 KiB
+            disk = cache.disk
+            assert disk is not None and not disk.is_up() and disk.stats().io_errors == 1
+            cycle(cache, ns, range(1, 4))
+            assert hit_blocks(cache, ns, tokens_for(3, 4)) == 4
