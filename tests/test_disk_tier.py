@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from prefixcache.cache import PrefixCache
@@ -28,7 +32,7 @@ from prefixcache.tiers.disk import FILE_PREFIX, PAGE, TABLE_BYTES, DiskOptions, 
 from prefixcache.tiers.host import HostTier
 from tests.support.core import ManualClock, kv_for, namespace, read_blocks, same_bytes
 
-pytestmark = pytest.mark.unit
+UNIT = pytest.mark.unit  # every test but the SIGKILL one (a child process)
 
 LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=8, block_size=4, dtype=DType.FLOAT16)  # 512-byte blocks
 BS = LAYOUT.block_size
@@ -72,6 +76,7 @@ def cycle(cache: PrefixCache, ns: str, seeds: range, blocks: int = 4) -> None:
     assert cache.disk is not None and cache.disk.wait_idle(5)
 
 
+@UNIT
 def test_admission_after_reuse_then_a_disk_hit_is_promoted(tmp_path: Path) -> None:
     with disk_cache(tmp_path) as (cache, ns):
         disk = cache.disk
@@ -89,6 +94,7 @@ def test_admission_after_reuse_then_a_disk_hit_is_promoted(tmp_path: Path) -> No
         assert disk.stats().hits == 4
 
 
+@UNIT
 def test_admit_after_one_writes_at_the_first_eviction(tmp_path: Path) -> None:
     with disk_cache(tmp_path, admit_after=1) as (cache, ns):
         cycle(cache, ns, range(1, 3))
@@ -96,6 +102,7 @@ def test_admit_after_one_writes_at_the_first_eviction(tmp_path: Path) -> None:
         assert hit_blocks(cache, ns, tokens_for(1, 4)) == 4
 
 
+@UNIT
 def test_byte_budget_evicts_least_recently_used(tmp_path: Path) -> None:
     with disk_cache(tmp_path, chunks=1, admit_after=1) as (cache, ns):  # 16 slots on disk
         cycle(cache, ns, range(1, 8))  # 6 prompts of 4 blocks leave the host tier: 24 > 16
@@ -108,6 +115,7 @@ def test_byte_budget_evicts_least_recently_used(tmp_path: Path) -> None:
         assert hit_blocks(cache, ns, tokens_for(6, 4)) == 4
 
 
+@UNIT
 def test_restart_serves_what_was_on_disk(tmp_path: Path) -> None:
     with disk_cache(tmp_path, admit_after=1) as (cache, ns):
         cycle(cache, ns, range(1, 4))  # prompts 1 and 2 on disk
@@ -126,6 +134,7 @@ def _flip(path: Path, offset: int) -> None:
         f.write(bytes([byte[0] ^ 0x40]))
 
 
+@UNIT
 def test_flipped_and_foreign_blocks_are_counted_misses(tmp_path: Path) -> None:
     with disk_cache(tmp_path, admit_after=1, io_threads=1) as (cache, ns):  # one writer: slots in eviction order
         cycle(cache, ns, range(1, 3))  # leaf first: slots 0..3 hold blocks 3, 2, 1, 0
@@ -148,6 +157,7 @@ def test_flipped_and_foreign_blocks_are_counted_misses(tmp_path: Path) -> None:
         cache.close()
 
 
+@UNIT
 def test_truncated_and_torn_files_are_misses(tmp_path: Path) -> None:
     with disk_cache(tmp_path, admit_after=1, io_threads=1) as (cache, ns):
         cycle(cache, ns, range(1, 3))  # slots 0..3 hold blocks 3, 2, 1, 0
@@ -164,6 +174,7 @@ def test_truncated_and_torn_files_are_misses(tmp_path: Path) -> None:
         assert hit_blocks(cache, ns, tokens_for(1, 4)) == 0
 
 
+@UNIT
 def test_deleted_directory_turns_the_tier_off_host_keeps_serving(tmp_path: Path, caplog) -> None:
     directory = tmp_path / "disk"
     with disk_cache(directory, admit_after=1) as (cache, ns):
@@ -177,6 +188,7 @@ def test_deleted_directory_turns_the_tier_off_host_keeps_serving(tmp_path: Path,
         assert hit_blocks(cache, ns, tokens_for(1, 4)) == 0  # the tier answers misses
 
 
+@UNIT
 def test_options_name_the_bad_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="disk_capacity"):
         DiskOptions(str(tmp_path), 4096)
@@ -204,6 +216,7 @@ def small_tmpfs(tmp_path: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@UNIT
 def test_a_full_filesystem_turns_the_tier_off_at_start(tmp_path: Path) -> None:
     with small_tmpfs(tmp_path, "256k") as mount:
         with disk_cache(mount, chunks=8) as (cache, ns):  # 8 chunks of 128 KiB > 256 KiB
@@ -211,3 +224,71 @@ def test_a_full_filesystem_turns_the_tier_off_at_start(tmp_path: Path) -> None:
             assert disk is not None and not disk.is_up() and disk.stats().io_errors == 1
             cycle(cache, ns, range(1, 4))
             assert hit_blocks(cache, ns, tokens_for(3, 4)) == 4
+
+
+# ---- SIGKILL mid-write (a real child process) --------------------------------------------------
+
+WRITER = """
+import sys
+from prefixcache.tiers.disk import DiskOptions, DiskTier
+from tests.test_disk_tier import CHUNK, LAYOUT, kill_frame
+disk = DiskTier(DiskOptions(sys.argv[1], 8 * CHUNK, chunk_bytes=CHUNK, admit_after=1))
+i = 0
+while True:
+    if disk.submit("ns", i.to_bytes(8, "little"), kill_frame(i)):
+        i += 1
+    if i == 40:
+        disk.wait_idle(5)
+        print("ready", flush=True)  # 40 written; the parent kills while more are being written
+"""
+
+
+def kill_frame(i: int) -> bytes:
+    from prefixcache.codec import encode_block
+
+    tokens = np.arange(i * BS, (i + 1) * BS, dtype=np.uint32)
+    payload = np.full(LAYOUT.block_bytes, i % 251, dtype=np.uint8).tobytes()
+    return encode_block(LAYOUT, "ns", i.to_bytes(8, "little"), b"root", tokens, payload)
+
+
+@pytest.mark.process
+def test_sigkill_mid_write_leaves_at_worst_a_few_misses(tmp_path: Path) -> None:
+    from prefixcache.codec import decode_block
+    from prefixcache.errors import CorruptBlock
+
+    root = Path(__file__).resolve().parents[1]
+    child = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        cwd=root,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
+        time.sleep(0.05)  # writes (and evictions: 128 slots) under way
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    disk = DiskTier(DiskOptions(str(tmp_path), 8 * CHUNK, chunk_bytes=CHUNK))
+    try:
+        restored = disk.stats().restored_blocks
+        assert restored >= 40
+        good = bad = 0
+        for i in range(100_000):
+            key = i.to_bytes(8, "little")
+            frames = disk.fetch("ns", [key])
+            if not frames:
+                continue
+            tokens = np.arange(i * BS, (i + 1) * BS, dtype=np.uint32)
+            try:
+                payload = decode_block(frames[0], LAYOUT, "ns", key, b"root", tokens)
+                assert bytes(payload) == bytes([i % 251]) * LAYOUT.block_bytes
+                good += 1
+            except CorruptBlock:
+                disk.corrupt("ns", key)
+                bad += 1
+            if good + bad == restored:
+                break
+        assert good + bad == restored and bad <= 4  # at most one torn write per writer thread
+    finally:
+        disk.close()
