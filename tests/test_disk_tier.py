@@ -28,7 +28,7 @@ import pytest
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, DType, KVLayout
 from prefixcache.errors import ConfigError
-from prefixcache.tiers.disk import FILE_PREFIX, PAGE, TABLE_BYTES, DiskOptions, DiskTier
+from prefixcache.tiers.disk import FILE_PREFIX, MAX_SLOTS_PER_CHUNK, PAGE, TABLE_BYTES, DiskOptions, DiskTier
 from prefixcache.tiers.host import HostTier
 from tests.support.core import ManualClock, kv_for, namespace, read_blocks, same_bytes
 
@@ -292,3 +292,76 @@ def test_sigkill_mid_write_leaves_at_worst_a_few_misses(tmp_path: Path) -> None:
         assert good + bad == restored and bad <= 4  # at most one torn write per writer thread
     finally:
         disk.close()
+
+
+# ---- the service: SIGKILL, restart on the same directory, hits from disk -----------------------
+
+
+@pytest.mark.process
+def test_service_killed_and_restarted_serves_from_disk(tmp_path: Path) -> None:
+    """About 10 s: two `serve` processes. Host tier of 16 blocks of 128 KiB, disk tier of 128 MiB."""
+    import torch
+
+    from prefixcache.client import CacheClient
+    from tests.support import lifetime
+    from tests.support.poll import poll
+    from tests.test_service_process import _start
+
+    served = KVLayout(layers=4, kv_heads=8, head_dim=64, block_size=16, dtype=DType.BFLOAT16)  # 128 KiB blocks
+    flags = ("--host-capacity", "2MiB", "--disk-dir", str(tmp_path), "--disk-capacity", "128MiB")
+    prompts = [list(range(seed * 100_000, seed * 100_000 + 16 * 16)) for seed in range(3)]
+    kv = [torch.randint(-(2**15), 2**15, (16, *served.block_shape), dtype=torch.int16) for _ in prompts]
+    process, address, _, _ = _start(*flags)
+    try:
+        with CacheClient(address, timeout_s=10) as client:
+            client.attach("model", served)
+            for _ in range(2):  # each prompt pushes the previous out: twice, so all are admitted
+                for tokens, blocks in zip(prompts, kv):
+                    assert client.store(tokens, blocks.view(torch.bfloat16)).stored == 16
+            files = list(tmp_path.glob("prefixcache-disk-*.dat"))
+            assert len(files) == 1 and files[0].stat().st_size == 128 << 20  # preallocated, exact
+            # Both of the first two prompts on disk: each of their 16 slots' records written.
+            poll(lambda: _records(files[0]) >= 32, timeout_s=10)
+    finally:
+        lifetime.kill(process)  # SIGKILL: no drain, no close
+    process, address, _, _ = _start(*flags)
+    try:
+        with CacheClient(address, timeout_s=10) as client:
+            client.attach("model", served)
+            for tokens, blocks in zip(prompts[:2], kv[:2]):
+                hit = client.lookup(tokens)
+                assert hit.hit_tokens == 16 * 16
+                assert torch.equal(client.read(hit).view(torch.int16), blocks)
+                client.release(hit)
+            assert client.lookup(prompts[2], take_lease=False).hit_tokens == 0  # it never left the host tier
+    finally:
+        lifetime.stop(process, 10)
+
+
+def _records(path: Path) -> int:
+    """Slot records written in a disk file's chunks (the tables the restart reads)."""
+    from prefixcache.tiers.disk import _RECORD
+
+    data = path.read_bytes()
+    count = 0
+    for chunk in range(0, len(data), 64 << 20):
+        for s in range(MAX_SLOTS_PER_CHUNK):
+            _, _, length, _ = _RECORD.unpack_from(data, chunk + PAGE + s * _RECORD.size)
+            count += length > 0
+    return count
+
+
+@UNIT
+def test_restart_restores_every_block_concurrent_writers_wrote(tmp_path: Path) -> None:
+    """Four writers opening chunks at once: no chunk's header write may clear another's record."""
+    options = DiskOptions(str(tmp_path), 16 * CHUNK, chunk_bytes=CHUNK, admit_after=1, io_threads=4, queue_depth=256)
+    disk = DiskTier(options)
+    for i in range(200):
+        assert disk.submit("ns", i.to_bytes(8, "little"), kill_frame(i))
+    assert disk.wait_idle(10) and disk.stats().blocks == 200
+    disk.close()
+    again = DiskTier(options)
+    try:
+        assert again.stats().restored_blocks == 200
+    finally:
+        again.close()

@@ -321,12 +321,18 @@ class DiskTier:
             ch = self._chunks[c]
             ch.keys[s] = key  # reserved: not free, not yet readable (no entry)
             ch.used += 1
+            fd, base = self._fds[ch.file], ch.offset
+            if fresh:
+                # Header and cleared records, before any writer can put a record there (hence
+                # under the lock, once per chunk): none of another slot size survives a restart.
+                try:
+                    os.pwrite(fd, _HEADER.pack(MAGIC, VERSION, slot_bytes).ljust(TABLE_BYTES, b"\0"), base)
+                except OSError as error:
+                    self._up_off(error, "writing")
+                    return
             self._writing.add(key)
-        fd, base = self._fds[ch.file], ch.offset
         try:
             self._check_dir()
-            if fresh:  # header and cleared records: none of another slot size survives to a restart
-                os.pwrite(fd, _HEADER.pack(MAGIC, VERSION, slot_bytes).ljust(TABLE_BYTES, b"\0"), base)
             os.pwrite(fd, frame, base + TABLE_BYTES + s * slot_bytes)
             stamp = int(self.clock())
             os.pwrite(fd, _RECORD.pack(key, ns, len(frame), stamp), base + PAGE + s * _RECORD.size)
