@@ -131,6 +131,45 @@ def tier(directory: str, total: int, block_bytes: int) -> dict[str, float]:
     }
 
 
+def replay(directory: str, requests: int, disk_on: bool) -> dict[str, float]:
+    """Prompts drawn at random (seed 0) from a working set 4x the host tier: 64 prompts of 64
+    blocks of 64 KiB against a host tier of 1,024 blocks; each request looks up, then stores its
+    prompt (as a worker commits after prefill). Token hit rate and the lookup's mean time
+    (disk reads and verification included; not a TTFT: no model runs here)."""
+    import torch
+
+    from prefixcache.cache import PrefixCache
+    from prefixcache.config import CacheConfig, Namespace
+    from prefixcache.tiers.host import HostTier
+
+    layout = layout_of(64 << 10)
+    host_blocks, n_prompts, blocks = 1024, 64, 64
+    host = HostTier(layout, host_blocks * layout.block_bytes)
+    disk = None
+    if disk_on:
+        disk = DiskTier(DiskOptions(directory, "512MiB"))
+    cache = PrefixCache(CacheConfig(host_capacity=host_blocks * layout.block_bytes), layout, host, disk=disk)
+    ns = cache.attach(Namespace(model="replay", revision="r", layout=layout))
+    kv = torch.zeros((blocks, *layout.block_shape), dtype=torch.float16)
+    rng = np.random.default_rng(0)
+    hit = total = 0
+    spent = 0.0
+    for _ in range(requests):
+        p = int(rng.integers(n_prompts))
+        tokens = list(range(p * 1_000_000, p * 1_000_000 + blocks * 16))
+        started = time.perf_counter()
+        result = cache.lookup(ns, tokens)
+        spent += time.perf_counter() - started
+        hit += result.hit_tokens
+        total += len(tokens)
+        cache.store(ns, tokens, kv)
+    cache.close()
+    for name in os.listdir(directory):
+        if name.startswith(FILE_PREFIX):
+            os.unlink(os.path.join(directory, name))
+    return {"token_hit_rate": hit / total, "lookup_ms_mean": spent / requests * 1e3}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="/var/tmp/pfx-disk-bench")
@@ -138,9 +177,17 @@ def main() -> None:
     parser.add_argument(
         "--restart-total", default=None, help="also fill a tier this big with 2 MiB blocks (e.g. 10GiB): its restart"
     )
+    parser.add_argument("--replay", type=int, default=0, help="requests of the 4x-host replay (0: skip)")
     args = parser.parse_args()
     total = parse_size(args.total, "total")
     os.makedirs(args.dir, exist_ok=True)
+    if args.replay:
+        try:
+            found = {f"replay_disk_{on}": replay(args.dir, args.replay, on) for on in (False, True)}
+        finally:
+            shutil.rmtree(args.dir, ignore_errors=True)
+        print(json.dumps(found))
+        return
     try:
         results = {"raw_odirect_8MiB": raw(args.dir, total)}
         for size in (64 << 10, 2 << 20):
