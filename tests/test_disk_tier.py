@@ -299,7 +299,7 @@ def test_sigkill_mid_write_leaves_at_worst_a_few_misses(tmp_path: Path) -> None:
 
 @pytest.mark.process
 def test_service_killed_and_restarted_serves_from_disk(tmp_path: Path) -> None:
-    """About 10 s: two `serve` processes. Host tier of 16 blocks of 128 KiB, disk tier of 128 MiB."""
+    """10-20 s on 2 busy cores: two `serve` processes. Host tier of 16 blocks of 128 KiB, disk tier of 128 MiB."""
     import torch
 
     from prefixcache.client import CacheClient
@@ -365,3 +365,30 @@ def test_restart_restores_every_block_concurrent_writers_wrote(tmp_path: Path) -
         assert again.stats().restored_blocks == 200
     finally:
         again.close()
+
+
+@pytest.mark.redis
+def test_host_then_disk_then_redis(tmp_path: Path, redis_server) -> None:
+    """A block evicted once lives in Redis only and comes back from there; evicted a second time
+    it is on disk too, and the disk serves it before Redis is asked."""
+    from prefixcache.tiers.redis import RedisOptions, RedisTier
+
+    disk = DiskTier(DiskOptions(str(tmp_path), 4 * CHUNK, chunk_bytes=CHUNK))
+    host = HostTier(LAYOUT, 4 * LAYOUT.block_bytes)
+    redis = RedisTier(RedisOptions(url=redis_server.url, key_prefix=f"d{os.getpid()}", ttl_s=600))
+    cache = PrefixCache(
+        CacheConfig(host_capacity=4 * LAYOUT.block_bytes), LAYOUT, host, remote=redis, clock=ManualClock(), disk=disk
+    )
+    try:
+        ns = cache.attach(namespace(LAYOUT))
+        a = tokens_for(1, 4)
+        cycle(cache, ns, range(1, 3))  # a leaves the host tier once: Redis has it, the disk not yet
+        assert redis.wait_idle(5)
+        assert hit_blocks(cache, ns, a) == 4
+        assert disk.stats().hits == 0 and cache.stats().remote["hits"] == 4
+        cycle(cache, ns, range(2, 3))  # a leaves a second time: written to disk
+        assert disk.stats().blocks == 4
+        assert hit_blocks(cache, ns, a) == 4
+        assert disk.stats().hits == 4 and cache.stats().remote["hits"] == 4  # Redis not asked
+    finally:
+        cache.close()
