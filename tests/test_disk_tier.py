@@ -392,3 +392,23 @@ def test_host_then_disk_then_redis(tmp_path: Path, redis_server) -> None:
         assert disk.stats().hits == 4 and cache.stats().remote["hits"] == 4  # Redis not asked
     finally:
         cache.close()
+
+
+@UNIT
+def test_a_full_write_queue_drops_and_counts_never_blocks(tmp_path: Path) -> None:
+    big = 4 << 20  # a 4 MiB frame takes milliseconds to write; 20 submissions take microseconds
+    options = DiskOptions(
+        str(tmp_path), 2 * (64 << 20), chunk_bytes=64 << 20, admit_after=1, io_threads=1, queue_depth=1
+    )
+    disk = DiskTier(options)
+    try:
+        frame = os.urandom(big)
+        started = time.perf_counter()
+        accepted = [disk.submit("ns", i.to_bytes(8, "little"), frame) for i in range(20)]
+        assert time.perf_counter() - started < 0.5
+        stats = disk.stats()
+        assert not all(accepted) and stats.dropped == accepted.count(False)
+        assert stats.admitted == accepted.count(True)
+        assert disk.wait_idle(10) and disk.stats().blocks == accepted.count(True)
+    finally:
+        disk.close()
