@@ -1,11 +1,12 @@
 """The cache: lookup and leases, reserve/commit, spill, promote, evict, stats.
 
 It composes the radix index with the tiers, fastest first: an optional device
-pool, the host pool (shared memory) and an optional remote tier (Redis). New
-blocks land in the host tier; a block evicted from a slot tier moves to the
-next one; a block leaving the host tier stays reachable in Redis, and a
-lookup continues past the local index by probing Redis for the next block
-hashes, admitting what it finds into the host tier (a promotion).
+pool, the host pool (shared memory), an optional disk tier (tiers/disk.py) and an
+optional remote tier (Redis). New blocks land in the host tier; a block evicted from
+a slot tier moves to the next one; a block leaving the host tier is offered to the
+disk tier (written there once reused, its admission policy) and stays reachable in
+Redis, and a lookup continues past the local index with the disk tier, then Redis,
+for the next block hashes, admitting what they hold into the host tier (a promotion).
 
 Namespaces of any number of KV layouts (models) share the tiers: each slot tier is an
 arena of chunks, each chunk serving one layout at a time (tiers/arena.py), with one
@@ -32,8 +33,9 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
+from .codec import decode_block, encode_block
 from .config import CacheConfig, KVLayout, Namespace
-from .errors import InvalidArgument, LayoutMismatch, ResourceExhausted, UnknownLease
+from .errors import CorruptBlock, InvalidArgument, LayoutMismatch, ResourceExhausted, UnknownLease
 from .hashing import Hasher, Tokens
 from .index import ROOT, Match, MissReason, RadixIndex
 from .leases import Lease, LeaseTable, Reservation
@@ -46,6 +48,7 @@ from .stats import Counters, EvictionReason, StatsSnapshot, TierSnapshot, snapsh
 from .tenants import Tenants
 from .tiers.base import RemoteTier, SlotTier, TierKind
 from .tiers.device import DeviceTier
+from .tiers.disk import DiskTier
 from .tiers.host import HostTier
 from .transfer import ProbeBudget
 
@@ -64,6 +67,7 @@ class PrefixCache:
         remote: RemoteTier | None = None,
         clock: Callable[[], float] = time.monotonic,
         hasher: Hasher | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -92,6 +96,9 @@ class PrefixCache:
             self.remote_link,
             clock,
         )
+        self.disk = disk
+        if disk is not None:
+            self.placement.spill_disk = self._spill_to_disk
         self.ledger = TenantLedger(
             self.tenants, self.index, config.tenant_quotas, self.namespaces, self.leases, self.placement
         )  # quota.py
@@ -150,36 +157,42 @@ class PrefixCache:
         with self._lock:
             match = self.index.match(prompt.entry.index, prompt.hashes, prompt.blocks, self.clock(), self.config.ttl_s)
             path, stop = match.rows, match.stop
-            link = self.remote_link
-            if link is None or stop is not MissReason.NOT_CACHED:
+            link, disk = self.remote_link, self.disk
+            if (link is None and disk is None) or stop is not MissReason.NOT_CACHED:
                 return self._finish_lookup(prompt, path, stop, take_lease)
-            self.index.pin(path)  # the local prefix stays put while Redis is asked without the lock
+            self.index.pin(path)  # the local prefix stays put while disk and Redis are asked without the lock
         budget = (
             None if budget_s is None else ProbeBudget(len(prompt.hashes) - len(path), budget_s * self.layout.block_size)
         )
         try:
-            payloads, corrupt = link.fetch(
-                prompt.entry.id,
-                prompt.entry.root,
-                prompt.hashes,
-                prompt.blocks,
-                len(path),
-                prompt.entry.namespace.layout,
-                budget,
-            )
+            from_disk, corrupt_disk = self._fetch_disk(disk, prompt, len(path))
+            payloads: list[memoryview] = []
+            corrupt = False
+            start = len(path) + len(from_disk)
+            if link is not None and start < len(prompt.hashes):
+                payloads, corrupt = link.fetch(
+                    prompt.entry.id,
+                    prompt.entry.root,
+                    prompt.hashes,
+                    prompt.blocks,
+                    start,
+                    prompt.entry.namespace.layout,
+                    budget,
+                )
         except BaseException:
             with self._lock:
                 self.index.unpin(path)
             raise
         with self._lock:
             try:
-                extended = self._admit(link, prompt, path, payloads)
+                extended = self._admit(link, prompt, path, from_disk + payloads, len(from_disk))
             finally:
                 self.index.unpin(path)
             self.counters.remote_integrity_failures += corrupt
+            corrupt = corrupt or (corrupt_disk and not payloads)  # Redis may hold a good copy
             if len(extended) == len(prompt.hashes):
                 stop = None
-            elif corrupt and len(extended) == len(path) + len(payloads):
+            elif corrupt and len(extended) == len(path) + len(from_disk) + len(payloads):
                 stop = MissReason.VERIFICATION_FAILED  # the hit ends at the block Redis held corrupt
             return self._finish_lookup(prompt, extended, stop, take_lease, budget.declined if budget else 0)
 
@@ -255,8 +268,50 @@ class PrefixCache:
         rows = np.asarray(path, dtype=np.int64)
         return BlockLocations.adopt(self.index.tier[rows], self.index.slot[rows])
 
-    def _admit(self, link: RemoteLink, prompt: Prompt, pinned: np.ndarray, payloads: list[memoryview]) -> np.ndarray:
-        """Insert blocks fetched from Redis after the (pinned) `path` into the host tier.
+    def _fetch_disk(self, disk: DiskTier | None, prompt: Prompt, start: int) -> tuple[list[memoryview], bool]:
+        """Verified payloads of the blocks after `start` that the disk tier holds, in order, and
+        whether they end at a block that failed verification (counted by the tier, its slot freed).
+        No cache lock held."""
+        if disk is None or start >= len(prompt.hashes):
+            return [], False
+        ns_id, layout = prompt.entry.id, prompt.entry.namespace.layout
+        payloads: list[memoryview] = []
+        for i, frame in enumerate(disk.fetch(ns_id, prompt.hashes[start:]), start=start):
+            parent = prompt.hashes[i - 1] if i else prompt.entry.root
+            try:
+                payloads.append(decode_block(frame, layout, ns_id, prompt.hashes[i], parent, prompt.blocks[i]))
+            except CorruptBlock as error:
+                log.debug("disk block failed verification: %s", error)
+                disk.corrupt(ns_id, prompt.hashes[i])
+                return payloads, True
+        return payloads, False
+
+    def _spill_to_disk(self, node: int) -> None:
+        """Offer a block leaving the host tier to the disk tier: written (a copy, queued) once the
+        tier's admission policy takes it. Cache lock held; the slot is still the block's."""
+        disk, index = self.disk, self.index
+        assert disk is not None
+        entry = self.namespaces.by_row(int(index.namespace[node]))
+        block_hash = index.hash_of(node)
+        if not disk.offer(entry.id, block_hash):
+            return
+        parent = int(index.parent[node])
+        layout = int(self.namespaces.layout_of_row[index.namespace[node]])
+        payload = self.placement.pool(TierKind(int(index.tier[node])), layout).block_bytes(int(index.slot[node]))
+        parent_hash = entry.root if parent == ROOT else index.hash_of(parent)
+        frame = encode_block(entry.namespace.layout, entry.id, block_hash, parent_hash, index.tokens[node], payload)
+        disk.submit(entry.id, block_hash, frame)
+
+    def _admit(
+        self,
+        link: RemoteLink | None,
+        prompt: Prompt,
+        pinned: np.ndarray,
+        payloads: list[memoryview],
+        from_disk: int = 0,
+    ) -> np.ndarray:
+        """Insert blocks fetched from disk (the first `from_disk` of `payloads`), then Redis, after
+        the (pinned) `path` into the host tier.
 
         Room is made once, up front, so nothing admitted here can be evicted
         before the lookup finishes.
@@ -268,7 +323,7 @@ class PrefixCache:
         if not payloads or not self.placement.make_room(TierKind.HOST, len(payloads), layout):
             payloads = payloads[: len(free)]
         now = self.clock()
-        for payload in payloads:
+        for k, payload in enumerate(payloads):
             i = len(path)
             known = self.index.node_of(prompt.hashes[i])
             if known is not None:
@@ -291,7 +346,8 @@ class PrefixCache:
                 slot,
                 now,
             )
-            link.fetched(node, now)
+            if link is not None and k >= from_disk:
+                link.fetched(node, now)
             path.append(node)
             self.counters.promotions[TierKind.HOST] += 1
         return np.asarray(path, dtype=np.int64)
@@ -522,6 +578,8 @@ class PrefixCache:
                     mask &= index.namespace == self.namespaces.get(ns_id).index
                     if self.remote_link is not None:
                         self.remote_link.forget_namespace(ns_id, np.flatnonzero(mask))
+                    if self.disk is not None:
+                        self.disk.delete_namespace(ns_id)
                 if older_than_s is not None:
                     mask &= index.last_access < self.clock() - older_than_s
                 nodes = index.select(mask)
@@ -536,6 +594,8 @@ class PrefixCache:
             dropped = self.placement.drop_all(self.index.select(self.index.live()), EvictionReason.MANUAL)
             if self.remote_link is not None:
                 self.remote_link.flush()
+            if self.disk is not None:
+                self.disk.flush()
             return dropped
 
     # -- stats ----------------------------------------------------------------------
@@ -587,6 +647,8 @@ class PrefixCache:
         """Stop the Redis writer, then release the slot tiers; False if the writer is still running
         (stuck past its timeouts): it sends blocks from their slots, so their memory stays mapped
         until the process exits, and the caller must not unmap it either."""
+        if self.disk is not None:
+            self.disk.close()
         if self.remote_link is not None and not self.remote_link.close():
             log.warning("the Redis writer is still running: the slot tiers stay mapped until exit")
             return False

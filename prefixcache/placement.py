@@ -62,6 +62,9 @@ class Placement:
         self.tenants = tenants
         self.remote_link = remote_link  # None: no Redis
         self.clock = clock
+        # Called with each block leaving the last slot tier by eviction (the cache offers it to
+        # the disk tier, tiers/disk.py); None: no disk tier.
+        self.spill_disk: Callable[[int], None] | None = None
 
     # -- layouts and slots --------------------------------------------------------
     def add_layout(self, layout: KVLayout) -> None:
@@ -378,6 +381,8 @@ class Placement:
         kind = TierKind(int(self.index.tier[node]))
         if self.remote_link is not None and self._leave(node, spill):
             self.counters.spills[kind] += 1
+        if spill and self.spill_disk is not None:
+            self.spill_disk(node)
         self._count_eviction(node, kind, reason)
         slot, layout = int(self.index.slot[node]), self._layout_of_node(node)
         self.index.remove(node)
@@ -403,6 +408,9 @@ class Placement:
             for node, tier in zip(rows.tolist(), tiers):
                 if self._leave(node, spill):
                     self.counters.spills[tier] += 1
+        if spill and self.spill_disk is not None:
+            for node in rows.tolist():
+                self.spill_disk(node)
         slots = index.slot[rows]
         for kind, _, where in groups:
             self._count_evictions(rows[where], kind, reason)

@@ -324,7 +324,9 @@ def running_serve(argv: list[str], tmp_path: Path) -> Iterator[int]:
         if flag in files:
             (tmp_path / files[flag]).write_text("0123456789abcdef0123456789abcdef\n")
             value = str(tmp_path / files[flag])
-        value = {"--listen": "127.0.0.1:0", "--metrics-port": "0"}.get(flag, value)
+        value = {"--listen": "127.0.0.1:0", "--metrics-port": "0", "--disk-dir": str(tmp_path / "disk")}.get(
+            flag, value
+        )
         rewritten.append(f"{flag}={value}" if value else flag)
     if not any(a.startswith("--auth-token") for a in rewritten):
         rewritten.append("--auth-token=0123456789abcdef0123456789abcdef")  # health must not need it
@@ -434,6 +436,24 @@ def test_compose_cache_and_worker_mount_one_tmpfs_volume_at_dev_shm() -> None:
     assert set(re.findall(r"size=(\w+)", (DEPLOY / "compose.yaml").read_text())) == {size}, "comments agree"
     for name in ("cache", "worker"):  # a private /dev/shm would hide the segment
         assert "shm_size" not in spec["services"][name] and "/dev/shm" not in spec["services"][name].get("tmpfs", [])
+
+
+def test_the_disk_tier_directory_is_a_persistent_volume_everywhere() -> None:
+    """compose: a named volume; k8s: a hostPath on the node; both mounted where --disk-dir points, a
+    directory the image creates for its user (a fresh named volume copies its owner)."""
+    cache = compose()["services"]["cache"]
+    argv = cache["command"]
+    directory = argv[argv.index("--disk-dir") + 1]
+    parse_size(argv[argv.index("--disk-capacity") + 1])
+    assert any(v.split(":")[1] == directory and v.split(":")[0] in compose()["volumes"] for v in cache["volumes"])
+    pod = k8s_object("Deployment", "prefixcache")["spec"]["template"]["spec"]
+    container = pod_containers(k8s_object("Deployment", "prefixcache"))["cache"]
+    args = dict(a.split("=", 1) for a in container["args"] if a.startswith("--disk"))
+    assert args["--disk-dir"] == directory
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == directory)
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert "hostPath" in volume or "persistentVolumeClaim" in volume  # not an emptyDir: it survives the pod
+    assert f"install -d -o 10001 -g 10001 -m 0700 {directory}" in (DEPLOY / "Dockerfile").read_text()
 
 
 # ---- Dockerfile -------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ from prefixcache.results import BlockLocation, CommitResult, LookupResult
 from prefixcache.stats import StatsSnapshot
 from prefixcache.tiers.base import RemoteTier, ShareHandle, TierKind
 from prefixcache.tiers.device import DeviceTier
+from prefixcache.tiers.disk import DiskOptions, DiskTier
 from prefixcache.tiers.host import HostTier
 from prefixcache.tiers.shm import OwnedSegment
 
@@ -126,6 +127,7 @@ class BackendOptions:
     shm_name: str | None = None
     device: str | None = None  # "cuda" when cache.device_capacity > 0
     remote_factory: Callable[[KVLayout], RemoteTier] | None = None
+    disk: DiskOptions | None = None  # the disk tier under the host tier (tiers/disk.py); None: none
     max_namespaces_per_tenant: int = 1024  # models, revisions and salts together
 
 
@@ -234,11 +236,12 @@ class CacheBackend:
                 else None
             )
             remote = options.remote_factory(layout) if options.remote_factory else None
+            disk = DiskTier(options.disk) if options.disk is not None else None  # fail-open: off, not raising
         except BaseException:
             host.close()
             raise
         log.info("cache created for layout %s", layout)
-        return PrefixCache(config, layout, host, device=device, remote=remote)
+        return PrefixCache(config, layout, host, device=device, remote=remote, disk=disk)
 
     def _cache_for(self, layout: KVLayout) -> PrefixCache:
         with self._create_lock:

@@ -31,6 +31,7 @@ from prefixcache.config import (
 )
 from prefixcache.errors import ConfigError
 from prefixcache.tiers.base import RemoteTier
+from prefixcache.tiers.disk import DiskOptions
 from prefixcache.tiers.shm import check_name
 
 from .auth import Authenticator, load_credentials, quota_overrides
@@ -186,7 +187,31 @@ def register(subparsers) -> None:
         help="file holding a secret of >= 32 bytes (e.g. `openssl rand -hex 32`) that MACs every "
         "Redis frame, so Redis write access alone cannot plant KV; the same on every instance",
     )
+    disk = parser.add_argument_group("Disk tier (optional: capacity beyond RAM, warm after a restart)")
+    disk.add_argument("--disk-dir", default=None, help="directory of the disk tier's preallocated files (a local SSD)")
+    disk.add_argument(
+        "--disk-capacity", default=None, help="the disk tier's byte budget, e.g. 100GiB (needs --disk-dir)"
+    )
+    disk.add_argument(
+        "--disk-admit-after",
+        type=int,
+        default=2,
+        help="write a block to disk the Nth time it leaves the host tier (default %(default)s; 1: every time)",
+    )
+    disk.add_argument(
+        "--disk-ttl", default="24h", help="time-to-live of a block on disk since its last use (default %(default)s)"
+    )
     parser.set_defaults(handler=run)
+
+
+def disk_options_from(args: argparse.Namespace) -> DiskOptions | None:
+    if args.disk_dir is None:
+        if args.disk_capacity is not None:
+            raise ConfigError("disk_capacity", "needs --disk-dir")
+        return None
+    if args.disk_capacity is None:
+        raise ConfigError("disk_capacity", "--disk-dir needs a --disk-capacity")
+    return DiskOptions(args.disk_dir, args.disk_capacity, ttl_s=args.disk_ttl, admit_after=args.disk_admit_after)
 
 
 def authenticator_from(args: argparse.Namespace) -> Authenticator:
@@ -293,6 +318,7 @@ def options_from(args: argparse.Namespace) -> ServerOptions:
         shm_name=args.shm_name,
         device="cuda" if cache.device_capacity else None,
         remote_factory=remote_factory_from(args),
+        disk=disk_options_from(args),
     )
     split_host_port(args.listen)
     return ServerOptions(

@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector
 
 from prefixcache.stats import STATS, TIER_STATS, Kind, Stat, StatsSnapshot
 from prefixcache.tiers.breaker import BreakerState
+from prefixcache.tiers.disk import DiskStats
 from prefixcache.tiers.redis_stats import LatencySnapshot, RedisStats
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,51 @@ REMOTE_EVENTS = (
     "probe_blocks_declined",
 )
 BREAKER_SIDES = ("read", "write")
+
+
+# DiskStats counters exported as prefixcache_disk_events_total{event=...}.
+DISK_EVENTS = ("hits", "misses", "admitted", "rejected", "dropped", "integrity_failures", "io_errors")
+
+
+def disk_stats_of(cache) -> DiskStats | None:
+    """The disk tier's stats of a cache (None: no cache yet, or no disk tier)."""
+    disk = None if cache is None else cache.disk
+    return None if disk is None else disk.stats()
+
+
+class DiskCollector(Collector):
+    """The disk tier at each scrape (tiers/disk.py): whether it is on, events, bytes, occupancy."""
+
+    def __init__(self, source: Callable[[], DiskStats | None]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._source()
+        if stats is None:
+            return
+        yield GaugeMetricFamily(
+            f"{PREFIX}_disk_up", "1 while the disk tier is on (0: off after an I/O error)", stats.up
+        )
+        events = CounterMetricFamily(f"{PREFIX}_disk_events", "Disk tier events by kind", labels=["event"])
+        for event in DISK_EVENTS:
+            events.add_metric([event], getattr(stats, event))
+        yield events
+        evictions = CounterMetricFamily(f"{PREFIX}_disk_evictions", "Blocks evicted from disk", labels=["reason"])
+        evictions.add_metric(["lru"], stats.evictions_lru)
+        evictions.add_metric(["ttl"], stats.evictions_ttl)
+        yield evictions
+        moved = CounterMetricFamily(
+            f"{PREFIX}_disk_bytes", "Frame bytes read from / written to disk", labels=["direction"]
+        )
+        moved.add_metric(["read"], stats.bytes_read)
+        moved.add_metric(["written"], stats.bytes_written)
+        yield moved
+        yield GaugeMetricFamily(f"{PREFIX}_disk_blocks", "Blocks on disk", stats.blocks)
+        yield GaugeMetricFamily(f"{PREFIX}_disk_used_bytes", "Frame bytes on disk", stats.used_bytes)
+        yield GaugeMetricFamily(f"{PREFIX}_disk_capacity_bytes", "The disk tier's byte budget", stats.capacity_bytes)
+        yield GaugeMetricFamily(
+            f"{PREFIX}_disk_restore_seconds", "Time the index took to rebuild at start", stats.restore_s
+        )
 
 
 def remote_stats_of(cache) -> RedisStats | None:
@@ -209,7 +255,10 @@ class ServiceMetrics:
     """The registry the exporter serves; `observe` is the servicer's per-call hook."""
 
     def __init__(
-        self, source: Callable[[], StatsSnapshot | None], remote: Callable[[], RedisStats | None] | None = None
+        self,
+        source: Callable[[], StatsSnapshot | None],
+        remote: Callable[[], RedisStats | None] | None = None,
+        disk: Callable[[], DiskStats | None] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         add_process_collectors(self.registry)
@@ -229,6 +278,8 @@ class ServiceMetrics:
         self.registry.register(StatsCollector(source))
         if remote is not None:
             self.registry.register(RemoteCollector(remote))
+        if disk is not None:
+            self.registry.register(DiskCollector(disk))
         self._http: WSGIServer | None = None
 
     def watch_handlers(self, load: Callable[[], dict[str, int]]) -> None:

@@ -41,7 +41,7 @@ from prefixcache.tiers.shm import segment_name_for
 
 from .auth import AuthInterceptor
 from .backend import CacheBackend
-from .metrics import ServiceMetrics, remote_stats_of
+from .metrics import ServiceMetrics, disk_stats_of, remote_stats_of
 from .options import ServerOptions
 from .pools import (
     HEALTH_METHODS,
@@ -100,7 +100,11 @@ class CacheServer:
         self.backend = CacheBackend(options.backend)
         self.tracker = CallTracker()
         self.metrics = (
-            ServiceMetrics(self.backend.stats, remote=lambda: remote_stats_of(self.backend.cache))
+            ServiceMetrics(
+                self.backend.stats,
+                remote=lambda: remote_stats_of(self.backend.cache),
+                disk=lambda: disk_stats_of(self.backend.cache),
+            )
             if options.metrics_port is not None
             else None
         )

@@ -1,0 +1,414 @@
+"""The disk tier (tiers/disk.py) over real files: alone, and under a real host tier in PrefixCache.
+
+What it shows: blocks pushed out of a tiny host tier come back from disk byte for byte (and from
+Redis past the disk, test_cache_redis covers Redis alone); admission after reuse (a block evicted
+once is not written, the second time it is); an exact byte budget with LRU eviction; a restart on
+the same directory serves what was there, rebuilt from the chunk tables; torn, flipped, truncated
+and foreign data are counted integrity misses, never wrong bytes; a full filesystem (a small tmpfs
+this test mounts when root) and a deleted directory turn the tier off with the host tier still
+serving. (A read-only remount is not tested: the kernel refuses `remount,ro` while the tier holds
+its files open for writing; the real case, ext4's errors=remount-ro, needs a loop device.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefixcache.cache import PrefixCache
+from prefixcache.config import CacheConfig, DType, KVLayout
+from prefixcache.errors import ConfigError
+from prefixcache.tiers.disk import FILE_PREFIX, MAX_SLOTS_PER_CHUNK, PAGE, TABLE_BYTES, DiskOptions, DiskTier
+from prefixcache.tiers.host import HostTier
+from tests.support.core import ManualClock, kv_for, namespace, read_blocks, same_bytes
+
+UNIT = pytest.mark.unit  # every test but the SIGKILL one (a child process)
+
+LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=8, block_size=4, dtype=DType.FLOAT16)  # 512-byte blocks
+BS = LAYOUT.block_size
+CHUNK = TABLE_BYTES + 16 * PAGE  # 16 one-page slots a chunk (a 512-byte block's frame fits a page)
+
+
+@contextmanager
+def disk_cache(directory: Path, host_slots: int = 4, chunks: int = 4, **options) -> Iterator[tuple[PrefixCache, str]]:
+    disk = DiskTier(DiskOptions(str(directory), chunks * CHUNK, chunk_bytes=CHUNK, **options))
+    host = HostTier(LAYOUT, host_slots * LAYOUT.block_bytes)
+    cache = PrefixCache(
+        CacheConfig(host_capacity=host_slots * LAYOUT.block_bytes), LAYOUT, host, clock=ManualClock(), disk=disk
+    )
+    try:
+        yield cache, cache.attach(namespace(LAYOUT))
+    finally:
+        cache.close()
+
+
+def tokens_for(seed: int, blocks: int) -> list[int]:
+    return [seed * 10_000 + i for i in range(blocks * BS)]
+
+
+def store(cache: PrefixCache, ns: str, tokens: list[int]) -> int:
+    return cache.store(ns, tokens, kv_for(tokens, LAYOUT)).stored
+
+
+def hit_blocks(cache: PrefixCache, ns: str, tokens: list[int]) -> int:
+    """Blocks hit, each checked byte for byte against what was stored."""
+    result = cache.lookup(ns, tokens)
+    hit = result.hit_tokens // BS
+    if hit:
+        assert same_bytes(read_blocks(cache, result.locations), kv_for(tokens, LAYOUT)[:hit])
+    return hit
+
+
+def cycle(cache: PrefixCache, ns: str, seeds: range, blocks: int = 4) -> None:
+    """Store each prompt in turn: with a host tier of `blocks`, each pushes the previous out."""
+    for seed in seeds:
+        store(cache, ns, tokens_for(seed, blocks))
+    assert cache.disk is not None and cache.disk.wait_idle(5)
+
+
+@UNIT
+def test_admission_after_reuse_then_a_disk_hit_is_promoted(tmp_path: Path) -> None:
+    with disk_cache(tmp_path) as (cache, ns):
+        disk = cache.disk
+        assert disk is not None
+        a = tokens_for(1, 4)
+        cycle(cache, ns, range(1, 3))  # a evicted once: offered, not written
+        stats = disk.stats()
+        assert stats.rejected == 4 and stats.admitted == 0 and stats.blocks == 0
+        assert cache.lookup(ns, a).hit_tokens == 0
+        cycle(cache, ns, range(1, 3))  # a stored again and evicted a second time: written
+        stats = disk.stats()
+        assert stats.admitted == 4 and stats.blocks == 4 and stats.bytes_written > 4 * LAYOUT.block_bytes
+        assert hit_blocks(cache, ns, a) == 4  # all four from disk, now in the host tier
+        assert cache.stats().promotions == {"host": 4}
+        assert disk.stats().hits == 4
+
+
+@UNIT
+def test_admit_after_one_writes_at_the_first_eviction(tmp_path: Path) -> None:
+    with disk_cache(tmp_path, admit_after=1) as (cache, ns):
+        cycle(cache, ns, range(1, 3))
+        assert cache.disk is not None and cache.disk.stats().blocks == 4
+        assert hit_blocks(cache, ns, tokens_for(1, 4)) == 4
+
+
+@UNIT
+def test_byte_budget_evicts_least_recently_used(tmp_path: Path) -> None:
+    with disk_cache(tmp_path, chunks=1, admit_after=1) as (cache, ns):  # 16 slots on disk
+        cycle(cache, ns, range(1, 8))  # 6 prompts of 4 blocks leave the host tier: 24 > 16
+        disk = cache.disk
+        assert disk is not None
+        stats = disk.stats()
+        assert stats.blocks == 16 and stats.evictions_lru == 8
+        assert os.path.getsize(tmp_path / f"{FILE_PREFIX}0000.dat") == CHUNK  # the exact budget, preallocated
+        assert hit_blocks(cache, ns, tokens_for(1, 4)) == 0  # the oldest went
+        assert hit_blocks(cache, ns, tokens_for(6, 4)) == 4
+
+
+@UNIT
+def test_restart_serves_what_was_on_disk(tmp_path: Path) -> None:
+    with disk_cache(tmp_path, admit_after=1) as (cache, ns):
+        cycle(cache, ns, range(1, 4))  # prompts 1 and 2 on disk
+    with disk_cache(tmp_path, admit_after=1) as (cache, ns):
+        assert cache.disk is not None and cache.disk.stats().restored_blocks == 8
+        assert hit_blocks(cache, ns, tokens_for(1, 4)) == 4
+        assert hit_blocks(cache, ns, tokens_for(2, 4)) == 4
+        assert hit_blocks(cache, ns, tokens_for(3, 4)) == 0  # never left the old host tier
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@UNIT
+def test_flipped_and_foreign_blocks_are_counted_misses(tmp_path: Path) -> None:
+    with disk_cache(tmp_path, admit_after=1, io_threads=1) as (cache, ns):  # one writer: slots in eviction order
+        cycle(cache, ns, range(1, 3))  # leaf first: slots 0..3 hold blocks 3, 2, 1, 0
+    data = tmp_path / f"{FILE_PREFIX}0000.dat"
+    _flip(data, TABLE_BYTES + 2 * PAGE + 400)  # inside block 1's payload
+    with disk_cache(tmp_path, admit_after=1) as (cache, ns):
+        assert hit_blocks(cache, ns, tokens_for(1, 4)) == 1  # stops before the flipped block
+        assert cache.disk is not None and cache.disk.stats().integrity_failures == 1
+        assert cache.disk.stats().blocks == 3  # its slot freed
+    other = KVLayout(layers=2, kv_heads=2, head_dim=8, block_size=4, dtype=DType.BFLOAT16)  # same size, foreign
+    disk = DiskTier(DiskOptions(str(tmp_path), 4 * CHUNK, chunk_bytes=CHUNK, admit_after=1))
+    host = HostTier(other, 4 * other.block_bytes)
+    cache = PrefixCache(CacheConfig(host_capacity=4 * other.block_bytes), other, host, disk=disk, clock=ManualClock())
+    try:
+        ns = cache.attach(namespace(other))
+        tokens = tokens_for(1, 4)
+        assert cache.lookup(ns, tokens).hit_tokens == 0  # another namespace id: its keys are others
+        assert disk.stats().integrity_failures == 0
+    finally:
+        cache.close()
+
+
+@UNIT
+def test_truncated_and_torn_files_are_misses(tmp_path: Path) -> None:
+    with disk_cache(tmp_path, admit_after=1, io_threads=1) as (cache, ns):
+        cycle(cache, ns, range(1, 3))  # slots 0..3 hold blocks 3, 2, 1, 0
+    data = tmp_path / f"{FILE_PREFIX}0000.dat"
+    with open(data, "r+b") as f:  # a torn write: block 2's record names a frame only half there
+        f.seek(TABLE_BYTES + 1 * PAGE + 100)
+        f.write(bytes(200))
+    with disk_cache(tmp_path, admit_after=1) as (cache, ns):
+        assert hit_blocks(cache, ns, tokens_for(1, 4)) == 2
+        assert cache.disk is not None and cache.disk.stats().integrity_failures == 1
+    os.truncate(data, TABLE_BYTES + PAGE)  # a file of another size: rebuilt empty, nothing served
+    with disk_cache(tmp_path, admit_after=1) as (cache, ns):
+        assert cache.disk is not None and cache.disk.stats().restored_blocks == 0
+        assert hit_blocks(cache, ns, tokens_for(1, 4)) == 0
+
+
+@UNIT
+def test_deleted_directory_turns_the_tier_off_host_keeps_serving(tmp_path: Path, caplog) -> None:
+    directory = tmp_path / "disk"
+    with disk_cache(directory, admit_after=1) as (cache, ns):
+        cycle(cache, ns, range(1, 3))
+        shutil.rmtree(directory)
+        cycle(cache, ns, range(3, 6))  # writes meet the missing directory
+        disk = cache.disk
+        assert disk is not None and not disk.is_up() and disk.stats().up == 0
+        assert sum("disk tier off" in r.getMessage() for r in caplog.records) == 1
+        assert hit_blocks(cache, ns, tokens_for(5, 4)) == 4  # the host tier still serves
+        assert hit_blocks(cache, ns, tokens_for(1, 4)) == 0  # the tier answers misses
+
+
+@UNIT
+def test_options_name_the_bad_field(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="disk_capacity"):
+        DiskOptions(str(tmp_path), 4096)
+    with pytest.raises(ConfigError, match="disk_admit_after"):
+        DiskOptions(str(tmp_path), "1GiB", admit_after=0)
+    with pytest.raises(ConfigError, match="disk_chunk_bytes"):
+        DiskOptions(str(tmp_path), "1GiB", chunk_bytes=1000)
+
+
+# ---- a real small filesystem: full and read-only (root only: it mounts a tmpfs) -----------------
+
+
+@contextmanager
+def small_tmpfs(tmp_path: Path, size: str) -> Iterator[Path]:
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)]).returncode
+    ):
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@UNIT
+def test_a_full_filesystem_turns_the_tier_off_at_start(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path, "256k") as mount:
+        with disk_cache(mount, chunks=8) as (cache, ns):  # 8 chunks of 128 KiB > 256 KiB
+            disk = cache.disk
+            assert disk is not None and not disk.is_up() and disk.stats().io_errors == 1
+            cycle(cache, ns, range(1, 4))
+            assert hit_blocks(cache, ns, tokens_for(3, 4)) == 4
+
+
+# ---- SIGKILL mid-write (a real child process) --------------------------------------------------
+
+WRITER = """
+import sys
+from prefixcache.tiers.disk import DiskOptions, DiskTier
+from tests.test_disk_tier import CHUNK, LAYOUT, kill_frame
+disk = DiskTier(DiskOptions(sys.argv[1], 8 * CHUNK, chunk_bytes=CHUNK, admit_after=1))
+i = 0
+while True:
+    if disk.submit("ns", i.to_bytes(8, "little"), kill_frame(i)):
+        i += 1
+    if i == 40:
+        disk.wait_idle(5)
+        print("ready", flush=True)  # 40 written; the parent kills while more are being written
+"""
+
+
+def kill_frame(i: int) -> bytes:
+    from prefixcache.codec import encode_block
+
+    tokens = np.arange(i * BS, (i + 1) * BS, dtype=np.uint32)
+    payload = np.full(LAYOUT.block_bytes, i % 251, dtype=np.uint8).tobytes()
+    return encode_block(LAYOUT, "ns", i.to_bytes(8, "little"), b"root", tokens, payload)
+
+
+@pytest.mark.process
+def test_sigkill_mid_write_leaves_at_worst_a_few_misses(tmp_path: Path) -> None:
+    from prefixcache.codec import decode_block
+    from prefixcache.errors import CorruptBlock
+
+    root = Path(__file__).resolve().parents[1]
+    child = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        cwd=root,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
+        time.sleep(0.05)  # writes (and evictions: 128 slots) under way
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    disk = DiskTier(DiskOptions(str(tmp_path), 8 * CHUNK, chunk_bytes=CHUNK))
+    try:
+        restored = disk.stats().restored_blocks
+        assert restored >= 40
+        good = bad = 0
+        for i in range(100_000):
+            key = i.to_bytes(8, "little")
+            frames = disk.fetch("ns", [key])
+            if not frames:
+                continue
+            tokens = np.arange(i * BS, (i + 1) * BS, dtype=np.uint32)
+            try:
+                payload = decode_block(frames[0], LAYOUT, "ns", key, b"root", tokens)
+                assert bytes(payload) == bytes([i % 251]) * LAYOUT.block_bytes
+                good += 1
+            except CorruptBlock:
+                disk.corrupt("ns", key)
+                bad += 1
+            if good + bad == restored:
+                break
+        assert good + bad == restored and bad <= 4  # at most one torn write per writer thread
+    finally:
+        disk.close()
+
+
+# ---- the service: SIGKILL, restart on the same directory, hits from disk -----------------------
+
+
+@pytest.mark.process
+def test_service_killed_and_restarted_serves_from_disk(tmp_path: Path) -> None:
+    """10-20 s on 2 busy cores: two `serve` processes. Host tier of 16 blocks of 128 KiB, disk tier of 128 MiB."""
+    import torch
+
+    from prefixcache.client import CacheClient
+    from tests.support import lifetime
+    from tests.support.poll import poll
+    from tests.test_service_process import _start
+
+    served = KVLayout(layers=4, kv_heads=8, head_dim=64, block_size=16, dtype=DType.BFLOAT16)  # 128 KiB blocks
+    flags = ("--host-capacity", "2MiB", "--disk-dir", str(tmp_path), "--disk-capacity", "128MiB")
+    prompts = [list(range(seed * 100_000, seed * 100_000 + 16 * 16)) for seed in range(3)]
+    kv = [torch.randint(-(2**15), 2**15, (16, *served.block_shape), dtype=torch.int16) for _ in prompts]
+    process, address, _, _ = _start(*flags)
+    try:
+        with CacheClient(address, timeout_s=10) as client:
+            client.attach("model", served)
+            for _ in range(2):  # each prompt pushes the previous out: twice, so all are admitted
+                for tokens, blocks in zip(prompts, kv):
+                    assert client.store(tokens, blocks.view(torch.bfloat16)).stored == 16
+            files = list(tmp_path.glob("prefixcache-disk-*.dat"))
+            assert len(files) == 1 and files[0].stat().st_size == 128 << 20  # preallocated, exact
+            # Both of the first two prompts on disk: each of their 16 slots' records written.
+            poll(lambda: _records(files[0]) >= 32, timeout_s=10)
+    finally:
+        lifetime.kill(process)  # SIGKILL: no drain, no close
+    process, address, _, _ = _start(*flags)
+    try:
+        with CacheClient(address, timeout_s=10) as client:
+            client.attach("model", served)
+            for tokens, blocks in zip(prompts[:2], kv[:2]):
+                hit = client.lookup(tokens)
+                assert hit.hit_tokens == 16 * 16
+                assert torch.equal(client.read(hit).view(torch.int16), blocks)
+                client.release(hit)
+            assert client.lookup(prompts[2], take_lease=False).hit_tokens == 0  # it never left the host tier
+    finally:
+        lifetime.stop(process, 10)
+
+
+def _records(path: Path) -> int:
+    """Slot records written in a disk file's chunks (the tables the restart reads)."""
+    from prefixcache.tiers.disk import _RECORD
+
+    data = path.read_bytes()
+    count = 0
+    for chunk in range(0, len(data), 64 << 20):
+        for s in range(MAX_SLOTS_PER_CHUNK):
+            _, _, length, _ = _RECORD.unpack_from(data, chunk + PAGE + s * _RECORD.size)
+            count += length > 0
+    return count
+
+
+@UNIT
+def test_restart_restores_every_block_concurrent_writers_wrote(tmp_path: Path) -> None:
+    """Four writers opening chunks at once: no chunk's header write may clear another's record."""
+    options = DiskOptions(str(tmp_path), 16 * CHUNK, chunk_bytes=CHUNK, admit_after=1, io_threads=4, queue_depth=256)
+    disk = DiskTier(options)
+    for i in range(200):
+        assert disk.submit("ns", i.to_bytes(8, "little"), kill_frame(i))
+    assert disk.wait_idle(10) and disk.stats().blocks == 200
+    disk.close()
+    again = DiskTier(options)
+    try:
+        assert again.stats().restored_blocks == 200
+    finally:
+        again.close()
+
+
+@pytest.mark.redis
+def test_host_then_disk_then_redis(tmp_path: Path, redis_server) -> None:
+    """A block evicted once lives in Redis only and comes back from there; evicted a second time
+    it is on disk too, and the disk serves it before Redis is asked."""
+    from prefixcache.tiers.redis import RedisOptions, RedisTier
+
+    disk = DiskTier(DiskOptions(str(tmp_path), 4 * CHUNK, chunk_bytes=CHUNK))
+    host = HostTier(LAYOUT, 4 * LAYOUT.block_bytes)
+    redis = RedisTier(RedisOptions(url=redis_server.url, key_prefix=f"d{os.getpid()}", ttl_s=600))
+    cache = PrefixCache(
+        CacheConfig(host_capacity=4 * LAYOUT.block_bytes), LAYOUT, host, remote=redis, clock=ManualClock(), disk=disk
+    )
+    try:
+        ns = cache.attach(namespace(LAYOUT))
+        a = tokens_for(1, 4)
+        cycle(cache, ns, range(1, 3))  # a leaves the host tier once: Redis has it, the disk not yet
+        assert redis.wait_idle(5)
+        assert hit_blocks(cache, ns, a) == 4
+        assert disk.stats().hits == 0 and cache.stats().remote["hits"] == 4
+        cycle(cache, ns, range(2, 3))  # a leaves a second time: written to disk
+        assert disk.stats().blocks == 4
+        assert hit_blocks(cache, ns, a) == 4
+        assert disk.stats().hits == 4 and cache.stats().remote["hits"] == 4  # Redis not asked
+    finally:
+        cache.close()
+
+
+@UNIT
+def test_a_full_write_queue_drops_and_counts_never_blocks(tmp_path: Path) -> None:
+    big = 4 << 20  # a 4 MiB frame takes milliseconds to write; 20 submissions take microseconds
+    options = DiskOptions(
+        str(tmp_path), 2 * (64 << 20), chunk_bytes=64 << 20, admit_after=1, io_threads=1, queue_depth=1
+    )
+    disk = DiskTier(options)
+    try:
+        frame = os.urandom(big)
+        started = time.perf_counter()
+        accepted = [disk.submit("ns", i.to_bytes(8, "little"), frame) for i in range(20)]
+        assert time.perf_counter() - started < 0.5
+        stats = disk.stats()
+        assert not all(accepted) and stats.dropped == accepted.count(False)
+        assert stats.admitted == accepted.count(True)
+        assert disk.wait_idle(10) and disk.stats().blocks == accepted.count(True)
+    finally:
+        disk.close()
