@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 
 import grpc
@@ -29,6 +30,7 @@ from hypothesis import strategies as st
 from prefixcache.client import CacheClient, CacheUnavailable, Unauthenticated, wire
 from prefixcache.config import CacheConfig, KVLayout
 from prefixcache.errors import InvalidArgument, ResourceExhausted, UnknownLease
+from prefixcache.index import MissReason
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
 from prefixcache_services.cache_server.auth import Authenticator, parse_credentials
@@ -292,6 +294,29 @@ def attached(start):
     client.attach("model", layout_of())
     client.store(prompt(2), random_kv(2, layout_of(), seed=7))
     return server, stub_for(server), client
+
+
+def test_match_over_grpc_takes_no_lease_and_is_fast(start):
+    server = start(host_capacity=600 * BLOCK_BYTES, max_prompt_tokens=8192)
+    client = start.client(server)
+    client.attach("model", layout_of())
+    tokens = list(range(8192))  # 512 blocks of 16
+    assert client.store(tokens[: 300 * BLOCK], random_kv(300, layout_of(), seed=3)).stored == 300
+    report = client.match(tokens)
+    assert (report.hit_tokens, report.blocks, report.remote_blocks) == (300 * BLOCK, {"host": 300}, 0)
+    assert report.miss_reason is MissReason.NOT_CACHED and report.prompt_tokens == 8192
+    salted = client.match(tokens, cache_salt="never-used")
+    assert (salted.hit_tokens, salted.blocks) == (0, {})
+    times = []
+    for _ in range(100):
+        begin = time.perf_counter()
+        client.match(tokens)
+        times.append(time.perf_counter() - begin)
+    stats = client.stats().snapshot
+    assert stats.active_leases == 0 and stats.lookups == 0  # Match neither leases nor counts
+    p50 = sorted(times)[50]
+    print(f"Match round trip over loopback gRPC, 8192 tokens: p50 {p50 * 1e3:.2f} ms")
+    assert p50 < 5e-3, p50  # the service's part is ~50 us (tests/test_match.py); the rest is gRPC Python
 
 
 def test_malformed_request_matrix(attached):
