@@ -40,6 +40,7 @@ from prefixcache.tiers.shm import segment_name_for
 
 from .auth import AuthInterceptor
 from .backend import CacheBackend
+from .kv_events import KvEventPublisher
 from .metrics import ServiceMetrics, remote_stats_of
 from .options import ServerOptions
 from .pools import HEALTH_METHODS, Admission, CountingPool, ElasticPool, StreamsOnOwnPool
@@ -92,6 +93,7 @@ class CacheServer:
         )
         self.health = health.HealthServicer()
         self._ticker = Ticker("prefixcache-expire", options.expire_interval_s, self.backend.expire)
+        self.kv_events: KvEventPublisher | None = None
         self._stopped = threading.Event()
         self._shutdown_lock = threading.Lock()
         self.port = 0
@@ -153,6 +155,10 @@ class CacheServer:
         )
         self._server.start()
         self._ticker.start()
+        if self.options.kv_events_endpoint is not None:
+            self.kv_events = KvEventPublisher(
+                lambda: self.backend.cache, self.options.kv_events_endpoint, self.options.kv_events_replay_endpoint
+            )
         if self.metrics is not None:
             assert self.options.metrics_port is not None  # the exporter exists only with a port
             self.metrics_port = self.metrics.serve(
@@ -197,6 +203,8 @@ class CacheServer:
                 )
             self._stop_pools()
             self._ticker.stop()
+            if self.kv_events is not None:
+                self.kv_events.close()  # publishes the last changes first
             self.backend.close()
             if self.metrics is not None:
                 self.metrics.close()
