@@ -43,7 +43,7 @@ from .namespaces import NamespaceRegistry, Prompt
 from .placement import Placement
 from .quota import TenantLedger
 from .remote_link import RemoteLink
-from .results import BlockLocations, CommitResult, LookupResult
+from .results import BlockLocations, CommitResult, LookupResult, PrefixMatch
 from .stats import Counters, EvictionReason, StatsSnapshot, TierSnapshot, snapshot_of
 from .tenants import Tenants
 from .tiers.base import RemoteTier, SlotTier, TierKind
@@ -195,6 +195,20 @@ class PrefixCache:
             elif corrupt and len(extended) == len(path) + len(from_disk) + len(payloads):
                 stop = MissReason.VERIFICATION_FAILED  # the hit ends at the block Redis held corrupt
             return self._finish_lookup(prompt, extended, stop, take_lease, budget.declined if budget else 0)
+
+    def match(self, ns_id: str, tokens: Tokens) -> PrefixMatch:
+        """Where `tokens`' longest cached prefix lives, for a router: the lookup's match alone,
+        leaving no trace (no touch, lease, promotion, count) and never asking Redis."""
+        prompt = self.namespaces.prompt(ns_id, tokens)
+        with self._lock:
+            now = self.clock()
+            found = self.index.match(prompt.entry.index, prompt.hashes, prompt.blocks, now, self.config.ttl_s)
+            tiers = np.bincount(self.index.tier[found.rows], minlength=len(TierKind))
+            remote = 0 if self.remote_link is None else self.remote_link.believed(found.rows, now)
+        stop = MissReason.TOO_SHORT if not prompt.hashes else found.stop
+        blocks = {kind: int(tiers[kind]) for kind in TierKind if tiers[kind]}
+        hit = len(found.rows) * self.layout.block_size
+        return PrefixMatch(prompt.entry.id, len(prompt.tokens), hit, blocks, remote, stop)
 
     def _finish_lookup(
         self, prompt: Prompt, path: np.ndarray, stop: MissReason | None, take_lease: bool, declined: int = 0

@@ -154,6 +154,11 @@ class RemoteLink:
         """`node` was just admitted from Redis, whose GETEX refreshed the key's TTL."""
         self._until[node] = now + self.ttl_s
 
+    def believed(self, path: np.ndarray, now: float) -> int:
+        """How many leading blocks of `path` Redis should still hold (no I/O: what Match reports)."""
+        alive = self._until[path] > now
+        return len(alive) if alive.all() else int(np.argmin(alive))
+
     # -- writing (cache lock held) ------------------------------------------------------
     def write_through(self, path: list[int], nodes: list[int], now: float) -> int:
         """Queue new blocks `nodes` (the end of `path + nodes`, a path from the root) for Redis so

@@ -109,3 +109,17 @@ class CommitResult:
     stored: int  # new blocks now in the cache
     deduplicated: int  # blocks someone had already stored (their slots were freed)
     rejected: int  # blocks not stored: their prefix is no longer cached, or a collision
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """A prompt's longest cached prefix as a router sees it (`PrefixCache.match`): no lease,
+    no touch, no count, no Redis I/O. `blocks` counts matched blocks per local tier holding any;
+    `remote_blocks` is how many leading ones the cache believes Redis still holds."""
+
+    namespace_id: str
+    prompt_tokens: int
+    hit_tokens: int
+    blocks: dict[TierKind, int]
+    remote_blocks: int
+    miss_reason: MissReason | None

@@ -38,7 +38,7 @@ COMMAND_MODULES = (
     ("prefixcache_services.cache_server.command", ("serve",)),
     ("prefixcache_services.cache_server.shm_command", ("shm",)),
     ("prefixcache_services.worker.command", ("worker",)),
-    ("prefixcache_services.admin.commands", ("stats", "top", "inspect", "namespaces", "evict", "flush")),
+    ("prefixcache_services.admin.commands", ("stats", "top", "inspect", "match", "namespaces", "evict", "flush")),
     ("prefixcache_services.replay.command", ("replay",)),
     ("prefixcache_services.demo", ("demo",)),
 )
@@ -51,6 +51,7 @@ SUMMARIES = {
     "stats": "counters of a running cache service",
     "top": "live view of a cache service (rates, hit rate, occupancy)",
     "inspect": "how much of a prompt is cached, block by block",
+    "match": "how many leading blocks of a prompt each tier holds (a router's view)",
     "namespaces": "the namespaces a credential can see, with resident blocks",
     "evict": "evict blocks by namespace, age or prompt prefix",
     "flush": "evict every unpinned block (asks first)",

@@ -136,6 +136,23 @@ def test_blocks_pushed_out_of_a_tiny_host_tier_come_back_from_redis(redis_server
         assert cache.stats().promotions == {"host": 6}
 
 
+def test_match_counts_the_blocks_redis_is_believed_to_hold_without_asking_it(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    clock = ManualClock()
+    with redis_cache(redis_server.url, prefix, host_slots=8, clock=clock, cache_ttl_s=2 * REDIS_TTL_S) as (cache, ns):
+        a = tokens_for(1, 3)
+        assert store(cache, ns, a).stored == 3
+        assert cache.remote_link.tier.wait_idle(5)
+        reads = cache.stats().remote.get("hits", 0)
+        matched = cache.match(ns, a)
+        assert (matched.blocks, matched.remote_blocks) == ({TierKind.HOST: 3}, 3)
+        assert cache.stats().remote.get("hits", 0) == reads  # Redis was not asked
+        clock.advance(REDIS_TTL_S + 1)  # the written-through copies have expired in Redis
+        assert cache.match(ns, a).remote_blocks == 0
+        assert cache.match(ns, a).blocks == {TierKind.HOST: 3}
+
+
 def test_a_block_whose_write_through_was_dropped_is_spilled_on_eviction(
     private_redis: RedisServer, prefix: str
 ) -> None:

@@ -364,6 +364,25 @@ def test_inspect_shows_each_cached_block_and_why_the_next_one_missed(stack, popu
     assert salted["hit_blocks"] == 0 and salted["first_miss"]["reason"] == "not_cached"
 
 
+def test_match_reports_blocks_per_tier_and_changes_nothing(stack, populated, tmp_path, cli):
+    as_json = tmp_path / "m.json"
+    as_json.write_text(json.dumps(PROMPT_A[: 6 * BLOCK] + [9, 9] + PROMPT_A[6 * BLOCK + 2 :]))
+    ns = ["--namespace", populated.namespace_id, "--cache", stack.address]
+    before = populated.client.stats().snapshot
+    answer = cli("match", *ns, "--tokens-file", str(as_json), "--json")
+    assert answer.returncode == 0, answer
+    doc = json.loads(answer.stdout)
+    assert (doc["hit_blocks"], doc["hit_tokens"], doc["prompt_tokens"]) == (6, 6 * BLOCK, len(PROMPT_A))
+    assert doc["tiers"] == {"device": 0, "host": 6} and doc["miss_reason"] == "not_cached"
+    assert doc["redis_blocks"] == 6  # written through at the store, within the Redis TTL
+    after = populated.client.stats().snapshot
+    assert (after.lookups, after.active_leases) == (before.lookups, before.active_leases)  # no count, no lease
+    table = cli("match", *ns, "--tokens-file", str(as_json))
+    assert re.search(r"0[\s│]+6[\s│]+6[\s│]+96[\s│]+133[\s│]+not_cached", table.stdout), table.stdout
+    salted = json.loads(cli("match", *ns, "--tokens-file", str(as_json), "--cache-salt", SALT, "--json").stdout)
+    assert salted["hit_blocks"] == 0 and salted["tiers"] == {"device": 0, "host": 0}
+
+
 # -- errors and help ----------------------------------------------------------------------------------
 def test_connection_errors_are_one_line_with_exit_code_2(stack):
     dead = f"127.0.0.1:{free_port()}"
@@ -589,6 +608,7 @@ BOUNDED_LABELS = {
         "Evict",
         "ListNamespaces",
         "Flush",
+        "Match",
     },
 }
 EXPOSED_SUFFIXES = {

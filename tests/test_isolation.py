@@ -223,6 +223,7 @@ def test_bad_salts_are_invalid_argument_on_every_call(salt: str, tmp_path: Path)
             "Lookup": lambda s: acme.lookup(prompt(1, random.Random(1)), cache_salt=s),
             "Store": lambda s: acme.store(prompt(1, random.Random(1)), random_kv(1, 1), cache_salt=s),
             "Inspect": lambda s: acme.inspect([1], cache_salt=s),
+            "Match": lambda s: acme.match([1], cache_salt=s),
             "Evict": lambda s: acme.evict(namespace_id=ns, cache_salt=s),
         }
         for name, call in calls.items():

@@ -16,11 +16,14 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 
 import grpc
+import msgspec
 import pytest
 import torch
+import zmq
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from hypothesis import given, settings
@@ -29,10 +32,12 @@ from hypothesis import strategies as st
 from prefixcache.client import CacheClient, CacheUnavailable, Unauthenticated, wire
 from prefixcache.config import CacheConfig, KVLayout
 from prefixcache.errors import InvalidArgument, ResourceExhausted, UnknownLease
+from prefixcache.index import MissReason
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
 from prefixcache_services.cache_server.auth import Authenticator, parse_credentials
 from prefixcache_services.cache_server.backend import BackendOptions
+from prefixcache_services.cache_server.kv_events import END_SEQ
 from prefixcache_services.cache_server.options import ServerOptions
 from prefixcache_services.cache_server.server import build_server
 from prefixcache_services.cache_server.servicer import METHODS, REQUEST_TYPES, SERVICE_NAME
@@ -327,6 +332,56 @@ def attached(start):
     client.attach("model", layout_of())
     client.store(prompt(2), random_kv(2, layout_of(), seed=7))
     return server, stub_for(server), client
+
+
+def test_match_over_grpc_takes_no_lease_and_is_fast(start):
+    server = start(host_capacity=600 * BLOCK_BYTES, max_prompt_tokens=8192)
+    client = start.client(server)
+    client.attach("model", layout_of())
+    tokens = list(range(8192))  # 512 blocks of 16
+    assert client.store(tokens[: 300 * BLOCK], random_kv(300, layout_of(), seed=3)).stored == 300
+    report = client.match(tokens)
+    assert (report.hit_tokens, report.blocks, report.remote_blocks) == (300 * BLOCK, {"host": 300}, 0)
+    assert report.miss_reason is MissReason.NOT_CACHED and report.prompt_tokens == 8192
+    salted = client.match(tokens, cache_salt="never-used")
+    assert (salted.hit_tokens, salted.blocks) == (0, {})
+    times = []
+    for _ in range(100):
+        begin = time.perf_counter()
+        client.match(tokens)
+        times.append(time.perf_counter() - begin)
+    stats = client.stats().snapshot
+    assert stats.active_leases == 0 and stats.lookups == 0  # Match neither leases nor counts
+    p50 = sorted(times)[50]
+    print(f"Match round trip over loopback gRPC, 8192 tokens: p50 {p50 * 1e3:.2f} ms")
+    assert p50 < 5e-3, p50  # the service's part is ~50 us (tests/test_match.py); the rest is gRPC Python
+
+
+def test_serve_publishes_kv_events_with_replay(start):
+    """`serve --kv-events-endpoint/--kv-events-replay-endpoint`: a store shows up as BlockStored
+    (read back through replay, which has no subscription race)."""
+    server = start(kv_events_endpoint="tcp://127.0.0.1:0", kv_events_replay_endpoint="tcp://127.0.0.1:0")
+    client = start.client(server)
+    client.attach("model", layout_of())
+    assert client.store(prompt(3), random_kv(3, layout_of(), seed=5)).stored == 3
+    assert poll(lambda: server.kv_events.published >= 1, 5)
+    ctx = zmq.Context()
+    try:
+        replay = ctx.socket(zmq.DEALER)
+        replay.connect(server.kv_events.replay_endpoint)
+        replay.send_multipart((b"", (0).to_bytes(8, "big")))
+        stored = []
+        while True:
+            assert replay.poll(5000)
+            _empty, _topic, seq, payload = replay.recv_multipart()
+            if seq == END_SEQ:
+                break
+            stored += [e for e in msgspec.msgpack.decode(payload)[1] if e["type"] == "BlockStored"]
+        expected = [prompt(3)[i * BLOCK : (i + 1) * BLOCK] for i in range(3)]
+        assert sorted(e["token_ids"] for e in stored) == expected
+        assert {e["medium"] for e in stored} == {"CPU"} and stored[0]["parent_block_hash"] is None
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_malformed_request_matrix(attached):

@@ -121,6 +121,19 @@ class InspectReport:
     miss_reason: MissReason | None
 
 
+@dataclass(frozen=True)
+class MatchReport:
+    """Match's answer: the longest cached prefix's blocks per local tier (labels), and how many
+    leading blocks the service believes Redis still holds. Takes no lease, changes nothing."""
+
+    namespace_id: str
+    prompt_tokens: int
+    hit_tokens: int
+    blocks: dict[str, int]
+    remote_blocks: int
+    miss_reason: MissReason | None
+
+
 def _leading_in(tiers: np.ndarray, mapped: Iterable[int]) -> int:
     """How many leading blocks lie in the `mapped` tiers (at most two: compares, no np.isin)."""
     inside = np.zeros(len(tiers), dtype=bool)
@@ -468,6 +481,27 @@ class CacheClient:
             reply.prompt_tokens,
             reply.hit_tokens,
             blocks,
+            wire.MISS_REASON_OF.get(reply.miss_reason),
+        )
+
+    def match(
+        self,
+        tokens: TokenInput,
+        cache_salt: str | None = None,
+        namespace_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> MatchReport:
+        """Where the prompt's cached prefix lives (a router's question): no lease, no TTL refresh."""
+        request = pb.MatchRequest(namespace_id=namespace_id or self.attachment.namespace_id, tokens=_token_list(tokens))
+        if cache_salt is not None:
+            request.cache_salt = cache_salt
+        reply = self._call(self._stub.Match, request, timeout_s)
+        return MatchReport(
+            reply.namespace_id,
+            reply.prompt_tokens,
+            reply.hit_tokens,
+            {wire.TIER_OF[t.tier].label: t.blocks for t in reply.tiers if t.tier in wire.TIER_OF},
+            reply.remote_blocks,
             wire.MISS_REASON_OF.get(reply.miss_reason),
         )
 

@@ -494,3 +494,29 @@ class FlushResponse(_message.Message):
     EVICTED_FIELD_NUMBER: _ClassVar[int]
     evicted: int
     def __init__(self, evicted: _Optional[int] = ...) -> None: ...
+
+class MatchRequest(_message.Message):
+    __slots__ = ("namespace_id", "tokens", "cache_salt")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    def __init__(self, namespace_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class MatchResponse(_message.Message):
+    __slots__ = ("namespace_id", "prompt_tokens", "hit_tokens", "tiers", "remote_blocks", "miss_reason")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MISS_REASON_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    prompt_tokens: int
+    hit_tokens: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierBlocks]
+    remote_blocks: int
+    miss_reason: MissReason
+    def __init__(self, namespace_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ..., remote_blocks: _Optional[int] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ...) -> None: ...

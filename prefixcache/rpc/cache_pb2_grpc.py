@@ -95,6 +95,11 @@ class PrefixCacheStub:
                 request_serializer=prefixcache_dot_v1_dot_cache__pb2.FlushRequest.SerializeToString,
                 response_deserializer=prefixcache_dot_v1_dot_cache__pb2.FlushResponse.FromString,
                 _registered_method=True)
+        self.Match = channel.unary_unary(
+                '/prefixcache.v1.PrefixCache/Match',
+                request_serializer=prefixcache_dot_v1_dot_cache__pb2.MatchRequest.SerializeToString,
+                response_deserializer=prefixcache_dot_v1_dot_cache__pb2.MatchResponse.FromString,
+                _registered_method=True)
 
 
 class PrefixCacheServicer:
@@ -184,6 +189,14 @@ class PrefixCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Match(self, request, context):
+        """For a router: how many leading blocks of a prompt each tier holds. Takes no lease,
+        refreshes no TTL, counts no lookup and never waits on Redis (docs/deploy.md "Many engines").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefixCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -246,6 +259,11 @@ def add_PrefixCacheServicer_to_server(servicer, server):
                     servicer.Flush,
                     request_deserializer=prefixcache_dot_v1_dot_cache__pb2.FlushRequest.FromString,
                     response_serializer=prefixcache_dot_v1_dot_cache__pb2.FlushResponse.SerializeToString,
+            ),
+            'Match': grpc.unary_unary_rpc_method_handler(
+                    servicer.Match,
+                    request_deserializer=prefixcache_dot_v1_dot_cache__pb2.MatchRequest.FromString,
+                    response_serializer=prefixcache_dot_v1_dot_cache__pb2.MatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -572,6 +590,33 @@ class PrefixCache:
             '/prefixcache.v1.PrefixCache/Flush',
             prefixcache_dot_v1_dot_cache__pb2.FlushRequest.SerializeToString,
             prefixcache_dot_v1_dot_cache__pb2.FlushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Match(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prefixcache.v1.PrefixCache/Match',
+            prefixcache_dot_v1_dot_cache__pb2.MatchRequest.SerializeToString,
+            prefixcache_dot_v1_dot_cache__pb2.MatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,6 @@
-"""`prefixcache stats | top | inspect | namespaces | evict | flush`: the operator commands' flags and examples.
+"""`prefixcache stats | top | inspect | match | namespaces | evict | flush`: the operator commands' flags and examples.
 
-`register(subparsers)` adds the six parsers and sets each one's `handler`
+`register(subparsers)` adds the seven parsers and sets each one's `handler`
 (handlers.py and top.py). Every command shares the connection flags of
 connect.py (`--cache`, `--auth-token`/env PREFIXCACHE_AUTH_TOKEN, `--timeout`,
 `--tls`, `--tls-ca`). Heavy modules (the worker's model) load only when a
@@ -31,6 +31,10 @@ INSPECT_EXAMPLES = """examples:
   prefixcache inspect --text "What is the capital of France?" --chat      # as the worker renders a chat
   prefixcache inspect --tokens-file prompt.json --namespace 3f2a...        # ids as a JSON list
   prefixcache inspect --text "..." --model /models/Qwen2.5-0.5B-Instruct --dtype bfloat16 --json
+"""
+MATCH_EXAMPLES = """examples:
+  prefixcache match --cache 127.0.0.1:50051 --text "You are a helpful assistant..."
+  prefixcache match --tokens-file prompt.json --namespace 3f2a... --json | jq .tiers
 """
 NAMESPACES_EXAMPLES = """examples:
   prefixcache namespaces --cache 127.0.0.1:50051
@@ -124,6 +128,23 @@ def _register_inspect(subparsers) -> None:
     parser.set_defaults(handler=handlers.inspect)
 
 
+def _register_match(subparsers) -> None:
+    parser = _parser(
+        subparsers,
+        "match",
+        "how many leading blocks of a prompt each tier holds (a router's view)",
+        "Asks the service's Match, what a router asks: the prompt's cached prefix as blocks per "
+        "local tier, and how many of them the service believes Redis still holds. Takes no lease, "
+        "refreshes no TTL, counts no lookup and does not ask Redis. The prompt and namespace flags "
+        "are inspect's.",
+        MATCH_EXAMPLES,
+    )
+    add_prompt_arguments(parser, "--text", "the prompt")
+    add_identity_arguments(parser)
+    _add_json(parser, "the answer")
+    parser.set_defaults(handler=handlers.match)
+
+
 def _register_evict(subparsers) -> None:
     parser = _parser(
         subparsers,
@@ -174,6 +195,7 @@ def register(subparsers) -> None:
     _register_stats(subparsers)
     _register_top(subparsers)
     _register_inspect(subparsers)
+    _register_match(subparsers)
     _register_namespaces(subparsers)
     _register_evict(subparsers)
     _register_flush(subparsers)

@@ -1,4 +1,4 @@
-"""The handlers of `stats`, `inspect`, `namespaces`, `evict` and `flush` (argparse namespace in, exit code out).
+"""The handlers of `stats`, `inspect`, `match`, `namespaces`, `evict` and `flush` (argparse namespace in, exit code out).
 
 Each opens one client through `connect()`, makes its calls, and prints either
 rich output or one JSON document (`--json`) on stdout. Errors leave as
@@ -19,6 +19,7 @@ from prefixcache.config import parse_duration
 from .connect import AdminError, connect
 from .document import SCHEMA_VERSION, stats_document
 from .inspect_view import inspect_document, inspect_view
+from .match_view import match_document, match_view
 from .namespaces_view import namespaces_document, namespaces_view
 from .prompt import prompt_tokens, resolve_namespace
 from .stats_view import stats_view
@@ -60,6 +61,25 @@ def inspect(args: argparse.Namespace) -> int:
         _print_json(document)
     else:
         Console().print(inspect_view(document, args.max_rows))
+    return 0
+
+
+def match(args: argparse.Namespace) -> int:
+    tokens = prompt_tokens(args, args.text, args.tokens_file)
+    if not tokens:
+        raise AdminError("the prompt is empty: nothing to match")
+    with connect(args) as client:
+        service = client.stats()
+        namespace_id, identity = resolve_namespace(args, client, service)
+        block_size = service.layout.block_size if service.layout is not None else args.block_size
+        report = None
+        if namespace_id is not None and service.ready:
+            report = client.match(tokens, cache_salt=args.cache_salt, namespace_id=namespace_id)
+        document = match_document(client.address, namespace_id, identity, report, len(tokens), block_size)
+    if args.json:
+        _print_json(document)
+    else:
+        Console().print(match_view(document))
     return 0
 
 

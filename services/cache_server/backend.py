@@ -59,8 +59,9 @@ from prefixcache.errors import (
     UnknownNamespace,
 )
 from prefixcache.hashing import namespace_id
+from prefixcache.index import MissReason
 from prefixcache.leases import Reservation
-from prefixcache.results import BlockLocation, CommitResult, LookupResult
+from prefixcache.results import BlockLocation, CommitResult, LookupResult, PrefixMatch
 from prefixcache.stats import StatsSnapshot
 from prefixcache.tiers.base import RemoteTier, ShareHandle, TierKind
 from prefixcache.tiers.device import DeviceTier
@@ -442,6 +443,17 @@ class CacheBackend:
         if resolved is None:  # a salt never used holds nothing
             return ns_id, BlockReport.empty(len(tokens), self._require().layout.block_size)
         return resolved, inspect_prefix(self._require(), resolved, tokens)
+
+    def match(self, principal: Principal, ns_id: str, salt: str | None, tokens: np.ndarray) -> tuple[PrefixMatch, int]:
+        """The router's question (Match), and the namespace's block bytes. Read-only, so a salt
+        never used matches nothing."""
+        resolved = self.resolve(principal, ns_id, salt, create=False)
+        cache = self._require()
+        block_bytes = cache.layout_of(ns_id).block_bytes  # a salted sibling has the same layout
+        if resolved is None:
+            stop = MissReason.TOO_SHORT if len(tokens) < cache.layout.block_size else MissReason.NOT_CACHED
+            return PrefixMatch(ns_id, len(tokens), 0, {}, 0, stop), block_bytes
+        return cache.match(resolved, tokens), block_bytes
 
     def evict(
         self,

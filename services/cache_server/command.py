@@ -108,6 +108,19 @@ def register(subparsers) -> None:
     )
     add("--max-prompt-tokens", type=int, default=1 << 20, help="longest prompt accepted (default %(default)s)")
     add("--max-leases", type=int, default=4096, help="leases held at once (default %(default)s)")
+    events = parser.add_argument_group("KV events for routers (vLLM's KVEventBatch over ZMQ; docs/deploy.md)")
+    events.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="publish what the local tiers gain and lose on this ZMQ PUB address (default: off)",
+    )
+    events.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="answer replay requests (a start sequence number) on this ZMQ ROUTER address",
+    )
     auth = parser.add_mutually_exclusive_group()
     auth.add_argument("--auth-token", default=None, help=f"shared bearer token (or env {TOKEN_ENV})")
     auth.add_argument("--auth-token-file", default=None, help="file holding the shared bearer token")
@@ -342,6 +355,8 @@ def options_from(args: argparse.Namespace) -> ServerOptions:
         if args.max_store_buffer is None
         else parse_size(args.max_store_buffer, "max_store_buffer"),
         grace_s=parse_duration(args.grace, "grace"),
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
     )
 
 

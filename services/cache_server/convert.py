@@ -16,7 +16,7 @@ from prefixcache.client import wire
 from prefixcache.config import KVLayout, validate_salt
 from prefixcache.errors import ConfigError, InvalidArgument
 from prefixcache.hashing import MAX_TOKEN_ID
-from prefixcache.results import BlockLocations, CommitResult, LookupResult
+from prefixcache.results import BlockLocations, CommitResult, LookupResult, PrefixMatch
 from prefixcache.rpc import cache_pb2 as pb
 
 from .inspect import BlockReport
@@ -172,4 +172,15 @@ def inspect_response(ns_id: str, report: BlockReport) -> pb.InspectResponse:
             )
             for b in report.blocks
         ],
+    )
+
+
+def match_response(result: PrefixMatch, block_bytes: int) -> pb.MatchResponse:
+    return pb.MatchResponse(
+        namespace_id=result.namespace_id,
+        prompt_tokens=result.prompt_tokens,
+        hit_tokens=result.hit_tokens,
+        tiers=[pb.TierBlocks(tier=TIERS[kind], blocks=n, bytes=n * block_bytes) for kind, n in result.blocks.items()],
+        remote_blocks=result.remote_blocks,
+        miss_reason=wire.MISS_REASONS[result.miss_reason],
     )

@@ -46,6 +46,8 @@ class ServerOptions:
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
     expire_interval_s: float = 1.0
+    kv_events_endpoint: str | None = None  # ZMQ PUB address of the KV events (kv_events.py); None: off
+    kv_events_replay_endpoint: str | None = None  # ZMQ ROUTER address answering replay requests
 
     def __post_init__(self) -> None:
         split_host_port(self.listen)
@@ -60,6 +62,12 @@ class ServerOptions:
         for name in ("max_concurrent_rpcs", "workers", "stream_workers"):
             if not 1 <= getattr(self, name) <= 65536:
                 raise ConfigError(name, "must be in [1, 65536]")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(name, f"expected a ZMQ address such as tcp://0.0.0.0:5557, got {value!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ConfigError("kv_events_replay_endpoint", "needs --kv-events-endpoint")
         if not 0 < self.tenant_share <= 1:
             raise ConfigError("tenant_share", f"must be in (0, 1], got {self.tenant_share}")
         if self.max_store_buffer_bytes is not None and self.max_store_buffer_bytes < 1:

@@ -41,6 +41,7 @@ from prefixcache.tiers.shm import segment_name_for
 
 from .auth import AuthInterceptor
 from .backend import CacheBackend
+from .kv_events import KvEventPublisher
 from .metrics import ServiceMetrics, disk_stats_of, remote_stats_of
 from .options import ServerOptions
 from .pools import (
@@ -110,6 +111,7 @@ class CacheServer:
         )
         self.health = health.HealthServicer()
         self._ticker = Ticker("prefixcache-expire", options.expire_interval_s, self.backend.expire)
+        self.kv_events: KvEventPublisher | None = None
         self._stopped = threading.Event()
         self._shutdown_lock = threading.Lock()
         self.port = 0
@@ -192,6 +194,10 @@ class CacheServer:
         self._server.start()
         self._ticker.start()
         self._load_ticker.start()
+        if self.options.kv_events_endpoint is not None:
+            self.kv_events = KvEventPublisher(
+                lambda: self.backend.cache, self.options.kv_events_endpoint, self.options.kv_events_replay_endpoint
+            )
         if self.metrics is not None:
             assert self.options.metrics_port is not None  # the exporter exists only with a port
             self.metrics_port = self.metrics.serve(
@@ -238,6 +244,8 @@ class CacheServer:
             self._ticker.stop()
             self._load_ticker.stop()
             self.streams.close()
+            if self.kv_events is not None:
+                self.kv_events.close()  # publishes the last changes first
             self.backend.close()
             if self.metrics is not None:
                 self.metrics.close()

@@ -43,6 +43,7 @@ UNARY_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "ListNamespaces": (pb.ListNamespacesRequest, pb.ListNamespacesResponse),
     "Evict": (pb.EvictRequest, pb.EvictResponse),
     "Flush": (pb.FlushRequest, pb.FlushResponse),
+    "Match": (pb.MatchRequest, pb.MatchResponse),
 }
 METHODS = (*UNARY_METHODS, "Fetch", "Store")
 REQUEST_TYPES = {
@@ -306,6 +307,12 @@ class PrefixCacheServicer:
         salt = convert.salt(request)
         resolved, report = self._backend.inspect(principal, ns_id, salt, self._tokens(request.tokens))
         return convert.inspect_response(resolved, report)
+
+    def Match(self, request: pb.MatchRequest, context) -> pb.MatchResponse:
+        principal = self._begin(request, context)
+        ns_id = convert.namespace_id(request.namespace_id)
+        result, block_bytes = self._backend.match(principal, ns_id, convert.salt(request), self._tokens(request.tokens))
+        return convert.match_response(result, block_bytes)
 
     def ListNamespaces(self, request: pb.ListNamespacesRequest, context) -> pb.ListNamespacesResponse:
         principal = self._begin(request, context)

@@ -393,6 +393,18 @@ MATRIX = {
         "namespace_id",
         lambda s, ns: s.Evict(pb.EvictRequest(namespace_id="0123456789abcdef")),
     ),
+    "match unknown namespace": (
+        "Match",
+        CODE.INVALID_ARGUMENT,
+        "namespace_id",
+        lambda s, ns: s.Match(pb.MatchRequest(namespace_id="0123456789abcdef", tokens=prompt(1))),
+    ),
+    "match bad tokens": (
+        "Match",
+        CODE.INVALID_ARGUMENT,
+        "tokens",
+        lambda s, ns: s.Match(pb.MatchRequest(namespace_id=ns, tokens=[-1])),
+    ),
     "inspect bad tokens": (
         "Inspect",
         CODE.INVALID_ARGUMENT,
@@ -414,6 +426,7 @@ FUZZ_METHODS = {
     "Release": ("unary", pb.ReleaseRequest(lease_id=99)),
     "GetStats": ("unary", pb.GetStatsRequest()),
     "Inspect": ("unary", pb.InspectRequest(namespace_id="0" * 16, tokens=prompt(2))),
+    "Match": ("unary", pb.MatchRequest(namespace_id="0" * 16, tokens=prompt(2), cache_salt="s")),
     "Evict": ("unary", pb.EvictRequest(namespace_id="0" * 16, older_than_seconds=5, prefix=pb.TokenPrefix(tokens=[1]))),
     "Flush": ("unary", pb.FlushRequest()),
     "ListNamespaces": ("unary", pb.ListNamespacesRequest()),
