@@ -1,5 +1,8 @@
 """Leases (timed pins on a matched path) and reservations (slots being written): `LeaseTable`.
 
+An operator pin (`PrefixCache.pin`) is a lease too, marked `operator`: it has its own TTL
+(or none), does not count against `max_leases`, and only `unpin` ends it early.
+
 Ids are random 63-bit numbers, so a client cannot guess another's lease; lease and
 reservation ids are drawn from one space, so neither can be mistaken for the other.
 Both expire, so a crashed worker cannot hold memory forever.
@@ -27,7 +30,8 @@ class Lease:
     id: int
     namespace: int
     nodes: tuple[int, ...]
-    expires_at: float
+    expires_at: float  # inf: an operator pin without a TTL
+    operator: bool = False  # an operator pin, not a worker's lease
 
 
 @dataclass(frozen=True)
@@ -46,31 +50,44 @@ class LeaseTable:
     def __init__(self, max_leases: int) -> None:
         self.max_leases = max_leases
         self._leases: dict[int, Lease] = {}
+        self._pins = 0  # how many of `_leases` are operator pins
         self._reservations: dict[int, Reservation] = {}
         self._random = array.array("Q")  # unused random 64-bit words for ids
 
     # -- leases ------------------------------------------------------------------
     def lease_count(self) -> int:
-        return len(self._leases)
+        """Workers' leases (operator pins not counted)."""
+        return len(self._leases) - self._pins
 
     def leases(self) -> Iterable[Lease]:
+        """Every lease, operator pins included (each holds its index pins)."""
         return self._leases.values()
 
-    def full(self) -> bool:
-        return len(self._leases) >= self.max_leases
+    def pins(self) -> list[Lease]:
+        return [lease for lease in self._leases.values() if lease.operator]
 
-    def add_lease(self, namespace: int, nodes: tuple[int, ...], expires_at: float) -> Lease:
-        lease = Lease(self._new_id(), namespace, nodes, expires_at)
+    def full(self) -> bool:
+        return self.lease_count() >= self.max_leases
+
+    def add_lease(self, namespace: int, nodes: tuple[int, ...], expires_at: float, operator: bool = False) -> Lease:
+        lease = Lease(self._new_id(), namespace, nodes, expires_at, operator)
         self._leases[lease.id] = lease
+        self._pins += operator
         return lease
 
-    def live_lease(self, lease_id: int, now: float) -> Lease | None:
-        """The lease if it exists and has not expired (an expired one stays until reclaimed)."""
+    def live_lease(self, lease_id: int, now: float, operator: bool = False) -> Lease | None:
+        """The lease (or, with `operator`, the pin) if it exists and has not expired (an expired
+        one stays until reclaimed)."""
         lease = self._leases.get(lease_id)
-        return lease if lease is not None and lease.expires_at > now else None
+        return lease if lease is not None and lease.expires_at > now and lease.operator == operator else None
 
-    def pop_lease(self, lease_id: int) -> Lease | None:
-        return self._leases.pop(lease_id, None)
+    def pop_lease(self, lease_id: int, operator: bool = False) -> Lease | None:
+        """Remove a lease (with `operator`, a pin); a pin is never taken for a lease or back."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.operator != operator:
+            return None
+        self._pins -= operator
+        return self._leases.pop(lease_id)
 
     # -- reservations ----------------------------------------------------------------
     def reservations(self) -> Iterable[Reservation]:
@@ -99,6 +116,7 @@ class LeaseTable:
         leases = [lease for lease in self._leases.values() if lease.expires_at <= now]
         for lease in leases:
             del self._leases[lease.id]
+            self._pins -= lease.operator
         reservations = [r for r in self._reservations.values() if r.expires_at <= now]
         for reservation in reservations:
             del self._reservations[reservation.id]
