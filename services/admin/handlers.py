@@ -1,4 +1,4 @@
-"""The handlers of `stats`, `inspect`, `namespaces`, `evict` and `flush` (argparse namespace in, exit code out).
+"""The handlers of `stats`, `inspect`, `namespaces`, `evict`, `flush`, `pin`, `unpin`, `pins` (argparse namespace in, exit code out).
 
 Each opens one client through `connect()`, makes its calls, and prints either
 rich output or one JSON document (`--json`) on stdout. Errors leave as
@@ -124,4 +124,62 @@ def flush(args: argparse.Namespace) -> int:
         _print_json({"schema_version": SCHEMA_VERSION, "address": address, "evicted": evicted})
     else:
         print(f"flushed {evicted:,} block(s) from {address}")
+    return 0
+
+
+def _pin_entry(pin) -> dict:
+    return {
+        "pin_id": pin.pin_id,
+        "namespace_id": pin.namespace_id,
+        "pinned_tokens": pin.pinned_tokens,
+        "expires_in_s": pin.expires_in_s,
+    }
+
+
+def _left(pin) -> str:
+    return "no TTL" if pin.expires_in_s is None else f"{pin.expires_in_s:,.0f} s left"
+
+
+def pin(args: argparse.Namespace) -> int:
+    ttl_s = None if args.ttl is None else parse_duration(args.ttl, "--ttl")
+    tokens = prompt_tokens(args, args.text, args.tokens_file)
+    if not tokens:
+        raise AdminError("the prefix is empty: nothing to pin")
+    with connect(args) as client:
+        namespace_id, _ = resolve_namespace(args, client, client.stats())
+        if namespace_id is None:
+            raise AdminError("nothing is cached yet (no worker has attached): nothing to pin")
+        made = client.pin(tokens, namespace_id=namespace_id, ttl_s=ttl_s, cache_salt=args.cache_salt)
+        address = client.address
+    if args.json:
+        _print_json({"schema_version": SCHEMA_VERSION, "address": address, **_pin_entry(made)})
+    else:
+        print(
+            f"pin {made.pin_id}: {made.pinned_tokens:,} of {len(tokens):,} token(s) pinned ({_left(made)}) at {address}"
+        )
+    return 0
+
+
+def unpin(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        client.unpin(args.pin_id)
+        address = client.address
+    if args.json:
+        _print_json({"schema_version": SCHEMA_VERSION, "address": address, "pin_id": args.pin_id})
+    else:
+        print(f"unpinned {args.pin_id} at {address}")
+    return 0
+
+
+def pins(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        found = client.pins()
+        address = client.address
+    if args.json:
+        _print_json({"schema_version": SCHEMA_VERSION, "address": address, "pins": [_pin_entry(p) for p in found]})
+        return 0
+    if not found:
+        print(f"no pins at {address}")
+    for p in found:
+        print(f"{p.pin_id}  {p.namespace_id}  {p.pinned_tokens:,} token(s)  {_left(p)}")
     return 0
