@@ -40,7 +40,7 @@ COMMAND_MODULES = (
     ("prefixcache_services.worker.command", ("worker",)),
     (
         "prefixcache_services.admin.commands",
-        ("stats", "top", "inspect", "namespaces", "evict", "flush", "pin", "unpin", "pins"),
+        ("stats", "top", "inspect", "namespaces", "evict", "flush", "pin", "unpin", "pins", "warm"),
     ),
     ("prefixcache_services.replay.command", ("replay",)),
     ("prefixcache_services.demo", ("demo",)),
@@ -60,6 +60,7 @@ SUMMARIES = {
     "pin": "keep a prompt prefix cached (LRU, TTL and flush leave it)",
     "unpin": "end a pin",
     "pins": "the live pins a credential can see",
+    "warm": "promote a prompt prefix from Redis into the host tier",
     "replay": "load-test with multi-turn chat transcripts (A/B, cache-only)",
     "demo": "start a cache service and two workers locally, replay ShareGPT with and without the cache",
 }

@@ -589,6 +589,16 @@ def test_pin_keeps_a_prefix_through_flush_until_unpin(stack, populated, tmp_path
     again = cli("unpin", *address, str(pin_id))
     assert again.returncode != 0 and "pin_id" in again.stderr
     assert cli("pins", *address).stdout == f"no pins at {stack.address}\n"
+    warmed = cli("warm", *address, "--namespace", populated.namespace_id, "--tokens-file", str(prefix), "--json")
+    assert warmed.returncode == 0, warmed.stderr
+    assert {k: json.loads(warmed.stdout)[k] for k in ("cached_tokens", "host_tokens", "prompt_tokens")} == {
+        "cached_tokens": 4 * BLOCK,
+        "host_tokens": 4 * BLOCK,
+        "prompt_tokens": 4 * BLOCK + 3,
+    }
+    prefix.write_text(json.dumps(UNCACHED))
+    cold = cli("warm", *address, "--namespace", populated.namespace_id, "--tokens-file", str(prefix))
+    assert cold.returncode == 1 and cold.stderr == f"nothing holds this prefix at {stack.address}\n"
 
 
 # -- metrics and the dashboard -------------------------------------------------------------------------

@@ -249,15 +249,19 @@ class CacheClient:
         take_lease: bool = True,
         timeout_s: float | None = None,
         recompute_s_per_token: float | None = None,
+        namespace_id: str | None = None,
     ) -> Hit:
         """Longest cached prefix of `tokens`; with a lease its blocks stay put until `release`.
 
         `recompute_s_per_token` (1 / this worker's prefill rate) lets the service skip Redis
         blocks that would arrive slower than recomputing them (`Hit.remote_blocks_declined`).
+        `namespace_id` (default: the attached one) lets an operator tool look up, e.g. to warm,
+        any namespace its token may act on.
         """
-        attachment = self.attachment
         request = pb.LookupRequest(
-            namespace_id=attachment.namespace_id, tokens=_token_list(tokens), take_lease=take_lease
+            namespace_id=namespace_id or self.attachment.namespace_id,
+            tokens=_token_list(tokens),
+            take_lease=take_lease,
         )
         if cache_salt is not None:
             request.cache_salt = cache_salt

@@ -1,7 +1,7 @@
-"""`prefixcache stats | top | inspect | namespaces | evict | flush | pin | unpin | pins`: the operator
-commands' flags and examples.
+"""`prefixcache stats | top | inspect | namespaces | evict | flush | pin | unpin | pins | warm`: the
+operator commands' flags and examples.
 
-`register(subparsers)` adds the nine parsers and sets each one's `handler`
+`register(subparsers)` adds the ten parsers and sets each one's `handler`
 (handlers.py and top.py). Every command shares the connection flags of
 connect.py (`--cache`, `--auth-token`/env PREFIXCACHE_AUTH_TOKEN, `--timeout`,
 `--tls`, `--tls-ca`). Heavy modules (the worker's model) load only when a
@@ -52,6 +52,7 @@ PIN_EXAMPLES = """examples:
   prefixcache pin --tokens-file system.json --namespace 3f2a... --ttl 24h
   prefixcache pins --json | jq '.pins[].pin_id'
   prefixcache unpin 1234567890
+  prefixcache warm --text "You are a helpful assistant..."       # Redis -> host tier ahead of traffic
 """
 
 
@@ -211,6 +212,21 @@ def _register_pins(subparsers) -> None:
     )
     _add_json(parser, "one document")
     parser.set_defaults(handler=handlers.pins)
+
+    parser = _parser(
+        subparsers,
+        "warm",
+        "promote a prompt prefix from Redis into the host tier",
+        "Looks a prompt prefix up once, as a worker would (it counts as a lookup), so the blocks "
+        "only Redis holds are promoted into the host tier ahead of traffic; says how much of it the "
+        "host tier now holds, or, exit 1, that no tier holds any of it. `pin` does the same and "
+        "keeps it there.",
+        PIN_EXAMPLES,
+    )
+    add_prompt_arguments(parser, "--text", "the prefix")
+    add_identity_arguments(parser)
+    _add_json(parser, "the result")
+    parser.set_defaults(handler=handlers.warm)
 
 
 def register(subparsers) -> None:

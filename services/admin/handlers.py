@@ -1,4 +1,4 @@
-"""The handlers of `stats`, `inspect`, `namespaces`, `evict`, `flush`, `pin`, `unpin`, `pins` (argparse namespace in, exit code out).
+"""The handlers of `stats`, `inspect`, `namespaces`, `evict`, `flush`, `pin`, `unpin`, `pins`, `warm` (argparse namespace in, exit code out).
 
 Each opens one client through `connect()`, makes its calls, and prints either
 rich output or one JSON document (`--json`) on stdout. Errors leave as
@@ -15,6 +15,7 @@ import sys
 from rich.console import Console
 
 from prefixcache.config import parse_duration
+from prefixcache.tiers.base import TierKind
 
 from .connect import AdminError, connect
 from .document import SCHEMA_VERSION, stats_document
@@ -183,3 +184,35 @@ def pins(args: argparse.Namespace) -> int:
     for p in found:
         print(f"{p.pin_id}  {p.namespace_id}  {p.pinned_tokens:,} token(s)  {_left(p)}")
     return 0
+
+
+def warm(args: argparse.Namespace) -> int:
+    tokens = prompt_tokens(args, args.text, args.tokens_file)
+    if not tokens:
+        raise AdminError("the prefix is empty: nothing to warm")
+    with connect(args) as client:
+        service = client.stats()
+        namespace_id, _ = resolve_namespace(args, client, service)
+        hit = None
+        if namespace_id is not None:
+            hit = client.lookup(tokens, cache_salt=args.cache_salt, take_lease=False, namespace_id=namespace_id)
+        address = client.address
+    block_size = service.layout.block_size if service.layout is not None else 0
+    host = 0 if hit is None else int((hit.locations.tiers == TierKind.HOST).sum()) * block_size
+    cached = 0 if hit is None else hit.hit_tokens
+    if args.json:
+        _print_json(
+            {
+                "schema_version": SCHEMA_VERSION,
+                "address": address,
+                "namespace_id": namespace_id,
+                "prompt_tokens": len(tokens),
+                "cached_tokens": cached,
+                "host_tokens": host,
+            }
+        )
+    elif cached:
+        print(f"warm: {cached:,} of {len(tokens):,} token(s) cached, {host:,} in the host tier, at {address}")
+    else:
+        print(f"nothing holds this prefix at {address}", file=sys.stderr)
+    return 0 if cached else 1
