@@ -4,7 +4,7 @@ This package may import grpc (it is not part of the core library); the core
 (hashing, index, tiers, cache, config) never imports it.
 """
 
-from .api import Attachment, BlockInfo, CacheClient, Hit, InspectReport
+from .api import Attachment, BlockInfo, CacheClient, Hit, InspectReport, PinInfo
 from .errors import CacheUnavailable, PermissionDenied, ServiceError, Unauthenticated
 from .wire import ServiceStats
 
@@ -15,6 +15,7 @@ __all__ = [
     "CacheUnavailable",
     "Hit",
     "InspectReport",
+    "PinInfo",
     "PermissionDenied",
     "ServiceError",
     "ServiceStats",
