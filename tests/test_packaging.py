@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.wheel import build_wheel
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.process
 
@@ -50,24 +52,7 @@ def test_no_extra_names_an_engine_or_its_torch():
 
 
 def test_the_wheel_holds_only_the_projects_import_names(tmp_path):
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "-w",
-            str(tmp_path),
-            str(ROOT),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    (wheel,) = tmp_path.glob("prefixcache-*.whl")
+    wheel = build_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
     tops = {name.split("/", 1)[0] for name in names}

