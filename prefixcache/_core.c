@@ -920,7 +920,7 @@ index_match(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
             stop = STOP_VERIFICATION_FAILED;
             break;
         }
-        if (x->access[row] < oldest) {
+        if (x->access[row] < oldest && x->pins[row] == 0) { /* pinned: expire() keeps it, so it matches */
             stop = STOP_EXPIRED;
             break;
         }

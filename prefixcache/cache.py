@@ -397,6 +397,39 @@ class PrefixCache:
                 raise UnknownLease(lease_id)
             self.index.unpin(list(lease.nodes))
 
+    # -- operator pins ----------------------------------------------------------------
+    def pin(self, ns_id: str, tokens: Tokens, ttl_s: float | None = None) -> Lease:
+        """Pin the cached prefix of `tokens` (promoted from Redis first, as a lookup does) so LRU,
+        TTL expiry and flush leave it in its local tier until `unpin` or `ttl_s` (None: no end).
+
+        A lease held by the operator: the lookup's lease becomes the pin, so the path is verified
+        and never unpinned in between. Raises InvalidArgument when no block of it is cached."""
+        if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not ttl_s > 0):
+            raise InvalidArgument("ttl_s", f"must be a number > 0 or None, got {ttl_s!r}")
+        found = self.lookup(ns_id, tokens, take_lease=True)
+        if found.lease_id is None:
+            raise InvalidArgument("tokens", f"no block of this prefix is cached in {ns_id!r}: store or warm it first")
+        with self._lock:
+            lease = self.leases.pop_lease(found.lease_id)
+            if lease is None:  # reclaimed in between (a lease TTL shorter than this call)
+                raise UnknownLease(found.lease_id)
+            expires = float("inf") if ttl_s is None else self.clock() + ttl_s
+            return self.leases.add_lease(lease.namespace, lease.nodes, expires, lease.tenant, operator=True)
+
+    def unpin(self, pin_id: int) -> None:
+        with self._lock:
+            pin = self.leases.pop_lease(pin_id, operator=True)
+            if pin is None:
+                raise InvalidArgument("pin_id", f"pin {pin_id} is unknown or has expired")
+            self.index.unpin(list(pin.nodes))
+
+    def pins(self) -> list[tuple[str, Lease]]:
+        """Live operator pins with their namespace ids, soonest to expire first."""
+        with self._lock:
+            now = self.clock()
+            live = [p for p in self.leases.pins() if p.expires_at > now]
+            return [(self.namespaces.by_row(p.namespace).id, p) for p in sorted(live, key=lambda p: p.expires_at)]
+
     def _live_lease(self, lease_id: int) -> Lease:
         lease = self.leases.live_lease(lease_id, self.clock())
         if lease is None:

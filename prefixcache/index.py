@@ -119,6 +119,7 @@ class RadixIndex:
     # -- matching ---------------------------------------------------------
     def match(self, namespace: int, hashes: list[BlockHash], blocks: np.ndarray, now: float, ttl_s: float) -> Match:
         """Longest verified, unexpired chain for `hashes` (blocks: `[n, block_size]` u32, C-contiguous).
+        A pinned row is never expired here (expiry never drops it either).
 
         One call of the compiled core (`IndexCore.match`): it probes every hash, then walks the found
         rows and cuts at the first whose chain (parent, the namespace of the first), tokens or age

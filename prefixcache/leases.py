@@ -1,5 +1,8 @@
 """Leases (timed pins on a matched path) and reservations (slots being written): `LeaseTable`.
 
+An operator pin (`PrefixCache.pin`) is a lease too, marked `operator`: it has its own TTL
+(or none), does not count against `max_leases`, and only `unpin` ends it early.
+
 Ids are random 63-bit numbers, so a client cannot guess another's lease; lease and
 reservation ids are drawn from one space, so neither can be mistaken for the other.
 Both expire, so a crashed worker cannot hold memory forever.
@@ -27,8 +30,9 @@ class Lease:
     id: int
     namespace: int
     nodes: tuple[int, ...]
-    expires_at: float
+    expires_at: float  # inf: an operator pin without a TTL
     tenant: str = ""  # the namespace's tenant: each holds at most its share of the table (`full`)
+    operator: bool = False  # an operator pin, not a worker's lease (not counted in `full`)
 
 
 @dataclass(frozen=True)
@@ -54,20 +58,26 @@ class LeaseTable:
         self.tenant_share = max(1, int(max_leases * TENANT_LEASE_SHARE))
         self._per_tenant: dict[str, int] = {}  # live leases by tenant
         self._leases: dict[int, Lease] = {}
+        self._pins = 0  # how many of `_leases` are operator pins
         self._reservations: dict[int, Reservation] = {}
         self._random = array.array("Q")  # unused random 64-bit words for ids
 
     # -- leases ------------------------------------------------------------------
     def lease_count(self) -> int:
-        return len(self._leases)
+        """Workers' leases (operator pins not counted)."""
+        return len(self._leases) - self._pins
 
     def leases(self) -> Iterable[Lease]:
+        """Every lease, operator pins included (each holds its index pins)."""
         return self._leases.values()
+
+    def pins(self) -> list[Lease]:
+        return [lease for lease in self._leases.values() if lease.operator]
 
     def full(self, tenant: str | None = None) -> bool:
         """No lease may be added now: the table is full, or `tenant` (given when the cache holds
-        several tenants) holds its share."""
-        if len(self._leases) >= self.max_leases:
+        several tenants) holds its share. Operator pins count in neither."""
+        if self.lease_count() >= self.max_leases:
             return True
         return tenant is not None and self._per_tenant.get(tenant, 0) >= self.tenant_share
 
@@ -75,28 +85,39 @@ class LeaseTable:
         return self._per_tenant.get(tenant, 0)
 
     def _counted_out(self, lease: Lease) -> None:
+        if lease.operator:
+            self._pins -= 1
+            return
         left = self._per_tenant[lease.tenant] - 1
         if left:
             self._per_tenant[lease.tenant] = left
         else:
             del self._per_tenant[lease.tenant]
 
-    def add_lease(self, namespace: int, nodes: tuple[int, ...], expires_at: float, tenant: str = "") -> Lease:
-        lease = Lease(self._new_id(), namespace, nodes, expires_at, tenant)
+    def add_lease(
+        self, namespace: int, nodes: tuple[int, ...], expires_at: float, tenant: str = "", operator: bool = False
+    ) -> Lease:
+        lease = Lease(self._new_id(), namespace, nodes, expires_at, tenant, operator)
         self._leases[lease.id] = lease
-        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+        if operator:
+            self._pins += 1
+        else:
+            self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
         return lease
 
-    def live_lease(self, lease_id: int, now: float) -> Lease | None:
-        """The lease if it exists and has not expired (an expired one stays until reclaimed)."""
+    def live_lease(self, lease_id: int, now: float, operator: bool = False) -> Lease | None:
+        """The lease (or, with `operator`, the pin) if it exists and has not expired (an expired
+        one stays until reclaimed)."""
         lease = self._leases.get(lease_id)
-        return lease if lease is not None and lease.expires_at > now else None
+        return lease if lease is not None and lease.expires_at > now and lease.operator == operator else None
 
-    def pop_lease(self, lease_id: int) -> Lease | None:
-        lease = self._leases.pop(lease_id, None)
-        if lease is not None:
-            self._counted_out(lease)
-        return lease
+    def pop_lease(self, lease_id: int, operator: bool = False) -> Lease | None:
+        """Remove a lease (with `operator`, a pin); a pin is never taken for a lease or back."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.operator != operator:
+            return None
+        self._counted_out(lease)
+        return self._leases.pop(lease_id)
 
     # -- reservations ----------------------------------------------------------------
     def reservations(self) -> Iterable[Reservation]:

@@ -126,7 +126,11 @@ class TenantLedger:
             limit = self.limit_bytes(tenant, kind)
             capacity = tier.capacity_bytes if limit is None else min(tier.capacity_bytes, limit)
             snapshots.append(TierSnapshot(kind, len(rows), int(self.block_bytes(rows).sum()), capacity))
-        own = sum(1 for lease in self._leases.leases() if self._tenants.tenant(lease.namespace) == tenant)
+        own = sum(
+            1
+            for lease in self._leases.leases()
+            if not lease.operator and self._tenants.tenant(lease.namespace) == tenant
+        )
         return snapshot_of(
             c,
             uptime_s=uptime_s,

@@ -38,7 +38,10 @@ COMMAND_MODULES = (
     ("prefixcache_services.cache_server.command", ("serve",)),
     ("prefixcache_services.cache_server.shm_command", ("shm",)),
     ("prefixcache_services.worker.command", ("worker",)),
-    ("prefixcache_services.admin.commands", ("stats", "top", "inspect", "match", "namespaces", "evict", "flush")),
+    (
+        "prefixcache_services.admin.commands",
+        ("stats", "top", "inspect", "match", "namespaces", "evict", "flush", "pin", "unpin", "pins", "warm"),
+    ),
     ("prefixcache_services.replay.command", ("replay",)),
     ("prefixcache_services.demo", ("demo",)),
 )
@@ -55,6 +58,10 @@ SUMMARIES = {
     "namespaces": "the namespaces a credential can see, with resident blocks",
     "evict": "evict blocks by namespace, age or prompt prefix",
     "flush": "evict every unpinned block (asks first)",
+    "pin": "keep a prompt prefix cached (LRU, TTL and flush leave it)",
+    "unpin": "end a pin",
+    "pins": "the live pins a credential can see",
+    "warm": "promote a prompt prefix from Redis into the host tier",
     "replay": "load-test with multi-turn chat transcripts (A/B, cache-only)",
     "demo": "start a cache service and two workers locally, replay ShareGPT with and without the cache",
 }

@@ -540,3 +540,66 @@ def test_reserve_validates_its_arguments() -> None:
         with pytest.raises(ResourceExhausted):
             cache.reserve(5)
         assert_consistent(cache)
+
+
+# -- operator pins (issue 34) -----------------------------------------------------------------
+def test_an_operator_pin_survives_lru_pressure_ttl_and_flush_until_unpinned() -> None:
+    clock = ManualClock()
+    with make_cache(host_slots=4, clock=clock, ttl_s=100, lease_ttl_s=5, max_leases=1) as cache:
+        ns = cache.attach(namespace())
+        p, q, r = prompt(1, 2), prompt(3, 4), prompt(5, 6, 7, 8)
+        store(cache, ns, p)
+        store(cache, ns, q)
+        pin = cache.pin(ns, p + [9999])  # the partial tail is not a block; the two full ones are pinned
+        assert len(pin.nodes) == 2 and pin.operator and pin.expires_at == float("inf")
+        assert cache.stats().active_leases == 0  # not a worker's lease, not under max_leases
+        leased = cache.lookup(ns, q, take_lease=True).lease_id  # the one worker lease still fits
+        assert leased is not None
+        cache.release(leased)
+        clock.advance(6)  # past the lease TTL the pin's own lookup lease had
+        squeezed = store(cache, ns, r)  # the host is full: LRU takes q's blocks, never p's
+        assert (squeezed.stored, squeezed.rejected) == (2, 2)
+        assert cache.lookup(ns, q).hit_tokens == 0
+        clock.advance(200)  # past the block TTL: unpinned blocks expire, the pinned path does not
+        cache.expire()
+        cache.flush()
+        assert cache.lookup(ns, p).hit_tokens == 2 * BS
+        assert same_bytes(hit_kv(cache, ns, p), kv_for(p))
+        assert [(n, x.id) for n, x in cache.pins()] == [(ns, pin.id)]
+        with pytest.raises(UnknownLease):
+            cache.release(pin.id)  # a worker's release cannot end an operator's pin
+        assert_consistent(cache)
+        cache.unpin(pin.id)
+        assert cache.pins() == []
+        assert store(cache, ns, r).stored == 4  # the pin's blocks are evictable again
+        assert cache.lookup(ns, p).hit_tokens == 0
+        with pytest.raises(InvalidArgument) as caught:
+            cache.unpin(pin.id)
+        assert caught.value.field == "pin_id"
+        assert_consistent(cache)
+
+
+def test_a_pin_with_a_ttl_ends_and_bad_pins_name_their_field() -> None:
+    clock = ManualClock()
+    with make_cache(host_slots=4, clock=clock) as cache:
+        ns = cache.attach(namespace())
+        p, r = prompt(1, 2), prompt(5, 6, 7, 8)
+        store(cache, ns, p)
+        pin = cache.pin(ns, p, ttl_s=10)
+        clock.advance(9)
+        assert store(cache, ns, r).stored == 2  # still pinned: only two slots free
+        clock.advance(1)
+        assert cache.pins() == []
+        again = store(cache, ns, r)  # the expired pin is reclaimed to make room for r's last two
+        assert (again.stored, again.deduplicated, cache.lookup(ns, p).hit_tokens) == (2, 2, 0)
+        with pytest.raises(InvalidArgument) as caught:
+            cache.unpin(pin.id)
+        assert caught.value.field == "pin_id"
+        for bad in (0, -1, True, "1h"):
+            with pytest.raises(InvalidArgument) as caught:
+                cache.pin(ns, r, ttl_s=bad)
+            assert caught.value.field == "ttl_s"
+        with pytest.raises(InvalidArgument) as caught:
+            cache.pin(ns, prompt(42))
+        assert caught.value.field == "tokens"
+        assert_consistent(cache)

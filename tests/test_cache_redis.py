@@ -29,6 +29,7 @@ import pytest
 
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, DType, KVLayout
+from prefixcache.errors import InvalidArgument
 from prefixcache.index import MissReason
 from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.host import HostTier
@@ -528,3 +529,27 @@ def test_a_killed_cluster_node_degrades_to_the_host_tier_and_the_cluster_recover
                 assert sum(1 for _ in raw.scan_iter(match=f"{prefix}:*")) > 0
     finally:
         cluster.stop()
+
+
+# ---- operator pins (issue 34) ----------------------------------------------------------------------
+
+
+def test_a_pin_warms_a_prefix_from_redis_into_the_host_tier_and_keeps_it_there(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    with redis_cache(redis_server.url, prefix, host_slots=4) as (cache, ns):
+        a, b, c = tokens_for(1, 3), tokens_for(2, 4), tokens_for(3, 4)
+        store(cache, ns, a)
+        store(cache, ns, b)  # pushes a out of the host tier: only Redis holds it
+        assert cache.remote_link.tier.wait_idle(5)
+        assert cache.resident_blocks()[ns][TierKind.HOST] == 4
+        pin = cache.pin(ns, a)  # promoted from Redis, then pinned
+        assert len(pin.nodes) == 3 and cache.stats().promotions == {"host": 3}
+        assert store(cache, ns, c).stored == 1  # one slot is not pinned; c's other blocks are rejected
+        assert cache.remote_link.tier.wait_idle(5)
+        promotions = cache.stats().promotions
+        assert hit_blocks(cache, ns, a) == 3 and cache.stats().promotions == promotions  # from the host tier
+        cache.unpin(pin.id)
+        with pytest.raises(InvalidArgument) as caught:
+            cache.pin(ns, tokens_for(4, 2))  # neither tier holds it: reported, nothing pinned
+        assert caught.value.field == "tokens" and cache.pins() == []

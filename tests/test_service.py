@@ -419,7 +419,7 @@ def test_every_field_an_error_names_is_spelled_as_in_the_proto():
     ]
     assert not wrong, wrong
     with_errors = {method for method, code, _field, _call in MATRIX.values() if (code, True) in named}
-    assert with_errors >= set(METHODS) - {"GetStats", "ListNamespaces", "Flush", "Release"}, with_errors
+    assert with_errors >= set(METHODS) - {"GetStats", "ListNamespaces", "Flush", "Release", "ListPins"}, with_errors
 
 
 def test_client_raises_typed_errors(attached):
@@ -602,6 +602,40 @@ def test_list_namespaces_is_scoped_to_the_tenant(start):
         (globex_id, "globex"),
     }
     assert [n.tenant for n in everyone] == sorted(n.tenant for n in everyone)
+
+
+def test_pins_survive_lru_over_grpc_and_a_tenant_pins_only_its_own(start):
+    credentials = parse_credentials(
+        "tok-acme-0123456789 acme\ntok-globex-0123456789 globex\ntok-ops-0123456789 ops admin\n"
+    )
+    layout = layout_of()
+    server = start(authenticator=Authenticator(credentials), host_capacity=8 * layout.block_bytes)
+    acme, globex, ops = (start.client(server, auth_token=f"tok-{n}-0123456789") for n in ("acme", "globex", "ops"))
+    acme_id = acme.attach("model", layout, same_host=False).namespace_id
+    globex.attach("model", layout, same_host=False)
+    system, kv = prompt(4, start=0), random_kv(4, layout, seed=31)
+    acme.store(system, kv)
+    with pytest.raises(InvalidArgument) as caught:  # another tenant's namespace is "unknown"
+        globex.pin(system, namespace_id=acme_id)
+    assert caught.value.field == "namespace_id"
+    pin = acme.pin(system + [5], ttl_s=3600)
+    assert (pin.namespace_id, pin.pinned_tokens) == (acme_id, 4 * BLOCK) and 3590 < pin.expires_in_s <= 3600
+    for seed in range(3):  # LRU pressure: 12 blocks through the 4 unpinned slots
+        acme.store(prompt(4, start=10_000 * (seed + 1)), random_kv(4, layout, seed=seed))
+    assert ops.flush() > 0
+    hit = acme.lookup(system)
+    assert hit.hit_tokens == 4 * BLOCK and same_bytes(acme.read(hit), kv)
+    acme.release(hit)
+    assert [p.pin_id for p in acme.pins()] == [p.pin_id for p in ops.pins()] == [pin.pin_id]
+    assert globex.pins() == []
+    with pytest.raises(InvalidArgument) as caught:
+        globex.unpin(pin.pin_id)  # another tenant's pin is "unknown" and stays
+    assert caught.value.field == "pin_id" and len(acme.pins()) == 1
+    with pytest.raises(InvalidArgument) as caught:
+        acme.pin(prompt(2, start=90_000))  # nothing holds it
+    assert caught.value.field == "prefix.tokens"  # as PinRequest names it
+    ops.unpin(pin.pin_id)  # the admin may end any pin
+    assert acme.pins() == [] and ops.flush() == 4
 
 
 def test_credentials_file_errors_name_the_line():

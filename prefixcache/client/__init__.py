@@ -4,7 +4,7 @@ This package may import grpc (it is not part of the core library); the core
 (hashing, index, tiers, cache, config) never imports it.
 """
 
-from .api import Attachment, BlockInfo, CacheClient, Hit, InspectReport, MatchReport
+from .api import Attachment, BlockInfo, CacheClient, Hit, InspectReport, MatchReport, PinInfo
 from .errors import CacheUnavailable, PermissionDenied, ServiceError, Unauthenticated
 from .wire import ServiceStats
 
@@ -16,6 +16,7 @@ __all__ = [
     "Hit",
     "InspectReport",
     "MatchReport",
+    "PinInfo",
     "PermissionDenied",
     "ServiceError",
     "ServiceStats",

@@ -113,6 +113,21 @@ class BlockInfo:
 
 
 @dataclass(frozen=True)
+class PinInfo:
+    """An operator pin (Pin, ListPins): `expires_in_s` None means until unpinned."""
+
+    pin_id: int
+    namespace_id: str
+    pinned_tokens: int
+    expires_in_s: float | None
+
+    @classmethod
+    def of(cls, message: pb.Pin) -> PinInfo:
+        expires = message.expires_in_seconds if message.HasField("expires_in_seconds") else None
+        return cls(message.pin_id, message.namespace_id, message.pinned_tokens, expires)
+
+
+@dataclass(frozen=True)
 class InspectReport:
     namespace_id: str
     prompt_tokens: int
@@ -247,15 +262,19 @@ class CacheClient:
         take_lease: bool = True,
         timeout_s: float | None = None,
         recompute_s_per_token: float | None = None,
+        namespace_id: str | None = None,
     ) -> Hit:
         """Longest cached prefix of `tokens`; with a lease its blocks stay put until `release`.
 
         `recompute_s_per_token` (1 / this worker's prefill rate) lets the service skip Redis
         blocks that would arrive slower than recomputing them (`Hit.remote_blocks_declined`).
+        `namespace_id` (default: the attached one) lets an operator tool look up, e.g. to warm,
+        any namespace its token may act on.
         """
-        attachment = self.attachment
         request = pb.LookupRequest(
-            namespace_id=attachment.namespace_id, tokens=_token_list(tokens), take_lease=take_lease
+            namespace_id=namespace_id or self.attachment.namespace_id,
+            tokens=_token_list(tokens),
+            take_lease=take_lease,
         )
         if cache_salt is not None:
             request.cache_salt = cache_salt
@@ -525,6 +544,30 @@ class CacheClient:
             request.prefix.SetInParent()
             request.prefix.tokens.extend(_token_list(prefix_tokens))
         return int(self._call(self._stub.Evict, request, timeout_s).evicted)
+
+    def pin(
+        self,
+        tokens: TokenInput,
+        namespace_id: str | None = None,
+        ttl_s: float | None = None,
+        cache_salt: str | None = None,
+        timeout_s: float | None = None,
+    ) -> PinInfo:
+        """Pin the cached prefix of `tokens` (the attached namespace by default) until `unpin` or
+        `ttl_s`; the service promotes it from Redis first. InvalidArgument when nothing holds it."""
+        request = pb.PinRequest(namespace_id=namespace_id or self.attachment.namespace_id)
+        request.prefix.tokens.extend(_token_list(tokens))
+        if ttl_s is not None:
+            request.ttl_seconds = ttl_s
+        if cache_salt is not None:
+            request.cache_salt = cache_salt
+        return PinInfo.of(self._call(self._stub.Pin, request, timeout_s).pin)
+
+    def unpin(self, pin_id: int, timeout_s: float | None = None) -> None:
+        self._call(self._stub.Unpin, pb.UnpinRequest(pin_id=pin_id), timeout_s)
+
+    def pins(self, timeout_s: float | None = None) -> list[PinInfo]:
+        return [PinInfo.of(m) for m in self._call(self._stub.ListPins, pb.ListPinsRequest(), timeout_s).pins]
 
     def flush(self, timeout_s: float | None = None) -> int:
         return int(self._call(self._stub.Flush, pb.FlushRequest(), timeout_s).evicted)

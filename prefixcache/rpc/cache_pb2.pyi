@@ -520,3 +520,53 @@ class MatchResponse(_message.Message):
     remote_blocks: int
     miss_reason: MissReason
     def __init__(self, namespace_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ..., remote_blocks: _Optional[int] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("namespace_id", "cache_salt", "prefix", "ttl_seconds")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    cache_salt: str
+    prefix: TokenPrefix
+    ttl_seconds: float
+    def __init__(self, namespace_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prefix: _Optional[_Union[TokenPrefix, _Mapping]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class Pin(_message.Message):
+    __slots__ = ("pin_id", "namespace_id", "pinned_tokens", "expires_in_seconds")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pin_id: int
+    namespace_id: str
+    pinned_tokens: int
+    expires_in_seconds: float
+    def __init__(self, pin_id: _Optional[int] = ..., namespace_id: _Optional[str] = ..., pinned_tokens: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("pin",)
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    pin: Pin
+    def __init__(self, pin: _Optional[_Union[Pin, _Mapping]] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("pin_id",)
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    pin_id: int
+    def __init__(self, pin_id: _Optional[int] = ...) -> None: ...
+
+class UnpinResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPinsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPinsResponse(_message.Message):
+    __slots__ = ("pins",)
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    pins: _containers.RepeatedCompositeFieldContainer[Pin]
+    def __init__(self, pins: _Optional[_Iterable[_Union[Pin, _Mapping]]] = ...) -> None: ...

@@ -100,6 +100,21 @@ class PrefixCacheStub:
                 request_serializer=prefixcache_dot_v1_dot_cache__pb2.MatchRequest.SerializeToString,
                 response_deserializer=prefixcache_dot_v1_dot_cache__pb2.MatchResponse.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/prefixcache.v1.PrefixCache/Pin',
+                request_serializer=prefixcache_dot_v1_dot_cache__pb2.PinRequest.SerializeToString,
+                response_deserializer=prefixcache_dot_v1_dot_cache__pb2.PinResponse.FromString,
+                _registered_method=True)
+        self.Unpin = channel.unary_unary(
+                '/prefixcache.v1.PrefixCache/Unpin',
+                request_serializer=prefixcache_dot_v1_dot_cache__pb2.UnpinRequest.SerializeToString,
+                response_deserializer=prefixcache_dot_v1_dot_cache__pb2.UnpinResponse.FromString,
+                _registered_method=True)
+        self.ListPins = channel.unary_unary(
+                '/prefixcache.v1.PrefixCache/ListPins',
+                request_serializer=prefixcache_dot_v1_dot_cache__pb2.ListPinsRequest.SerializeToString,
+                response_deserializer=prefixcache_dot_v1_dot_cache__pb2.ListPinsResponse.FromString,
+                _registered_method=True)
 
 
 class PrefixCacheServicer:
@@ -197,6 +212,27 @@ class PrefixCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pin(self, request, context):
+        """Pin a prompt's cached prefix (promoted from Redis first) so LRU, TTL expiry and Flush keep
+        it in its local tier until Unpin or its TTL. A tenant pins only its own namespaces.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unpin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPins(self, request, context):
+        """The caller's live pins (an admin's answer: every tenant's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefixCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -264,6 +300,21 @@ def add_PrefixCacheServicer_to_server(servicer, server):
                     servicer.Match,
                     request_deserializer=prefixcache_dot_v1_dot_cache__pb2.MatchRequest.FromString,
                     response_serializer=prefixcache_dot_v1_dot_cache__pb2.MatchResponse.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=prefixcache_dot_v1_dot_cache__pb2.PinRequest.FromString,
+                    response_serializer=prefixcache_dot_v1_dot_cache__pb2.PinResponse.SerializeToString,
+            ),
+            'Unpin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unpin,
+                    request_deserializer=prefixcache_dot_v1_dot_cache__pb2.UnpinRequest.FromString,
+                    response_serializer=prefixcache_dot_v1_dot_cache__pb2.UnpinResponse.SerializeToString,
+            ),
+            'ListPins': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPins,
+                    request_deserializer=prefixcache_dot_v1_dot_cache__pb2.ListPinsRequest.FromString,
+                    response_serializer=prefixcache_dot_v1_dot_cache__pb2.ListPinsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -617,6 +668,87 @@ class PrefixCache:
             '/prefixcache.v1.PrefixCache/Match',
             prefixcache_dot_v1_dot_cache__pb2.MatchRequest.SerializeToString,
             prefixcache_dot_v1_dot_cache__pb2.MatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prefixcache.v1.PrefixCache/Pin',
+            prefixcache_dot_v1_dot_cache__pb2.PinRequest.SerializeToString,
+            prefixcache_dot_v1_dot_cache__pb2.PinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unpin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prefixcache.v1.PrefixCache/Unpin',
+            prefixcache_dot_v1_dot_cache__pb2.UnpinRequest.SerializeToString,
+            prefixcache_dot_v1_dot_cache__pb2.UnpinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPins(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prefixcache.v1.PrefixCache/ListPins',
+            prefixcache_dot_v1_dot_cache__pb2.ListPinsRequest.SerializeToString,
+            prefixcache_dot_v1_dot_cache__pb2.ListPinsResponse.FromString,
             options,
             channel_credentials,
             insecure,

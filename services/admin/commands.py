@@ -1,6 +1,7 @@
-"""`prefixcache stats | top | inspect | match | namespaces | evict | flush`: the operator commands' flags and examples.
+"""`prefixcache stats | top | inspect | match | namespaces | evict | flush | pin | unpin | pins |
+warm`: the operator commands' flags and examples.
 
-`register(subparsers)` adds the seven parsers and sets each one's `handler`
+`register(subparsers)` adds the eleven parsers and sets each one's `handler`
 (handlers.py and top.py). Every command shares the connection flags of
 connect.py (`--cache`, `--auth-token`/env PREFIXCACHE_AUTH_TOKEN, `--timeout`,
 `--tls`, `--tls-ca`). Heavy modules (the worker's model) load only when a
@@ -49,6 +50,13 @@ EVICT_EXAMPLES = """examples:
 FLUSH_EXAMPLES = """examples:
   prefixcache flush --cache 127.0.0.1:50051          # asks for confirmation
   prefixcache flush --cache 127.0.0.1:50051 --yes    # scripts (required without a terminal)
+"""
+PIN_EXAMPLES = """examples:
+  prefixcache pin --cache 127.0.0.1:50051 --text "You are a helpful assistant..."   # until unpinned
+  prefixcache pin --tokens-file system.json --namespace 3f2a... --ttl 24h
+  prefixcache pins --json | jq '.pins[].pin_id'
+  prefixcache unpin 1234567890
+  prefixcache warm --text "You are a helpful assistant..."       # Redis -> host tier ahead of traffic
 """
 
 
@@ -191,6 +199,57 @@ def _register_flush(subparsers) -> None:
     parser.set_defaults(handler=handlers.flush)
 
 
+def _register_pins(subparsers) -> None:
+    parser = _parser(
+        subparsers,
+        "pin",
+        "keep a prompt prefix cached (LRU, TTL and flush leave it)",
+        "Pins the cached part of a prompt prefix in its namespace (promoted from Redis first, so it "
+        "also warms a prefix only Redis holds): LRU eviction, block TTL and flush leave it in the "
+        "host tier until `unpin` or --ttl. Fails, naming the prefix, when no tier holds any of it. "
+        "A tenant's token pins only its own namespaces.",
+        PIN_EXAMPLES,
+    )
+    add_prompt_arguments(parser, "--text", "the prefix")
+    parser.add_argument("--ttl", default=None, metavar="DURATION", help="e.g. 30m, 24h (default: until unpinned)")
+    add_identity_arguments(parser)
+    _add_json(parser, "the pin")
+    parser.set_defaults(handler=handlers.pin)
+
+    parser = _parser(
+        subparsers, "unpin", "end a pin", "Ends a pin (ids: `prefixcache pins`); its blocks age as usual.", PIN_EXAMPLES
+    )
+    parser.add_argument("pin_id", type=int, metavar="PIN_ID", help="the id `pin` or `pins` printed")
+    _add_json(parser, "the result")
+    parser.set_defaults(handler=handlers.unpin)
+
+    parser = _parser(
+        subparsers,
+        "pins",
+        "the live pins a credential can see",
+        "Every live pin of this credential's tenant (an admin's: every tenant's): id, namespace, "
+        "pinned tokens, time left.",
+        PIN_EXAMPLES,
+    )
+    _add_json(parser, "one document")
+    parser.set_defaults(handler=handlers.pins)
+
+    parser = _parser(
+        subparsers,
+        "warm",
+        "promote a prompt prefix from Redis into the host tier",
+        "Looks a prompt prefix up once, as a worker would (it counts as a lookup), so the blocks "
+        "only Redis holds are promoted into the host tier ahead of traffic; says how much of it the "
+        "host tier now holds, or, exit 1, that no tier holds any of it. `pin` does the same and "
+        "keeps it there.",
+        PIN_EXAMPLES,
+    )
+    add_prompt_arguments(parser, "--text", "the prefix")
+    add_identity_arguments(parser)
+    _add_json(parser, "the result")
+    parser.set_defaults(handler=handlers.warm)
+
+
 def register(subparsers) -> None:
     _register_stats(subparsers)
     _register_top(subparsers)
@@ -199,3 +258,4 @@ def register(subparsers) -> None:
     _register_namespaces(subparsers)
     _register_evict(subparsers)
     _register_flush(subparsers)
+    _register_pins(subparsers)

@@ -1,4 +1,5 @@
-"""The handlers of `stats`, `inspect`, `match`, `namespaces`, `evict` and `flush` (argparse namespace in, exit code out).
+"""The handlers of `stats`, `inspect`, `match`, `namespaces`, `evict`, `flush`, `pin`, `unpin`, `pins` and
+`warm` (argparse namespace in, exit code out).
 
 Each opens one client through `connect()`, makes its calls, and prints either
 rich output or one JSON document (`--json`) on stdout. Errors leave as
@@ -15,6 +16,7 @@ import sys
 from rich.console import Console
 
 from prefixcache.config import parse_duration
+from prefixcache.tiers.base import TierKind
 
 from .connect import AdminError, connect
 from .document import SCHEMA_VERSION, stats_document
@@ -145,3 +147,93 @@ def flush(args: argparse.Namespace) -> int:
     else:
         print(f"flushed {evicted:,} block(s) from {address}")
     return 0
+
+
+def _pin_entry(pin) -> dict:
+    return {
+        "pin_id": pin.pin_id,
+        "namespace_id": pin.namespace_id,
+        "pinned_tokens": pin.pinned_tokens,
+        "expires_in_s": pin.expires_in_s,
+    }
+
+
+def _left(pin) -> str:
+    return "no TTL" if pin.expires_in_s is None else f"{pin.expires_in_s:,.0f} s left"
+
+
+def pin(args: argparse.Namespace) -> int:
+    ttl_s = None if args.ttl is None else parse_duration(args.ttl, "--ttl")
+    tokens = prompt_tokens(args, args.text, args.tokens_file)
+    if not tokens:
+        raise AdminError("the prefix is empty: nothing to pin")
+    with connect(args) as client:
+        namespace_id, _ = resolve_namespace(args, client, client.stats())
+        if namespace_id is None:
+            raise AdminError("nothing is cached yet (no worker has attached): nothing to pin")
+        made = client.pin(tokens, namespace_id=namespace_id, ttl_s=ttl_s, cache_salt=args.cache_salt)
+        address = client.address
+    if args.json:
+        _print_json({"schema_version": SCHEMA_VERSION, "address": address, **_pin_entry(made)})
+    else:
+        print(
+            f"pin {made.pin_id}: {made.pinned_tokens:,} of {len(tokens):,} token(s) pinned ({_left(made)}) at {address}"
+        )
+    return 0
+
+
+def unpin(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        client.unpin(args.pin_id)
+        address = client.address
+    if args.json:
+        _print_json({"schema_version": SCHEMA_VERSION, "address": address, "pin_id": args.pin_id})
+    else:
+        print(f"unpinned {args.pin_id} at {address}")
+    return 0
+
+
+def pins(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        found = client.pins()
+        address = client.address
+    if args.json:
+        _print_json({"schema_version": SCHEMA_VERSION, "address": address, "pins": [_pin_entry(p) for p in found]})
+        return 0
+    if not found:
+        print(f"no pins at {address}")
+    for p in found:
+        print(f"{p.pin_id}  {p.namespace_id}  {p.pinned_tokens:,} token(s)  {_left(p)}")
+    return 0
+
+
+def warm(args: argparse.Namespace) -> int:
+    tokens = prompt_tokens(args, args.text, args.tokens_file)
+    if not tokens:
+        raise AdminError("the prefix is empty: nothing to warm")
+    with connect(args) as client:
+        service = client.stats()
+        namespace_id, _ = resolve_namespace(args, client, service)
+        hit = None
+        if namespace_id is not None:
+            hit = client.lookup(tokens, cache_salt=args.cache_salt, take_lease=False, namespace_id=namespace_id)
+        address = client.address
+    block_size = service.layout.block_size if service.layout is not None else 0
+    host = 0 if hit is None else int((hit.locations.tiers == TierKind.HOST).sum()) * block_size
+    cached = 0 if hit is None else hit.hit_tokens
+    if args.json:
+        _print_json(
+            {
+                "schema_version": SCHEMA_VERSION,
+                "address": address,
+                "namespace_id": namespace_id,
+                "prompt_tokens": len(tokens),
+                "cached_tokens": cached,
+                "host_tokens": host,
+            }
+        )
+    elif cached:
+        print(f"warm: {cached:,} of {len(tokens):,} token(s) cached, {host:,} in the host tier, at {address}")
+    else:
+        print(f"nothing holds this prefix at {address}", file=sys.stderr)
+    return 0 if cached else 1

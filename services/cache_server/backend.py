@@ -60,7 +60,7 @@ from prefixcache.errors import (
 )
 from prefixcache.hashing import namespace_id
 from prefixcache.index import MissReason
-from prefixcache.leases import Reservation
+from prefixcache.leases import Lease, Reservation
 from prefixcache.results import BlockLocation, CommitResult, LookupResult, PrefixMatch
 from prefixcache.stats import StatsSnapshot
 from prefixcache.tiers.base import RemoteTier, ShareHandle, TierKind
@@ -484,6 +484,27 @@ class CacheBackend:
                 raise InvalidArgument("older_than_seconds", "cannot be combined with prefix")
             return self._require().evict(resolved, prefix_tokens=prefix)
         return self._require().evict(resolved, older_than_s=older_than_s)
+
+    # -- operator pins ------------------------------------------------------------------
+    def pin(self, principal: Principal, ns_id: str, salt: str | None, tokens: np.ndarray, ttl_s: float | None) -> Lease:
+        """Pin: an admin any namespace, a tenant its own (resolve checks); the blocks it pins were
+        stored within the tenant's quota, so a pin takes no room beyond it."""
+        resolved = self.resolve(principal, ns_id, salt, create=False)
+        if resolved is None:  # a salt never used holds nothing
+            raise InvalidArgument("prefix.tokens", f"no block of this prefix is cached in {ns_id!r}")
+        return self._require().pin(resolved, tokens, ttl_s)
+
+    def pins(self, principal: Principal) -> list[tuple[str, Lease]]:
+        if self._cache is None:
+            return []
+        with self._registry_lock:
+            owners = dict(self._owners)
+        return [(ns, p) for ns, p in self._cache.pins() if principal.admin or owners.get(ns) == principal.tenant]
+
+    def unpin(self, principal: Principal, pin_id: int) -> None:
+        if not any(p.id == pin_id for _, p in self.pins(principal)):  # another tenant's pin reads as unknown
+            raise InvalidArgument("pin_id", f"pin {pin_id} is unknown or has expired")
+        self._require().unpin(pin_id)
 
     def flush(self, principal: Principal) -> int:
         """Admin: everything, every tier. A tenant: its own namespaces only."""

@@ -19,6 +19,7 @@ from google.protobuf.message import Message
 
 from prefixcache.client import wire
 from prefixcache.errors import InvalidArgument, ResourceExhausted
+from prefixcache.leases import Lease
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.tiers.base import TierKind
 
@@ -44,6 +45,9 @@ UNARY_METHODS: dict[str, tuple[type[Message], type[Message]]] = {
     "Evict": (pb.EvictRequest, pb.EvictResponse),
     "Flush": (pb.FlushRequest, pb.FlushResponse),
     "Match": (pb.MatchRequest, pb.MatchResponse),
+    "Pin": (pb.PinRequest, pb.PinResponse),
+    "Unpin": (pb.UnpinRequest, pb.UnpinResponse),
+    "ListPins": (pb.ListPinsRequest, pb.ListPinsResponse),
 }
 METHODS = (*UNARY_METHODS, "Fetch", "Store")
 REQUEST_TYPES = {
@@ -66,6 +70,7 @@ PROTO_FIELDS: dict[str, dict[str, str]] = {
         "kv": "data",
     },
     "Evict": {"namespace": "namespace_id", "older_than_s": "older_than_seconds", "tokens": "prefix.tokens"},
+    "Pin": {"namespace": "namespace_id", "ttl_s": "ttl_seconds", "tokens": "prefix.tokens"},
 }
 
 
@@ -331,6 +336,36 @@ class PrefixCacheServicer:
     def Flush(self, request: pb.FlushRequest, context) -> pb.FlushResponse:
         principal = self._begin(request, context)
         return pb.FlushResponse(evicted=self._backend.flush(principal))
+
+    def Pin(self, request: pb.PinRequest, context) -> pb.PinResponse:
+        principal = self._begin(request, context)
+        ns_id = convert.namespace_id(request.namespace_id)
+        tokens = self._tokens(request.prefix.tokens, "prefix.tokens")
+        ttl_s = request.ttl_seconds if request.HasField("ttl_seconds") else None
+        pin = self._backend.pin(principal, ns_id, convert.salt(request), tokens, ttl_s)
+        return pb.PinResponse(pin=self._pin_message(pin))
+
+    def Unpin(self, request: pb.UnpinRequest, context) -> pb.UnpinResponse:
+        principal = self._begin(request, context)
+        self._backend.unpin(principal, convert.positive_id(request.pin_id, "pin_id"))
+        return pb.UnpinResponse()
+
+    def ListPins(self, request: pb.ListPinsRequest, context) -> pb.ListPinsResponse:
+        principal = self._begin(request, context)
+        return pb.ListPinsResponse(pins=[self._pin_message(pin) for _, pin in self._backend.pins(principal)])
+
+    def _pin_message(self, pin: Lease) -> pb.Pin:
+        """A pin as the wire names it (its namespace: the salted one for a salted pin)."""
+        cache = self._backend.cache
+        assert cache is not None  # a pin exists, so the cache does
+        message = pb.Pin(
+            pin_id=pin.id,
+            namespace_id=cache.namespaces.by_row(pin.namespace).id,
+            pinned_tokens=len(pin.nodes) * cache.layout.block_size,
+        )
+        if pin.expires_at != float("inf"):
+            message.expires_in_seconds = self._backend.remaining_s(pin.expires_at)
+        return message
 
 
 def _share_refusal(kind: str, share: int) -> ResourceExhausted:

@@ -405,6 +405,20 @@ MATRIX = {
         "tokens",
         lambda s, ns: s.Match(pb.MatchRequest(namespace_id=ns, tokens=[-1])),
     ),
+    "pin unknown namespace": (
+        "Pin",
+        CODE.INVALID_ARGUMENT,
+        "namespace_id",
+        lambda s, ns: s.Pin(pb.PinRequest(namespace_id="0123456789abcdef", prefix=pb.TokenPrefix(tokens=prompt(1)))),
+    ),
+    "pin negative ttl": (
+        "Pin",
+        CODE.INVALID_ARGUMENT,
+        "ttl_seconds",
+        lambda s, ns: s.Pin(pb.PinRequest(namespace_id=ns, prefix=pb.TokenPrefix(tokens=prompt(1)), ttl_seconds=-1)),
+    ),
+    "unpin no id": ("Unpin", CODE.INVALID_ARGUMENT, "pin_id", lambda s, ns: s.Unpin(pb.UnpinRequest())),
+    "unpin unknown id": ("Unpin", CODE.INVALID_ARGUMENT, "pin_id", lambda s, ns: s.Unpin(pb.UnpinRequest(pin_id=7))),
     "inspect bad tokens": (
         "Inspect",
         CODE.INVALID_ARGUMENT,
@@ -430,6 +444,9 @@ FUZZ_METHODS = {
     "Evict": ("unary", pb.EvictRequest(namespace_id="0" * 16, older_than_seconds=5, prefix=pb.TokenPrefix(tokens=[1]))),
     "Flush": ("unary", pb.FlushRequest()),
     "ListNamespaces": ("unary", pb.ListNamespacesRequest()),
+    "Pin": ("unary", pb.PinRequest(namespace_id="0" * 16, prefix=pb.TokenPrefix(tokens=prompt(2)), ttl_seconds=60)),
+    "Unpin": ("unary", pb.UnpinRequest(pin_id=99)),
+    "ListPins": ("unary", pb.ListPinsRequest()),
     "Fetch": ("stream_out", pb.FetchRequest(lease_id=5, max_chunk_bytes=8192)),
     "Store": ("stream_in", store_header("0" * 16)),
 }
