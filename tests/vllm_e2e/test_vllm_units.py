@@ -347,3 +347,15 @@ def test_groups_refuse_mamba_state_and_mixed_geometries_naming_the_model_class()
     mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     groups = KVGroups.of(_kv_cache_config((["model.layers.0.self_attn.attn"], mla)), 16, "DeepseekV2ForCausalLM")
     assert groups.latent and (groups.kv_heads, groups.head_size) == (1, 288)
+
+
+def test_an_untested_vllm_version_fails_on_import_by_name() -> None:
+    from prefixcache.integrations.vllm import _check_vllm
+
+    for good in ("0.32.0", "0.32.1+cpu", "0.33.0", "0.33.2.dev5+g1234"):
+        _check_vllm(good)
+    for bad in ("0.31.9", "0.34.0", "1.0.0"):
+        with pytest.raises(ImportError, match=f"found vLLM {bad}"):
+            _check_vllm(bad)
+    with pytest.raises(ImportError, match="cannot read"):
+        _check_vllm("not-a-version")
