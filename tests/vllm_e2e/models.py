@@ -18,21 +18,25 @@ from typing import Any
 VOCAB = 512
 HIDDEN = 256
 LAYERS = 4
+# What every checkpoint shares: 4 query heads over 2 KV heads, long positions, varied greedy outputs.
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=512,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    initializer_range=0.1,
+)
 
 
 def _llama() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=512,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
+        **COMMON,
         tie_word_embeddings=True,
-        initializer_range=0.1,
     )
     return LlamaForCausalLM(config)
 
@@ -42,17 +46,10 @@ def _gemma3() -> Any:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     config = Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=512,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **COMMON,
         head_dim=64,
         sliding_window=64,
         layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
-        max_position_embeddings=4096,
-        initializer_range=0.1,
     )
     return Gemma3ForCausalLM(config)
 
@@ -61,16 +58,9 @@ def _mistral_sliding() -> Any:
     from transformers import MistralConfig, MistralForCausalLM
 
     config = MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=512,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **COMMON,
         sliding_window=96,
-        max_position_embeddings=4096,
         tie_word_embeddings=True,
-        initializer_range=0.1,
     )
     return MistralForCausalLM(config)
 
@@ -79,19 +69,12 @@ def _gpt_oss() -> Any:
     from transformers import GptOssConfig, GptOssForCausalLM
 
     config = GptOssConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=256,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **{**COMMON, "intermediate_size": 256},
         head_dim=64,
         num_local_experts=4,
         num_experts_per_tok=2,
         sliding_window=64,
         layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2),
-        max_position_embeddings=4096,
-        initializer_range=0.1,
     )
     return GptOssForCausalLM(config)
 
@@ -103,13 +86,8 @@ def _deepseek_v2() -> Any:
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     config = DeepseekV2Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=512,
+        **{**COMMON, "num_key_value_heads": 4},
         moe_intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=4,
         kv_lora_rank=512,
         q_lora_rank=None,
         qk_rope_head_dim=64,
@@ -119,9 +97,7 @@ def _deepseek_v2() -> Any:
         num_experts_per_tok=2,
         n_shared_experts=1,
         first_k_dense_replace=LAYERS,
-        max_position_embeddings=4096,
         rope_scaling=None,
-        initializer_range=0.1,
     )
     return DeepseekV2ForCausalLM(config)
 
