@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 
 from rich.console import Console
 
@@ -47,42 +48,34 @@ def stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def inspect(args: argparse.Namespace) -> int:
+def _prompt_report(args: argparse.Namespace, verb: str, ask: Callable, document_of: Callable, view: Callable) -> int:
+    """`inspect` and `match`: one call about a prompt in the namespace the flags name, then print."""
     tokens = prompt_tokens(args, args.text, args.tokens_file)
     if not tokens:
-        raise AdminError("the prompt is empty: nothing to inspect")
+        raise AdminError(f"the prompt is empty: nothing to {verb}")
     with connect(args) as client:
         service = client.stats()
         namespace_id, identity = resolve_namespace(args, client, service)
         block_size = service.layout.block_size if service.layout is not None else args.block_size
         report = None
         if namespace_id is not None and service.ready:
-            report = client.inspect(tokens, cache_salt=args.cache_salt, namespace_id=namespace_id)
-        document = inspect_document(client.address, namespace_id, identity, report, len(tokens), block_size)
+            report = ask(client)(tokens, cache_salt=args.cache_salt, namespace_id=namespace_id)
+        document = document_of(client.address, namespace_id, identity, report, len(tokens), block_size)
     if args.json:
         _print_json(document)
     else:
-        Console().print(inspect_view(document, args.max_rows))
+        Console().print(view(document))
     return 0
+
+
+def inspect(args: argparse.Namespace) -> int:
+    return _prompt_report(
+        args, "inspect", lambda c: c.inspect, inspect_document, lambda document: inspect_view(document, args.max_rows)
+    )
 
 
 def match(args: argparse.Namespace) -> int:
-    tokens = prompt_tokens(args, args.text, args.tokens_file)
-    if not tokens:
-        raise AdminError("the prompt is empty: nothing to match")
-    with connect(args) as client:
-        service = client.stats()
-        namespace_id, identity = resolve_namespace(args, client, service)
-        block_size = service.layout.block_size if service.layout is not None else args.block_size
-        report = None
-        if namespace_id is not None and service.ready:
-            report = client.match(tokens, cache_salt=args.cache_salt, namespace_id=namespace_id)
-        document = match_document(client.address, namespace_id, identity, report, len(tokens), block_size)
-    if args.json:
-        _print_json(document)
-    else:
-        Console().print(match_view(document))
-    return 0
+    return _prompt_report(args, "match", lambda c: c.match, match_document, match_view)
 
 
 def evict(args: argparse.Namespace) -> int:
