@@ -226,10 +226,11 @@ def run_child(
         command.append("--apc")
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    rows = [json.loads(line[4:]) for line in done.stdout.splitlines() if line.startswith("ROW ")]
-    rows += [
-        {"phase": "metrics", **json.loads(line[8:])} for line in done.stdout.splitlines() if line.startswith("METRICS ")
-    ]
+    # raw_decode: vLLM's own output can land on the same line after a record
+    decode = json.JSONDecoder().raw_decode
+    lines = done.stdout.splitlines()
+    rows = [decode(line[4:])[0] for line in lines if line.startswith("ROW ")]
+    rows += [{"phase": "metrics", **decode(line[8:])[0]} for line in lines if line.startswith("METRICS ")]
     if done.returncode != 0 or not rows:
         sys.stderr.write(done.stderr[-4000:])
         raise SystemExit(f"vLLM child failed ({phases}, connector={connector or 'none'}, apc={apc})")
