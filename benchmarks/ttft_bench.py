@@ -1,7 +1,7 @@
 """Time to first token (TTFT) with the prefix cache, without it, and in the ideal case.
 
     PYTHONPATH=. python benchmarks/ttft_bench.py [--sizes 1024,4096,8192] [--suffix 64]
-        [--repeats 7] [--json-out FILE] [--write-docs]
+        [--repeats 7] [--miss-sizes 128,512] [--json-out FILE] [--write-docs]
 
 For each prompt size N, prompts share a prefix of N - suffix tokens and differ in their last
 `suffix` tokens (a new question after a long shared context). One prompt is prefilled and its
@@ -25,6 +25,11 @@ The saving ratio is (no_cache - cached) / (no_cache - ideal): the share of the i
 saving the cache delivers (target >= 90%). A breakdown of the cached path times its parts
 separately with a plain `CacheClient` on the same namespace (Lookup RPC, shared-memory
 read, Release) and the engine's own load/compute split.
+
+A miss is measured too (`--miss-sizes`; `--sizes ""` runs only it): on a fresh prompt each
+repeat, the worker's miss path (`CacheLink.lookup`, which misses, then the full prefill) against
+the full prefill alone, interleaved and alternating which goes first; the JSON's `misses` give
+the median of the paired TTFT ratios, of the paired differences and of the Lookup alone.
 
 The worker is built exactly as `prefixcache worker` builds it (`command.build_backend`):
 tiny model, bfloat16, torch threads = CPUs available.
@@ -173,6 +178,37 @@ def measure(backend, client: CacheClient, size: int, suffix: int, repeats: int) 
     }
 
 
+def measure_miss(backend, size: int, repeats: int) -> dict:
+    """A miss against the no-cache path on the same fresh prompt (nothing of it cached), paired
+    and interleaved: what a miss pays beyond the prefill is the Lookup (and the hit policy)."""
+    rng = random.Random(size + 1)
+    engine, link = backend.engine, backend.cache
+    ratios, extra, lookups = [], [], []
+    for i in range(repeats + 1):
+        tokens = [rng.randrange(100, 100_000) for _ in range(size)]
+        runs = {}
+        for name in ("miss", "no_cache") if i % 2 == 0 else ("no_cache", "miss"):
+            start = time.perf_counter()
+            hit, prefix_kv = link.lookup(tokens, None) if name == "miss" else (None, None)
+            looked = time.perf_counter()
+            first_token(engine, tokens, prefix_kv)
+            runs[name] = time.perf_counter() - start
+            if name == "miss":
+                if prefix_kv is not None:
+                    raise RuntimeError(f"{size} tokens: a fresh prompt hit the cache")
+                lookups.append(looked - start)
+                link.release(hit)
+        if i:  # the first pair warms up
+            ratios.append(runs["miss"] / runs["no_cache"])
+            extra.append(runs["miss"] - runs["no_cache"])
+    return {
+        "prompt_tokens": size,
+        "ttft_ratio_median": statistics.median(ratios),
+        "extra_ms_median": statistics.median(extra) * 1e3,
+        "lookup_ms_median": statistics.median(lookups) * 1e3,
+    }
+
+
 def _saving(ms: dict[str, float]) -> float:
     return (ms["no_cache"] - ms["cached"]) / (ms["no_cache"] - ms["ideal"])
 
@@ -259,10 +295,13 @@ def main() -> int:
     parser.add_argument("--sizes", default="1024,4096,8192", help="prompt sizes in tokens (default %(default)s)")
     parser.add_argument("--suffix", type=int, default=64, help="new tokens after the shared prefix (default 64)")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved repeats per size (default 7)")
+    parser.add_argument(
+        "--miss-sizes", default="128,512", help="prompt sizes of the paired miss measurement (default %(default)s)"
+    )
     parser.add_argument("--json-out", default=None, help="also write the JSON report here")
     parser.add_argument("--write-docs", action="store_true", help=f"replace '{SECTION}' in {DOC.name}")
     args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",") if s]  # "": only the miss measurement
     if args.suffix < 1 or any(size <= args.suffix or (size - args.suffix) % 16 for size in sizes):
         parser.error("each size must exceed --suffix by a positive multiple of 16")
     report_machine = machine()
@@ -280,6 +319,7 @@ def main() -> int:
         with CacheClient(address) as client:
             client.attach(link.model_id, link.layout, revision=link.revision)
             results = [measure(backend, client, size, args.suffix, args.repeats) for size in sizes]
+        misses = [measure_miss(backend, int(size), args.repeats) for size in args.miss_sizes.split(",") if size]
         link.close()
     finally:
         service.terminate()
@@ -291,8 +331,14 @@ def main() -> int:
         "target_saving_ratio": TARGET,
         "machine": report_machine,
         "results": results,
+        "misses": misses,
     }
     print(table(results))
+    for miss in misses:
+        print(
+            f"miss, {miss['prompt_tokens']} tokens: TTFT {miss['ttft_ratio_median']:.3f}x no-cache's "
+            f"(+{miss['extra_ms_median']:.2f} ms; the Lookup {miss['lookup_ms_median']:.2f} ms), paired medians"
+        )
     print(json.dumps(report, indent=2))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")

@@ -27,7 +27,7 @@ from prefixcache_services.replay import plots
 from prefixcache_services.replay.json_stream import ArrayReadState, JsonArrayError, iter_json_array
 from prefixcache_services.replay.openai_client import ChatClient, Completion, chat_completions_url, iter_sse_data
 from prefixcache_services.replay.report import Report, build_report, load_schema, percentile, summarize_run
-from prefixcache_services.replay.report_table import print_report
+from prefixcache_services.replay.report_table import paired_headline, print_report
 from prefixcache_services.replay.runner import (
     ABResult,
     RequestRecord,
@@ -603,6 +603,39 @@ def test_report_schema_rejects_drift() -> None:
     for bad in (bad_rate, extra):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
+
+
+def test_paired_summary_divides_each_request_by_its_no_cache_twin() -> None:
+    run = _hand_run()
+
+    def twin(i, **kw):
+        return RequestRecord("c", i, float(i), Completion(**kw))
+
+    baseline = replace(
+        run,
+        records=(
+            twin(0, text="a", ttft_s=0.4, latency_s=1.3, prompt_tokens=100, cached_tokens=0, completion_tokens=10),
+            twin(1, text="b", ttft_s=0.25, latency_s=1.25, prompt_tokens=50, cached_tokens=0, completion_tokens=6),
+            twin(2, text="c", ttft_s=0.2, latency_s=1.4, prompt_tokens=30, cached_tokens=0, completion_tokens=4),
+            twin(3, text="d", ttft_s=0.1, latency_s=0.5, prompt_tokens=10, cached_tokens=0, completion_tokens=4),
+        ),
+        wall_s=4.0,
+    )
+    report = build_report(ABResult(run, baseline, compare_runs(run, baseline)), ScheduleConfig(), block_size=16)
+    paired = report.paired
+    assert paired is not None
+    # Turn 0 is the hit (0.1 vs 0.4 s), turn 1 the miss (0.3 vs 0.25 s); turn 2 reported no
+    # cached_tokens (in "all" only), turn 3 failed in the cache run (in no class).
+    assert (paired.hits.requests, paired.misses.requests, paired.all.requests) == (1, 1, 3)
+    assert paired.hits.ttft_ratio_p50 == pytest.approx(0.25)
+    assert paired.misses.ttft_ratio_p50 == pytest.approx(1.2)
+    assert paired.all.ttft_ratio_p50 == pytest.approx(1.0)
+    assert paired.hits.after_first_token_ratio_p50 == pytest.approx(0.9 / 0.9)
+    assert paired.misses.after_first_token_ratio_p50 == pytest.approx(1.7 / 1.0)
+    assert paired.throughput_ratio == pytest.approx(1.5 / 1.0)
+    jsonschema.validate(json.loads(report.to_json()), load_schema())
+    assert "TTFT 0.25x on 1 hits, 1.20x on 1 misses" in paired_headline(paired)
+    assert _hand_report().paired is None  # no baseline, nothing to pair
 
 
 def test_compare_runs_only_counts_requests_ok_in_both() -> None:

@@ -114,6 +114,27 @@ class TurnRecord:
 
 
 @dataclass(frozen=True)
+class PairedClass:
+    """Medians over the requests of one class, each divided by its no-cache twin's figure."""
+
+    requests: int
+    ttft_ratio_p50: float | None
+    after_first_token_ratio_p50: float | None  # (latency - TTFT): decode and whatever follows
+
+
+@dataclass(frozen=True)
+class PairedSummary:
+    """Each request against its no-cache twin (same conversation turn), by class: robust to
+    the mix of hits and misses, which an aggregate over either run is not. A hit is a request
+    the cache run served with cached tokens; throughput is the cache run's over the baseline's."""
+
+    hits: PairedClass
+    misses: PairedClass
+    all: PairedClass
+    throughput_ratio: float | None
+
+
+@dataclass(frozen=True)
 class MismatchKey:
     conversation_id: str
     turn_index: int
@@ -184,6 +205,7 @@ class Report:
     cache_only: CacheOnlySummary | None = None
     workload: WorkloadSummary | None = None
     hit_policy: Mapping[str, Any] | None = None  # the worker's load-or-recompute decisions (worker_metrics.py)
+    paired: PairedSummary | None = None  # with a baseline run
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -289,6 +311,35 @@ def _turn_records(cache: RunResult, baseline: RunResult | None) -> tuple[TurnRec
     return tuple(out)
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _paired_class(turns: Sequence[TurnRecord]) -> PairedClass:
+    ttft = [r for t in turns if (r := _ratio(t.ttft_s, t.baseline_ttft_s)) is not None]
+    after = [
+        r
+        for t in turns
+        if t.latency_s is not None
+        and t.ttft_s is not None
+        and t.baseline_latency_s is not None
+        and t.baseline_ttft_s is not None
+        and (r := _ratio(t.latency_s - t.ttft_s, t.baseline_latency_s - t.baseline_ttft_s)) is not None
+    ]
+    return PairedClass(len(turns), percentile(ttft, 50), percentile(after, 50))
+
+
+def paired_summary(turns: Sequence[TurnRecord], cache: RunSummary, baseline: RunSummary) -> PairedSummary:
+    """The paired comparison of the turns both runs served (see PairedSummary)."""
+    both = [t for t in turns if t.error is None and t.baseline_error is None and t.baseline_ttft_s is not None]
+    return PairedSummary(
+        hits=_paired_class([t for t in both if t.cached_tokens]),
+        misses=_paired_class([t for t in both if t.cached_tokens == 0]),
+        all=_paired_class(both),
+        throughput_ratio=_ratio(cache.throughput.requests_per_s, baseline.throughput.requests_per_s),
+    )
+
+
 def _start(ra: RequestRecord | None, rb: RequestRecord | None) -> float:
     rec = ra or rb
     return rec.start_s if rec else math.inf
@@ -320,19 +371,23 @@ def build_report(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     when = generated_at or dt.datetime.now(dt.UTC)
     schedule = {f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    cache_run = summarize_run(result.cache, block_size)
+    baseline_run = summarize_run(result.baseline, block_size) if result.baseline else None
+    turns = _turn_records(result.cache, result.baseline)
     return Report(
         schema_version=SCHEMA_VERSION,
         generated_at=when.isoformat(),
         block_size=block_size,
         schedule=schedule,
-        cache_run=summarize_run(result.cache, block_size),
-        baseline_run=summarize_run(result.baseline, block_size) if result.baseline else None,
+        cache_run=cache_run,
+        baseline_run=baseline_run,
         comparison=_comparison(result.comparison) if result.comparison else None,
-        turns=_turn_records(result.cache, result.baseline),
+        turns=turns,
         service_stats=service_stats,
         cache_only=cache_only,
         workload=workload,
         hit_policy=hit_policy,
+        paired=paired_summary(turns, cache_run, baseline_run) if baseline_run else None,
     )
 
 

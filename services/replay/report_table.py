@@ -12,7 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .report import CacheOnlySummary, Percentiles, Report, RunSummary, percentile
+from .report import CacheOnlySummary, PairedSummary, Percentiles, Report, RunSummary, percentile
 
 
 def _pct(x: float | None) -> str:
@@ -152,6 +152,21 @@ def report_table(report: Report) -> Table:
     return table
 
 
+def _x(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}x"
+
+
+def paired_headline(paired: PairedSummary) -> str:
+    """The headline: each request against its no-cache twin, by class (medians of the ratios)."""
+    h, m, a = paired.hits, paired.misses, paired.all
+    return (
+        f"paired with no-cache twins (median ratio, <1 is faster): TTFT {_x(h.ttft_ratio_p50)} on {h.requests} hits, "
+        f"{_x(m.ttft_ratio_p50)} on {m.requests} misses, {_x(a.ttft_ratio_p50)} on all {a.requests}; "
+        f"after the first token {_x(h.after_first_token_ratio_p50)} hits, {_x(m.after_first_token_ratio_p50)} misses; "
+        f"throughput {_x(paired.throughput_ratio)} of no-cache's"
+    )
+
+
 def savings_lines(report: Report) -> list[str]:
     """One-line verdicts: prefill saved, TTFT p50 with vs without the cache, the output check."""
     run, base = report.cache_run, report.baseline_run
@@ -161,6 +176,8 @@ def savings_lines(report: Report) -> list[str]:
             f"prefill saved: {run.prefill_tokens_saved:,} of {run.prompt_tokens:,} prompt tokens "
             f"({_pct(run.prefill_tokens_saved / run.prompt_tokens)}) came from the cache"
         )
+    if report.paired is not None:
+        lines.append(paired_headline(report.paired))
     if base is not None and run.ttft_s.p50 and base.ttft_s.p50:
         change = run.ttft_s.p50 / base.ttft_s.p50 - 1
         lines.append(

@@ -1,8 +1,8 @@
 """One request's life on the inference thread: the hit path.
 
 tokenize -> lookup with a lease -> load the hit blocks -> prefill only the
-suffix -> stream tokens -> commit the prompt's new full blocks -> release the
-lease. Text is detokenised incrementally; stop strings end the stream.
+suffix -> stream tokens -> copy the prompt's new full blocks out of the model's
+KV -> (store_queue.py, on its own thread) commit them and release the lease. Text is detokenised incrementally; stop strings end the stream.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .engine import Engine
 from .events import Finished, FinishReason, LinkState, Piece, Started
 from .openai_api import MAX_TOKENS_LIMIT, ApiError, GenerationRequest, Logprob, TokenizeRequest
 from .sampling import TokenLogprob
+from .store_queue import StoreQueue
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class InferenceBackend:
         self.metrics = WorkerMetrics(registry)
         self.model_name = engine.loaded.model_id
         self._vocab = engine.vocab_size
+        self.stores = None if cache is None else StoreQueue(cache, registry)  # stores off the inference thread
 
     @property
     def cache_state(self) -> LinkState:
@@ -176,7 +178,7 @@ class InferenceBackend:
         if self.cache is not None:
             hit, prefix_kv = self.cache.lookup(tokens, request.cache_salt)
             prefix_tokens = 0 if prefix_kv is None else len(prefix_kv) * self.cache.layout.block_size
-        generation = None
+        generation, completed = None, False
         try:
             try:
                 stops = self.engine.loaded.stop_token_ids | request.stop_token_ids
@@ -201,19 +203,27 @@ class InferenceBackend:
                     request.prompt if isinstance(request.prompt, str) else self.engine.loaded.tokenizer.decode(tokens)
                 )
                 yield Piece(echoed, (), echo=True)
-            yield from self._stream(generation, request, started_at)
-            self.metrics.requests.labels("ok" if not cancelled.is_set() else "cancelled").inc()
+            for event in self._stream(generation, request, started_at):
+                if isinstance(event, Finished):  # decided before the client can cancel after its end
+                    completed = not cancelled.is_set()
+                    self.metrics.requests.labels("ok" if completed else "cancelled").inc()
+                yield event
         finally:
+            # Resumed once the client has Finished (http.py ends the response on it): only the
+            # copy of the new blocks out of the model's KV happens here; the RPCs run on the
+            # store queue's thread, so neither this response nor the next request waits for them.
             if self.cache is not None:
-                if generation is not None and not cancelled.is_set():
-                    start_block = hit.blocks if hit else 0
-                    count = self.cache.blocks_to_store(tokens, start_block)
-                    if count:
+                kv, start_block = None, hit.blocks if hit else 0
+                count = self.cache.blocks_to_store(tokens, start_block) if completed else 0
+                if count and generation is not None:
+                    try:
                         kv = self.engine.extract_blocks(
                             generation.cache, start_block, count, self.cache.layout.block_size
                         )
-                        self.cache.store(tokens, kv, start_block, request.cache_salt)
-                self.cache.release(hit)
+                    except Exception:  # noqa: BLE001 - the cache may only make a request faster
+                        log.exception("copying the prompt's blocks for the cache failed")
+                assert self.stores is not None  # built with the cache
+                self.stores.submit(tokens, kv, start_block, request.cache_salt, hit)
 
     def _stream(self, generation, request: GenerationRequest, started_at: float) -> Iterator[Piece | Finished]:
         text = TextStream(self.engine.loaded.tokenizer.decode, request.stop)

@@ -20,7 +20,9 @@ failure takes the link down, re-attach attempts follow after 1-2 s (jittered,
 
 Invariant: the prefix KV handed to the engine covers strictly fewer tokens
 than the prompt (at least one token is always computed), and the `Hit`'s
-lease is released exactly once (`release`, from the backend's `finally`).
+lease is released exactly once (`release`, queued by the backend's `finally` on store_queue.py's
+thread, after the request's store). `store` and `release` run on that thread, the rest on the
+inference thread.
 """
 
 from __future__ import annotations

@@ -164,6 +164,8 @@ def run(args) -> int:
             log.info("worker stopping")
 
     asyncio.run(main())
+    if backend.stores is not None:
+        backend.stores.close()  # the stores already queued, bounded in time
     if backend.cache is not None:
         backend.cache.close()
     return 0

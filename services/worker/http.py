@@ -7,7 +7,9 @@ simple). Each request's events flow back to its handler through an asyncio
 queue. A client that disconnects (streaming or not: aiohttp cancels the
 handler when its connection is lost) sets its request's cancel flag, which
 stops its generation at the next token and releases its lease; a request that
-fails only fails itself.
+fails only fails itself. A response ends at the backend's `Finished` event: the
+cache store that follows it (a copy on the inference thread, RPCs on store_queue.py's
+thread) is never waited for.
 
 With `api_key` set, every route but /health and /metrics (probes and scrapers) needs
 `Authorization: Bearer KEY`, compared in constant time (vLLM's --api-key).
@@ -159,9 +161,12 @@ class WorkerApp:
             if parsed.stream:
                 return await self._stream(http, parsed, events)
             return await self._collect(parsed, events)
-        finally:
-            cancelled.set()  # a no-op when finished; stops generation on disconnect
+        except BaseException:
+            cancelled.set()  # stops generation on disconnect (the handler is cancelled)
             await asyncio.shield(future)
+            raise
+        # Ended at the backend's Finished: what the inference thread still does for this request
+        # (copying its blocks for the cache) must not hold the response (store_queue.py).
 
     def _pump(
         self,
@@ -200,6 +205,7 @@ class WorkerApp:
                     started = event
                 elif isinstance(event, Finished):
                     finished = event
+                    break  # the response is complete: never wait for the backend's store
                 else:
                     pieces.append(event.text)
                     logprobs.extend(event.logprobs)
@@ -247,6 +253,7 @@ class WorkerApp:
                                 usage(started.prompt_tokens, event.completion_tokens, started.cached_tokens)
                             )
                         )
+                    break  # the response is complete: [DONE] never waits for the backend's store
                 else:
                     if event.echo:
                         shaper.skip_text(event.text)
