@@ -30,6 +30,7 @@ BENCHMARKS = ROOT / "benchmarks"
 SCRIPT_TIMEOUT_S = 240  # each script takes 1-20 s here; a loaded CI box may be several times slower
 
 COVERED = {
+    "disk_bench.py",
     "arena_bench.py",
     "gpu_check.py",
     "index_bench.py",
@@ -48,6 +49,7 @@ LEFT_OUT = {
     "peer_adapter.py": "needs ../shared/peers and its venvs, which a clean clone lacks",
     "redis_peer_bench.py": "needs ../shared/peers and its venvs, which a clean clone lacks",
     "vllm_ttft_bench.py": "needs vLLM (the .venv-vllm environment), not installed by the test extras",
+    "vllm_scheduler_cost.py": "needs vLLM (the .venv-vllm environment), not installed by the test extras",
 }
 
 
@@ -238,3 +240,12 @@ def test_ttft_bench(tmp_path: Path) -> None:
     # but the exit status must say exactly that.
     missed = not result["saving_ratio"] >= report["target_saving_ratio"]
     assert done.returncode == int(missed), (done.returncode, result["saving_ratio"])
+
+
+def test_disk_bench(tmp_path: Path) -> None:
+    # 16 MiB per measurement into a directory of the test's: raw O_DIRECT, the tier at 64 KiB and 2 MiB.
+    done = run_script("disk_bench.py", "--dir", str(tmp_path / "disk"), "--total", "16MiB")
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(results) == {"raw_odirect_8MiB", "tier_64KiB", "tier_2048KiB"}
+    for figures in results.values():
+        assert_positive(figures, "put_GBps", "get_GBps")

@@ -201,7 +201,10 @@ def test_stream_chunks_and_final_usage(stack, salt, path):
     )
     full = stack.reference.client.post(path, body)
     for attempt in range(2):  # a miss, then a hit: both stream the same text
+        held = sum(stack.service.resident_blocks().values())
         events = list(stack.cached.client.stream(path, {**body, "stream_options": {"include_usage": True}}))
+        if attempt == 0:  # the store lands after [DONE], off the inference thread
+            assert poll(lambda held=held: sum(stack.service.resident_blocks().values()) > held, 30)
         assert events[-1] == "[DONE]"
         *chunks, usage_chunk, _ = events
         assert usage_chunk["choices"] == [] and usage_chunk["usage"]["prompt_tokens"] == full.prompt_tokens

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from tests.support.poll import poll
 from tests.support.worker_procs import Stack
 
 pytestmark = pytest.mark.process
@@ -116,8 +117,11 @@ def test_metrics_count_requests_tokens_and_time_to_first_token(stack):
     client = stack.cached.client
     before = client.metrics()
     prompt = list(range(1000, 1000 + 40))
-    for _ in range(2):
-        assert client.complete(prompt, max_tokens=2, cache_salt="metrics").status == 200
+    held = sum(stack.service.resident_blocks().values())
+    assert client.complete(prompt, max_tokens=2, cache_salt="metrics").status == 200
+    # the store runs after the response, off the inference thread: wait until it landed
+    assert poll(lambda: sum(stack.service.resident_blocks().values()) >= held + 2, 30)
+    assert client.complete(prompt, max_tokens=2, cache_salt="metrics").status == 200
     after = client.metrics()
 
     def delta(name: str, **labels: str) -> float:

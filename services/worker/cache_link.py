@@ -76,7 +76,8 @@ class CacheLink:
         self._attached = False
         self._failed = False  # the link went down since the client's channel was opened
         self._breaker = CircuitBreaker("cache link", 1, Backoff(RETRY_MIN_S, RETRY_MAX_S), clock=clock)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one Attach at a time
+        self._state_lock = threading.Lock()  # up/down transitions: the store thread fails too
         self.fallbacks = Counter(
             "prefixcache_worker_cache_fallbacks",
             "Requests served without the cache because it failed or was down",
@@ -130,7 +131,8 @@ class CacheLink:
             except PrefixCacheError as error:
                 self._down("attach", error)
                 return False
-            self._attached, self._failed = True, False
+            with self._state_lock:
+                self._attached, self._failed = True, False
             self._breaker.record_success()
             log.info(
                 "cache link up (%s, namespace %s, shared memory %s)",
@@ -142,10 +144,11 @@ class CacheLink:
 
     def _down(self, stage: str, error: Exception) -> None:
         self.fallbacks.labels(stage).inc()
-        if self._attached or not self._failed:
-            log.warning("cache link down (%s failed: %s); prefilling in full until it recovers", stage, error)
-        self._breaker.record_failure(f"{stage}: {error}")  # (re)schedules the next attach attempt
-        self._attached, self._failed = False, True
+        with self._state_lock:  # logged once when the inference and store threads fail together
+            if self._attached or not self._failed:
+                log.warning("cache link down (%s failed: %s); prefilling in full until it recovers", stage, error)
+            self._breaker.record_failure(f"{stage}: {error}")  # (re)schedules the next attach attempt
+            self._attached, self._failed = False, True
 
     def lookup(self, tokens: list[int], salt: str | None) -> tuple[Hit | None, torch.Tensor | None]:
         """The leased hit (None when the link is down or the Lookup failed) and the KV of the
