@@ -2,8 +2,8 @@
 
 A real service behind a slow TCP proxy (tests/slow_proxy.py): every gRPC call through it costs
 at least two proxy latencies, so a store (Reserve + Commit) would hold a response for at least
-four. The stream's `[DONE]` must follow its last chunk at once, a non-streaming response must
-end as soon as a streaming one, and the store must still land (in the background).
+four. The stream's `[DONE]` must follow its last chunk at once, the next request (non-streaming)
+must end as soon as the first did, and the store must still land (in the background).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def test_done_never_waits_for_a_slow_store(slow_worker) -> None:
         assert finished >= 2 * LATENCY_S, "the Lookup went through the slow proxy"
         assert done - finished < LATENCY_S, f"[DONE] came {done - finished:.2f} s after the last chunk"
 
-        # A non-streaming response ends as early: not after the store's >= 1.2 s.
+        # The next request, sent at once, neither waits for the first one's store (>= 1.2 s, on
+        # the store thread) nor, non-streaming, for its own: it ends as early as the first.
         sent = time.monotonic()
         reply = worker.client.complete(PROMPT, max_tokens=4, cache_salt=salt + "-b")
         whole = time.monotonic() - sent
