@@ -48,6 +48,7 @@ LEFT_OUT = {
     "peer_adapter.py": "needs ../shared/peers and its venvs, which a clean clone lacks",
     "redis_peer_bench.py": "needs ../shared/peers and its venvs, which a clean clone lacks",
     "vllm_ttft_bench.py": "needs vLLM (the .venv-vllm environment), not installed by the test extras",
+    "vllm_fleet_bench.py": "needs vLLM (the .venv-vllm environment), not installed by the test extras",
 }
 
 
