@@ -50,6 +50,7 @@ LEFT_OUT = {
     "redis_peer_bench.py": "needs ../shared/peers and its venvs, which a clean clone lacks",
     "vllm_ttft_bench.py": "needs vLLM (the .venv-vllm environment), not installed by the test extras",
     "vllm_scheduler_cost.py": "needs vLLM (the .venv-vllm environment), not installed by the test extras",
+    "vllm_fleet_bench.py": "needs vLLM (the .venv-vllm environment), not installed by the test extras",
 }
 
 

@@ -1,0 +1,423 @@
+"""A fleet of vLLM OpenAI servers under multi-turn load, with and without prefixcache (issue #31).
+
+    PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/vllm_fleet_bench.py [--configs 1,2,3,3s,4,5]
+        [--kv-pressure] [--connector-root DIR] [--conversations 8] [--turns 3] [--users 3]
+        [--layers 4 --hidden 512] [--json-out FILE]
+
+Every configuration replays the SAME schedule: `--conversations` synthetic chats behind one
+shared system prompt (each turn resends every earlier turn plus a new user message; the
+assistant turns are fixed text, so the prompts do not depend on what the model says), driven by
+`--users` concurrent users, each taking the next conversation and playing its turns in order;
+greedy, streaming. Configurations (fresh servers, services and Redis for each):
+
+  1   one server, no prefix caching          2   one server, vLLM APC
+  3   two servers, APC, round-robin per request (one global counter)
+  3s  two servers, APC, sticky by conversation (what operators deploy without a cache service)
+  4   two servers round-robin, APC + prefixcache on one service (host tier, --block-size 32)
+  5   two servers round-robin, APC + prefixcache on two services sharing one redis-server
+  6   (`--kv-pressure`) 3s and 4 again with VLLM_CPU_KVCACHE_SPACE=--pressure-gib, so vLLM evicts
+
+`--connector-root DIR` runs the vLLM servers of 4/5 with PYTHONPATH=DIR (another checkout's
+connector: the "before" of issue #31 is a worktree of 00e251e); the services always run from
+this tree. Reported per configuration: TTFT p50/p90/p99, inter-token latency p50/p99 (gaps
+between streamed chunks), requests/s and prompt tokens/s over the configuration's wall time,
+and the cached-token share by source: vLLM's `usage.prompt_tokens_details.cached_tokens` counts
+both its own prefix cache and the connector's tokens, the connector's own are the servers'
+/metrics `vllm:prefixcache_external_tokens` delta; vLLM's own share is the difference. The
+machine is shared and noisy: compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+BLOCK = 32  # vLLM's CPU attention backend wants multiples of 32
+VOCAB = 512
+SEED = 20261203
+READY_S = 600.0
+ALL_CONFIGS = ("1", "2", "3", "3s", "4", "5")
+TITLES = {
+    "1": "one server, no prefix caching",
+    "2": "one server, vLLM APC",
+    "3": "two servers, APC, round-robin",
+    "3s": "two servers, APC, sticky by conversation",
+    "4": "round-robin, APC + prefixcache (host tier)",
+    "5": "round-robin, APC + prefixcache (2 services, one Redis)",
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    servers: int
+    apc: bool
+    routing: str  # "rr" | "sticky"
+    cache: str | None  # None | "host" | "redis"
+    kv_gib: str
+
+
+def configs(args: argparse.Namespace) -> list[Config]:
+    kv = args.kv_gib
+    table = {
+        "1": Config("1", 1, False, "rr", None, kv),
+        "2": Config("2", 1, True, "rr", None, kv),
+        "3": Config("3", 2, True, "rr", None, kv),
+        "3s": Config("3s", 2, True, "sticky", None, kv),
+        "4": Config("4", 2, True, "rr", "host", kv),
+        "5": Config("5", 2, True, "rr", "redis", kv),
+    }
+    chosen = [table[name] for name in args.configs.split(",")]
+    if args.kv_pressure:
+        chosen += [
+            Config("6/3s", 2, True, "sticky", None, args.pressure_gib),
+            Config("6/4", 2, True, "rr", "host", args.pressure_gib),
+        ]
+    return chosen
+
+
+# --- the workload ---------------------------------------------------------------------------
+
+
+def schedule(args: argparse.Namespace) -> tuple[list[list[list[dict]]], list[str]]:
+    """Per conversation, the message list of each turn; and the tokenizer's training corpus."""
+    from tests.vllm_e2e.test_vllm_serve_replay import _text
+
+    rng = random.Random(SEED)
+    system = _text(rng, args.system_words)
+    corpus = [system]
+    chats = []
+    for _ in range(args.conversations):
+        history: list[dict] = [{"role": "system", "content": system}]
+        turns = []
+        for _turn in range(args.turns):
+            history.append({"role": "user", "content": _text(rng, rng.randrange(60, 160))})
+            turns.append(list(history))
+            history.append({"role": "assistant", "content": _text(rng, rng.randrange(40, 120))})
+            corpus += [m["content"] for m in history[-2:]]
+        chats.append(turns)
+    return chats, corpus
+
+
+@dataclass
+class Result:
+    server: int
+    ttft_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+async def stream(session, url: str, messages: list[dict], max_tokens: int, server: int) -> Result:
+    from services.replay.openai_client import iter_sse_data
+
+    body = {
+        "model": "tiny",
+        "messages": messages,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+    }
+    result, started, last = Result(server), time.perf_counter(), None
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        if response.status != 200:
+            result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+            return result
+        async for payload in iter_sse_data(response.content.iter_any()):
+            if payload == "[DONE]":
+                break
+            event = json.loads(payload)
+            if any(choice.get("delta", {}).get("content") for choice in event.get("choices", [])):
+                now = time.perf_counter()
+                if last is None:
+                    result.ttft_s = now - started
+                else:
+                    result.gaps_s.append(now - last)
+                last = now
+            usage = event.get("usage")
+            if usage:
+                result.prompt_tokens = usage.get("prompt_tokens") or 0
+                result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    if result.ttft_s is None:
+        result.error = "no content streamed"
+    return result
+
+
+async def drive(urls: list[str], chats: list[list[list[dict]]], config: Config, args: argparse.Namespace):
+    import aiohttp
+
+    queue = list(range(len(chats)))
+    counter = 0
+    results: list[Result] = []
+
+    async def user(session) -> None:
+        nonlocal counter
+        while queue:
+            number = queue.pop(0)
+            for messages in chats[number]:
+                if config.routing == "sticky":
+                    server = number % len(urls)
+                else:
+                    server, counter = counter % len(urls), counter + 1
+                results.append(await stream(session, urls[server], messages, args.max_tokens, server))
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        started = time.perf_counter()
+        await asyncio.gather(*(user(session) for _ in range(args.users)))
+        return results, time.perf_counter() - started
+
+
+# --- servers --------------------------------------------------------------------------------
+
+
+def serve(model: Path, work: Path, name: str, config: Config, cache: str | None, pythonpath: str):
+    from tests.support.redis_server import free_port
+
+    port = free_port()
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", "--dtype", "bfloat16",
+        "--block-size", str(BLOCK), "--enforce-eager", "--max-model-len", "4096", "--max-num-seqs", "8",
+        "--seed", "0", "--enable-prompt-tokens-details",
+        "--enable-prefix-caching" if config.apc else "--no-enable-prefix-caching",
+    ]  # fmt: skip
+    if cache is not None:
+        extra = {"cache": cache}
+        command += [
+            "--kv-transfer-config",
+            json.dumps(
+                {
+                    "kv_connector": "PrefixCacheConnector",
+                    "kv_connector_module_path": "prefixcache.integrations.vllm",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": extra,
+                }
+            ),
+        ]
+    env = dict(
+        os.environ,
+        PYTHONPATH=pythonpath,
+        VLLM_CPU_KVCACHE_SPACE=config.kv_gib,
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+    )
+    env.pop("ONEDNN_MAX_CPU_ISA", None)  # vLLM's AMX kernels SIGILL under the HF worker's cap
+    log = (work / f"{name}.log").open("w")
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return process, f"http://127.0.0.1:{port}"
+
+
+def ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def external_tokens(url: str) -> float:
+    """The connector's `vllm:prefixcache_external_tokens` summed over its label sets (0 without)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:prefixcache_external_tokens") and not line.startswith("#"):
+            head = line.split(" ")[0]
+            if head.endswith("_created"):
+                continue
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+
+
+def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Namespace) -> dict:
+    from service_process import start_service
+
+    from tests.support.redis_server import RedisServer
+
+    services: list[subprocess.Popen] = []
+    servers: list[subprocess.Popen] = []
+    redis = None
+    tag = config.name.replace("/", "-")
+    try:
+        addresses: list[str | None] = [None] * config.servers
+        flags = ["--host-capacity", "2GiB", "--block-size", str(BLOCK)]
+        if config.cache == "host":
+            process, address = start_service(*flags)
+            services.append(process)
+            addresses = [address] * config.servers
+        elif config.cache == "redis":
+            (work / f"redis-{tag}").mkdir()
+            redis = RedisServer(work / f"redis-{tag}").start()
+            for i in range(config.servers):
+                process, address = start_service(*flags, "--redis-url", redis.url)
+                services.append(process)
+                addresses[i] = address
+        pythonpath = args.connector_root if (config.cache and args.connector_root) else str(ROOT)
+        urls = []
+        for i in range(config.servers):
+            process, url = serve(model, work, f"{tag}-{i}", config, addresses[i], pythonpath)
+            servers.append(process)
+            urls.append(url)
+        deadline = time.monotonic() + READY_S
+        for process, url in zip(servers, urls, strict=True):
+            while not ready(url):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"config {config.name}: a vLLM server never came up; see {work}/{tag}-*.log")
+                time.sleep(1.0)
+        # Warm each server (first-request kernels) with a prompt that shares nothing with the schedule.
+        warm = [[{"role": "user", "content": "warm up " * 40}]]
+        for i in range(config.servers):
+            asyncio.run(drive([urls[i]], [warm], Config("warm", 1, False, "rr", None, "1"), args))
+        before = sum(external_tokens(url) for url in urls)
+        results, wall_s = asyncio.run(drive(urls, chats, config, args))
+        time.sleep(0.5)
+        external = sum(external_tokens(url) for url in urls) - before
+        return summarise(config, results, wall_s, external)
+    finally:
+        stop(servers)
+        for process in services:
+            process.terminate()
+            process.wait(30)
+        if redis is not None:
+            redis.stop()
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def summarise(config: Config, results: list[Result], wall_s: float, external: float) -> dict:
+    ok = [r for r in results if r.error is None]
+    ttft = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
+    gaps = [g * 1000 for r in ok for g in r.gaps_s]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    return {
+        "config": config.name,
+        "title": TITLES.get(config.name.split("/")[-1], config.name)
+        + (f" (KV {config.kv_gib} GiB)" if config.name.startswith("6") else ""),
+        "requests": len(results),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+        "ttft_ms": {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99), "mean": statistics.fmean(ttft)},
+        "itl_ms": {"p50": pct(gaps, 50), "p99": pct(gaps, 99)},
+        "wall_s": wall_s,
+        "requests_per_s": len(ok) / wall_s,
+        "prompt_tokens_per_s": prompt / wall_s,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prefixcache_tokens": external,
+        "cached_share": cached / prompt if prompt else 0.0,
+        "vllm_share": (cached - external) / prompt if prompt else 0.0,
+        "prefixcache_share": external / prompt if prompt else 0.0,
+    }
+
+
+def table(rows: list[dict], reference: str = "3s") -> str:
+    ref = next((r for r in rows if r["config"] == reference), None)
+    lines = [
+        "| config | TTFT p50 / p90 / p99 ms | ITL p50 / p99 ms | req/s | prompt tok/s "
+        "| cached share (vLLM + prefixcache) | vs 3s: p50 / p99 / req/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t, i = r["ttft_ms"], r["itl_ms"]
+        versus = "—"
+        if ref is not None and r is not ref:
+            versus = (
+                f"{t['p50'] / ref['ttft_ms']['p50']:.2f}x / {t['p99'] / ref['ttft_ms']['p99']:.2f}x / "
+                f"{r['requests_per_s'] / ref['requests_per_s']:.2f}x"
+            )
+        lines.append(
+            f"| {r['config']} {r['title']} | {t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f} "
+            f"| {i['p50']:.1f} / {i['p99']:.1f} | {r['requests_per_s']:.2f} | {r['prompt_tokens_per_s']:.0f} "
+            f"| {r['cached_share']:.1%} ({r['vllm_share']:.1%} + {r['prefixcache_share']:.1%}) | {versus} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", default=",".join(ALL_CONFIGS), help="comma list of " + ",".join(ALL_CONFIGS))
+    parser.add_argument("--kv-pressure", action="store_true", help="also run 3s and 4 with a small vLLM KV cache")
+    parser.add_argument("--kv-gib", default="2", help="VLLM_CPU_KVCACHE_SPACE for configs 1-5")
+    parser.add_argument("--pressure-gib", default="0.05", help="VLLM_CPU_KVCACHE_SPACE for config 6")
+    parser.add_argument("--connector-root", default="", help="PYTHONPATH of the vLLM servers of 4/5/6-4")
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--users", type=int, default=3)
+    parser.add_argument("--system-words", type=int, default=700)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--json-out", default="")
+    args = parser.parse_args()
+    unknown = set(args.configs.split(",")) - set(ALL_CONFIGS)
+    if unknown:
+        parser.error(f"--configs: unknown {sorted(unknown)}; choose from {','.join(ALL_CONFIGS)}")
+    if args.connector_root and not (Path(args.connector_root) / "prefixcache" / "integrations" / "vllm").is_dir():
+        parser.error(f"--connector-root: {args.connector_root} has no prefixcache/integrations/vllm")
+    for name in ("conversations", "turns", "users", "max_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+
+    from vllm_ttft_bench import build_model
+
+    from tests.vllm_e2e.test_vllm_serve_replay import _tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="fleet-") as tmp:
+        work = Path(tmp)
+        chats, corpus = schedule(args)
+        model = work / "model"
+        build_model(model, args.layers, args.hidden, VOCAB)
+        _tokenizer(model, corpus)
+        rows = []
+        for config in configs(args):
+            started = time.monotonic()
+            row = run_config(config, model, work, chats, args)
+            rows.append(row)
+            print(
+                f"config {config.name}: {row['requests']} requests, TTFT p50 {row['ttft_ms']['p50']:.0f} ms, "
+                f"cached {row['cached_share']:.1%} ({time.monotonic() - started:.0f} s incl. start-up)",
+                flush=True,
+            )
+    print(table(rows))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
