@@ -112,14 +112,14 @@ class CacheMachine(RuleBasedStateMachine):
         return tuple(tokens[: blocks * self.layout.block_size])
 
     def reachable(self, ns: int, tokens: list[int]) -> int:
-        """Blocks a lookup may serve: a scalar walk of live, unexpired, chained nodes."""
+        """Blocks a lookup may serve: a scalar walk of live, chained nodes, unexpired or pinned."""
         index, parent, count = self.cache.index, -1, 0
         for block_hash in block_hashes(self.cache, self.ns[ns], tokens):
             node = index.node_of(block_hash)
             if node is None or int(index.parent[node]) != parent:
                 break
-            if index.last_access[node] < self.clock() - TTL_S:
-                break
+            if index.last_access[node] < self.clock() - TTL_S and not index.pins[node]:
+                break  # expired, unless a lease or pin holds it (expiry never drops a pinned row)
             parent, count = node, count + 1
         return count
 

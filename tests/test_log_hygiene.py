@@ -222,7 +222,14 @@ def _exercise_service(address: str, tokens) -> list[str]:
 
 def _exercise_worker(client: WorkerClient) -> list[str]:
     body = {"prompt": SECRET_TEXT * 4, "max_tokens": 2, "temperature": 0, "cache_salt": WORKER_SALT}
-    first, second = (client.complete(body["prompt"], max_tokens=2, cache_salt=WORKER_SALT) for _ in range(2))
+    first = client.complete(body["prompt"], max_tokens=2, cache_salt=WORKER_SALT)
+    # The store lands after the response (off the inference thread): the second request waits for it.
+    second = first
+    for _ in range(100):
+        second = client.complete(body["prompt"], max_tokens=2, cache_salt=WORKER_SALT)
+        if second.cached_tokens:
+            break
+        time.sleep(0.1)
     assert first.cached_tokens == 0 and second.cached_tokens > 0, "the worker's second request must hit"
     bad = [
         {**body, "cache_salt": WORKER_SALT + "\x01"},

@@ -103,6 +103,8 @@ def test_ab_replay_hits_every_previous_turn_and_outputs_match(stack, tmp_path):
         "8",
         "--concurrency",
         "2",
+        "--think-time",  # a user reads the reply first; the worker stores a turn after its response
+        "0.5",
         "--json",
         str(out),
     )

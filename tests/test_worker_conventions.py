@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from prefixcache.version import version
+from tests.support.poll import poll
 from tests.support.worker_procs import Stack, WorkerProcess
 
 pytestmark = pytest.mark.process
@@ -53,6 +54,10 @@ def test_tokenize_applies_the_chat_template_and_says_how_much_is_cached(stack):
     assert status == 200 and before["cached_blocks"] == 0 and before["block_size"] == 16
     reply = stack.cached.client.chat(messages, max_tokens=2, cache_salt=salt)
     assert before["count"] == len(before["tokens"]) == reply.prompt_tokens  # exactly what the chat prefills
+    # the chat's store lands after its response, off the inference thread
+    assert poll(
+        lambda: _post(stack.cached, "/tokenize", {"messages": messages, "cache_salt": salt})[1]["cached_blocks"], 30
+    )
     _, after = _post(stack.cached, "/tokenize", {"messages": messages, "cache_salt": salt})
     assert after["tokens"] == before["tokens"]
     assert (

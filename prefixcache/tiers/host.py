@@ -25,7 +25,7 @@ from ..errors import ConfigError
 from .arena import Arena, chunk_bytes_for
 from .base import TierKind
 from .pool import TensorPool, addressing
-from .shm import SHM_DIR, OwnedSegment
+from .shm import SHM_DIR, OwnedSegment, read_record
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,7 @@ class MappedSegment:
         try:
             self._path = SHM_DIR / segment_name.lstrip("/")
             self._inode = os.fstat(fd).st_ino
+            self._owner = read_record(fd)
             size = os.fstat(fd).st_size
             if size < need:
                 raise ConfigError("segment", f"shared memory {segment_name!r} is smaller than {num_slots} slots")
@@ -137,6 +138,10 @@ class MappedSegment:
         then live there, not in this mapping, whose bytes must be neither read nor written."""
         try:
             return os.stat(self._path).st_ino == self._inode
+        except FileNotFoundError:
+            # The name alone was removed (`rm` while serving: the service goes on from its mapping),
+            # or the service is gone with it: current while the recorded owner process lives.
+            return self._owner is None or self._owner.pid_matches()
         except OSError:
             return False
 

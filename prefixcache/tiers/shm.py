@@ -137,7 +137,7 @@ class OwnerRecord:
         return f"pid {self.pid}{' serving ' + self.owner if self.owner else ''}, created {started}"
 
 
-def _read_record(fd: int) -> OwnerRecord | None:
+def read_record(fd: int) -> OwnerRecord | None:
     size = os.fstat(fd).st_size
     if size < RECORD_BYTES:
         return None
@@ -183,7 +183,7 @@ def inspect_segment(path: Path) -> SegmentInfo | None:
         return None
     try:
         info = os.fstat(fd)
-        record = _read_record(fd) if statmod.S_ISREG(info.st_mode) else None
+        record = read_record(fd) if statmod.S_ISREG(info.st_mode) else None
         if record is None:
             return None
         return SegmentInfo(path.name, path, record, _locked_by_someone(fd), info.st_size, info.st_blocks * 512)
@@ -233,8 +233,8 @@ def remove_if_dead(path: Path) -> OwnerRecord | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise SegmentInUse(path, _read_record(fd)) from None
-        record = _read_record(fd)
+            raise SegmentInUse(path, read_record(fd)) from None
+        record = read_record(fd)
         if record is None:
             raise ConfigError(
                 "shm_name", f"{path} exists and is not a prefixcache segment; remove it or choose another --shm-name"
