@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import openai
 import pytest
@@ -108,6 +109,12 @@ def test_streaming_with_include_usage_ends_with_the_usage_chunk(cached):
         "extra_body": {"cache_salt": "sdk-stream"},
     }
     whole = cached.chat.completions.create(**args)
+    # The worker stores the prompt after the response, off its inference thread: wait until a
+    # request sees it (each try stores nothing new), then stream.
+    for _ in range(100):
+        if cached.chat.completions.create(**{**args, "max_tokens": 1}).usage.prompt_tokens_details.cached_tokens:
+            break
+        time.sleep(0.1)
     chunks = list(cached.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
