@@ -275,7 +275,13 @@ def e2e(tmp_path_factory):
             for index in range(count):
                 cached.client.complete(e2e_prompt(kind, index, blocks)[: blocks * BS + 1], max_tokens=1)
                 expected += blocks
-        poll(lambda: redis_keys(redis_server, service.redis_key_prefix) >= expected, 30.0, "prefixes in Redis")
+                # The worker stores after the response, on a queue of its own: one prompt at a time, so
+                # none is dropped and none lands late in the restarted service's local tier.
+                assert poll(
+                    lambda held=expected: redis_keys(redis_server, service.redis_key_prefix) >= held,
+                    30.0,
+                    "prefix in Redis",
+                )
         yield redis_server, proxy, service, cached, reference
     finally:
         with ThreadPoolExecutor(3) as pool:  # each takes seconds to drain on a busy box; overlap them
