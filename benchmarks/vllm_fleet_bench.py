@@ -226,14 +226,6 @@ def serve(model: Path, work: Path, name: str, config: Config, cache: str | None,
     return process, f"http://127.0.0.1:{port}"
 
 
-def ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
 def external_tokens(url: str) -> float:
     """The connector's `vllm:prefixcache_external_tokens` summed over its label sets (0 without)."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
@@ -264,6 +256,7 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
     from service_process import start_service
 
     from tests.support.redis_server import RedisServer
+    from tests.vllm_e2e.test_vllm_serve_replay import _ready as ready  # the test's own probe
 
     services: list[subprocess.Popen] = []
     servers: list[subprocess.Popen] = []
