@@ -102,12 +102,37 @@ def _deepseek_v2() -> Any:
     return DeepseekV2ForCausalLM(config)
 
 
+def _qwen3_next() -> Any:
+    # Gated DeltaNet (linear attention, recurrent state) in 3 of 4 layers, full attention in the
+    # fourth; a 4-expert MoE (vLLM's Qwen3-Next needs its MoE layers). Linear heads of 64: the
+    # size vLLM's CPU GDN kernel compiles. vLLM raises the block size to 256 tokens so that an
+    # attention page holds a state page.
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        **{**COMMON, "intermediate_size": 256},
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    )
+    return Qwen3NextForCausalLM(config)
+
+
 BUILDERS: dict[str, Callable[[], Any]] = {
     "llama": _llama,
     "gemma3": _gemma3,
     "mistral_sliding": _mistral_sliding,
     "gpt_oss": _gpt_oss,
     "deepseek_v2": _deepseek_v2,
+    "qwen3_next": _qwen3_next,
 }
 
 

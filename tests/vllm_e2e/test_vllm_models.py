@@ -17,8 +17,9 @@ layer-blocks than full ones would have, and X's mismatches (whole outputs and fi
 are no worse than APC's. DeepSeek-V2 (MLA) on vLLM's CPU backend, which cannot prefill on cached
 KV (vLLM turns its own prefix caching off there), saves its latent blocks and loads none.
 TP=2 (two worker processes, one core each): each rank saves its shard under its own namespace
-and a hit loads both. Qwen3-Next-style Mamba state is refused by name (a unit test in
-test_vllm_units.py). The figures are printed for docs/vllm.md.
+and a hit loads both. Qwen3-Next (Gated DeltaNet state): its own two engines with vLLM's prefix
+caching on (the state is kept only then), X saving KV and states, a fresh Z loading both, and a
+prompt with KV but no stored state missing. The figures are printed for docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -194,3 +195,60 @@ def test_tensor_parallel_ranks_save_and_load_their_own_shards(tmp_path_factory: 
     mismatches = _mismatches(steps_out["again"]["outputs"], steps_out["first"]["outputs"])
     print(f"\nTP=2: loaded {sum(steps_out['again']['cached'])} tokens on both ranks; mismatches {mismatches}/4")
     assert mismatches == 0
+
+
+def test_a_hybrid_state_model_resumes_from_a_stored_state_and_misses_without_one(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Qwen3-Next (Gated DeltaNet state in 3 of 4 layers): vLLM's prefix caching on (align mode keeps
+    states at block boundaries, vLLM raises the block size to 256 to fit a state page). Engine X saves
+    the prompts' KV and the states vLLM commits; a fresh engine Z loads KV and state up to the last
+    boundary whose state is stored. A prompt whose KV is stored but none of whose boundaries has a
+    state is a miss, never a wrong state."""
+    workdir = tmp_path_factory.mktemp("vllm-state")
+    model = build("qwen3_next", workdir / "checkpoints")
+    bs = 256
+    rng = random.Random(3)
+    system = _tokens(rng, 600)
+    prompts = [system + _tokens(rng, rng.randrange(200, 400)) for _ in range(3)]
+    lone = _tokens(rng, 1300)  # shares nothing: vLLM keeps its state at its last boundary (1280) only
+    cut = [lone[:1100] + _tokens(rng, 200)]  # KV stored through 1024, no state at 1024, 768, 512 or 256
+    service = CacheService(workdir / "s", extra_args=["--block-size", str(bs)]).start()
+    connector = {"cache": service.address, **CONNECTOR}
+    engines: list[Engine] = []
+    try:
+        steps = [_gen("first", prompts + [lone]), _gen("apc", prompts)]
+        engines.append(_start(workdir, "X", model, steps, connector, apc=True, block_size=bs))
+        x_out = engines[-1].result()
+        held = lambda: service.resident_blocks().get(model.name, 0) >= 12  # noqa: E731
+        assert poll(held, 60, interval_s=0.5), (service.resident_blocks(), x_out["steps"]["first"]["metrics"])
+        steps = [_gen("again", prompts), _gen("cut", cut)]
+        engines.append(_start(workdir, "Z", model, steps, connector, apc=True, block_size=bs))
+        z_out = engines[-1].result()
+        client = service.client()
+        try:
+            kinds = {entry.revision.rsplit("|", 1)[-1] for entry in client.namespaces() if entry.blocks}
+        finally:
+            client.close()
+    finally:
+        _stop(engines)
+        service.stop()
+    assert any(kind.startswith("kv=state-") for kind in kinds), kinds
+    first, again = x_out["steps"]["first"], z_out["steps"]["again"]
+    assert first["metrics"]["saved_states"] >= len(prompts) + 1 and first["metrics"].get("saves_dropped", 0) == 0
+    expected = [(len(p) - 1) // bs * bs for p in prompts]
+    assert again["cached"] == expected  # vLLM held nothing: KV and state came from the service
+    assert again["metrics"]["loaded_states"] == len(prompts) and again["metrics"].get("load_failures", 0) == 0
+    cut_step = z_out["steps"]["cut"]
+    metrics = {key: value - again["metrics"].get(key, 0) for key, value in cut_step["metrics"].items()}
+    assert cut_step["cached"] == [0] and metrics.get("state_misses", 0) == 1 and metrics.get("loaded_states", 0) == 0
+    reference = first["outputs"][: len(prompts)]
+    ours = _mismatches(again["outputs"], reference)
+    apc = _mismatches(x_out["steps"]["apc"]["outputs"], reference)
+    first_tokens = _mismatches(again["outputs"], reference, first_only=True)
+    print(
+        f"\nqwen3_next: block size {bs}; fresh engine loaded {sum(expected)} of {sum(map(len, prompts))} prompt tokens "
+        f"and {len(prompts)} states; mismatches {ours}/{len(prompts)} (first token {first_tokens}), "
+        f"APC {apc}/{len(prompts)} (APC cached {x_out['steps']['apc']['cached']}); KV stored without a state: miss"
+    )
+    assert ours <= apc and first_tokens == 0

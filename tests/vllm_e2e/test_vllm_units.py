@@ -314,38 +314,132 @@ def test_groups_of_a_hybrid_sliding_window_model_share_one_layout_in_model_order
         (["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"], sliding),
         (["model.layers.1.self_attn.attn", "model.layers.10.self_attn.attn"], full),
     )
-    groups = KVGroups.of(config, 32, "Gemma3ForCausalLM")
+    groups = KVGroups.of(config, "Gemma3ForCausalLM")
     assert groups.layer_names == tuple(f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 10))
-    assert groups.layer_groups == (0, 1, 0, 1)
+    assert groups.layer_groups == (0, 1, 0, 1) and groups.block_size == 32 and not groups.has_state
     assert groups.kinds == ("sliding_window(64)", "full") and (groups.kv_heads, groups.head_size) == (2, 64)
-    with pytest.raises(ConfigError, match="32-token blocks, vLLM.s block size is 16") as error:
-        KVGroups.of(config, 16, "Gemma3ForCausalLM")
+    short = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="group 1 has 16-token blocks, group 0 has 32") as error:
+        KVGroups.of(_kv_cache_config((["model.layers.0.a"], sliding), (["model.layers.1.a"], short)), "Gemma3")
     assert error.value.field == "kv_cache_groups"
 
 
-def test_groups_refuse_mamba_state_and_mixed_geometries_naming_the_model_class() -> None:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+def _mamba(mode: str = "align", speculative: int = 0) -> object:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    # conv [768 x 3] bf16 + ssm [4 x 64 x 64] fp32, padded to a 256-token bf16 attention page of 2 x 64 heads
+    return MambaSpec(
+        block_size=256,
+        shapes=((768, 3), (4, 64, 64)),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=2 * 256 * 2 * 64 * 2,
+        mamba_cache_mode=mode,
+        num_speculative_blocks=speculative,
+    )
+
+
+def test_groups_of_a_hybrid_state_model_put_state_pages_in_attention_slots() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from prefixcache.integrations.vllm.groups import KVGroups
+
+    full = FullAttentionSpec(block_size=256, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    config = _kv_cache_config(
+        (["model.layers.3.self_attn.attn"], full),
+        (["model.layers.0.linear_attn"], _mamba()),
+        (["model.layers.1.linear_attn"], _mamba()),
+    )
+    groups = KVGroups.of(config, "Qwen3NextForCausalLM")
+    assert groups.layer_names == ("model.layers.3.self_attn.attn",) and groups.layer_groups == (0,)
+    assert groups.state_names == ("model.layers.0.linear_attn", "model.layers.1.linear_attn")
+    assert groups.state_groups == (1, 2) and groups.has_state and groups.page_bytes == 2 * 256 * 2 * 64 * 2
+    assert groups.state_kind.startswith("state-") and "768x3+4x64x64-bfloat16+float32" in groups.state_kind
+    assert "x1" in groups.describe() and groups.describe().count("state-") == 2
+    for spec, field, words in (
+        (_mamba("none"), "mamba_cache_mode", "enable_prefix_caching=True"),
+        (_mamba(speculative=1), "num_speculative_blocks", "speculative decoding"),
+    ):
+        with pytest.raises(ConfigError) as error:
+            KVGroups.of(
+                _kv_cache_config((["model.layers.3.self_attn.attn"], full), (["model.layers.0.linear_attn"], spec)),
+                "Qwen3NextForCausalLM",
+            )
+        assert error.value.field == field and "Qwen3NextForCausalLM" in str(error.value) and words in str(error.value)
+    small = FullAttentionSpec(block_size=256, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="pages, the attention layers"):
+        KVGroups.of(
+            _kv_cache_config((["model.layers.3.a"], small), (["model.layers.0.linear_attn"], _mamba())),
+            "Qwen3NextForCausalLM",
+        )
+
+
+def test_state_pages_round_trip_bytes_where_vllm_places_them() -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    from prefixcache.integrations.vllm.paged import StatePages
+
+    page, blocks = 64, 6
+    # two state layers sharing one allocation block-outermost (layer_stride one page, block_stride two), at an offset
+    tensor = KVCacheTensor(
+        size=16 + blocks * 2 * page, layers=["l.0.s", "l.1.s"], layer_stride=page, block_stride=2 * page, offset=16
+    )
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.bfloat16)  # a 64-byte page
+    config = KVCacheConfig(
+        num_blocks=blocks,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(["l.0.s"], spec), KVCacheGroupSpec(["l.1.s"], spec)],
+    )
+    raw = torch.arange(tensor.size, dtype=torch.int16).to(torch.int8)
+    pages = StatePages.of({"l.0.s": raw, "l.1.s": raw[5:]}, config, ["l.0.s", "l.1.s"], [0, 1])
+    got = pages.gather({0: 2, 1: 4})
+    assert torch.equal(got[0, 0], raw[16 + 2 * 2 * page :][:page].view(torch.uint8))
+    assert torch.equal(got[0, 1], raw[16 + page + 4 * 2 * page :][:page].view(torch.uint8))
+    before = raw.clone()
+    pages.load(got.view(torch.bfloat16), {0: 5, 1: 1})  # any dtype: its bytes
+    assert torch.equal(raw[16 + 5 * 2 * page :][:page], before[16 + 2 * 2 * page :][:page])
+    assert torch.equal(raw[16 + page + 1 * 2 * page :][:page], before[16 + page + 4 * 2 * page :][:page])
+    changed = (raw != before).nonzero().flatten()
+    assert changed.numel() and all(
+        16 + 5 * 2 * page <= i < 16 + 5 * 2 * page + page or 16 + page + 2 * page <= i < 16 + page + 2 * page + page
+        for i in changed.tolist()
+    )
+    with pytest.raises(ValueError, match="no block for the state"):
+        pages.load(got, {0: 0, 1: 1})
+
+
+def test_a_state_is_named_by_the_digest_of_its_whole_prefix() -> None:
+    from prefixcache.integrations.vllm.states import DIGEST_TOKENS, state_tokens
+
+    prefix = list(range(1, 65))
+    named = state_tokens(prefix, 32)
+    assert len(named) == 32 and named[DIGEST_TOKENS:] == [0] * (32 - DIGEST_TOKENS)
+    assert state_tokens(list(prefix), 32) == named  # deterministic across processes (no hash seed)
+    assert state_tokens(prefix[:-1] + [999], 32) != named and state_tokens(prefix[:32], 32) != named
+    with pytest.raises(ConfigError, match="16-token blocks"):
+        state_tokens(prefix, 8)
+
+
+def test_groups_refuse_unknown_kinds_and_mixed_geometries_naming_the_model_class() -> None:
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec, FullAttentionSpec, MLAAttentionSpec
 
     from prefixcache.integrations.vllm.groups import KVGroups
 
     full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    mamba = MambaSpec(block_size=32, shapes=((4, 4),), dtypes=(torch.bfloat16,))
+    cross = CrossAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     with pytest.raises(ConfigError) as error:
         KVGroups.of(
-            _kv_cache_config((["model.layers.3.self_attn.attn"], full), (["model.layers.0.linear_attn"], mamba)),
-            32,
-            "Qwen3NextForCausalLM",
+            _kv_cache_config((["model.layers.3.self_attn.attn"], full), (["model.layers.0.cross_attn"], cross)),
+            "WhisperForConditionalGeneration",
         )
     message = str(error.value)
     assert error.value.field == "kv_cache_groups"
-    assert "Qwen3NextForCausalLM" in message and "MambaSpec" in message and "without the connector" in message
+    assert "WhisperForConditionalGeneration" in message and "CrossAttentionSpec" in message
+    assert "without the connector" in message
     wide = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
     with pytest.raises(ConfigError, match="different KV geometries"):
-        KVGroups.of(
-            _kv_cache_config((["model.layers.0.a"], full), (["model.layers.1.a"], wide)), 32, "Gemma4ForCausalLM"
-        )
+        KVGroups.of(_kv_cache_config((["model.layers.0.a"], full), (["model.layers.1.a"], wide)), "Gemma4ForCausalLM")
     mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
-    groups = KVGroups.of(_kv_cache_config((["model.layers.0.self_attn.attn"], mla)), 16, "DeepseekV2ForCausalLM")
+    groups = KVGroups.of(_kv_cache_config((["model.layers.0.self_attn.attn"], mla)), "DeepseekV2ForCausalLM")
     assert groups.latent and (groups.kv_heads, groups.head_size) == (1, 288)
 
 

@@ -236,16 +236,20 @@ def namespace_of(
     layers: int,
     kv_heads: int,
     head_dim: int,
+    block_size: int,
     tp_rank: int,
-    latent: bool = False,
+    kind: str = "",
 ) -> VllmNamespace:
+    """`block_size`: the KV cache groups' (vLLM raises the configured one for hybrid models with
+    state); `kind`: what besides the layout tells the blocks apart ("" for K/V, "mla" for MLA's
+    latent rows stored as two halves, "state(...)" for state pages, groups.py)."""
     model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     layout = KVLayout(
         layers=layers,
         kv_heads=kv_heads,
         head_dim=head_dim,
-        block_size=cache_config.block_size,
+        block_size=block_size,
         dtype=kv_dtype_of(cache_config.cache_dtype, model_config.dtype),
     )
     revision = settings.revision or (model_config.revision or "")
@@ -258,8 +262,8 @@ def namespace_of(
             "needs a weights digest (sampled or full) of a local checkpoint",
         )
     parts = [revision, f"weights={digest[:32]}" if digest else "weights=unknown", f"tp={tp_rank}/{tp_size}"]
-    if latent:
-        parts.append("kv=mla")  # one latent row per token, stored as the block's two halves
+    if kind:
+        parts.append(f"kv={kind}")
     name = model_config.served_model_name if isinstance(model_config.served_model_name, str) else model_config.model
     return VllmNamespace(
         model=os.path.basename(str(name).rstrip("/")) or str(name),

@@ -6,7 +6,9 @@ the namespace and delegates to `SchedulerSide` / `WorkerSide`.
 
 Invariants:
 - Supported: every KV cache group of full, sliding-window, chunked-local or MLA attention
-  with one geometry across layers (groups.py), vLLM's hybrid KV cache manager on
+  with one geometry across layers, and Mamba / linear-attention state groups in vLLM's align
+  mode (groups.py; their states live in a second namespace, states.py), vLLM's hybrid KV
+  cache manager on
   (`SupportsHMA`), any tensor_parallel_size (a shard per rank), pipeline_parallel_size 1,
   backends CPU_ATTN, FLASH_ATTN, FLASHINFER and the MLA ones (paged.py). Anything else fails
   at start-up with an error that names the model class and what is unsupported.
@@ -33,7 +35,7 @@ from .config import ConnectorSettings, check_layer_scales, describe, namespace_o
 from .groups import KVGroups
 from .link import LOGGER, CacheLink
 from .metadata import PrefixCacheMetadata
-from .paged import KVPacking, PagedCache, PagedLayer, packing_of_backend
+from .paged import KVPacking, PagedCache, PagedLayer, StatePages, packing_of_backend
 from .scheduler import SchedulerSide
 from .stats import PrefixCachePromMetrics, PrefixCacheStats, StatsBox
 from .worker import WorkerSide
@@ -88,22 +90,23 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError(
                 "decode_context_parallel_size", f"{model_class}: decode context parallelism is not supported"
             )
-        self.block_size = vllm_config.cache_config.block_size
-        self.groups = KVGroups.of(kv_cache_config, self.block_size, model_class)
+        self.groups = KVGroups.of(kv_cache_config, model_class)
+        self.block_size = self.groups.block_size
         self.layer_names = list(self.groups.layer_names)
         tp_rank = _tp_rank(role)
+        geometry = (self.groups.kv_heads, self.groups.head_size, self.block_size, tp_rank)
         namespace = namespace_of(
-            vllm_config,
-            self.settings,
-            len(self.layer_names),
-            self.groups.kv_heads,
-            self.groups.head_size,
-            tp_rank=tp_rank,
-            latent=self.groups.latent,
+            vllm_config, self.settings, len(self.layer_names), *geometry, kind="mla" if self.groups.latent else ""
         )
         self.stats = StatsBox()
         role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else f"worker (tp rank {tp_rank})"
         self.link = CacheLink(self.settings, namespace, role_name)
+        self.state_link: CacheLink | None = None
+        if self.groups.has_state:  # an attention page holds a state page: same geometry, one slot per layer
+            states = namespace_of(
+                vllm_config, self.settings, len(self.groups.state_names), *geometry, kind=self.groups.state_kind
+            )
+            self.state_link = CacheLink(self.settings, states, f"{role_name}, states")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -117,7 +120,9 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     "GPUs sharing this service) and loads none",
                     model_class,
                 )
-            self._scheduler = SchedulerSide(self.link, self.stats, self.block_size, loads)
+            self._scheduler = SchedulerSide(
+                self.link, self.stats, self.block_size, loads, self.state_link, self.groups.state_groups
+            )
             log.info(
                 "prefixcache: connector %s, namespace %s/%s %s%s; KV cache groups: %s",
                 describe(self.settings),
@@ -128,7 +133,7 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 self.groups.describe(),
             )
         else:
-            self._worker = WorkerSide(self.link, self.stats, tp_rank)
+            self._worker = WorkerSide(self.link, self.stats, tp_rank, self.state_link)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -153,6 +158,10 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
         check_layer_scales(self.link.namespace.kv_scale, self._layer_scales())
         assert self._worker is not None
         self._worker.paged = PagedCache(layers, self.link.layout.dtype.torch)
+        if self.groups.has_state:
+            self._worker.states = StatePages.of(
+                kv_caches, self._kv_cache_config, self.groups.state_names, self.groups.state_groups
+            )
         first = kv_caches[self.layer_names[0]]
         log.info(
             "prefixcache worker: %d layers of %s paged KV (%s, %s %s, stored as %s) on %s",
@@ -227,6 +236,8 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 self._scheduler.prefill.log()
                 self._scheduler.close()
             self.link.close()
+            if self.state_link is not None:
+                self.state_link.close()
 
     # -- scheduler role -----------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:

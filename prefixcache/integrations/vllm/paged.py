@@ -38,7 +38,7 @@ reinterpreted with `view`).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +117,7 @@ class PagedCache:
         holds an fp8 cache in uint8 tensors (`STR_DTYPE_TO_TORCH_DTYPE["fp8"]`); the cache names
         the format (float8_e4m3fn / float8_e5m2), and the two are the same bytes, viewed."""
         self.layers = layers
+        self._groups = {layer.group for layer in layers}
         self.dtype = dtype or layers[0].keys.dtype
         paged = layers[0].keys.dtype
         if paged.itemsize != self.dtype.itemsize:
@@ -144,6 +145,8 @@ class PagedCache:
             source = source.view(self.layers[0].keys.dtype)
         plans: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for group, ids in enumerate(block_ids):
+            if group not in self._groups:
+                continue  # a state group (StatePages loads its one block)
             if len(ids) != len(source):
                 raise ValueError(f"group {group}: {len(ids)} block ids for {len(source)} blocks")
             kept = [i for i, block in enumerate(ids) if block != NULL_BLOCK]
@@ -165,11 +168,11 @@ class PagedCache:
     def gather(self, block_ids: GroupBlockIds) -> torch.Tensor:
         """Canonical blocks `[n, layers, 2, H, N, D]` (on CPU, in `self.dtype`): layer l of block i is
         read from block_ids[group of l][i]. Every id must be a real block (ValueError on a null)."""
-        indexes = []
-        for group, ids in enumerate(block_ids):
-            if NULL_BLOCK in ids:
+        indexes: dict[int, torch.Tensor] = {}
+        for group in self._groups:  # a state group's ids are not KV (StatePages)
+            if NULL_BLOCK in block_ids[group]:
                 raise ValueError(f"group {group} no longer holds every block to gather")
-            indexes.append(self._index(ids))
+            indexes[group] = self._index(block_ids[group])
         first = self.layers[0].keys
         out = torch.empty(
             (len(block_ids[0]), len(self.layers), 2, *first.shape[1:]), dtype=first.dtype, device=self.device
@@ -179,3 +182,70 @@ class PagedCache:
             torch.index_select(layer.keys, 0, index, out=out[:, number, 0])
             torch.index_select(layer.values, 0, index, out=out[:, number, 1])
         return out.cpu().view(self.dtype)  # uint8-held fp8 -> the namespace's float8 type, same bytes
+
+
+class StatePages:
+    """vLLM's state layers (Mamba, GDN) as raw pages, with copies to and from state blocks.
+
+    vLLM places every layer's page for block b at `offset + l * layer_stride + b * block_stride`
+    bytes of one backing allocation (its `KVCacheTensor`); a state page holds the layer's conv
+    and SSM states at one block boundary, padded to an attention layer's page. The pages are
+    viewed here as `[num_blocks, page_bytes]` uint8 rows of that allocation, whatever typed
+    views vLLM's own state code uses, and a state block `[n, layers, 2, H, N, D]` of the
+    namespace's dtype is those bytes reinterpreted (groups.py checks the sizes agree).
+    """
+
+    def __init__(self, pages: list[torch.Tensor], groups: Sequence[int]) -> None:
+        self.pages = pages  # per state layer, [num_blocks, page_bytes] uint8 views of vLLM's cache
+        self.groups = tuple(groups)  # the KV cache group of each
+
+    @classmethod
+    def of(
+        cls, kv_caches: dict[str, torch.Tensor], kv_cache_config: object, names: Sequence[str], groups: Sequence[int]
+    ) -> StatePages:
+        placements = {
+            name: (tensor, index)
+            for tensor in getattr(kv_cache_config, "kv_cache_tensors", ())
+            for index, name in enumerate(tensor.layers)
+        }
+        pages = []
+        page_bytes = {
+            name: spec.page_size_bytes
+            for group in kv_cache_config.kv_cache_groups  # type: ignore[attr-defined]
+            for name, spec in (
+                getattr(group.kv_cache_spec, "kv_cache_specs", None)
+                or dict.fromkeys(group.layer_names, group.kv_cache_spec)
+            ).items()
+        }
+        for name in names:
+            if name not in placements or name not in kv_caches:
+                raise ConfigError("kv_caches", f"no KV cache tensor places state layer {name}")
+            tensor, index = placements[name]
+            held = kv_caches[name]
+            held = held[0] if isinstance(held, (list, tuple)) else held
+            storage = torch.empty(0, dtype=torch.uint8, device=held.device).set_(held.untyped_storage())
+            blocks = kv_cache_config.num_blocks  # type: ignore[attr-defined]
+            start = tensor.offset + index * tensor.layer_stride
+            if start + (blocks - 1) * tensor.block_stride + page_bytes[name] > storage.numel():
+                raise ConfigError("kv_caches", f"state layer {name}'s pages lie outside its allocation")
+            pages.append(storage.as_strided((blocks, page_bytes[name]), (tensor.block_stride, 1), start))
+        return cls(pages, groups)
+
+    def gather(self, block_ids: Mapping[int, int]) -> torch.Tensor:
+        """`[1, layers, page_bytes]` uint8 (on CPU): state layer l's page at block_ids[its group]."""
+        out = torch.empty((1, len(self.pages), self.pages[0].shape[1]), dtype=torch.uint8, device=self.pages[0].device)
+        for number, (page, group) in enumerate(zip(self.pages, self.groups, strict=True)):
+            out[0, number] = page[block_ids[group]]
+        return out.cpu()
+
+    def load(self, block: torch.Tensor, block_ids: Mapping[int, int]) -> None:
+        """State layer l's page at block_ids[its group] <- block `[1, layers, ...]` (its bytes, any dtype)."""
+        source = block.to(self.pages[0].device).contiguous().view(torch.uint8).reshape(1, len(self.pages), -1)
+        if source.shape[2] != self.pages[0].shape[1]:
+            raise ValueError(
+                f"a state block of {source.shape[2]} bytes per layer, vLLM's pages hold {self.pages[0].shape[1]}"
+            )
+        for number, (page, group) in enumerate(zip(self.pages, self.groups, strict=True)):
+            if block_ids.get(group, NULL_BLOCK) == NULL_BLOCK:
+                raise ValueError(f"group {group} has no block for the state")
+            page[block_ids[group]].copy_(source[0, number])

@@ -24,6 +24,10 @@ Invariants:
   service verifies tokens itself.
 - Any service failure or a Lookup past its deadline means 0 external tokens: the request
   prefills normally.
+- Models with state layers (Mamba, GDN; states.py): the Lookup thread also probes the states
+  at the hit's last boundaries; vLLM is offered tokens up to the longest boundary whose state
+  is stored (none: a miss, never a wrong state), and the states vLLM commits at prompt
+  boundaries (`boundary_state_offloads`) are saved the step it offers them.
 - The `auto` policy's prefill rate is vLLM's own, measured by `PrefillMeter` from the steps
   this side sees (the prior only until a few steps were timed, and again once they are stale).
 """
@@ -43,8 +47,9 @@ from ...client.api import Attachment, CacheClient, Hit
 from ...errors import PrefixCacheError
 from ...tiers.base import TierKind
 from ...transfer import TransferEstimate, TransferMeter
+from . import states
 from .link import LOGGER, CacheLink
-from .metadata import LoadOp, PrefixCacheMetadata, SaveOp
+from .metadata import LoadOp, PrefixCacheMetadata, SaveOp, StateSaveOp
 from .paged import NULL_BLOCK
 from .stats import StatsBox
 
@@ -139,7 +144,12 @@ def worth_loading(
     return load_s < tokens / prefill_tokens_per_s
 
 
-Answer = tuple[Hit, Attachment]
+@dataclass(frozen=True)
+class Answer:
+    hit: Hit
+    attachment: Attachment
+    state_blocks: int = 0  # models with state layers: the boundary whose state was found
+    state: Hit | None = None  # ... and that state, leased
 
 
 @dataclass
@@ -150,6 +160,9 @@ class _Request:
     deadline: float = 0.0  # time.monotonic() past which the request goes ahead without it
     hit: Hit | None = None
     attachment: Attachment | None = None
+    state: Hit | None = None  # models with state layers: the leased state at state_blocks
+    state_blocks: int = 0
+    states_saved: set[int] = field(default_factory=set)  # boundaries (tokens) whose state was saved
     local_tokens: int = 0  # computed by vLLM's own prefix cache
     external_tokens: int = 0  # promised to vLLM from the cache
     cached_blocks: int = 0  # blocks of this prompt the cache holds (saves start here)
@@ -162,9 +175,20 @@ class _Request:
 
 
 class SchedulerSide:
-    def __init__(self, link: CacheLink, stats: StatsBox, block_size: int, loads: bool = True) -> None:
-        """`loads` False: save only (the engine cannot prefill on top of loaded KV; see connector.py)."""
+    def __init__(
+        self,
+        link: CacheLink,
+        stats: StatsBox,
+        block_size: int,
+        loads: bool = True,
+        state_link: CacheLink | None = None,
+        state_groups: tuple[int, ...] = (),
+    ) -> None:
+        """`loads` False: save only (the engine cannot prefill on top of loaded KV; see connector.py).
+        `state_link`, `state_groups`: the state namespace and KV cache groups of a model with state layers."""
         self.link = link
+        self.state_link = state_link
+        self.state_groups = tuple(sorted(set(state_groups)))
         self.stats = stats
         self.block_size = block_size
         self.loads = loads
@@ -197,7 +221,7 @@ class SchedulerSide:
         recompute = None if self.settings.hit_policy == "always" else 1.0 / self.prefill.tokens_per_s
         self.stats.add(lookups=1)
         try:
-            return self.link.call(
+            answer = self.link.call(
                 lambda client, _: client.lookup(
                     prompt,
                     cache_salt=salt,
@@ -208,6 +232,21 @@ class SchedulerSide:
             )
         except PrefixCacheError:
             return None  # the link dropped a client that failed as a service
+        if answer is None:
+            return None
+        hit, attachment = answer
+        if self.state_link is None or not hit.blocks:
+            return Answer(hit, attachment)
+        usable = min(hit.blocks, (len(prompt) - 1) // self.block_size)
+        try:
+            found = self.state_link.call(lambda client, _: states.probe(client, prompt, usable, self.block_size, salt))
+        except PrefixCacheError:
+            found = None
+        blocks, state = found[0] if found is not None else (0, None)
+        if state is None:
+            self.stats.add(state_misses=1)
+            return Answer(hit, attachment)
+        return Answer(hit, attachment, blocks, state)
 
     def match(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._requests.get(request.request_id) or self.started(request)
@@ -244,11 +283,12 @@ class SchedulerSide:
             self.stats.add(lookup_errors=1)
             state.saved_blocks = max(state.saved_blocks, 0)
             return 0, False
-        hit, attachment = answer
+        hit, attachment = answer.hit, answer.attachment
         attached = self.link.client()
         client = attached[0] if attached is not None else None
         prompt_tokens = len(request.prompt_token_ids or ())
         if not self._valid(hit, attachment, prompt_tokens, state.salt):
+            self._release_state(answer.state)
             self._release(client, hit)
             self.link.failed(
                 PrefixCacheError(
@@ -262,19 +302,25 @@ class SchedulerSide:
             return 0, False
         if not state.asked_again and hit.lease_deadline is not None and hit.lease_deadline < time.monotonic():
             self._release(client, hit)  # the request waited past its lease: ask once more
+            self._release_state(answer.state)
             state.asked_again = True
             self.started(request)
             return self.match(request, num_computed_tokens)
         state.cached_blocks = hit.hit_tokens // self.block_size
         state.saved_blocks = max(state.saved_blocks, state.cached_blocks)
-        external = min(hit.hit_tokens, usable) - num_computed_tokens
+        reach = min(hit.hit_tokens, usable)
+        if self.state_link is not None:  # a hybrid model resumes only where its state is stored
+            reach = answer.state_blocks * self.block_size if answer.state_blocks * self.block_size <= reach else 0
+        external = reach - num_computed_tokens
         if external > 0 and not self._worth_loading(external, num_computed_tokens, hit, attachment):
             external = 0
         if external <= 0:
             self._release(client, hit)
+            self._release_state(answer.state)
             self.stats.add(misses=1)
             return 0, False
         state.hit, state.attachment, state.external_tokens = hit, attachment, external
+        state.state, state.state_blocks = answer.state, answer.state_blocks
         self.stats.add(offered_tokens=external)
         return external, True
 
@@ -286,9 +332,19 @@ class SchedulerSide:
 
     def _release_answer(self, pending: Future[Answer | None]) -> None:
         answer = None if pending.cancelled() or pending.exception() else pending.result()
-        if answer is not None and answer[0].lease_id:
+        if answer is None:
+            return
+        self._release_state(answer.state)
+        if answer.hit.lease_id:
             attached = self.link.client()
-            self._release(attached[0] if attached is not None else None, answer[0])
+            self._release(attached[0] if attached is not None else None, answer.hit)
+
+    def _release_state(self, hit: Hit | None) -> None:
+        if hit is None or not hit.lease_id or self.state_link is None:
+            return
+        attached = self.state_link.client()
+        if attached is not None:
+            self._release(attached[0], hit, self.state_link)
 
     def _valid(self, hit: Hit, attachment: Attachment, prompt_tokens: int, salt: str | None) -> bool:
         # A salted lookup answers in the salted namespace, whose id differs from the attached one.
@@ -361,6 +417,7 @@ class SchedulerSide:
                 else:
                     state.block_ids = [old + list(ids) for old, ids in zip(state.block_ids, new_ids, strict=True)]
             self._plan_saves(state, req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), meta)
+        self._plan_state_saves(scheduler_output, meta)
         block_bytes = self.link.layout.block_bytes
         load_s = sum(MAPPED_LOAD.seconds(op.blocks * block_bytes) for op in meta.loads)
         tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
@@ -377,6 +434,10 @@ class SchedulerSide:
         first = state.local_tokens // bs
         end = first + state.external_tokens // bs
         prompt = tuple(state.request.prompt_token_ids or ())
+        state_block_ids = tuple(
+            (group, state.block_ids[group][end - 1] if len(state.block_ids[group]) >= end else NULL_BLOCK)
+            for group in self.state_groups
+        )
         meta.loads.append(
             LoadOp(
                 req_id,
@@ -386,9 +447,12 @@ class SchedulerSide:
                 tuple(tuple(ids[first:end]) for ids in state.block_ids),
                 prompt[: end * bs],
                 state.salt,
+                state.state,
+                state.state_blocks,
+                state_block_ids,
             )
         )
-        state.hit = None  # the worker owns the lease now
+        state.hit, state.state = None, None  # the worker owns the leases now
         state.cached_blocks = max(state.cached_blocks, end)
         state.saved_blocks = max(state.saved_blocks, end)
 
@@ -400,15 +464,40 @@ class SchedulerSide:
         prompt = state.request.prompt_token_ids or ()
         full = min(computed_after_step, len(prompt)) // bs
         start = state.saved_blocks
-        if full <= start or any(len(ids) < full for ids in state.block_ids):
+        attention = [ids for group, ids in enumerate(state.block_ids) if group not in self.state_groups]
+        if full <= start or any(len(ids) < full for ids in attention):
             return
-        block_ids = tuple(tuple(ids[start:full]) for ids in state.block_ids)
-        if any(NULL_BLOCK in ids for ids in block_ids):
+        block_ids = tuple(tuple(ids[start:full]) for ids in state.block_ids)  # state groups' are not read
+        if any(NULL_BLOCK in ids[start:full] for ids in attention):
             state.saves_stopped = True  # vLLM freed them (outside a window) before the cache held them
             self.stats.add(saves_dropped=1)
             return
         state.saved_blocks = full
         meta.saves.append(SaveOp(req_id, tuple(prompt[: full * bs]), start, block_ids, state.salt))
+
+    def _plan_state_saves(self, scheduler_output: SchedulerOutput, meta: PrefixCacheMetadata) -> None:
+        """Save the states vLLM committed this step at the prompts' block boundaries: they are
+        written by this step's forward and the worker copies them out right after it."""
+        if self.state_link is None:
+            return
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offloads: dict[str, list[tuple[int, int, int]]] = getattr(block_state, "boundary_state_offloads", None) or {}
+        for req_id, entries in offloads.items():
+            state = self._requests.get(req_id)
+            if state is None or state.saves_stopped:
+                continue
+            prompt = state.request.prompt_token_ids or ()
+            at: dict[int, dict[int, int]] = {}
+            for group, block_id, boundary in entries:
+                if group in self.state_groups and boundary % self.block_size == 0 and 0 < boundary <= len(prompt):
+                    at.setdefault(boundary, {})[group] = block_id
+            for boundary, ids in sorted(at.items()):
+                if boundary in state.states_saved or len(ids) != len(self.state_groups):
+                    continue
+                state.states_saved.add(boundary)
+                meta.state_saves.append(
+                    StateSaveOp(req_id, tuple(prompt[:boundary]), tuple(sorted(ids.items())), state.salt)
+                )
 
     # -- update_connector_output --------------------------------------------------------------
     def receives_failed(self, request_ids: set[str]) -> None:
@@ -431,15 +520,16 @@ class SchedulerSide:
             attached = self.link.client()
             if attached is not None:
                 self._release(attached[0], state.hit)
-        state.hit, state.load_pending = None, False
+        self._release_state(state.state)
+        state.hit, state.state, state.load_pending = None, None, False
 
-    def _release(self, client: CacheClient | None, hit: Hit) -> None:
+    def _release(self, client: CacheClient | None, hit: Hit, link: CacheLink | None = None) -> None:
         if client is None:
             return
         try:
             client.release(hit)
         except PrefixCacheError as error:
-            self.link.failed(error, client)
+            (link or self.link).failed(error, client)
 
     def close(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)

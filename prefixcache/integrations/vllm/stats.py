@@ -42,6 +42,9 @@ FIELDS = (
     "save_seconds",
     "save_failures",
     "saves_dropped",
+    "loaded_states",
+    "saved_states",
+    "state_misses",
 )
 _DESCRIPTIONS = {
     "lookups": "Lookups the scheduler sent to prefixcache",
@@ -61,6 +64,9 @@ _DESCRIPTIONS = {
     "save_seconds": "Seconds spent copying KV out and storing it",
     "save_failures": "Saves that failed (the blocks are simply not cached)",
     "saves_dropped": "Saves dropped: the save queue was full, or vLLM had freed a block before it was saved",
+    "loaded_states": "Recurrent states (Mamba, GDN) copied from prefixcache at a hit's end",
+    "saved_states": "Recurrent states newly published to prefixcache at prompt block boundaries",
+    "state_misses": "Hits on a model with state layers unusable: no state stored at their last boundaries",
 }
 
 

@@ -13,6 +13,11 @@ namespace (`tp=<rank>/<size>`). The scheduler's Lookup and lease are rank 0's; e
 looks its shard up itself (the `LoadOp` carries the tokens) and fails the load when its shard
 is shorter, so a hit is used only when every rank holds its part.
 
+Models with state layers (Mamba, GDN): a load also copies the state at its end into each state
+group's block there, and fails unless it ends exactly at the state's boundary; the states the
+scheduler names (`StateSaveOp`) are copied out with the step's blocks and stored in the state
+namespace (states.py).
+
 Data paths (chosen per load):
 - co-located (the service's host tier mapped here, the slots all in it): shared memory ->
   staging tensor -> vLLM's blocks; gRPC carries only the Release.
@@ -40,9 +45,10 @@ import torch
 
 from ...client.api import CacheClient, Hit
 from ...errors import PrefixCacheError
+from . import states
 from .link import LOGGER, CacheLink, service_level
-from .metadata import LoadOp, PrefixCacheMetadata, SaveOp
-from .paged import PagedCache
+from .metadata import LoadOp, PrefixCacheMetadata, SaveOp, StateSaveOp
+from .paged import PagedCache, StatePages
 from .stats import StatsBox
 
 log = logging.getLogger(LOGGER)
@@ -51,16 +57,18 @@ SAVE_QUEUE_BLOCKS = 4096  # blocks copied out and waiting for the service; more 
 
 
 class WorkerSide:
-    def __init__(self, link: CacheLink, stats: StatsBox, tp_rank: int = 0) -> None:
+    def __init__(self, link: CacheLink, stats: StatsBox, tp_rank: int = 0, state_link: CacheLink | None = None) -> None:
         self.link = link
+        self.state_link = state_link
         self.stats = stats
         self.tp_rank = tp_rank
         self.paged: PagedCache | None = None
+        self.states: StatePages | None = None
         self._loads: queue.Queue[LoadOp | None] = queue.Queue()
         self._loaded: set[str] = set()  # requests whose load ended since vLLM last asked
         self._load_failed: set[str] = set()
         self._loaded_lock = threading.Lock()
-        self._queue: queue.Queue[tuple[SaveOp, torch.Tensor] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[SaveOp | StateSaveOp, torch.Tensor] | None] = queue.Queue()
         self._queued_blocks = 0
         self._queued_lock = threading.Lock()
         self._loader = threading.Thread(target=self._load_loop, name="prefixcache-load", daemon=True)
@@ -100,6 +108,8 @@ class WorkerSide:
                     self._load_failed.add(op.request_id)
             if self.tp_rank == 0:
                 self._release(op.hit)
+                if op.state is not None and self.state_link is not None:
+                    self._release(op.state, self.state_link)
         if not failed:
             self.stats.add(
                 loaded_blocks=op.blocks,
@@ -122,6 +132,7 @@ class WorkerSide:
             try:
                 if hit.blocks < end:
                     raise PrefixCacheError(f"rank {self.tp_rank} holds {hit.blocks} of the {end} blocks rank 0 holds")
+                self._load_state(op, end)
                 return self._copy(client, hit, op, end)
             finally:
                 self._release(hit)
@@ -130,7 +141,31 @@ class WorkerSide:
             raise PrefixCacheError(f"lease {op.hit.lease_id} is from another attachment of the service")
         if end > hit.blocks:
             raise PrefixCacheError(f"load of blocks {op.first_block}..{end} beyond the {hit.blocks} leased")
+        self._load_state(op, end)
         return self._copy(client, hit, op, end)
+
+    def _load_state(self, op: LoadOp, end: int) -> None:
+        """A model with state layers: the state at the load's end into each state group's block there."""
+        if self.state_link is None:
+            return
+        if self.states is None or end != op.state_blocks:
+            raise PrefixCacheError(f"a load ending at block {end} has no state there (stored: {op.state_blocks})")
+        attached = self.state_link.client()
+        if attached is None:
+            raise PrefixCacheError("state namespace unusable")
+        client = attached[0]
+        if self.tp_rank == 0 and op.state is not None:
+            block = client.read(op.state)
+        else:  # this rank's shard of the state
+            found = states.lookup_state(client, op.tokens, end, self.link.layout.block_size, op.cache_salt)
+            try:
+                if not found.blocks:
+                    raise PrefixCacheError(f"rank {self.tp_rank} holds no state at block {end}")
+                block = client.read(found)
+            finally:
+                self._release(found, self.state_link)
+        self.states.load(block, dict(op.state_block_ids))
+        self.stats.add(loaded_states=1)
 
     def _copy(self, client: CacheClient, hit: Hit, op: LoadOp, end: int) -> int:
         assert self.paged is not None
@@ -142,14 +177,15 @@ class WorkerSide:
             raise
         return self.paged.load(blocks, op.block_ids)
 
-    def _release(self, hit: Hit) -> None:
-        attached = self.link.client()
+    def _release(self, hit: Hit, link: CacheLink | None = None) -> None:
+        link = link or self.link
+        attached = link.client()
         if attached is None:
             return
         try:
             attached[0].release(hit)
         except PrefixCacheError as error:
-            self.link.failed(error, attached[0])
+            link.failed(error, attached[0])
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
         """(requests whose load ended, those of them that failed) since the last call."""
@@ -172,6 +208,17 @@ class WorkerSide:
             kv = self.paged.gather(op.block_ids)
             self.stats.add(save_seconds=time.perf_counter() - started)
             self._queue.put((op, kv))
+        if self.states is not None and self.state_link is not None:
+            layout = self.state_link.layout
+            shape = (1, layout.layers, 2, layout.kv_heads, layout.block_size, layout.head_dim)
+            for state_op in meta.state_saves:
+                with self._queued_lock:
+                    if self._queued_blocks + 1 > SAVE_QUEUE_BLOCKS:
+                        self.stats.add(saves_dropped=1)
+                        continue
+                    self._queued_blocks += 1
+                pages = self.states.gather(dict(state_op.block_ids))
+                self._queue.put((state_op, pages.view(layout.dtype.torch).reshape(shape)))
 
     def _save_loop(self) -> None:
         # vLLM runs the model (and so the first attach, which maps shared memory) under inference
@@ -183,10 +230,13 @@ class WorkerSide:
         while (item := self._queue.get()) is not None:
             op, kv = item
             try:
-                self._store(op, kv)
+                if isinstance(op, StateSaveOp):
+                    self._store_state(op, kv)
+                else:
+                    self._store(op, kv)
             finally:
                 with self._queued_lock:
-                    self._queued_blocks -= op.blocks
+                    self._queued_blocks -= len(kv)
                 self._queue.task_done()
         self._queue.task_done()
 
@@ -214,6 +264,21 @@ class WorkerSide:
             save_seconds=time.perf_counter() - started,
         )
 
+    def _store_state(self, op: StateSaveOp, kv: torch.Tensor) -> None:
+        assert self.state_link is not None
+        tokens = states.state_tokens(op.tokens, self.link.layout.block_size)
+        try:
+            answer = self.state_link.call(lambda client, _: client.store(tokens, kv, cache_salt=op.cache_salt))
+        except PrefixCacheError as error:
+            self.stats.add(save_failures=1)
+            if not service_level(error):
+                log.info("prefixcache worker: state save for %s refused: %s", op.request_id, error)
+            return
+        if answer is None:
+            self.stats.add(save_failures=1)
+            return
+        self.stats.add(saved_states=answer[0].stored)
+
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until queued saves are stored (tests, shutdown); False on timeout."""
         deadline = time.monotonic() + timeout_s
@@ -233,3 +298,5 @@ class WorkerSide:
         self._saver.join(timeout=5.0)
         self._loader.join(timeout=5.0)
         self.link.close()
+        if self.state_link is not None:
+            self.state_link.close()
