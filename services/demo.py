@@ -2,8 +2,16 @@
 
 Starts the cache service, a worker that uses it and a worker that does not (the built-in
 tiny model, CPU, no Redis, no GPU) as local subprocesses on free loopback ports, replays a
-small ShareGPT sample against both (same schedule, one after the other), prints the savings
-table and the output check, and stops the processes on every path (Ctrl-C and SIGTERM too).
+ShareGPT sample in the shape of the use case against both, prints the savings table, the
+paired headline and the output check, and stops the processes on every path (Ctrl-C and
+SIGTERM too).
+
+The workload: multi-turn ShareGPT conversations behind a shared system prompt of ~1k tokens
+(services/replay/system_prompt.py), as a chat product sends; one conversation in four has none
+(a direct API user), so first turns without a shared prefix are in the sample too. Each turn
+goes to both workers back to back, the first alternating (runner.run_interleaved), so load from
+elsewhere on the machine hits a request and its no-cache twin alike; the headline compares each
+request with its twin.
 
 Exit status: 0 when the replay succeeded and the greedy outputs with and without the cache
 are identical; 1 when they differ or nothing succeeded; 2 when the processes cannot start.
@@ -19,19 +27,23 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .replay.command import positive_int
+from .replay.command import add_system_prompt, positive_int
 from .replay.local_stack import LocalStack, StackError
 from .replay.report_table import print_report
 from .replay.runner import RunOptions, Target
 from .replay.schedule import ScheduleConfig
 from .replay.session import ReplayOptions, exit_code, plan, run_chat, write_outputs
+from .replay.system_prompt import BUILTIN
+from .replay.system_prompt import resolve as resolve_system_prompt
 from .replay.workload import WorkloadSpec
 
 MODEL = "prefixcache-tiny-llama"  # the worker's built-in model
 EXAMPLES = """examples:
-  prefixcache demo                              # 8 ShareGPT conversations, ~1-2 minutes on 2 CPU cores
+  prefixcache demo                              # 20 ShareGPT conversations, ~1-2 minutes on 2 CPU cores
   prefixcache demo --conversations 20 --json demo.json --plots demo-plots/
+  prefixcache demo --system-prompt none --sequential   # no shared prefix; the cache run, then the other
 """
+SYSTEM_PROMPT_SHARE = 0.75  # of the conversations, the rest as direct API use (no system prompt)
 
 
 def register(subparsers) -> None:
@@ -39,16 +51,24 @@ def register(subparsers) -> None:
         "demo",
         help="start a cache service and two workers locally, replay ShareGPT with and without the cache",
         description="The main job on one machine: cache service + a cached worker + a cache-less worker "
-        "(built-in tiny model, CPU), a ShareGPT replay against both, the savings and the "
+        "(built-in tiny model, CPU), ShareGPT conversations behind a shared system prompt sent to both "
+        "(each turn to one, then the other), the paired savings and the "
         "output check (greedy outputs must be identical).",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
-    add("--conversations", type=positive_int, default=8, help="ShareGPT conversations to replay (default %(default)s)")
+    add("--conversations", type=positive_int, default=20, help="ShareGPT conversations to replay (default %(default)s)")
     add("--max-turns", type=positive_int, default=4, help="turns per conversation (default %(default)s)")
-    add("--max-prompt-tokens", type=positive_int, default=1536, help="prompt token cap (default %(default)s)")
+    add("--max-prompt-tokens", type=positive_int, default=2560, help="prompt token cap (default %(default)s)")
     add("--max-tokens", type=positive_int, default=16, help="tokens generated per turn (default %(default)s)")
+    add_system_prompt(parser, default=BUILTIN, share_default=SYSTEM_PROMPT_SHARE)
+    add(
+        "--sequential",
+        action="store_true",
+        help="replay the whole sample against the cached worker, then against the other (default: each "
+        "turn to both, back to back)",
+    )
     add(
         "--concurrency",
         type=positive_int,
@@ -78,12 +98,19 @@ def register(subparsers) -> None:
 
 def _options(args: argparse.Namespace) -> ReplayOptions:
     workload = WorkloadSpec(
-        conversations=args.conversations, max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens
+        conversations=args.conversations,
+        max_turns=args.max_turns,
+        max_prompt_tokens=args.max_prompt_tokens,
+        system_prompt=resolve_system_prompt(args.system_prompt),
+        system_prompt_share=args.system_prompt_share,
     )
     # A bounded run: the sample takes ~1 minute; the duration cap only guards against a hang.
     schedule = ScheduleConfig(concurrency=args.concurrency, duration_s=600.0, seed=args.seed)
     return ReplayOptions(
-        workload, schedule, RunOptions(max_tokens=args.max_tokens, request_timeout_s=120.0, drain_s=60.0)
+        workload,
+        schedule,
+        RunOptions(max_tokens=args.max_tokens, request_timeout_s=120.0, drain_s=60.0),
+        interleave=not args.sequential,
     )
 
 
@@ -114,7 +141,11 @@ def _start(stack: LocalStack, console: Console, threads: int | None) -> tuple[st
 def run(args: argparse.Namespace) -> int:
     console = Console()
     progress = None if args.no_progress else Console(stderr=True)
-    options = _options(args)
+    try:
+        options = _options(args)
+    except ValueError as error:
+        print(f"prefixcache demo: error: {error}", file=sys.stderr)
+        return 2
     prepared = plan(options)  # the workload is loaded and planned before anything starts
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:

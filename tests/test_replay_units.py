@@ -23,9 +23,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
+from prefixcache_services.cli import main as cli_main
 from prefixcache_services.replay import plots
 from prefixcache_services.replay.json_stream import ArrayReadState, JsonArrayError, iter_json_array
 from prefixcache_services.replay.openai_client import ChatClient, Completion, chat_completions_url, iter_sse_data
+from prefixcache_services.replay.prompt_tokens import ChatTokens
 from prefixcache_services.replay.report import Report, build_report, load_schema, percentile, summarize_run
 from prefixcache_services.replay.report_table import paired_headline, print_report
 from prefixcache_services.replay.runner import (
@@ -34,13 +36,18 @@ from prefixcache_services.replay.runner import (
     RunOptions,
     RunResult,
     Target,
+    busy_time,
     compare_runs,
     run_ab,
     run_schedule,
 )
 from prefixcache_services.replay.schedule import ScheduleConfig, ScheduleError, ThinkTime, build_schedule
+from prefixcache_services.replay.system_prompt import SYSTEM_PROMPT, system_prompt_for
+from prefixcache_services.replay.system_prompt import resolve as resolve_system_prompt
 from prefixcache_services.replay.transcripts import Conversation, Role, TranscriptError, load_jsonl, load_sharegpt
-from prefixcache_services.replay.turns import conversation_turns
+from prefixcache_services.replay.turns import approx_token_count, conversation_turns
+from prefixcache_services.replay.worker_metrics import stores_pending
+from prefixcache_services.replay.workload import WorkloadSpec, load_workload
 
 pytestmark = pytest.mark.unit
 
@@ -537,6 +544,121 @@ def test_ab_detects_output_mismatch_and_builds_valid_report(tmp_path: Path) -> N
     for path in paths:
         data = path.read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
+
+
+def test_interleaved_ab_sends_each_turn_to_both_back_to_back_the_first_alternating() -> None:
+    cfg = ScheduleConfig(concurrency=1, seed=1)
+    sched = build_schedule(_conv_turns(3, 3), cfg)
+    cached, plain = EchoServer(request_delay=0.01), EchoServer(report_cache=False, request_delay=0.01)
+    settled: list[int] = []  # baseline requests already received each time `settle` ran
+
+    async def settle() -> None:
+        settled.append(len(plain.bodies))
+
+    async def main():
+        async with serving(cached) as a, serving(plain) as b:
+            t0 = time.perf_counter()
+            ab = await run_ab(
+                sched,
+                Target("cache", a, "m"),
+                Target("nocache", b, "m"),
+                RunOptions(max_tokens=4),
+                interleave=True,
+                settle=settle,
+            )
+            return ab, time.perf_counter() - t0
+
+    ab, elapsed = asyncio.run(main())
+    assert ab.comparison.compared == 9 and ab.comparison.mismatches == 0
+    assert cached.max_in_flight == plain.max_in_flight == 1  # concurrency 1 covers the pair
+    assert settled == list(range(9))  # awaited before each baseline request, never before a cached one
+    cache = {r.key: r for r in ab.cache.records}
+    base = {r.key: r for r in ab.baseline.records}
+    for position, conv in enumerate(sched.conversations):
+        for k, turn in enumerate(conv.turns):
+            key = (conv.conversation_id, turn.index)
+            first, second = (cache[key], base[key]) if (position + k) % 2 == 0 else (base[key], cache[key])
+            assert second.start_s >= first.start_s + first.completion.latency_s - 1e-3  # back to back
+    # Each side's wall time is its own serving time: about its requests' latencies, not the run's.
+    for run in (ab.cache, ab.baseline):
+        latencies = sum(r.completion.latency_s for r in run.records)
+        assert latencies - 1e-3 <= run.wall_s <= latencies + 9 * 0.01
+        assert run.wall_s < 0.8 * elapsed
+    report = build_report(ab, cfg, block_size=4, interleaved=True)
+    assert report.interleaved is True and report.paired is not None and report.paired.all.requests == 9
+    jsonschema.validate(json.loads(report.to_json()), load_schema())
+
+
+def test_busy_time_is_the_union_of_intervals() -> None:
+    assert busy_time([]) == 0.0
+    assert busy_time([(3.0, 4.0), (0.0, 1.0), (0.5, 2.0)]) == pytest.approx(3.0)
+    assert busy_time([(0.0, 5.0), (1.0, 2.0)]) == pytest.approx(5.0)
+
+
+def test_interleave_needs_a_no_cache_target(capsys) -> None:
+    code = cli_main(["replay", "--target", "http://127.0.0.1:9", "--interleave", "--no-progress"])
+    assert code == 2
+    assert "--interleave needs --compare-no-cache" in capsys.readouterr().err
+
+
+def test_stores_pending_is_read_off_the_worker_metrics_text() -> None:
+    text = "# HELP x\nprefixcache_worker_stores_pending 2.0\nprefixcache_worker_stores_dropped_total 0.0\n"
+    assert stores_pending(text) == 2.0
+    assert stores_pending("prefixcache_worker_requests_total 3.0\n") is None
+
+
+# --- the shared system prompt ------------------------------------------------------------------
+
+
+def test_the_builtin_system_prompt_is_a_realistic_length() -> None:
+    tokens = ChatTokens().message_count((S, SYSTEM_PROMPT))
+    assert 500 <= tokens <= 1500, tokens
+    assert resolve_system_prompt("builtin") == SYSTEM_PROMPT and resolve_system_prompt("none") is None
+
+
+def test_a_system_prompt_file_is_read_and_a_bad_one_is_named(tmp_path: Path) -> None:
+    good = tmp_path / "prompt.txt"
+    good.write_text("You are terse.\n", encoding="utf-8")
+    assert resolve_system_prompt(str(good)) == "You are terse.\n"
+    (tmp_path / "empty.txt").write_text("  \n", encoding="utf-8")
+    for bad, problem in ((tmp_path / "missing.txt", "cannot read it"), (tmp_path / "empty.txt", "the file is empty")):
+        with pytest.raises(ValueError, match="--system-prompt") as caught:
+            resolve_system_prompt(str(bad))
+        assert problem in str(caught.value)
+
+
+@pytest.mark.parametrize(("share", "without"), [(1.0, []), (0.75, [3, 7, 11]), (0.5, [1, 3, 5, 7, 9, 11]), (0.0, None)])
+def test_system_prompt_share_spreads_the_conversations_without_it(share, without) -> None:
+    picked = [i for i in range(12) if not system_prompt_for(i, share)]
+    assert picked == (list(range(12)) if without is None else without)
+    with pytest.raises(ValueError, match="share"):
+        system_prompt_for(0, 1.5)
+
+
+def test_workload_puts_the_system_prompt_before_the_chosen_conversations(tmp_path: Path) -> None:
+    path = tmp_path / "chats.jsonl"
+    rows = [
+        {
+            "id": f"c{i}",
+            "messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "a"}],
+        }
+        for i in range(8)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    prompt = "You are a careful assistant. " * 20
+    plain = load_workload(WorkloadSpec(source=str(path), conversations=8), approx_token_count)
+    spec = WorkloadSpec(source=str(path), conversations=8, system_prompt=prompt, system_prompt_share=0.75)
+    shared = load_workload(spec, approx_token_count)
+    has = [turns[0].messages[0] == (S, prompt) for turns in shared.turns]
+    assert has == [True, True, True, False, True, True, True, False]
+    extra = approx_token_count([(S, prompt)])
+    for with_it, a, b in zip(has, shared.turns, plain.turns, strict=True):
+        assert a[0].prompt_tokens == b[0].prompt_tokens + (extra if with_it else 0)  # the caps count it
+    capped = load_workload(replace(spec, max_prompt_tokens=extra), approx_token_count)
+    # Over the cap with the prompt: a skipped conversation leaves its place (and the prompt) to the next.
+    assert capped.turns == () and capped.exhausted
+    with pytest.raises(ValueError, match="system_prompt_share"):
+        WorkloadSpec(system_prompt=prompt, system_prompt_share=-0.1)
 
 
 # --- report math on hand-computed data -------------------------------------------------------

@@ -83,6 +83,9 @@ def test_done_never_waits_for_a_slow_store(slow_worker) -> None:
             return bool(answer["cached_blocks"])
 
         poll(cached, 30, "the streamed request's blocks stored")
+        # The gauge the replay's interleaved A/B waits on (worker_metrics.StoreSettle) says so too.
+        assert ("prefixcache_worker_stores_pending", ()) in worker.client.metrics()
+        poll(lambda: worker.client.metric("prefixcache_worker_stores_pending") == 0, 30, "no store pending")
     finally:
         proxy.latency_s = 0.0
     assert worker.client.metric("prefixcache_worker_stores_dropped_total") == 0

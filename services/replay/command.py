@@ -22,6 +22,8 @@ from .runner import RunOptions, Target
 from .schedule import ScheduleConfig, ThinkTime
 from .session import ReplayError, ReplayOptions, discover_model, exit_code, plan, run_cache, run_chat, write_outputs
 from .synthetic_kv import PRESETS, preset
+from .system_prompt import BUILTIN, NONE
+from .system_prompt import resolve as resolve_system_prompt
 from .transcripts import TranscriptError
 from .workload import SHAREGPT, WorkloadSpec
 
@@ -72,6 +74,32 @@ def _add_workload(parser: argparse.ArgumentParser) -> None:
         "worker's tokenizer and chat template (default %(default)s)",
     )
     g.add_argument("--max-requests", type=positive_int, default=None, help="cap on requests (default: none)")
+    add_system_prompt(g, default=NONE)
+
+
+def share(value: str) -> float:
+    number = float(value)
+    if not 0.0 <= number <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return number
+
+
+def add_system_prompt(group, default: str, share_default: float = 1.0) -> None:
+    """--system-prompt and --system-prompt-share (shared with `prefixcache demo`)."""
+    group.add_argument(
+        "--system-prompt",
+        default=default,
+        metavar="builtin|none|FILE",
+        help="a system prompt put in front of the conversations, as a chat product sends its own: "
+        f"'{BUILTIN}' (~1k tokens, services/replay/system_prompt.py), '{NONE}', or a text file "
+        "(default %(default)s)",
+    )
+    group.add_argument(
+        "--system-prompt-share",
+        type=share,
+        default=share_default,
+        help="the fraction of conversations that start with it, spread evenly (default %(default)s)",
+    )
 
 
 def _add_schedule(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +151,12 @@ def _add_targets(parser: argparse.ArgumentParser) -> None:
         "--compare-no-cache",
         metavar="URL",
         help="A/B: replay the same schedule against this cache-less server and compare outputs",
+    )
+    g.add_argument(
+        "--interleave",
+        action="store_true",
+        help="A/B: send each turn to both servers back to back (the first alternating), instead of "
+        "the whole schedule to --target and then to --compare-no-cache",
     )
     g.add_argument("--model", default=None, help="model name to request (default: the first of GET /v1/models)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key (or env OPENAI_API_KEY)")
@@ -185,6 +219,8 @@ def options_from(args: argparse.Namespace) -> ReplayOptions:
         max_turns=args.max_turns,
         max_prompt_tokens=args.max_prompt_tokens,
         lenient=args.lenient,
+        system_prompt=resolve_system_prompt(args.system_prompt),
+        system_prompt_share=args.system_prompt_share,
     )
     schedule = ScheduleConfig(
         rate=args.rate,
@@ -196,7 +232,11 @@ def options_from(args: argparse.Namespace) -> ReplayOptions:
         seed=args.seed,
     )
     return ReplayOptions(
-        workload, schedule, RunOptions(args.max_tokens, args.request_timeout, args.drain), args.block_size
+        workload,
+        schedule,
+        RunOptions(args.max_tokens, args.request_timeout, args.drain),
+        args.block_size,
+        interleave=args.interleave,
     )
 
 
@@ -204,6 +244,8 @@ def _report(args: argparse.Namespace, options: ReplayOptions, progress: Console 
     if args.cache is not None:
         if args.compare_no_cache:
             raise ReplayError("--compare-no-cache needs --target (cache-only mode has no model output)")
+        if args.interleave:
+            raise ReplayError("--interleave needs --target and --compare-no-cache")
         cache = CacheOnlyOptions(
             args.cache,
             preset(args.model_size),
@@ -214,6 +256,8 @@ def _report(args: argparse.Namespace, options: ReplayOptions, progress: Console 
             auth_token=args.auth_token,
         )
         return run_cache(options, cache, args.cache_stats, progress)
+    if args.interleave and not args.compare_no_cache:
+        raise ReplayError("--interleave needs --compare-no-cache (it pairs each turn with its no-cache twin)")
     prepared = plan(options)  # bad input fails here, before any network call
     model = args.model or asyncio.run(discover_model(args.target, args.api_key))
     target = Target("cache", args.target, model, args.api_key)

@@ -58,7 +58,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 def _child_env() -> dict[str, str]:
     # Children run `python -m prefixcache_services` from this checkout even when it is not installed.
     path = os.environ.get("PYTHONPATH")
-    return dict(os.environ, PYTHONPATH=f"{PROJECT_ROOT}{os.pathsep}{path}" if path else str(PROJECT_ROOT))
+    env = dict(os.environ, PYTHONPATH=f"{PROJECT_ROOT}{os.pathsep}{path}" if path else str(PROJECT_ROOT))
+    # Two workers and a service share the machine: OpenMP threads that busy-wait after each
+    # parallel region would take the cores from whichever process runs next (unless set).
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
 
 
 def log_tail(path: Path, lines: int = 20) -> str:

@@ -51,6 +51,10 @@ class ChatTokens:
         ids.extend(self._template.header(Role.ASSISTANT))
         return ids
 
+    def message_count(self, message: Message) -> int:
+        """Tokens of one message as the template frames it (no generation header)."""
+        return len(self._message(message))
+
     def count(self, messages: Sequence[Message]) -> int:
         """`len(tokens(messages))`: a `TokenCounter` for `conversation_turns`."""
         return len(self.tokens(messages))

@@ -11,7 +11,8 @@ Definitions (over the requests of one run that succeeded):
 - prefill tokens saved = sum(cached_tokens), computed = sum(prompt_tokens - cached_tokens);
 - percentiles interpolate linearly between closest ranks (numpy's default "linear");
   None when there is no sample;
-- throughput divides by the run's wall time (start of run to its last completion).
+- throughput divides by the run's wall time (start of run to its last completion); in an
+  interleaved A/B run, by the time that side had a request in flight (runner.py).
 Invariant: `Report` is plain data; `to_json()` output validates against report.schema.json.
 """
 
@@ -187,6 +188,8 @@ class WorkloadSummary:
     max_prompt_tokens: int | None
     max_tokens: int | None  # None in cache-only mode (nothing is generated)
     model: str | None
+    system_prompt_tokens: int | None = None  # the shared system prompt's tokens, framing included
+    system_prompt_share: float | None = None  # the fraction of conversations that start with it
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,7 @@ class Report:
     workload: WorkloadSummary | None = None
     hit_policy: Mapping[str, Any] | None = None  # the worker's load-or-recompute decisions (worker_metrics.py)
     paired: PairedSummary | None = None  # with a baseline run
+    interleaved: bool | None = None  # with a baseline run: each turn sent to both back to back (runner.py)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -365,6 +369,7 @@ def build_report(
     workload: WorkloadSummary | None = None,
     generated_at: dt.datetime | None = None,
     hit_policy: Mapping[str, Any] | None = None,
+    interleaved: bool | None = None,
 ) -> Report:
     """Assemble the Report of an A/B (or single) replay."""
     if block_size is not None and block_size < 1:
@@ -388,6 +393,7 @@ def build_report(
         workload=workload,
         hit_policy=hit_policy,
         paired=paired_summary(turns, cache_run, baseline_run) if baseline_run else None,
+        interleaved=interleaved if baseline_run else None,
     )
 
 

@@ -11,16 +11,22 @@ Invariants:
   after `duration_s`, and every in-flight request is cut at `duration_s + drain_s` (recorded
   as an error), so a run lasts at most `duration_s + drain_s` past its start;
 - nothing raised by a request escapes: failures are `RequestRecord`s with an error;
-- an A/B replay runs the two targets one after the other (never overlapping, so each run has
-  the machine to itself) with identical prompts: prompts come from the transcript only.
+- an A/B replay sends identical prompts to both targets (prompts come from the transcript only),
+  either sequentially (the whole schedule against A, then against B: each run has the machine
+  to itself) or interleaved (`run_ab(..., interleave=True)`: each turn goes to both targets
+  back to back, inside one concurrency slot, so machine noise hits a request and its twin
+  alike; which target goes first alternates turn by turn). An interleaved side's `wall_s` is
+  the time it had a request in flight (the union of its requests' intervals), so its
+  throughput is over its own serving time, not over the twin's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -104,17 +110,32 @@ class ABResult:
 SendTurn = Callable[[Turn], Awaitable[Completion]]
 """Sends one turn and returns its outcome; must not raise for server or network failures."""
 
+Settle = Callable[[], Awaitable[None]]
+"""Awaited before a send (interleaved runs), e.g. until the other target's background work is done."""
+
 
 class _Run:
-    """State of one run in progress; owned by the event loop task running it."""
+    """State of one run in progress; owned by the event loop task running it.
 
-    def __init__(self, schedule: Schedule, send: SendTurn, options: RunOptions, on_done: Callable[[], None]) -> None:
+    With one `send` it is a plain run; with two, an interleaved A/B run: each turn is sent to
+    both, back to back in one slot, the first one alternating with the turn's parity."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        sends: Sequence[SendTurn],
+        options: RunOptions,
+        on_done: Callable[[], None],
+        before: Sequence[Settle | None] = (),
+    ) -> None:
         self.schedule = schedule
-        self.send = send
+        self.sends = tuple(sends)
+        self.before = tuple(before) or (None,) * len(self.sends)
         self.options = options
         self.on_done = on_done
         self.slots = asyncio.Semaphore(schedule.config.concurrency)
-        self.records: list[RequestRecord] = []
+        self.records: tuple[list[RequestRecord], ...] = tuple([] for _ in self.sends)
+        self.intervals: tuple[list[tuple[float, float]], ...] = tuple([] for _ in self.sends)
         self.not_sent = 0
         self.t0 = time.perf_counter()
         duration = schedule.config.duration_s
@@ -132,7 +153,7 @@ class _Run:
         if delay > 0:
             await asyncio.sleep(delay)
 
-    async def conversation(self, conv: ScheduledConversation) -> None:
+    async def conversation(self, position: int, conv: ScheduledConversation) -> None:
         await self._sleep_until(self.t0 + conv.start_s)
         for k, turn in enumerate(conv.turns):
             if k > 0:
@@ -142,9 +163,18 @@ class _Run:
                 if self._expired():
                     self._skip(len(conv.turns) - k)
                     return
-                start = time.perf_counter()
-                completion = await self._send(turn)
-            self.records.append(RequestRecord(conv.conversation_id, turn.index, start - self.t0, completion))
+                order = range(len(self.sends))
+                for side in order if (position + k) % 2 == 0 else reversed(order):
+                    settle = self.before[side]
+                    if settle is not None:
+                        await settle()  # not part of the request's time
+                    start = time.perf_counter()
+                    completion = await self._send(self.sends[side], turn)
+                    end = time.perf_counter()
+                    self.records[side].append(
+                        RequestRecord(conv.conversation_id, turn.index, start - self.t0, completion)
+                    )
+                    self.intervals[side].append((start, end))
             self.on_done()
 
     def _skip(self, count: int) -> None:
@@ -152,14 +182,27 @@ class _Run:
         for _ in range(count):
             self.on_done()
 
-    async def _send(self, turn: Turn) -> Completion:
+    async def _send(self, send: SendTurn, turn: Turn) -> Completion:
         if self.hard_stop_at is None:
-            return await self.send(turn)
+            return await send(turn)
         try:
             async with asyncio.timeout_at(_loop_time_at(self.hard_stop_at)):
-                return await self.send(turn)
+                return await send(turn)
         except TimeoutError:
             return Completion(error="cut at run deadline (duration_s + drain_s)")
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self.conversation(i, c) for i, c in enumerate(self.schedule.conversations)))
+
+
+def busy_time(intervals: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals: the time at least one was in progress."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def _loop_time_at(perf_deadline: float) -> float:
@@ -200,19 +243,23 @@ async def run_schedule_with(
     )
     with progress:
         task_id = progress.add_task(f"replay -> {target.name}", total=total)
-        run = _Run(schedule, send, options, lambda: progress.advance(task_id))
-        await asyncio.gather(*(run.conversation(c) for c in schedule.conversations))
+        run = _Run(schedule, (send,), options, lambda: progress.advance(task_id))
+        await run.run()
     wall = time.perf_counter() - run.t0
-    errors = sum(1 for r in run.records if not r.completion.ok)
+    return _result(target, run.records[0], wall, total, run.not_sent)
+
+
+def _result(target: Target, records: Sequence[RequestRecord], wall: float, total: int, not_sent: int) -> RunResult:
+    errors = sum(1 for r in records if not r.completion.ok)
     log.info(
         "run %s: %d requests (%d errors, %d not sent) in %.1fs",
         target.name,
-        len(run.records),
+        len(records),
         errors,
-        run.not_sent,
+        not_sent,
         wall,
     )
-    return RunResult(target, tuple(run.records), wall, total, run.not_sent)
+    return RunResult(target, tuple(records), wall, total, not_sent)
 
 
 def compare_runs(cache: RunResult, baseline: RunResult) -> Comparison:
@@ -230,18 +277,68 @@ def compare_runs(cache: RunResult, baseline: RunResult) -> Comparison:
     )
 
 
+async def run_interleaved(
+    schedule: Schedule,
+    cache: Target,
+    baseline: Target,
+    options: RunOptions = RunOptions(),
+    console: Console | None = None,
+    settle: Settle | None = None,
+) -> tuple[RunResult, RunResult]:
+    """Replay `schedule` once, each turn sent to `cache` and `baseline` back to back (the first
+    alternating); each side's `wall_s` is its own serving time (see module invariants).
+    `settle` is awaited before each `baseline` request (worker_metrics.StoreSettle)."""
+    total = schedule.request_count
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=console is None,
+    )
+    async with (
+        ChatClient(cache.base_url, cache.model, api_key=cache.api_key, timeout_s=options.request_timeout_s) as a,
+        ChatClient(
+            baseline.base_url, baseline.model, api_key=baseline.api_key, timeout_s=options.request_timeout_s
+        ) as b,
+    ):
+
+        async def send_a(turn: Turn) -> Completion:
+            return await a.complete(turn.openai_messages(), options.max_tokens)
+
+        async def send_b(turn: Turn) -> Completion:
+            return await b.complete(turn.openai_messages(), options.max_tokens)
+
+        with progress:
+            task_id = progress.add_task(f"replay -> {cache.name} + {baseline.name}, interleaved", total=total)
+            run = _Run(schedule, (send_a, send_b), options, lambda: progress.advance(task_id), (None, settle))
+            await run.run()
+    return (
+        _result(cache, run.records[0], busy_time(run.intervals[0]), total, run.not_sent),
+        _result(baseline, run.records[1], busy_time(run.intervals[1]), total, run.not_sent),
+    )
+
+
 async def run_ab(
     schedule: Schedule,
     cache: Target,
     baseline: Target | None,
     options: RunOptions = RunOptions(),
     console: Console | None = None,
+    interleave: bool = False,
+    settle: Settle | None = None,
 ) -> ABResult:
-    """Replay against `cache`, then (if given) the same schedule against `baseline`; compare."""
-    cache_run = await run_schedule(schedule, cache, options, console)
-    if baseline is None:
-        return ABResult(cache_run, None, None)
-    base_run = await run_schedule(schedule, baseline, options, console)
+    """Replay against `cache`, then (if given) the same schedule against `baseline`, or both
+    interleaved turn by turn (`interleave`, with `settle` before each baseline request); compare
+    the outputs."""
+    if baseline is not None and interleave:
+        cache_run, base_run = await run_interleaved(schedule, cache, baseline, options, console, settle)
+    else:
+        cache_run = await run_schedule(schedule, cache, options, console)
+        if baseline is None:
+            return ABResult(cache_run, None, None)
+        base_run = await run_schedule(schedule, baseline, options, console)
     comparison = compare_runs(cache_run, base_run)
     if comparison.mismatches:
         log.warning(

@@ -35,6 +35,7 @@ from .report import Report, WorkloadSummary, build_report
 from .runner import ABResult, RunOptions, Target, run_ab
 from .schedule import Schedule, ScheduleConfig, build_schedule
 from .service_stats import fetch_stats, stats_section
+from .transcripts import Role
 from .workload import Workload, WorkloadSpec, load_workload
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class ReplayOptions:
     schedule: ScheduleConfig
     run: RunOptions
     block_size: int = 16
+    interleave: bool = False  # A/B: each turn to both targets back to back (runner.run_interleaved)
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,10 @@ def _workload_record(options: ReplayOptions, p: Plan, max_tokens: int | None, mo
         max_prompt_tokens=w.max_prompt_tokens,
         max_tokens=max_tokens,
         model=model,
+        system_prompt_tokens=None
+        if w.system_prompt is None
+        else p.tokens.message_count((Role.SYSTEM, w.system_prompt)),
+        system_prompt_share=None if w.system_prompt is None else w.system_prompt_share,
     )
 
 
@@ -153,7 +159,20 @@ def run_chat(
     stats = _Stats(stats_address, auth_token)
     stats.start()
     decisions = worker_metrics.scrape(target.base_url)  # the reference worker's hit decisions, if it is one
-    result: ABResult = asyncio.run(run_ab(p.schedule, target, baseline, options.run, console))
+    # Interleaved one request at a time against the reference worker: its background stores
+    # finish before each twin. (With more in flight the cached worker is rarely idle: waiting for
+    # that would hold the twins back while the cached worker keeps serving.)
+    one_at_a_time = options.schedule.concurrency == 1
+    settle = (
+        worker_metrics.StoreSettle(target.base_url)
+        if options.interleave and one_at_a_time and decisions is not None
+        else None
+    )
+    result: ABResult = asyncio.run(
+        run_ab(p.schedule, target, baseline, options.run, console, interleave=options.interleave, settle=settle)
+    )
+    if settle is not None:
+        log.info("waited %.2fs in all for the cached worker's stores before %d twins", settle.waited_s, settle.waits)
     return build_report(
         result,
         options.schedule,
@@ -161,6 +180,7 @@ def run_chat(
         service_stats=stats.section(),
         workload=_workload_record(options, p, options.run.max_tokens, target.model),
         hit_policy=worker_metrics.section(target.base_url, decisions, worker_metrics.scrape(target.base_url)),
+        interleaved=options.interleave if baseline is not None else None,
     )
 
 

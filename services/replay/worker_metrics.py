@@ -14,11 +14,21 @@ the report's `hit_policy` section (services/worker/hit_policy.py defines the met
 Invariants: the section is plain JSON, or None when the target does not expose these metrics
 (any OpenAI-compatible server other than the reference worker); a failed scrape never fails
 the replay (it is logged and the section is None).
+
+Also owns `StoreSettle`: in an interleaved A/B run one request at a time (the session passes it
+only at concurrency 1), waits before each no-cache request until the
+reference worker's background stores are done (`prefixcache_worker_stores_pending` is 0), so the
+cached worker's store work never runs during its twin's request on a shared machine (it may
+still run during the cached worker's own next request, as it would in production). Bounded:
+it gives up after `timeout_s` and never fails the replay.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -29,6 +39,8 @@ log = logging.getLogger(__name__)
 
 Scrape = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 _DECISIONS = "prefixcache_worker_hit_decisions_total"
+_PENDING = "prefixcache_worker_stores_pending"
+_PENDING_LINE = re.compile(rf"^{_PENDING} (\S+)$", re.MULTILINE)
 
 
 def metrics_url(base_url: str) -> str:
@@ -91,3 +103,44 @@ def section(base_url: str, before: Scrape | None, after: Scrape | None) -> dict[
             "bytes_per_s": _by_label(after, "prefixcache_worker_transfer_bytes_per_second", "path"),
         },
     }
+
+
+def stores_pending(text: str) -> float | None:
+    """The worker's `prefixcache_worker_stores_pending` gauge in a /metrics text, or None."""
+    match = _PENDING_LINE.search(text)
+    return float(match.group(1)) if match else None
+
+
+class StoreSettle:
+    """Awaitable: returns once the reference worker at `base_url` has no background store pending
+    (see the module docstring); `waits` and `waited_s` count what it did."""
+
+    def __init__(self, base_url: str, timeout_s: float = 5.0, poll_s: float = 0.002) -> None:
+        self.url = metrics_url(base_url)
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self.waits = 0
+        self.waited_s = 0.0
+        self.gave_up = 0
+
+    def _pending(self) -> float | None:
+        try:
+            with urllib.request.urlopen(self.url, timeout=self.timeout_s) as response:  # noqa: S310 - the user's target
+                return stores_pending(response.read().decode("utf-8", errors="replace"))
+        except (OSError, urllib.error.URLError, ValueError):
+            return None
+
+    async def __call__(self) -> None:
+        started = time.perf_counter()
+        deadline = started + self.timeout_s
+        while True:
+            pending = await asyncio.to_thread(self._pending)
+            if not pending:  # 0, or not the reference worker / unreachable: nothing to wait for
+                break
+            if time.perf_counter() >= deadline:
+                self.gave_up += 1
+                break
+            await asyncio.sleep(self.poll_s)
+        waited = time.perf_counter() - started
+        self.waits += 1
+        self.waited_s += waited

@@ -9,7 +9,10 @@ Invariants:
 - every selected conversation has >= 1 turn; fewer than N are returned only when the source
   runs out (`Workload.exhausted`);
 - ShareGPT is read as a stream from the start of the file and only as far as needed: the read
-  limit doubles until N conversations qualify or the file ends.
+  limit doubles until N conversations qualify or the file ends;
+- with a `system_prompt`, the conversations `system_prompt_for` picks (by their position among
+  the selected ones) start with it as a system message, and the caps count it: the shared
+  prefix every such conversation's first turn sends (system_prompt.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from .transcripts import LoadResult, load_jsonl, load_sharegpt
+from .system_prompt import system_prompt_for
+from .transcripts import Conversation, LoadResult, Role, load_jsonl, load_sharegpt
 from .turns import TokenCounter, Turn, conversation_turns
 
 log = logging.getLogger(__name__)
@@ -35,10 +39,16 @@ class WorkloadSpec:
     max_turns: int | None = 8
     max_prompt_tokens: int | None = 4096
     lenient: bool = False
+    system_prompt: str | None = None  # put in front of the conversations below, as a system message
+    system_prompt_share: float = 1.0  # the fraction of conversations that get it (system_prompt_for)
 
     def __post_init__(self) -> None:
         if self.conversations < 1:
             raise ValueError(f"conversations must be >= 1, got {self.conversations}")
+        if self.system_prompt is not None and not self.system_prompt.strip():
+            raise ValueError("system_prompt must not be empty (None for no system prompt)")
+        if not 0.0 <= self.system_prompt_share <= 1.0:
+            raise ValueError(f"system_prompt_share must be in [0, 1], got {self.system_prompt_share}")
 
 
 @dataclass(frozen=True)
@@ -52,9 +62,16 @@ class Workload:
         return sum(len(t) for t in self.turns)
 
 
+def _with_system_prompt(conv: Conversation, spec: WorkloadSpec, position: int) -> Conversation:
+    if spec.system_prompt is None or not system_prompt_for(position, spec.system_prompt_share):
+        return conv
+    return Conversation(conv.id, ((Role.SYSTEM, spec.system_prompt), *conv.messages))
+
+
 def _select(loaded: LoadResult, spec: WorkloadSpec, count: TokenCounter) -> list[tuple[Turn, ...]]:
     picked: list[tuple[Turn, ...]] = []
-    for conv in loaded.conversations:
+    for source in loaded.conversations:
+        conv = _with_system_prompt(source, spec, len(picked))
         turns = conversation_turns(conv, count, max_turns=spec.max_turns, max_prompt_tokens=spec.max_prompt_tokens)
         if turns:
             picked.append(tuple(turns))

@@ -178,7 +178,9 @@ class InferenceBackend:
         if self.cache is not None:
             hit, prefix_kv = self.cache.lookup(tokens, request.cache_salt)
             prefix_tokens = 0 if prefix_kv is None else len(prefix_kv) * self.cache.layout.block_size
-        generation, completed = None, False
+        if self.stores is not None:
+            self.stores.expect()  # matched by the submit in `finally` below
+        generation, completed, finished = None, False, None
         try:
             try:
                 stops = self.engine.loaded.stop_token_ids | request.stop_token_ids
@@ -205,13 +207,14 @@ class InferenceBackend:
                 yield Piece(echoed, (), echo=True)
             for event in self._stream(generation, request, started_at):
                 if isinstance(event, Finished):  # decided before the client can cancel after its end
-                    completed = not cancelled.is_set()
+                    completed, finished = not cancelled.is_set(), event
                     self.metrics.requests.labels("ok" if completed else "cancelled").inc()
                 yield event
         finally:
             # Resumed once the client has Finished (http.py ends the response on it): only the
             # copy of the new blocks out of the model's KV happens here; the RPCs run on the
-            # store queue's thread, so neither this response nor the next request waits for them.
+            # store queue's thread once the response's end is written (`Finished.delivered`), so
+            # neither this response nor the next request waits for them.
             if self.cache is not None:
                 kv, start_block = None, hit.blocks if hit else 0
                 count = self.cache.blocks_to_store(tokens, start_block) if completed else 0
@@ -223,7 +226,8 @@ class InferenceBackend:
                     except Exception:  # noqa: BLE001 - the cache may only make a request faster
                         log.exception("copying the prompt's blocks for the cache failed")
                 assert self.stores is not None  # built with the cache
-                self.stores.submit(tokens, kv, start_block, request.cache_salt, hit)
+                after = finished.delivered if completed and finished is not None else None
+                self.stores.submit(tokens, kv, start_block, request.cache_salt, hit, after=after)
 
     def _stream(self, generation, request: GenerationRequest, started_at: float) -> Iterator[Piece | Finished]:
         text = TextStream(self.engine.loaded.tokenizer.decode, request.stop)

@@ -8,7 +8,8 @@ are the strings the OpenAI API and /health put on the wire.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 
 class FinishReason(enum.StrEnum):
@@ -50,3 +51,6 @@ class Piece:
 class Finished:
     finish_reason: FinishReason  # STOP or LENGTH
     completion_tokens: int
+    # Set by the HTTP layer once the response's end is written ([DONE] for a stream): the
+    # request's background store starts only then, so it never competes with that tail.
+    delivered: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)

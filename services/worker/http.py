@@ -227,12 +227,14 @@ class WorkerApp:
             )
         assert started is not None and finished is not None  # the backend yields Started first, Finished last
         body = usage(started.prompt_tokens, finished.completion_tokens, started.cached_tokens)
-        return web.json_response(shaper.full("".join(pieces), finished.finish_reason, body, tuple(logprobs)))
+        response = web.json_response(shaper.full("".join(pieces), finished.finish_reason, body, tuple(logprobs)))
+        finished.delivered.set()  # built; aiohttp writes it as this handler returns
+        return response
 
     async def _stream(self, http: web.Request, parsed: GenerationRequest, events: asyncio.Queue) -> web.StreamResponse:
         shaper = ResponseShaper(parsed.kind, self.backend.model_name, parsed.sampling.logprobs is not None)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        started = None
+        started = finished = None
 
         async def send(payload: dict) -> None:
             await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
@@ -245,6 +247,7 @@ class WorkerApp:
                     if parsed.kind == "chat":
                         await send(shaper.chunk("", None, first=True))
                 elif isinstance(event, Finished):
+                    finished = event
                     await send(shaper.chunk("", event.finish_reason))
                     if parsed.include_usage:
                         assert started is not None  # the backend yields Started before anything else
@@ -271,6 +274,8 @@ class WorkerApp:
             await send({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
+        if finished is not None:
+            finished.delivered.set()  # the request's background store may start now (store_queue.py)
         return response
 
 

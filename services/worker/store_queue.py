@@ -3,7 +3,10 @@
 The inference thread only copies the prompt's new blocks out of the model's KV (the one copy
 it must make while that KV is alive) and hands them here; the Reserve, the shared-memory
 scatter and the Commit, then the Release of the request's lease, run on one background thread.
-So neither the client's response nor the next request waits for a store.
+So neither the client's response nor the next request waits for a store. A job may name an
+event to wait for first (the request's `Finished.delivered`, set once its response's end is
+written, at most `AFTER_WAIT_S`): the store's Python work would otherwise contend for the GIL
+with the event loop writing that response's last chunks.
 
 Bounded: at most `capacity` stores wait at a time (each holds a copy of KV); a store that
 finds the queue full is dropped and counted (`prefixcache_worker_stores_dropped`), but its
@@ -20,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from prefixcache.client.api import Hit
 
@@ -29,6 +32,7 @@ from .cache_link import CacheLink
 log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = 4  # stores waiting at once: a few requests' worth of KV copies
+AFTER_WAIT_S = 1.0  # the longest a job waits for its `after` event (a response that is never written)
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class _Job:
     start_block: int
     salt: str | None
     hit: Hit | None
+    after: threading.Event | None = None
 
 
 class StoreQueue:
@@ -51,31 +56,54 @@ class StoreQueue:
             "Stores dropped because the background store queue was full",
             registry=registry,
         )
+        self.pending = Gauge(
+            "prefixcache_worker_stores_pending",
+            "Requests in progress that will queue a store, and background stores and lease releases queued "
+            "or running (0: the store thread is idle and nothing will be queued before the next request)",
+            registry=registry,
+        )
         self._jobs: deque[_Job] = deque()
         self._stores = 0  # queued jobs that carry KV
+        self._expected = 0  # requests announced (`expect`) whose job is not submitted yet
         self._busy = False
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="cache-store", daemon=True)
         self._thread.start()
 
+    def expect(self) -> None:
+        """A request that will `submit` when it ends has started: the pending gauge counts it
+        from now on, so a reader never sees 0 between a response's end and its store's submit."""
+        with self._cond:
+            self._expected += 1
+            self._publish()
+
+    def _publish(self) -> None:  # under self._cond
+        self.pending.set(len(self._jobs) + self._busy + self._expected)
+
     def submit(
-        self, tokens: list[int], kv: torch.Tensor | None, start_block: int, salt: str | None, hit: Hit | None
+        self,
+        tokens: list[int],
+        kv: torch.Tensor | None,
+        start_block: int,
+        salt: str | None,
+        hit: Hit | None,
+        after: threading.Event | None = None,
     ) -> None:
-        """Queue a store of `kv` (None or empty: nothing to store) and then `hit`'s release; never blocks."""
+        """Queue a store of `kv` (None or empty: nothing to store) and then `hit`'s release, to run
+        once `after` is set (or `AFTER_WAIT_S` has passed); never blocks."""
         if kv is not None and not len(kv):
             kv = None
-        if kv is None and (hit is None or hit.lease_id is None):
-            return
         with self._cond:
+            self._expected = max(0, self._expected - 1)
             if kv is not None and self._stores >= self.capacity:
                 self.dropped.inc()
                 kv = None
-                if hit is None or hit.lease_id is None:
-                    return
-            self._jobs.append(_Job(tokens, kv, start_block, salt, hit))
-            self._stores += kv is not None
-            self._cond.notify()
+            if kv is not None or (hit is not None and hit.lease_id is not None):
+                self._jobs.append(_Job(tokens, kv, start_block, salt, hit, after))
+                self._stores += kv is not None
+                self._cond.notify()
+            self._publish()
 
     def wait_idle(self, timeout_s: float) -> bool:
         """True once every queued job has run (tests, shutdown)."""
@@ -99,6 +127,8 @@ class StoreQueue:
                 self._stores -= job.kv is not None
                 self._busy = True
             try:
+                if job.after is not None:
+                    job.after.wait(AFTER_WAIT_S)
                 if job.kv is not None:
                     self.link.store(job.tokens, job.kv, job.start_block, job.salt)
                 self.link.release(job.hit)
@@ -107,4 +137,5 @@ class StoreQueue:
             finally:
                 with self._cond:
                     self._busy = False
+                    self._publish()
                     self._cond.notify_all()
