@@ -1,7 +1,7 @@
 """A fleet of vLLM OpenAI servers under multi-turn load, with and without prefixcache (issue #31).
 
     PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/vllm_fleet_bench.py [--configs 1,2,3,3s,4,5]
-        [--kv-pressure] [--connector-root DIR] [--conversations 8] [--turns 3] [--users 3]
+        [--kv-pressure] [--before-root DIR] [--conversations 8] [--turns 3] [--users 3]
         [--layers 4 --hidden 512] [--json-out FILE]
 
 Every configuration replays the SAME schedule: `--conversations` synthetic chats behind one
@@ -17,9 +17,8 @@ greedy, streaming. Configurations (fresh servers, services and Redis for each):
   5   two servers round-robin, APC + prefixcache on two services sharing one redis-server
   6   (`--kv-pressure`) 3s and 4 again with VLLM_CPU_KVCACHE_SPACE=--pressure-gib, so vLLM evicts
 
-`--connector-root DIR` runs the vLLM servers of 4/5 with PYTHONPATH=DIR (another checkout's
-connector: the "before" of issue #31 is a worktree of 00e251e); the services always run from
-this tree. Reported per configuration: TTFT p50/p90/p99, inter-token latency p50/p99 (gaps
+  4b, 5b (`--before-root DIR`) 4 and 5 with the vLLM servers on PYTHONPATH=DIR: another
+      checkout's connector (a "before"), in the same run; the services always run from this tree Reported per configuration: TTFT p50/p90/p99, inter-token latency p50/p99 (gaps
 between streamed chunks), requests/s and prompt tokens/s over the configuration's wall time,
 and the cached-token share by source: vLLM's `usage.prompt_tokens_details.cached_tokens` counts
 both its own prefix cache and the connector's tokens, the connector's own are the servers'
@@ -51,7 +50,7 @@ BLOCK = 32  # vLLM's CPU attention backend wants multiples of 32
 VOCAB = 512
 SEED = 20261203
 READY_S = 600.0
-ALL_CONFIGS = ("1", "2", "3", "3s", "4", "5")
+ALL_CONFIGS = ("1", "2", "3", "3s", "4", "5", "4b", "5b")
 TITLES = {
     "1": "one server, no prefix caching",
     "2": "one server, vLLM APC",
@@ -59,6 +58,8 @@ TITLES = {
     "3s": "two servers, APC, sticky by conversation",
     "4": "round-robin, APC + prefixcache (host tier)",
     "5": "round-robin, APC + prefixcache (2 services, one Redis)",
+    "4b": "round-robin, APC + prefixcache (host tier), the --before-root connector",
+    "5b": "round-robin, APC + prefixcache (2 services, one Redis), the --before-root connector",
 }
 
 
@@ -81,6 +82,8 @@ def configs(args: argparse.Namespace) -> list[Config]:
         "3s": Config("3s", 2, True, "sticky", None, kv),
         "4": Config("4", 2, True, "rr", "host", kv),
         "5": Config("5", 2, True, "rr", "redis", kv),
+        "4b": Config("4b", 2, True, "rr", "host", kv),
+        "5b": Config("5b", 2, True, "rr", "redis", kv),
     }
     chosen = [table[name] for name in args.configs.split(",")]
     if args.kv_pressure:
@@ -226,18 +229,27 @@ def serve(model: Path, work: Path, name: str, config: Config, cache: str | None,
     return process, f"http://127.0.0.1:{port}"
 
 
-def external_tokens(url: str) -> float:
-    """The connector's `vllm:prefixcache_external_tokens` summed over its label sets (0 without)."""
+def connector_counters(url: str) -> dict[str, float]:
+    """The connector's `vllm:prefixcache_*` counters, each summed over its label sets (none without)."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
         text = response.read().decode()
-    total = 0.0
+    totals: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("vllm:prefixcache_external_tokens") and not line.startswith("#"):
-            head = line.split(" ")[0]
+        if line.startswith("vllm:prefixcache_") and not line.startswith("#"):
+            head = line.split(" ")[0].split("{")[0]
             if head.endswith("_created"):
                 continue
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+            name = head.removeprefix("vllm:prefixcache_").removesuffix("_total")
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def counters(urls: list[str]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for url in urls:
+        for name, value in connector_counters(url).items():
+            totals[name] = totals.get(name, 0.0) + value
+    return totals
 
 
 def stop(processes: list[subprocess.Popen]) -> None:
@@ -276,7 +288,7 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
                 process, address = start_service(*flags, "--redis-url", redis.url)
                 services.append(process)
                 addresses[i] = address
-        pythonpath = args.connector_root if (config.cache and args.connector_root) else str(ROOT)
+        pythonpath = args.before_root if config.name.endswith("b") else str(ROOT)
         urls = []
         for i in range(config.servers):
             process, url = serve(model, work, f"{tag}-{i}", config, addresses[i], pythonpath)
@@ -292,11 +304,12 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
         warm = [[{"role": "user", "content": "warm up " * 40}]]
         for i in range(config.servers):
             asyncio.run(drive([urls[i]], [warm], Config("warm", 1, False, "rr", None, "1"), args))
-        before = sum(external_tokens(url) for url in urls)
+        before = counters(urls)
         results, wall_s = asyncio.run(drive(urls, chats, config, args))
         time.sleep(0.5)
-        external = sum(external_tokens(url) for url in urls) - before
-        return summarise(config, results, wall_s, external)
+        after = counters(urls)
+        connector = {name: value - before.get(name, 0.0) for name, value in after.items()}
+        return summarise(config, results, wall_s, connector)
     finally:
         stop(servers)
         for process in services:
@@ -313,8 +326,10 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-def summarise(config: Config, results: list[Result], wall_s: float, external: float) -> dict:
+def summarise(config: Config, results: list[Result], wall_s: float, connector: dict[str, float]) -> dict:
+    """`connector`: the run's deltas of the servers' prefixcache counters (empty without the connector)."""
     ok = [r for r in results if r.error is None]
+    external = connector.get("external_tokens", 0.0)
     ttft = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
     gaps = [g * 1000 for r in ok for g in r.gaps_s]
     prompt = sum(r.prompt_tokens for r in ok)
@@ -336,7 +351,27 @@ def summarise(config: Config, results: list[Result], wall_s: float, external: fl
         "cached_share": cached / prompt if prompt else 0.0,
         "vllm_share": (cached - external) / prompt if prompt else 0.0,
         "prefixcache_share": external / prompt if prompt else 0.0,
+        "connector": connector,
     }
+
+
+def breakdown(rows: list[dict]) -> str:
+    """Where the connector's time goes, per request, from its own counters (configs with it)."""
+    lines = [
+        "| config | lookups | hits (in-step) | misses | load ms per hit | save ms per request | load failures |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        c = r.get("connector") or {}
+        if not c.get("lookups"):
+            continue
+        hits = c.get("hits", 0.0)
+        lines.append(
+            f"| {r['config']} | {c['lookups']:.0f} | {hits:.0f} ({c.get('in_step_loads', 0.0):.0f}) "
+            f"| {c.get('misses', 0.0):.0f} | {1000 * c.get('load_seconds', 0.0) / max(hits, 1):.2f} "
+            f"| {1000 * c.get('save_seconds', 0.0) / max(r['requests'], 1):.2f} | {c.get('load_failures', 0.0):.0f} |"
+        )
+    return "\n".join(lines)
 
 
 def table(rows: list[dict], reference: str = "3s") -> str:
@@ -368,7 +403,7 @@ def main() -> None:
     parser.add_argument("--kv-pressure", action="store_true", help="also run 3s and 4 with a small vLLM KV cache")
     parser.add_argument("--kv-gib", default="2", help="VLLM_CPU_KVCACHE_SPACE for configs 1-5")
     parser.add_argument("--pressure-gib", default="0.05", help="VLLM_CPU_KVCACHE_SPACE for config 6")
-    parser.add_argument("--connector-root", default="", help="PYTHONPATH of the vLLM servers of 4/5/6-4")
+    parser.add_argument("--before-root", default="", help="the checkout whose connector configs 4b and 5b run")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--users", type=int, default=3)
@@ -381,8 +416,9 @@ def main() -> None:
     unknown = set(args.configs.split(",")) - set(ALL_CONFIGS)
     if unknown:
         parser.error(f"--configs: unknown {sorted(unknown)}; choose from {','.join(ALL_CONFIGS)}")
-    if args.connector_root and not (Path(args.connector_root) / "prefixcache" / "integrations" / "vllm").is_dir():
-        parser.error(f"--connector-root: {args.connector_root} has no prefixcache/integrations/vllm")
+    before = {"4b", "5b"} & set(args.configs.split(","))
+    if before and not (Path(args.before_root) / "prefixcache" / "integrations" / "vllm").is_dir():
+        parser.error(f"--before-root: configs {sorted(before)} need a checkout with prefixcache/integrations/vllm")
     for name in ("conversations", "turns", "users", "max_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -408,6 +444,8 @@ def main() -> None:
                 flush=True,
             )
     print(table(rows))
+    print()
+    print(breakdown(rows))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
 

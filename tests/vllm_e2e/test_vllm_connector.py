@@ -385,6 +385,8 @@ def test_a_fresh_instance_loads_every_shared_prefix_from_the_host_tier(scenario:
     metrics = b["metrics"]
     assert metrics.get("loaded_tokens") == sum(expected) and metrics.get("load_failures", 0) == 0
     assert metrics.get("hits") == len(expected)
+    # mapped blocks of a one-group model, far cheaper than a step: copied within the step that schedules them
+    assert metrics.get("in_step_loads") == len(expected)
 
 
 def test_through_redis_a_second_service_serves_what_the_first_saved(scenario: dict) -> None:
@@ -438,6 +440,8 @@ def test_a_load_that_fails_after_scheduling_is_recomputed_by_vllm(scenario: dict
     before, after = steps["f1"]["metrics"], steps["f2"]["metrics"]
     failed = after.get("load_failures", 0) - before.get("load_failures", 0)
     assert failed == len(scenario["prompts"]["f2"])  # each f2 prompt was offered f1's blocks, none loaded
+    # in-step loads: their blocks went back to vLLM through get_block_ids_with_load_errors
+    assert after.get("in_step_loads", 0) - before.get("in_step_loads", 0) == failed
     assert after.get("loaded_tokens", 0) == before.get("loaded_tokens", 0)
     assert steps["f2"]["outputs"] == scenario["REF"]["steps"]["f2"]["outputs"]
 

@@ -14,7 +14,8 @@ Invariants:
   at start-up with an error that names the model class and what is unsupported.
 - The cache is best effort: the connector sets `kv_load_failure_policy="recompute"` so a
   failed load makes vLLM recompute, never fail the request, and `requires_kv_delivery` is
-  False (a dropped save is a future miss). Loads are asynchronous (scheduler.py, worker.py).
+  False (a dropped save is a future miss). Loads are copied within the step when cheap,
+  asynchronously otherwise (scheduler.py, worker.py).
 """
 
 from __future__ import annotations
@@ -121,7 +122,13 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     model_class,
                 )
             self._scheduler = SchedulerSide(
-                self.link, self.stats, self.block_size, loads, self.state_link, self.groups.state_groups
+                self.link,
+                self.stats,
+                self.block_size,
+                loads,
+                self.state_link,
+                self.groups.state_groups,
+                self.groups.group_count,
             )
             log.info(
                 "prefixcache: connector %s, namespace %s/%s %s%s; KV cache groups: %s",
@@ -202,7 +209,7 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous: a loading request is not in the step's forward
+        return  # in-step loads finish in start_load_kv; a parked (asynchronous) one is not in the forward
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -226,7 +233,9 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set()  # failed loads are reported per request (get_transfer_results)
+        """Blocks of in-step loads that failed (one KV cache group only; asynchronous loads report
+        failures per request through get_transfer_results)."""
+        return self._worker.invalid_blocks() if self._worker is not None else set()
 
     def shutdown(self) -> None:
         if self._worker is not None:

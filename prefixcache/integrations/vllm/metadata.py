@@ -37,6 +37,7 @@ class LoadOp:
     state: Hit | None = None  # models with state layers: the state at state_blocks, leased
     state_blocks: int = 0
     state_block_ids: tuple[tuple[int, int], ...] = ()  # (state group, vLLM block at state_blocks - 1)
+    in_step: bool = False  # copied in start_load_kv before the forward (else by the loader thread)
 
     @property
     def blocks(self) -> int:

@@ -6,8 +6,10 @@ thread pool as the request arrives; `match` (get_num_new_matched_tokens) answers
 again next step") while it is in flight and vLLM is running other requests, waits for it
 when vLLM is idle (nothing to stall), and gives up at `lookup_timeout_s` (the request then
 prefills in full). With the answer it offers the cached tokens beyond vLLM's own prefix cache,
-loaded asynchronously (`(n, True)`: vLLM parks the request until the worker reports the copy
-done, and keeps stepping the others). `allocated` records the blocks vLLM gave it, one list per
+copied within the step when that is cheap (`(n, False)`: the blocks are in this host's mapped
+memory and the copy is estimated shorter than a step's fixed cost, so the request prefills its
+suffix in the same step), else asynchronously (`(n, True)`: vLLM parks the request until the
+worker reports the copy done, one or two steps later, and keeps stepping the others). `allocated` records the blocks vLLM gave it, one list per
 KV cache group; `build` turns that into a `LoadOp` the same step, and into a `SaveOp` each step
 that completes prompt blocks (sliding-window groups free blocks that leave the window in later
 steps, so blocks are saved while vLLM holds them); `finished` forgets the request and releases
@@ -168,6 +170,7 @@ class _Request:
     cached_blocks: int = 0  # blocks of this prompt the cache holds (saves start here)
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     load_pending: bool = False
+    in_step: bool = False  # the load is copied within the step (start_load_kv), not by the loader thread
     saved_blocks: int = -1  # prompt blocks saved or held by the cache (-1: saving not started)
     saves_stopped: bool = False  # a block to save was already freed by vLLM: the chain ends here
     asked_again: bool = False  # the first answer's lease had ended before vLLM asked for it
@@ -183,12 +186,14 @@ class SchedulerSide:
         loads: bool = True,
         state_link: CacheLink | None = None,
         state_groups: tuple[int, ...] = (),
+        group_count: int = 1,
     ) -> None:
         """`loads` False: save only (the engine cannot prefill on top of loaded KV; see connector.py).
         `state_link`, `state_groups`: the state namespace and KV cache groups of a model with state layers."""
         self.link = link
         self.state_link = state_link
         self.state_groups = tuple(sorted(set(state_groups)))
+        self.group_count = group_count
         self.stats = stats
         self.block_size = block_size
         self.loads = loads
@@ -321,8 +326,9 @@ class SchedulerSide:
             return 0, False
         state.hit, state.attachment, state.external_tokens = hit, attachment, external
         state.state, state.state_blocks = answer.state, answer.state_blocks
-        self.stats.add(offered_tokens=external)
-        return external, True
+        state.in_step = self._load_in_step(external, num_computed_tokens, hit, attachment)
+        self.stats.add(offered_tokens=external, in_step_loads=int(state.in_step))
+        return external, not state.in_step
 
     def _abandon(self, state: _Request) -> None:
         """Forget the Lookup in flight; its lease, if any, is released when it answers."""
@@ -372,6 +378,19 @@ class SchedulerSide:
             self.prefill.tokens_per_s,
         )
 
+    def _load_in_step(self, external: int, local: int, hit: Hit, attachment: Attachment) -> bool:
+        """Copy within the step rather than asynchronously? Yes when every block is in this host's
+        mapped memory and the copy is estimated shorter than a step's fixed cost: the request then
+        prefills in this step instead of waiting the one or two steps an asynchronous load spans.
+        vLLM maps block-level load errors (a failed in-step copy) back to requests only with one
+        KV cache group, so hybrid models always load asynchronously."""
+        if self.group_count != 1 or self.state_link is not None:
+            return False
+        if (local + external) // self.block_size > hit.mapped_blocks:
+            return False
+        copy_s = MAPPED_LOAD.seconds(external // self.block_size * attachment.layout.block_bytes)
+        return copy_s < self.prefill.estimate().latency_s
+
     # -- update_state_after_alloc ---------------------------------------------------------
     def allocated(self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
@@ -395,7 +414,7 @@ class SchedulerSide:
     # -- build_connector_meta -------------------------------------------------------------
     def build(self, scheduler_output: SchedulerOutput) -> PrefixCacheMetadata:
         meta = PrefixCacheMetadata()
-        for req_id, parked in self._requests.items():  # async loads: vLLM parks these requests
+        for req_id, parked in self._requests.items():  # loads vLLM allocated blocks for (and parked, if async)
             if parked.load_pending:
                 self._plan_load(parked, req_id, meta)
         scheduled = scheduler_output.num_scheduled_tokens
@@ -450,6 +469,7 @@ class SchedulerSide:
                 state.state,
                 state.state_blocks,
                 state_block_ids,
+                state.in_step,
             )
         )
         state.hit, state.state = None, None  # the worker owns the leases now

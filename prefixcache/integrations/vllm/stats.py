@@ -45,6 +45,7 @@ FIELDS = (
     "loaded_states",
     "saved_states",
     "state_misses",
+    "in_step_loads",
 )
 _DESCRIPTIONS = {
     "lookups": "Lookups the scheduler sent to prefixcache",
@@ -67,6 +68,7 @@ _DESCRIPTIONS = {
     "loaded_states": "Recurrent states (Mamba, GDN) copied from prefixcache at a hit's end",
     "saved_states": "Recurrent states newly published to prefixcache at prompt block boundaries",
     "state_misses": "Hits on a model with state layers unusable: no state stored at their last boundaries",
+    "in_step_loads": "Loads copied within the step (mapped memory, cheaper than a step) instead of asynchronously",
 }
 
 

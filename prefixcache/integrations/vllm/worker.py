@@ -1,9 +1,12 @@
 """The worker half: copy leased cache blocks into vLLM's paged KV, and new prompt blocks out.
 
-Loads are asynchronous: `start_load_kv` hands the step's `LoadOp`s to a loader thread and
-returns; vLLM keeps the loading requests parked (WAITING_FOR_REMOTE_KVS, their blocks
-allocated and unused by any forward) and steps the others meanwhile, and `finished_loads`
-reports each request once its copy is done or failed (vLLM then recomputes it). Saves copy the
+Loads: an in-step `LoadOp` (mapped memory, cheaper than a step: scheduler.py) is copied in
+`start_load_kv` before the forward, and a failed one reports its blocks through
+`invalid_blocks` (vLLM recomputes them). The others are asynchronous: `start_load_kv` hands
+them to a loader thread and returns; vLLM keeps the loading requests parked
+(WAITING_FOR_REMOTE_KVS, their blocks allocated and unused by any forward) and steps the
+others meanwhile, and `finished_loads` reports each request once its copy is done or failed
+(vLLM then recomputes it). Saves copy the
 blocks out of vLLM's cache in `wait_for_save` (after the forward wrote them, before the
 scheduler can free them) and hand the copy to one background thread that stores it, so a slow
 service never stalls a step.
@@ -67,6 +70,7 @@ class WorkerSide:
         self._loads: queue.Queue[LoadOp | None] = queue.Queue()
         self._loaded: set[str] = set()  # requests whose load ended since vLLM last asked
         self._load_failed: set[str] = set()
+        self._invalid_blocks: set[int] = set()  # in-step loads that failed, for vLLM to recompute
         self._loaded_lock = threading.Lock()
         self._queue: queue.Queue[tuple[SaveOp | StateSaveOp, torch.Tensor] | None] = queue.Queue()
         self._queued_blocks = 0
@@ -78,16 +82,23 @@ class WorkerSide:
 
     # -- loads ------------------------------------------------------------------------------
     def load(self, meta: PrefixCacheMetadata) -> None:
-        """Start the step's loads (start_load_kv): the loader thread copies, vLLM goes on."""
+        """The step's loads (start_load_kv): in-step ones now, the others on the loader thread."""
         for op in meta.loads:
-            self._loads.put(op)
+            if op.in_step:
+                if not self._load_counted(op):
+                    with self._loaded_lock:
+                        self._invalid_blocks.update(op.block_ids[0])
+            else:
+                self._loads.put(op)
 
     def _load_loop(self) -> None:
         with torch.inference_mode():  # as vLLM's own forward: tensors mapped there are inference tensors
             while (op := self._loads.get()) is not None:
-                self._load_and_report(op)
+                self._load_counted(op, report=True)
 
-    def _load_and_report(self, op: LoadOp) -> None:
+    def _load_counted(self, op: LoadOp, report: bool = False) -> bool:
+        """Copy one load, count it and release its leases; `report`: tell vLLM through
+        `finished_loads` (asynchronous loads). False when it failed."""
         started = time.perf_counter()
         failed = True
         try:
@@ -102,10 +113,11 @@ class WorkerSide:
                 error,
             )
         finally:
-            with self._loaded_lock:  # reported first: vLLM may schedule it while the Release travels
-                self._loaded.add(op.request_id)
-                if failed:
-                    self._load_failed.add(op.request_id)
+            if report:
+                with self._loaded_lock:  # reported first: vLLM may schedule it while the Release travels
+                    self._loaded.add(op.request_id)
+                    if failed:
+                        self._load_failed.add(op.request_id)
             if self.tp_rank == 0:
                 self._release(op.hit)
                 if op.state is not None and self.state_link is not None:
@@ -117,6 +129,7 @@ class WorkerSide:
                 loaded_tokens=op.blocks * self.link.layout.block_size,
                 loaded_layer_blocks=copies,
             )
+        return not failed
 
     def _load_one(self, op: LoadOp) -> int:
         if self.paged is None:
@@ -186,6 +199,12 @@ class WorkerSide:
             attached[0].release(hit)
         except PrefixCacheError as error:
             link.failed(error, attached[0])
+
+    def invalid_blocks(self) -> set[int]:
+        """Blocks of in-step loads that failed since the last call (vLLM recomputes them)."""
+        with self._loaded_lock:
+            blocks, self._invalid_blocks = self._invalid_blocks, set()
+        return blocks
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
         """(requests whose load ended, those of them that failed) since the last call."""
