@@ -110,7 +110,9 @@ def stream(port: int, messages: list[dict], max_tokens: int, salt: str | None = 
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     try:
         started = time.perf_counter()
-        connection.request("POST", "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        connection.request(
+            "POST", "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         response = connection.getresponse()
         result.engine = response.getheader("X-Prefixcache-Engine") or f"127.0.0.1:{port}"
         predicted = response.getheader("X-Prefixcache-Predicted-Ttft-Ms")
@@ -208,7 +210,11 @@ def summarise(name: str, results: list[Result], wall_s: float) -> dict:
         "title": TITLES[name],
         "requests": len(results),
         "errors": sorted({r.error for r in results if r.error})[:3],
-        "ttft_ms": {"p50": pct(ttft, 50), "p99": pct(ttft, 99), "mean": statistics.fmean(ttft) if ttft else float("nan")},
+        "ttft_ms": {
+            "p50": pct(ttft, 50),
+            "p99": pct(ttft, 99),
+            "mean": statistics.fmean(ttft) if ttft else float("nan"),
+        },
         "itl_ms": {"p50": pct(gaps, 50), "p99": pct(gaps, 99)},
         "wall_s": wall_s,
         "requests_per_s": len(ok) / wall_s,

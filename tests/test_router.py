@@ -41,6 +41,11 @@ def fleet(tmp_path_factory):
     router = None
     try:
         start_all(workers)
+        for worker in workers:  # a salted sibling namespace, fuller than the base one: never Match's
+            salted = [{"role": "user", "content": SYSTEM * 2}]
+            worker.client.chat(salted, max_tokens=1, cache_salt="other-tenant")
+            reply = worker.client.post("/tokenize", {"messages": salted, "cache_salt": "other-tenant"})
+            wait_stored(worker, salted, reply.body["count"], salt="other-tenant")
         router = RouterProcess(
             work / "router", list(zip(workers, services, strict=True)), ["--health-interval-ms", "300"]
         )
@@ -105,12 +110,12 @@ def stream_chat(port: int, body: dict, headers: dict | None = None, on_first_byt
     return result
 
 
-def wait_stored(worker: WorkerProcess, messages: list[dict], prompt_tokens: int) -> None:
+def wait_stored(worker: WorkerProcess, messages: list[dict], prompt_tokens: int, salt: str | None = None) -> None:
     """Until the worker's background store of a prompt is visible in its cache (whole blocks)."""
     want = ((prompt_tokens - 1) // 16) * 16
 
     def stored() -> bool:
-        reply = worker.client.post("/tokenize", {"messages": messages})
+        reply = worker.client.post("/tokenize", {"messages": messages, **({"cache_salt": salt} if salt else {})})
         return reply.status == 200 and (reply.body.get("cached_tokens") or 0) >= want
 
     poll(stored, 30, f"{want} tokens stored")
@@ -121,12 +126,13 @@ def test_each_turn_goes_to_the_engine_holding_its_prefix(fleet):
     chosen: dict[str, list[str]] = {}
     for conversation in range(3):
         topic = f"conversation {conversation} {uuid.uuid4().hex[:8]}"
+        salt = {"cache_salt": "tenant-b"} if conversation == 1 else {}  # Match carries the salt
         history = [{"role": "system", "content": SYSTEM + " " + topic}]
         for turn in range(3):
             history.append({"role": "user", "content": f"{topic}: question {turn} about section {turn * 3}."})
             # A fresh conversation id each turn: the sticky tie-break knows nothing, Match decides.
             result = stream_chat(
-                router.port, {"messages": history, "max_tokens": 4}, {"X-Conversation-Id": uuid.uuid4().hex}
+                router.port, {"messages": history, "max_tokens": 4, **salt}, {"X-Conversation-Id": uuid.uuid4().hex}
             )
             assert result["status"] == 200 and result["done"] and result["error"] is None, result
             chosen.setdefault(topic, []).append(result["engine"])
@@ -134,7 +140,7 @@ def test_each_turn_goes_to_the_engine_holding_its_prefix(fleet):
             if turn > 0:
                 assert result["engine"] == chosen[topic][0], (topic, chosen[topic])
                 assert result["hit_tokens"] > 0 and cached >= result["hit_tokens"] - 16, result
-            wait_stored(workers[result["engine"]], history, result["usage"]["prompt_tokens"])
+            wait_stored(workers[result["engine"]], history, result["usage"]["prompt_tokens"], salt.get("cache_salt"))
             history.append({"role": "assistant", "content": f"Answer {turn}: see section {turn * 3}."})
     metrics = router.client.metrics()
     decisions = sum(v for (name, _), v in metrics.items() if name == "prefixcache_router_decisions_total")

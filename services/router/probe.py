@@ -3,7 +3,8 @@
 Owns `CacheProbe`, one engine's cache service as the router sees it: a `CacheClient` (gRPC,
 thread-safe), the namespace its engine attaches to and the service's block size. `resolve`
 (from the health loop, never on a request's path) finds the namespace: `--namespace` if given,
-else the service's only namespace, else the one holding the most resident blocks. `match` runs
+else the service's only unsalted namespace, else the unsalted one holding the most resident
+blocks (a request's `cache_salt` goes with the Match, which finds the salted sibling itself). `match` runs
 one Match on the router's thread pool with a gRPC deadline of `timeout_s` and an outer
 `asyncio.wait_for` of the same length plus a margin: a slow, down or unresolved service is
 scored as a miss (a `Hit` of zeros) and never holds the request.
@@ -45,13 +46,15 @@ class CacheProbe:
             return False
         self.block_size = stats.layout.block_size
         if not self._fixed_namespace:
-            entries = self.client.namespaces(timeout_s=2.0)
+            # A request's cache_salt makes a salted sibling namespace; Match takes the base one
+            # and the salt, so only unsalted namespaces are candidates.
+            entries = [e for e in self.client.namespaces(timeout_s=2.0) if not e.salted]
             if not entries:
                 return False
             chosen = max(entries, key=lambda e: sum(e.blocks.values()))
             if len(entries) > 1:
                 log.warning(
-                    "cache %s holds %d namespaces; matching against %s (%s), the fullest; pass --namespace to choose",
+                    "cache %s holds %d unsalted namespaces; matching against %s (%s), the fullest; pass --namespace to choose",
                     self.address,
                     len(entries),
                     chosen.namespace_id,
