@@ -15,8 +15,10 @@ mid-stream ends the client's stream with an SSE error event.
 Health: every `--health-interval` each engine's GET /health; a failing engine is skipped until
 it answers 200 again. The same loop resolves each cache's namespace (probe.py).
 
-TTFT observed: dispatch to the first SSE event carrying text (a streamed request only); it feeds
-the engine's prefill model (scoring.py) and the /metrics histograms beside the prediction.
+TTFT, predicted and observed, runs from the request's arrival at the router to the first SSE event
+carrying text (observed for streamed requests only): the prediction is the router's time so far
+plus the chosen engine's estimate. The engine's part (dispatch to first text) feeds its prefill
+model (scoring.py).
 """
 
 from __future__ import annotations
@@ -286,6 +288,7 @@ class RouterApp:
         ]
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        arrived = time.monotonic()
         raw = await request.read()
         try:
             body = json.loads(raw)
@@ -313,7 +316,7 @@ class RouterApp:
                 continue
             self.metrics.decisions.labels(engine.name, reason if attempt == 0 else "failover").inc()
             try:
-                response = await self._forward(request, raw, engine, estimate, streaming)
+                response = await self._forward(request, raw, engine, estimate, streaming, arrived)
             except EngineLost as lost:
                 log.warning("engine %s lost before the first byte (%s); trying the next", engine.name, lost)
                 self._mark_down(engine)
@@ -329,18 +332,21 @@ class RouterApp:
         return _error(503, "every engine failed before answering")
 
     async def _forward(
-        self, request: web.Request, raw: bytes, engine: Engine, estimate: Estimate, streaming: bool
+        self, request: web.Request, raw: bytes, engine: Engine, estimate: Estimate, streaming: bool, arrived: float
     ) -> web.StreamResponse:
         assert self._session is not None
         key = next(self._ids)
         load = engine.load
         load.start(key, estimate, time.monotonic())
-        self.metrics.predicted.labels(engine.name).observe(estimate.ttft_s)
+        # The client's TTFT runs from the request's arrival: the router's own time so far (tokenizing,
+        # the Match round, earlier failed attempts) is known; the engine's part is the estimate.
+        predicted = time.monotonic() - arrived + estimate.ttft_s
+        self.metrics.predicted.labels(engine.name).observe(predicted)
         self.metrics.hit_tokens.labels(engine.name).inc(estimate.hit.hit_tokens)
         self.metrics.prompt_tokens.labels(engine.name).inc(estimate.hit.prompt_tokens)
         headers = {
             "X-Prefixcache-Engine": engine.name,
-            "X-Prefixcache-Predicted-Ttft-Ms": f"{estimate.ttft_s * 1000:.1f}",
+            "X-Prefixcache-Predicted-Ttft-Ms": f"{predicted * 1000:.1f}",
             "X-Prefixcache-Hit-Tokens": str(estimate.hit.hit_tokens),
         }
         first_streamed = False
@@ -376,10 +382,11 @@ class RouterApp:
                             await response.prepare(request)
                             first_streamed = True
                         if not scanner.found and scanner.feed(chunk):
-                            observed = load.first_token(key, time.monotonic())
-                            if observed is not None:
+                            now = time.monotonic()
+                            if load.first_token(key, now) is not None:
+                                observed = now - arrived
                                 self.metrics.observed.labels(engine.name).observe(observed)
-                                self.metrics.error.labels(engine.name).observe(estimate.ttft_s / max(observed, 1e-6))
+                                self.metrics.error.labels(engine.name).observe(predicted / max(observed, 1e-6))
                         await response.write(chunk)
                 except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as error:
                     if not first_streamed:
