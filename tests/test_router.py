@@ -7,6 +7,7 @@
 - An engine SIGKILLed while requests are queued on it: every request that had not received a
   byte completes on the other engine (failover); only a stream already started may fail, and
   it fails visibly (an SSE error event), never silently.
+- `--discover`: a name's addresses become engines.
 - Bad CLI input: a clear error that names the flag (in-process, no router started).
 
 One fleet (two services, two workers, one router) serves the module; the kill test runs last.
@@ -151,6 +152,25 @@ def test_each_turn_goes_to_the_engine_holding_its_prefix(fleet):
     assert status == 200 and json.loads(data)["data"][0]["id"]
 
 
+def test_discovered_engines_are_the_addresses_of_a_name(fleet, tmp_path):
+    """--discover: `localhost` resolves to the engine's loopback address (a headless Service's pod IPs)."""
+    router, workers = fleet
+    name, worker = next(iter(workers.items()))
+    service = worker.cache
+    found = RouterProcess(tmp_path, [], ["--discover", f"http://localhost:{worker.port}={service.port}"]).start()
+    try:
+        poll(lambda: name in _healthy(found), 30, f"{name} discovered and healthy")
+        result = stream_chat(found.port, {"messages": [{"role": "user", "content": "Where am I?"}], "max_tokens": 2})
+        assert result["status"] == 200 and result["done"] and result["engine"] == name, result
+    finally:
+        found.stop()
+
+
+def _healthy(router: RouterProcess) -> set[str]:
+    status, data, _ = router.client.request("GET", "/health")
+    return {e["engine"] for e in json.loads(data)["engines"] if e["healthy"]} if status in (200, 503) else set()
+
+
 def test_a_killed_engine_loses_no_request_that_had_not_started_streaming(fleet):
     router, workers = fleet
     victim_name, victim = next(iter(workers.items()))
@@ -204,6 +224,7 @@ def test_a_killed_engine_loses_no_request_that_had_not_started_streaming(fleet):
         (["route", "--engine", "http://a:8000", "--tier-rates", "host=fast"], "--tier-rates"),
         (["route", "--engine", "http://a:8000", "--tier-rates", "disk=1e6"], "--tier-rates"),
         (["route", "--engine", "http://a:8000", "--match-timeout-ms", "0"], "--match-timeout-ms"),
+        (["route", "--discover", "http://pods:8000=grpc"], "--discover"),
     ],
 )
 def test_bad_cli_input_names_the_flag(argv, named, capsys):

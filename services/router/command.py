@@ -16,6 +16,7 @@ EXAMPLES = """examples:
       --engine http://10.0.0.11:8000=10.0.0.11:50051 --engine http://10.0.0.12:8000=10.0.0.12:50051
   prefixcache route --engine http://vllm-a:8000=cache-a:50051 --engine http://vllm-b:8000=cache-b:50051 \\
       --tokenizer /models/Qwen2.5-0.5B-Instruct --tier-rates host=3e6,redis=4e5
+  prefixcache route --listen 0.0.0.0:8080 --discover http://prefixcache-pods:8000=50051   # Kubernetes
   curl -s localhost:8080/metrics | grep prefixcache_router_decisions
 """
 
@@ -46,6 +47,19 @@ def parse_engine(value: str) -> tuple[str, str | None]:
             ) from None
         return url, cache
     return url, None
+
+
+def parse_discover(value: str) -> tuple[str, int | None]:
+    """`URL[=CACHE_PORT]` -> (url, cache port or None)."""
+    url, sep, port = value.partition("=")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected URL[=CACHE_PORT] with an http:// or https:// URL")
+    if not sep:
+        return url, None
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{value!r}: the cache port after '=' must be 1-65535, got {port!r}")
+    return url, int(port)
 
 
 def positive_ms(flag: str):
@@ -99,6 +113,15 @@ def register(subparsers) -> None:
         "repeat for each engine",
     )
     parser.add_argument(
+        "--discover",
+        action="append",
+        type=parse_discover,
+        metavar="URL[=CACHE_PORT]",
+        help="every address the URL's host name resolves to is an engine at the URL's port, with its cache "
+        "service at CACHE_PORT on the same address; re-resolved at each health check (a Kubernetes headless "
+        "Service); repeatable",
+    )
+    parser.add_argument(
         "--tokenizer",
         default="tiny",
         help="the engines' tokenizer: 'tiny' (the reference worker's cl100k) or a local checkpoint "
@@ -145,9 +168,9 @@ def run(args) -> int:
     from .http import RouterApp, RouterSettings, run_router
     from .prompts import PromptTokenizer
 
-    if not args.engine:
-        raise ConfigError("--engine", "give at least one engine: --engine URL[=CACHE_HOST:PORT]")
-    names = [url.rstrip("/") for url, _ in args.engine]
+    if not args.engine and not args.discover:
+        raise ConfigError("--engine", "give at least one engine: --engine URL[=CACHE_HOST:PORT] (or --discover)")
+    names = [url.rstrip("/") for url, _ in args.engine or []]
     if len(set(names)) != len(names):
         raise ConfigError(
             "--engine", f"an engine URL is given twice: {sorted(n for n in names if names.count(n) > 1)[0]}"
@@ -162,7 +185,14 @@ def run(args) -> int:
         tier_rates=args.tier_rates,
         initial_prefill_rate=args.initial_prefill_rate,
     )
-    app = RouterApp(args.engine, tokenizer, settings, namespace=args.namespace, cache_auth_token=args.auth_token)
+    app = RouterApp(
+        args.engine or [],
+        tokenizer,
+        settings,
+        namespace=args.namespace,
+        cache_auth_token=args.auth_token,
+        discover=args.discover,
+    )
     host, port = args.listen
 
     async def main() -> None:

@@ -12,8 +12,11 @@ the ranking (each engine once). A stream is passed through as it arrives; the cl
 starts with the engine's first body chunk, and after that nothing is retried: an engine that dies
 mid-stream ends the client's stream with an SSE error event.
 
-Health: every `--health-interval` each engine's GET /health; a failing engine is skipped until
-it answers 200 again. The same loop resolves each cache's namespace (probe.py).
+Health: every `--health-interval-ms` each engine's GET /health; a failing engine is skipped until
+it answers 200 again. The same loop resolves each cache's namespace (probe.py) and, with
+`--discover`, re-resolves the names given: each address is an engine (a Kubernetes headless
+Service lists the ready worker pods), one no longer listed is dropped once nothing is in flight
+on it.
 
 TTFT, predicted and observed, runs from the request's arrival at the router to the first SSE event
 carrying text (observed for streamed requests only): the prediction is the router's time so far
@@ -27,6 +30,7 @@ import asyncio
 import itertools
 import json
 import logging
+import socket
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -144,17 +148,20 @@ class RouterApp:
         settings: RouterSettings,
         namespace: str | None = None,
         cache_auth_token: str | None = None,
+        discover: list[tuple[str, int | None]] | None = None,
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
+        self._namespace = namespace
+        self._cache_auth_token = cache_auth_token
+        self.discover = list(discover or [])
         self.engines: list[Engine] = []
-        for url, cache in engines:
-            probe = None if cache is None else CacheProbe(cache, settings.match_timeout_s, namespace, cache_auth_token)
-            load = EngineLoad(PrefillModel(initial_rate=settings.initial_prefill_rate))
-            self.engines.append(Engine(engine_name(url), url.rstrip("/"), probe, load))
+        self._discovered: dict[str, Engine] = {}  # by URL, the engines --discover found
         self.registry = CollectorRegistry()
         self.metrics = RouterMetrics(self.registry)
-        self._executor = ThreadPoolExecutor(max_workers=max(4, 2 * len(engines) + 2), thread_name_prefix="router")
+        for url, cache in engines:
+            self.engines.append(self._engine(url, cache))
+        self._executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="router")
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._ids = itertools.count()
         self._rr = itertools.count()
@@ -201,8 +208,46 @@ class RouterApp:
             except Exception:  # noqa: BLE001 - the loop must outlive any one failure
                 log.exception("health check round failed")
 
+    def _engine(self, url: str, cache: str | None) -> Engine:
+        probe = None
+        if cache is not None:
+            probe = CacheProbe(cache, self.settings.match_timeout_s, self._namespace, self._cache_auth_token)
+        load = EngineLoad(PrefillModel(initial_rate=self.settings.initial_prefill_rate))
+        return Engine(engine_name(url), url.rstrip("/"), probe, load)
+
     async def check_all(self) -> None:
+        if self.discover:
+            await self._rediscover()
         await asyncio.gather(*(self._check(engine) for engine in self.engines))
+
+    async def _rediscover(self) -> None:
+        """--discover: every address of each name is an engine (a Kubernetes headless Service's pods)."""
+        loop = asyncio.get_running_loop()
+        found: dict[str, str | None] = {}
+        for url, cache_port in self.discover:
+            parts = urlsplit(url)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            try:
+                infos = await loop.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+            except OSError as error:
+                log.warning("--discover %s: %s", url, error)
+                continue
+            for info in infos:
+                address = str(info[4][0])
+                host = f"[{address}]" if ":" in address else address
+                found[f"{parts.scheme}://{host}:{port}"] = None if cache_port is None else f"{host}:{cache_port}"
+        for url, cache in found.items():
+            if url not in self._discovered:
+                engine = self._engine(url, cache)
+                self._discovered[url] = engine
+                self.engines.append(engine)
+                log.info("engine %s found%s", engine.name, "" if cache is None else f" (cache {cache})")
+        for url in [u for u, e in self._discovered.items() if u not in found and not e.load.flights]:
+            engine = self._discovered.pop(url)
+            self.engines.remove(engine)
+            if engine.probe is not None:
+                engine.probe.close()
+            log.info("engine %s gone from the discovered addresses", engine.name)
 
     async def _check(self, engine: Engine) -> None:
         assert self._session is not None
@@ -308,7 +353,7 @@ class RouterApp:
         if len({round(e.ttft_s, 6) for e in ordered}) == 1 and len(ordered) > 1 and reason == "score":
             shift = next(self._rr) % len(ordered)  # an exact tie (nothing known yet): spread round-robin
             ordered = ordered[shift:] + ordered[:shift]
-        by_name = {e.name: e for e in self.engines}
+        by_name = {e.name: e for e in candidates}
         streaming = body.get("stream") is True
         for attempt, estimate in enumerate(ordered):
             engine = by_name[estimate.engine]
