@@ -1,7 +1,7 @@
 """Two reference workers under multi-turn load: round-robin, round-robin + prefixcache, `prefixcache route`.
 
-    PYTHONPATH=$PWD python benchmarks/fleet_bench.py [--conversations 8] [--turns 4] [--users 4]
-        [--system-words 400] [--user-words 120] [--max-tokens 8] [--think-ms 300] [--json-out FILE]
+    PYTHONPATH=$PWD python benchmarks/fleet_bench.py [--conversations 8] [--turns 6] [--users 4]
+        [--system-words 150] [--user-words 80] [--max-tokens 4] [--think-ms 300] [--json-out FILE]
 
 One schedule, three configurations in one run (issue 36):
 
@@ -15,11 +15,14 @@ serves the router's run (both start cold).
 
 The schedule: `--conversations` synthetic chats behind one shared system prompt; each turn resends
 the whole history plus a new user message, the assistant turns are fixed text (the prompts do not
-depend on what the model says); `--users` concurrent users each take the next conversation and play
+depend on what the model says; the history outgrows the system prompt within a few turns);
+`--users` concurrent users each take the next conversation and play
 its turns in order, `--think-ms` apart on average (drawn 0.2-1.8x, seeded: the worker's store of a
 turn lands in the background, a user reading the answer gives it that time; without the spread four
 users in step would make a global round-robin counter send each conversation to the same engine
-every turn, which is stickiness, not round-robin). Greedy, streaming, the tiny model.
+every turn, which is stickiness, not round-robin). Greedy, streaming, the tiny model, `--max-tokens` 4 by default: the reference worker serves one
+request at a time, so a long decode queued ahead of a request adds the same wait under any
+routing and hides what routing changes (vLLM's batching does not queue decodes that way).
 
 Reported per configuration: TTFT p50/p99 (request sent to first streamed text, at the client), ITL
 p50/p99 (gaps between streamed chunks with text), requests/s and prompt tokens/s over the
@@ -248,30 +251,28 @@ def run_all(args: argparse.Namespace, work: Path) -> list[dict]:
     from tests.support.worker_procs import CacheService, RouterProcess, WorkerProcess, start_all, stop_all
 
     chats = schedule(args)
-    rows = []
+    rows: list[dict] = []
     chosen = args.configs.split(",")
-    if "rr-nocache" in chosen:
-        workers = [WorkerProcess(work / f"plain-{i}", None) for i in range(2)]
-        try:
-            start_all(workers)
-            ports = [w.port for w in workers]
-            warm(ports)
-            results, wall_s = drive(ports, chats, args, "rr-nocache")
-            rows.append(summarise("rr-nocache", results, wall_s))
-        finally:
-            stop_all(workers)
-        report_progress(rows[-1])
-    if not {"rr-cache", "router"} & set(chosen):
-        return rows
-    services = [CacheService(work / f"service-{i}", host_capacity=args.host_capacity).start() for i in range(2)]
-    workers = [WorkerProcess(work / f"cached-{i}", services[i]) for i in range(2)]
+    cached = bool({"rr-cache", "router"} & set(chosen))
+    services = [
+        CacheService(work / f"service-{i}", host_capacity=args.host_capacity) for i in range(2 if cached else 0)
+    ]
+    plain = [WorkerProcess(work / f"plain-{i}", None) for i in range(2 if "rr-nocache" in chosen else 0)]
     router = None
+    workers: list = []
     try:
-        start_all(workers)
-        ports = [w.port for w in workers]
-        warm(ports)
+        for service in services:
+            service.start()
+        workers = [WorkerProcess(work / f"cached-{i}", service) for i, service in enumerate(services)]
+        start_all(plain + workers)  # the four model loads overlap
+        warm([w.port for w in plain + workers])
+        if plain:
+            results, wall_s = drive([w.port for w in plain], chats, args, "rr-nocache")
+            rows.append(summarise("rr-nocache", results, wall_s))
+            report_progress(rows[-1])
+            stop_all(plain)  # idle from here on, but out of the way
         if "rr-cache" in chosen:
-            results, wall_s = drive(ports, chats, args, "rr-cache")
+            results, wall_s = drive([w.port for w in workers], chats, args, "rr-cache")
             rows.append(summarise("rr-cache", results, wall_s))
             report_progress(rows[-1])
         if "router" in chosen:
@@ -288,7 +289,7 @@ def run_all(args: argparse.Namespace, work: Path) -> list[dict]:
     finally:
         if router is not None:
             router.stop()
-        stop_all(workers)
+        stop_all(plain + workers)
         for service in services:
             service.stop()
     return rows
@@ -352,11 +353,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list of " + ",".join(CONFIGS))
     parser.add_argument("--conversations", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--users", type=int, default=4)
-    parser.add_argument("--system-words", type=int, default=400)
-    parser.add_argument("--user-words", type=int, default=120)
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--system-words", type=int, default=150)
+    parser.add_argument("--user-words", type=int, default=80)
+    parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--think-ms", type=float, default=300.0)
     parser.add_argument("--host-capacity", default="512MiB")
     parser.add_argument("--router-arg", dest="router_args", action="append", default=[], help="passed to route")
