@@ -1,7 +1,7 @@
 """Two reference workers under multi-turn load: round-robin, round-robin + prefixcache, `prefixcache route`.
 
     PYTHONPATH=$PWD python benchmarks/fleet_bench.py [--conversations 8] [--turns 6] [--users 4]
-        [--system-words 150] [--user-words 80] [--max-tokens 4] [--think-ms 300] [--json-out FILE]
+        [--system-words 100] [--user-words 200] [--max-tokens 4] [--think-ms 300] [--json-out FILE]
 
 One schedule, three configurations in one run (issue 36):
 
@@ -15,14 +15,15 @@ serves the router's run (both start cold).
 
 The schedule: `--conversations` synthetic chats behind one shared system prompt; each turn resends
 the whole history plus a new user message, the assistant turns are fixed text (the prompts do not
-depend on what the model says; the history outgrows the system prompt within a few turns);
-`--users` concurrent users each take the next conversation and play
-its turns in order, `--think-ms` apart on average (drawn 0.2-1.8x, seeded: the worker's store of a
-turn lands in the background, a user reading the answer gives it that time; without the spread four
-users in step would make a global round-robin counter send each conversation to the same engine
-every turn, which is stickiness, not round-robin). Greedy, streaming, the tiny model, `--max-tokens` 4 by default: the reference worker serves one
-request at a time, so a long decode queued ahead of a request adds the same wait under any
-routing and hides what routing changes (vLLM's batching does not queue decodes that way).
+depend on what the model says; with the defaults the history outgrows the system prompt from the
+second turn, prompts reach ~2.3k tokens by the sixth); `--users` concurrent users each take the
+next conversation and play its turns in order, `--think-ms` apart on average (drawn 0.2-1.8x,
+seeded: the worker's store of a turn lands in the background, a user reading the answer gives it
+that time; without the spread four users in step would make a global round-robin counter send
+each conversation to the same engine every turn, which is stickiness, not round-robin). Greedy,
+streaming, the tiny model, `--max-tokens` 4 by default: the reference worker serves one request
+at a time, so a long decode queued ahead of a request adds the same wait under any routing and
+hides what routing changes (vLLM's batching does not queue decodes that way).
 
 Reported per configuration: TTFT p50/p99 (request sent to first streamed text, at the client), ITL
 p50/p99 (gaps between streamed chunks with text), requests/s and prompt tokens/s over the
@@ -285,6 +286,7 @@ def run_all(args: argparse.Namespace, work: Path) -> list[dict]:
                 time.sleep(0.2)
             results, wall_s = drive([router.port], chats, args, "router")
             rows.append(summarise("router", results, wall_s))
+            rows[-1]["router_metrics"] = router_metrics(router)
             report_progress(rows[-1])
     finally:
         if router is not None:
@@ -293,6 +295,21 @@ def run_all(args: argparse.Namespace, work: Path) -> list[dict]:
         for service in services:
             service.stop()
     return rows
+
+
+def router_metrics(router) -> dict:
+    """What the router learned and decided: its /metrics, the families a reader of the run needs."""
+    wanted = {
+        "prefixcache_router_decisions_total": "decisions",
+        "prefixcache_router_prefill_tokens_per_second": "prefill_tokens_per_s",
+        "prefixcache_router_ttft_overhead_seconds": "ttft_overhead_s",
+        "prefixcache_router_failovers_total": "failovers",
+    }
+    out: dict = {name: {} for name in wanted.values()}
+    for (sample, labels), value in router.client.metrics().items():
+        if sample in wanted:
+            out[wanted[sample]]["/".join(v for _, v in labels)] = value
+    return out
 
 
 def _engines_ready(router) -> bool:
@@ -355,8 +372,8 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--users", type=int, default=4)
-    parser.add_argument("--system-words", type=int, default=150)
-    parser.add_argument("--user-words", type=int, default=80)
+    parser.add_argument("--system-words", type=int, default=100)
+    parser.add_argument("--user-words", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--think-ms", type=float, default=300.0)
     parser.add_argument("--host-capacity", default="512MiB")
