@@ -166,6 +166,11 @@ def test_discovered_engines_are_the_addresses_of_a_name(fleet, tmp_path):
         found.stop()
 
 
+def _in_flight(router: RouterProcess, engine: str) -> int:
+    status, data, _ = router.client.request("GET", "/health")
+    return next(e["in_flight"] for e in json.loads(data)["engines"] if e["engine"] == engine)
+
+
 def _healthy(router: RouterProcess) -> set[str]:
     status, data, _ = router.client.request("GET", "/health")
     return {e["engine"] for e in json.loads(data)["engines"] if e["healthy"]} if status in (200, 503) else set()
@@ -179,14 +184,22 @@ def test_a_killed_engine_loses_no_request_that_had_not_started_streaming(fleet):
     def kill_on_victim_stream(result: dict) -> None:
         if result["engine"] == victim_name and not killed.is_set():
             killed.set()
-            victim.process.kill()  # SIGKILL while more requests wait in its queue
+            # SIGKILL once more requests wait in the victim's queue (the router's /health counts them).
+            poll(lambda: _in_flight(router, victim_name) >= 2, 20, "two requests in flight on the victim")
+            victim.process.kill()
 
+    # The victim alone holds the requests' long shared prefix: Match makes it the best engine, so
+    # requests queue there (the other engine would prefill ~2k tokens).
+    system = {"role": "system", "content": f"{uuid.uuid4().hex} " + SYSTEM * 6}
+    victim.client.chat([system, {"role": "user", "content": "prime"}], max_tokens=1)
+    reply = victim.client.post("/tokenize", {"messages": [system]})
+    wait_stored(victim, [system], reply.body["count"] - 8)
     results: list[dict] = []
     lock = threading.Lock()
 
     def one(number: int) -> None:
-        body = {"messages": [{"role": "user", "content": f"Count to forty, request {number} {uuid.uuid4().hex}."}]}
-        body["max_tokens"] = 24
+        body = {"messages": [system, {"role": "user", "content": f"Count to forty, request {number}."}]}
+        body["max_tokens"] = 48
         result = stream_chat(router.port, body, on_first_byte=kill_on_victim_stream)
         with lock:
             results.append(result)

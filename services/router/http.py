@@ -27,6 +27,7 @@ model (scoring.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -421,32 +422,44 @@ class RouterApp:
                     status=200, headers={**headers, "Content-Type": content_type, "Cache-Control": "no-cache"}
                 )
                 scanner = _FirstText()
-                try:
-                    async for chunk in upstream.content.iter_any():
+                chunks = upstream.content.iter_any()
+                while True:
+                    try:
+                        chunk = await chunks.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as error:
                         if not first_streamed:
+                            raise EngineLost(str(error) or type(error).__name__) from None
+                        log.warning("engine %s failed mid-stream: %s (not retried)", engine.name, error)
+                        self._mark_down(engine)
+                        self.metrics.outcomes.labels(engine.name, "failed_mid_stream").inc()
+                        message = {
+                            "error": {"message": f"engine {engine.name} failed mid-stream", "type": "server_error"}
+                        }
+                        with contextlib.suppress(ConnectionError):
+                            await response.write(b"data: " + json.dumps(message).encode() + b"\n\n")
+                            await response.write_eof()
+                        return response
+                    if not scanner.found and scanner.feed(chunk):
+                        now = time.monotonic()
+                        if load.first_token(key, now) is not None:
+                            observed = now - arrived
+                            self.metrics.observed.labels(engine.name).observe(observed)
+                            self.metrics.error.labels(engine.name).observe(predicted / max(observed, 1e-6))
+                    try:
+                        if not first_streamed:
+                            first_streamed = True  # from here on, never retried
                             await response.prepare(request)
-                            first_streamed = True
-                        if not scanner.found and scanner.feed(chunk):
-                            now = time.monotonic()
-                            if load.first_token(key, now) is not None:
-                                observed = now - arrived
-                                self.metrics.observed.labels(engine.name).observe(observed)
-                                self.metrics.error.labels(engine.name).observe(predicted / max(observed, 1e-6))
                         await response.write(chunk)
-                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as error:
-                    if not first_streamed:
-                        raise EngineLost(str(error) or type(error).__name__) from None
-                    log.warning("engine %s failed mid-stream: %s (not retried)", engine.name, error)
-                    self._mark_down(engine)
-                    self.metrics.outcomes.labels(engine.name, "failed_mid_stream").inc()
-                    message = {"error": {"message": f"engine {engine.name} failed mid-stream", "type": "server_error"}}
-                    await response.write(b"data: " + json.dumps(message).encode() + b"\n\n")
-                    await response.write_eof()
-                    return response
+                    except ConnectionError:  # the client left: closing the upstream stops the generation
+                        self.metrics.outcomes.labels(engine.name, "client_gone").inc()
+                        return response
                 if not first_streamed:
                     raise EngineLost("the stream ended before its first byte")
                 self.metrics.outcomes.labels(engine.name, "ok").inc()
-                await response.write_eof()
+                with contextlib.suppress(ConnectionError):  # a client may close as soon as it reads [DONE]
+                    await response.write_eof()
                 return response
         finally:
             load.finish(key, time.monotonic(), streamed=first_streamed)
