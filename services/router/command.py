@@ -62,13 +62,13 @@ def parse_discover(value: str) -> tuple[str, int | None]:
     return url, int(port)
 
 
-def positive_ms(flag: str):
+def positive(flag: str, unit: str):
     def parse(value: str) -> float:
         try:
             number = float(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be a number of milliseconds, got {value!r}") from None
-        if not number > 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number of {unit}, got {value!r}") from None
+        if not 0 < number < float("inf"):
             raise argparse.ArgumentTypeError(f"{flag} must be > 0, got {value!r}")
         return number
 
@@ -132,13 +132,13 @@ def register(subparsers) -> None:
     )
     parser.add_argument(
         "--match-timeout-ms",
-        type=positive_ms("--match-timeout-ms"),
+        type=positive("--match-timeout-ms", "milliseconds"),
         default=50.0,
         help="deadline of each Match; a late one is scored as a miss (default %(default)s)",
     )
     parser.add_argument(
         "--health-interval-ms",
-        type=positive_ms("--health-interval-ms"),
+        type=positive("--health-interval-ms", "milliseconds"),
         default=2000.0,
         help="period of the engines' /health checks (default %(default)s)",
     )
@@ -150,7 +150,7 @@ def register(subparsers) -> None:
     )
     parser.add_argument(
         "--initial-prefill-rate",
-        type=positive_ms("--initial-prefill-rate"),
+        type=positive("--initial-prefill-rate", "tokens per second"),
         default=4000.0,
         help="prefill tokens/s assumed until an engine's rate is measured (default %(default)s)",
     )
