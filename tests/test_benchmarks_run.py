@@ -31,6 +31,7 @@ SCRIPT_TIMEOUT_S = 240  # each script takes 1-20 s here; a loaded CI box may be 
 
 COVERED = {
     "disk_bench.py",
+    "fleet_bench.py",
     "arena_bench.py",
     "gpu_check.py",
     "index_bench.py",
@@ -250,3 +251,25 @@ def test_disk_bench(tmp_path: Path) -> None:
     assert set(results) == {"raw_odirect_8MiB", "tier_64KiB", "tier_2048KiB"}
     for figures in results.values():
         assert_positive(figures, "put_GBps", "get_GBps")
+
+
+def test_fleet_bench(tmp_path: Path) -> None:
+    # Three configurations, four requests each: two worker pairs start (~1 min on a 2-core box).
+    report_path = tmp_path / "fleet.json"
+    args = ("--conversations", "2", "--turns", "2", "--users", "2", "--system-words", "40", "--user-words", "12")
+    args += ("--max-tokens", "2", "--think-ms", "100", "--json-out", str(report_path))
+    done = run_script("fleet_bench.py", *args, exit_codes=(0, 1))  # 1: a target missed (noise at this size)
+    report = json.loads(report_path.read_text())
+    rows = {row["config"]: row for row in report["rows"]}
+    assert list(rows) == ["rr-nocache", "rr-cache", "router"]
+    for row in rows.values():
+        assert row["requests"] == 4 and row["errors"] == [], row
+        assert_positive(row["ttft_ms"], "p50", "p99")
+        assert_positive(row, "requests_per_s", "prompt_tokens_per_s")
+        assert sum(row["requests_per_engine"].values()) == 4
+    assert rows["rr-nocache"]["hit_share"] == 0.0
+    assert_positive(rows["router"]["prediction"], "predicted_median_ms", "observed_median_ms")
+    verdict = report["verdict"]
+    missed = not (verdict["p50_target_met"] and verdict["prediction_target_met"])
+    assert done.returncode == int(missed), (done.returncode, verdict)
+    assert "| router: prefixcache route + prefixcache |" in done.stdout

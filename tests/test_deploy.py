@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 K8S_VERSIONS = ("1.29.0", "1.33.0")  # 1.29: native sidecars on by default
-PLANNED_SUBCOMMANDS = {"serve", "worker", "stats", "top", "inspect", "evict", "flush", "replay", "demo"}
+PLANNED_SUBCOMMANDS = {"serve", "worker", "route", "stats", "top", "inspect", "evict", "flush", "replay", "demo"}
 # Stand-ins for the Secrets an operator creates (docs/deploy.md), to expand $(VAR)s.
 EXAMPLE_SECRETS = {
     ("prefixcache-redis", "redis-url"): "redis+cluster://prefixcache:0a1b2c3d@redis-cluster:6379",
@@ -146,8 +146,11 @@ def test_kustomizations_reference_every_manifest_and_render() -> None:
     assert kinds["external-redis"] == [
         "ConfigMap/prefixcache",
         "Deployment/prefixcache",
+        "Deployment/prefixcache-router",
         "PodDisruptionBudget/prefixcache",
         "Service/prefixcache",
+        "Service/prefixcache-pods",
+        "Service/prefixcache-router",
     ]
 
 
@@ -206,6 +209,41 @@ def test_service_exposes_http_and_metrics_but_not_grpc() -> None:
     assert ports == {"http": 8000, "metrics": 9400}
 
 
+def test_the_router_fronts_the_worker_pods_through_a_headless_service() -> None:
+    """`prefixcache route --discover` resolves the headless Service to the worker pods: their HTTP
+    port and their cache sidecar's gRPC port; the router's own pods are none of them."""
+    workers = k8s_object("Deployment", "prefixcache")
+    worker_labels = workers["spec"]["template"]["metadata"]["labels"]
+    containers = pod_containers(workers)
+    pods = k8s_object("Service", "prefixcache-pods")
+    assert pods["spec"]["clusterIP"] == "None", "headless: DNS lists each pod, nothing load-balances"
+    assert pods["spec"]["selector"].items() <= worker_labels.items()
+    ports = {p["name"]: p["targetPort"] for p in pods["spec"]["ports"]}
+    assert ports == {
+        "http": containers["worker"]["ports"][0]["containerPort"],
+        "grpc": next(p["containerPort"] for p in containers["cache"]["ports"] if p["name"] == "grpc"),
+    }
+    router = k8s_object("Deployment", "prefixcache-router")
+    router_labels = router["spec"]["template"]["metadata"]["labels"]
+    assert not pods["spec"]["selector"].items() <= router_labels.items(), "the router is not an engine of its own"
+    pdb = k8s_object("PodDisruptionBudget", "prefixcache")
+    assert not pdb["spec"]["selector"]["matchLabels"].items() <= router_labels.items()
+    (container,) = pod_containers(router).values()
+    args = expand(container["args"], container)
+    options = dict(a.split("=", 1) for a in args[1:])
+    assert args[0] == "route"
+    assert options["--discover"] == f"http://prefixcache-pods:{ports['http']}={ports['grpc']}"
+    assert options["--tokenizer"] == k8s_object("ConfigMap", "prefixcache")["data"]["PREFIXCACHE_MODEL"]
+    assert "--auth-token" in options, "the cache sidecars require the token (--auth-token-file)"
+    listen_port = int(options["--listen"].rpartition(":")[2])
+    assert container["ports"][0]["containerPort"] == listen_port
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": listen_port}
+    assert "httpGet" not in container["livenessProbe"], "a fleet that is down must not restart the router"
+    front = k8s_object("Service", "prefixcache-router")
+    assert front["spec"]["selector"].items() <= router_labels.items()
+    assert [p["targetPort"] for p in front["spec"]["ports"]] == [listen_port]
+
+
 def test_redis_cluster_is_three_masters_with_one_replica_each() -> None:
     statefulset = k8s_object("StatefulSet", "redis-cluster")
     assert statefulset["spec"]["replicas"] == 6
@@ -259,8 +297,9 @@ def invocations() -> dict[str, list[str]]:
     }
     cmd = next(json.loads(args) for instr, args in dockerfile() if instr == "CMD")
     found["Dockerfile:CMD"] = cmd
-    for name, container in pod_containers(k8s_object("Deployment", "prefixcache")).items():
-        found[f"k8s:prefixcache/{name}"] = expand(container["args"], container)
+    for workload in ("prefixcache", "prefixcache-router"):
+        for name, container in pod_containers(k8s_object("Deployment", workload)).items():
+            found[f"k8s:{workload}/{name}"] = expand(container["args"], container)
     return found
 
 
@@ -406,7 +445,15 @@ def test_worker_healthcheck_follows_the_http_status() -> None:
 
 def test_compose_starts_redis_cache_worker_in_health_order() -> None:
     services = compose()["services"]
-    assert set(services) == {"redis", "cache", "worker"}
+    assert set(services) == {"redis", "cache", "worker", "router"}
+    assert services["router"]["depends_on"] == {"worker": {"condition": "service_healthy"}}
+    router = services["router"]["command"]
+    worker_port = services["worker"]["command"][services["worker"]["command"].index("--listen") + 1].rpartition(":")[2]
+    cache_port = services["cache"]["command"][services["cache"]["command"].index("--listen") + 1].rpartition(":")[2]
+    assert router[router.index("--engine") + 1] == f"http://worker:{worker_port}=cache:{cache_port}"
+    assert set(services["router"]["networks"]) <= set(services["worker"]["networks"]) & set(
+        services["cache"]["networks"]
+    )
     assert services["cache"]["depends_on"] == {"redis": {"condition": "service_healthy"}}
     assert services["worker"]["depends_on"] == {"cache": {"condition": "service_healthy"}}
     assert all(s["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL") for s in services.values())

@@ -57,6 +57,7 @@ def test_the_wheel_holds_only_the_projects_import_names(tmp_path):
         names = archive.namelist()
     tops = {name.split("/", 1)[0] for name in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"prefixcache", "prefixcache_services"}
+    assert "prefixcache_services/router/http.py" in names  # every services/ package is listed in pyproject
     assert "prefixcache_services/cli.py" in names and "prefixcache_services/replay/report.schema.json" in names
     # The compiled core is in it, built for this interpreter, with the vendored xxHash's license.
     assert f"prefixcache/_core{sysconfig.get_config_var('EXT_SUFFIX')}" in names

@@ -8,6 +8,8 @@
   or `--no-cache`; readiness is polled on `GET /health` with a deadline.
 - `cache_service` (fixture): one service process of a test's own, without a worker.
 - `running_stack`: a service, a cached worker and (optionally) a `--no-cache` reference worker.
+- `RouterProcess`: `python -m prefixcache_services route` in front of given workers (and their services);
+  readiness is its `prefixcache route: listening on HOST:PORT` line.
 - `WorkerClient`: a small stdlib HTTP client (one connection per call, so threads may share
   it) for the OpenAI endpoints, including server-sent-event streams.
 
@@ -272,6 +274,64 @@ def stop_all(workers: Sequence[WorkerProcess]) -> None:
         worker.terminate()
     for worker in workers:
         worker.stop()
+
+
+ROUTER_READY_LINE = "prefixcache route: listening on "
+
+
+class RouterProcess:
+    """`prefixcache route` on a free port in front of `engines` ((worker, its service or None) pairs)."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        engines: Sequence[tuple[WorkerProcess, CacheService | None]],
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.engines = list(engines)
+        self.extra_args = tuple(extra_args)
+        self.process: subprocess.Popen | None = None
+        self.port = 0
+        self.client = WorkerClient("127.0.0.1", 0)
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "router.log"
+
+    def start(self, timeout_s: float = SERVICE_READY_S) -> RouterProcess:
+        command = [sys.executable, "-m", "prefixcache_services", "route", "--listen", "127.0.0.1:0"]
+        for worker, service in self.engines:
+            url = f"http://127.0.0.1:{worker.port}"
+            command += ["--engine", url if service is None else f"{url}={service.address}"]
+        command += list(self.extra_args)
+        with self.log_path.open("a") as log:
+            self.process = lifetime.popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=log, text=True)
+        weakref.finalize(self, lifetime.kill, self.process)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=_lines, args=(self.process.stdout, lines), daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            if line.startswith(ROUTER_READY_LINE):
+                self.port = int(line[len(ROUTER_READY_LINE) :].strip().rpartition(":")[2])
+                self.client = WorkerClient("127.0.0.1", self.port)
+                return self
+        lifetime.kill(self.process)
+        raise RuntimeError(f"router did not report readiness within {timeout_s}s: {_tail(self.log_path)}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> int | None:
+        return None if self.process is None else lifetime.stop(self.process, 15)
 
 
 @dataclass(frozen=True)
