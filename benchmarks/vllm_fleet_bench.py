@@ -225,7 +225,10 @@ def serve(model: Path, work: Path, name: str, config: Config, cache: str | None,
     )
     env.pop("ONEDNN_MAX_CPU_ISA", None)  # vLLM's AMX kernels SIGILL under the HF worker's cap
     log = (work / f"{name}.log").open("w")
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # cwd is the connector's checkout too: `python -m` puts the working directory ahead of PYTHONPATH
+    process = subprocess.Popen(
+        command, cwd=pythonpath, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     return process, f"http://127.0.0.1:{port}"
 
 
