@@ -174,6 +174,8 @@ def _generating(stack: Stack, payload: dict, stream: bool):
 def test_disconnected_client_stops_generating_and_releases_its_lease(stack, salt, stream):
     payload = _chat("Describe every day of a two-month journey.", salt, max_tokens=4000, stream=stream)
     stack.cached.client.post("/v1/chat/completions", {**payload, "max_tokens": 1, "stream": False})  # cache it
+    # the worker stores in the background once the response is written: the next request hits only after it
+    poll(lambda: stack.cached.client.metric("prefixcache_worker_stores_pending") == 0, 30, "the store landed")
     cancelled = stack.cached.client.metric("prefixcache_worker_requests_total", outcome="cancelled")
     with stack.service.client() as service:
         disconnect = _generating(stack, payload, stream)
