@@ -128,7 +128,7 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 loads,
                 self.state_link,
                 self.groups.state_groups,
-                self.groups.group_count,
+                in_step_loads=self.groups.group_count == 1 and parallel.tensor_parallel_size == 1,
             )
             log.info(
                 "prefixcache: connector %s, namespace %s/%s %s%s; KV cache groups: %s",

@@ -186,14 +186,15 @@ class SchedulerSide:
         loads: bool = True,
         state_link: CacheLink | None = None,
         state_groups: tuple[int, ...] = (),
-        group_count: int = 1,
+        in_step_loads: bool = True,
     ) -> None:
         """`loads` False: save only (the engine cannot prefill on top of loaded KV; see connector.py).
+        `in_step_loads` False: every load is asynchronous (see `_load_in_step`).
         `state_link`, `state_groups`: the state namespace and KV cache groups of a model with state layers."""
         self.link = link
         self.state_link = state_link
         self.state_groups = tuple(sorted(set(state_groups)))
-        self.group_count = group_count
+        self.in_step_loads = in_step_loads
         self.stats = stats
         self.block_size = block_size
         self.loads = loads
@@ -382,9 +383,10 @@ class SchedulerSide:
         """Copy within the step rather than asynchronously? Yes when every block is in this host's
         mapped memory and the copy is estimated shorter than a step's fixed cost: the request then
         prefills in this step instead of waiting the one or two steps an asynchronous load spans.
-        vLLM maps block-level load errors (a failed in-step copy) back to requests only with one
-        KV cache group, so hybrid models always load asynchronously."""
-        if self.group_count != 1 or self.state_link is not None:
+        The connector allows it (`in_step_loads`) only for one KV cache group (vLLM maps block-level
+        load errors back to requests only then) and one tensor-parallel rank (other ranks' own
+        Lookups would run inside their step)."""
+        if not self.in_step_loads:
             return False
         if (local + external) // self.block_size > hit.mapped_blocks:
             return False

@@ -67,7 +67,8 @@ class WorkerSide:
         self.tp_rank = tp_rank
         self.paged: PagedCache | None = None
         self.states: StatePages | None = None
-        self._loads: queue.Queue[LoadOp | None] = queue.Queue()
+        # asynchronous loads, and the leases of in-step ones (a Release never runs inside a step)
+        self._loads: queue.Queue[LoadOp | tuple[Hit, CacheLink] | None] = queue.Queue()
         self._loaded: set[str] = set()  # requests whose load ended since vLLM last asked
         self._load_failed: set[str] = set()
         self._invalid_blocks: set[int] = set()  # in-step loads that failed, for vLLM to recompute
@@ -93,12 +94,16 @@ class WorkerSide:
 
     def _load_loop(self) -> None:
         with torch.inference_mode():  # as vLLM's own forward: tensors mapped there are inference tensors
-            while (op := self._loads.get()) is not None:
-                self._load_counted(op, report=True)
+            while (item := self._loads.get()) is not None:
+                if isinstance(item, LoadOp):
+                    self._load_counted(item, report=True)
+                else:
+                    self._release(*item)
 
     def _load_counted(self, op: LoadOp, report: bool = False) -> bool:
-        """Copy one load, count it and release its leases; `report`: tell vLLM through
-        `finished_loads` (asynchronous loads). False when it failed."""
+        """Copy one load, count it and release its leases; `report`: an asynchronous load, told
+        to vLLM through `finished_loads` (else in-step: the Releases are left to the loader
+        thread, so a slow service never holds up the step). False when it failed."""
         started = time.perf_counter()
         failed = True
         try:
@@ -119,9 +124,14 @@ class WorkerSide:
                     if failed:
                         self._load_failed.add(op.request_id)
             if self.tp_rank == 0:
-                self._release(op.hit)
+                leases = [(op.hit, self.link)]
                 if op.state is not None and self.state_link is not None:
-                    self._release(op.state, self.state_link)
+                    leases.append((op.state, self.state_link))
+                for lease in leases:
+                    if report:
+                        self._release(*lease)
+                    else:  # an in-step load: its Release (an RPC) goes to the loader thread
+                        self._loads.put(lease)
         if not failed:
             self.stats.add(
                 loaded_blocks=op.blocks,
