@@ -73,6 +73,25 @@ def _lines(stream, sink: queue.Queue) -> None:
     sink.put(None)
 
 
+def _await_ready(process: subprocess.Popen, ready_line: str, timeout_s: float) -> str | None:
+    """The address a process prints after `ready_line` on stdout; None (the process killed) when
+    it exits or stays silent for `timeout_s`."""
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_lines, args=(process.stdout, lines), daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        if line.startswith(ready_line):
+            return line[len(ready_line) :].strip()
+    lifetime.kill(process)
+    return None
+
+
 class CacheService:
     """One cache service process; `restart` keeps its port (and its Redis, if any)."""
 
@@ -142,28 +161,14 @@ class CacheService:
                 self._command(), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=log, text=True
             )
         weakref.finalize(self, lifetime.kill, self.process)
-        address = self._await_ready(timeout_s)
+        address = _await_ready(self.process, READY_LINE, timeout_s)
+        if address is None:
+            raise RuntimeError(
+                f"cache service did not report readiness within {timeout_s}s "
+                f"(exit {self.process.poll()}): {_tail(self.log_path)}"
+            )
         self.port = int(address.rpartition(":")[2])
         return self
-
-    def _await_ready(self, timeout_s: float) -> str:
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=_lines, args=(self.process.stdout, lines), daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            if line.startswith(READY_LINE):
-                return line[len(READY_LINE) :].strip()
-        lifetime.kill(self.process)
-        raise RuntimeError(
-            f"cache service did not report readiness within {timeout_s}s "
-            f"(exit {self.process.poll()}): {_tail(self.log_path)}"
-        )
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -309,22 +314,12 @@ class RouterProcess:
         with self.log_path.open("a") as log:
             self.process = lifetime.popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=log, text=True)
         weakref.finalize(self, lifetime.kill, self.process)
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=_lines, args=(self.process.stdout, lines), daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            if line.startswith(ROUTER_READY_LINE):
-                self.port = int(line[len(ROUTER_READY_LINE) :].strip().rpartition(":")[2])
-                self.client = WorkerClient("127.0.0.1", self.port)
-                return self
-        lifetime.kill(self.process)
-        raise RuntimeError(f"router did not report readiness within {timeout_s}s: {_tail(self.log_path)}")
+        address = _await_ready(self.process, ROUTER_READY_LINE, timeout_s)
+        if address is None:
+            raise RuntimeError(f"router did not report readiness within {timeout_s}s: {_tail(self.log_path)}")
+        self.port = int(address.rpartition(":")[2])
+        self.client = WorkerClient("127.0.0.1", self.port)
+        return self
 
     @property
     def url(self) -> str:
