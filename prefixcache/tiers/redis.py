@@ -701,6 +701,10 @@ class RedisTier:
         """A refusal while the link works counts against writes only; any other fault against the link."""
         breaker = self._write_breaker if _redis_code(exc) in WRITE_REFUSALS else self._breaker
         breaker.record_failure(reason)
+        if not self._writes_up():
+            # Lanes stream on their own connections: one that failed says nothing to lane 0 waiting
+            # for work in the core, which must come out to probe (and no work comes: enqueues drop).
+            self._ops.interrupt()
 
     def _wrote(self) -> None:
         self._breaker.record_success()
