@@ -255,6 +255,22 @@ def counters(urls: list[str]) -> dict[str, float]:
     return totals
 
 
+def group_cpu_s(processes: list[subprocess.Popen]) -> float:
+    """CPU seconds (user + system) used so far by these processes and every live process in their
+    groups (a vLLM server, started in a session of its own: its API process and its engine core)."""
+    groups = {process.pid for process in processes}
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(stat.parent.name) in groups or int(fields[2]) in groups:  # pid or pgrp
+            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
+
+
 def stop(processes: list[subprocess.Popen]) -> None:
     for process in processes:
         if process.poll() is None:
@@ -308,11 +324,13 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
         for i in range(config.servers):
             asyncio.run(drive([urls[i]], [warm], Config("warm", 1, False, "rr", None, "1"), args))
         before = counters(urls)
+        cpu_before = group_cpu_s(servers), group_cpu_s(services)
         results, wall_s = asyncio.run(drive(urls, chats, config, args))
+        cpu = {"servers_s": group_cpu_s(servers) - cpu_before[0], "services_s": group_cpu_s(services) - cpu_before[1]}
         time.sleep(0.5)
         after = counters(urls)
         connector = {name: value - before.get(name, 0.0) for name, value in after.items()}
-        return summarise(config, results, wall_s, connector)
+        return summarise(config, results, wall_s, connector) | {"cpu": cpu}
     finally:
         stop(servers)
         for process in services:
@@ -359,20 +377,28 @@ def summarise(config: Config, results: list[Result], wall_s: float, connector: d
 
 
 def breakdown(rows: list[dict]) -> str:
-    """Where the connector's time goes, per request, from its own counters (configs with it)."""
+    """Where each request's time and CPU go: the processes' CPU per request (every configuration),
+    and the connector's own counters (configurations with it): its hooks' time on vLLM's threads,
+    its threads' CPU, load and save times (wall, including waits for the cores)."""
     lines = [
-        "| config | lookups | hits (in-step) | misses | load ms per hit | save ms per request | load failures |",
-        "|---|---|---|---|---|---|---|",
+        "| config | CPU ms per request: vLLM servers / services | connector on vLLM's threads ms/req "
+        "| connector threads CPU ms/req | lookups | hits (in-step) | misses | load ms per hit "
+        "| save ms per request (wall) | load failures |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        c = r.get("connector") or {}
-        if not c.get("lookups"):
-            continue
+        c, cpu, n = r.get("connector") or {}, r.get("cpu") or {}, max(r["requests"], 1)
         hits = c.get("hits", 0.0)
+        processes = f"{1000 * cpu.get('servers_s', 0.0) / n:.0f} / {1000 * cpu.get('services_s', 0.0) / n:.0f}"
+        if not c.get("lookups"):
+            lines.append(f"| {r['config']} | {processes} | — | — | — | — | — | — | — | — |")
+            continue
         lines.append(
-            f"| {r['config']} | {c['lookups']:.0f} | {hits:.0f} ({c.get('in_step_loads', 0.0):.0f}) "
+            f"| {r['config']} | {processes} | {1000 * c.get('engine_thread_seconds', 0.0) / n:.2f} "
+            f"| {1000 * c.get('background_cpu_seconds', 0.0) / n:.2f} "
+            f"| {c['lookups']:.0f} | {hits:.0f} ({c.get('in_step_loads', 0.0):.0f}) "
             f"| {c.get('misses', 0.0):.0f} | {1000 * c.get('load_seconds', 0.0) / max(hits, 1):.2f} "
-            f"| {1000 * c.get('save_seconds', 0.0) / max(r['requests'], 1):.2f} | {c.get('load_failures', 0.0):.0f} |"
+            f"| {1000 * c.get('save_seconds', 0.0) / n:.2f} | {c.get('load_failures', 0.0):.0f} |"
         )
     return "\n".join(lines)
 

@@ -206,7 +206,8 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if self._worker is not None and isinstance(meta, PrefixCacheMetadata) and meta.loads:
-            self._worker.load(meta)
+            with self.stats.engine_thread():
+                self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # in-step loads finish in start_load_kv; a parked (asynchronous) one is not in the forward
@@ -218,8 +219,9 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        if self._worker is not None and isinstance(meta, PrefixCacheMetadata) and meta.saves:
-            self._worker.save(meta)
+        if self._worker is not None and isinstance(meta, PrefixCacheMetadata) and (meta.saves or meta.state_saves):
+            with self.stats.engine_thread():
+                self._worker.save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -251,19 +253,23 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
     # -- scheduler role -----------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
         if self._scheduler is not None:
-            self._scheduler.started(request)
+            with self.stats.engine_thread():
+                self._scheduler.started(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.match(request, num_computed_tokens)
+        with self.stats.engine_thread():
+            return self._scheduler.match(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.allocated(request, blocks.get_block_ids(), num_external_tokens)
+        with self.stats.engine_thread():
+            self._scheduler.allocated(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PrefixCacheMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build(scheduler_output)
+        with self.stats.engine_thread():
+            return self._scheduler.build(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None and connector_output.failed_recving:
@@ -271,7 +277,8 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        self._scheduler.finished(request)
+        with self.stats.engine_thread():
+            self._scheduler.finished(request)
         return False, None
 
     def request_finished_all_groups(

@@ -224,6 +224,10 @@ class SchedulerSide:
 
     def _lookup(self, prompt: list[int], salt: str | None) -> Answer | None:
         """One Lookup with a lease (a lookup thread); None when the service is unusable."""
+        with self.stats.background():
+            return self._lookup_answer(prompt, salt)
+
+    def _lookup_answer(self, prompt: list[int], salt: str | None) -> Answer | None:
         recompute = None if self.settings.hit_policy == "always" else 1.0 / self.prefill.tokens_per_s
         self.stats.add(lookups=1)
         try:

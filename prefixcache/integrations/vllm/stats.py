@@ -12,6 +12,9 @@ Invariant: every field is a monotonic count or a sum of seconds, so aggregation 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
@@ -46,6 +49,8 @@ FIELDS = (
     "saved_states",
     "state_misses",
     "in_step_loads",
+    "engine_thread_seconds",
+    "background_cpu_seconds",
 )
 _DESCRIPTIONS = {
     "lookups": "Lookups the scheduler sent to prefixcache",
@@ -69,6 +74,8 @@ _DESCRIPTIONS = {
     "saved_states": "Recurrent states newly published to prefixcache at prompt block boundaries",
     "state_misses": "Hits on a model with state layers unusable: no state stored at their last boundaries",
     "in_step_loads": "Loads copied within the step (mapped memory, cheaper than a step) instead of asynchronously",
+    "engine_thread_seconds": "Seconds the connector's hooks ran on vLLM's own threads (they delay its steps)",
+    "background_cpu_seconds": "CPU seconds of the connector's own threads (Lookups, loads, saves), competing with vLLM",
 }
 
 
@@ -105,6 +112,24 @@ class StatsBox:
             self._stats.add(**counts)
             for key, value in counts.items():
                 self.totals[key] = self.totals.get(key, 0) + value
+
+    @contextmanager
+    def engine_thread(self) -> Iterator[None]:
+        """Count the wall time of a hook vLLM runs on its own thread (`engine_thread_seconds`)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(engine_thread_seconds=time.perf_counter() - started)
+
+    @contextmanager
+    def background(self) -> Iterator[None]:
+        """Count the CPU time of one unit of work on a connector thread (`background_cpu_seconds`)."""
+        started = time.thread_time()
+        try:
+            yield
+        finally:
+            self.add(background_cpu_seconds=time.thread_time() - started)
 
     def take(self) -> PrefixCacheStats | None:
         with self._lock:

@@ -95,10 +95,11 @@ class WorkerSide:
     def _load_loop(self) -> None:
         with torch.inference_mode():  # as vLLM's own forward: tensors mapped there are inference tensors
             while (item := self._loads.get()) is not None:
-                if isinstance(item, LoadOp):
-                    self._load_counted(item, report=True)
-                else:
-                    self._release(*item)
+                with self.stats.background():
+                    if isinstance(item, LoadOp):
+                        self._load_counted(item, report=True)
+                    else:
+                        self._release(*item)
 
     def _load_counted(self, op: LoadOp, report: bool = False) -> bool:
         """Copy one load, count it and release its leases; `report`: an asynchronous load, told
@@ -259,10 +260,11 @@ class WorkerSide:
         while (item := self._queue.get()) is not None:
             op, kv = item
             try:
-                if isinstance(op, StateSaveOp):
-                    self._store_state(op, kv)
-                else:
-                    self._store(op, kv)
+                with self.stats.background():
+                    if isinstance(op, StateSaveOp):
+                        self._store_state(op, kv)
+                    else:
+                        self._store(op, kv)
             finally:
                 with self._queued_lock:
                     self._queued_blocks -= len(kv)
