@@ -44,6 +44,7 @@ _KNOWN_KEYS = {
     "auth_token_file",
     "timeout_s",
     "lookup_timeout_s",
+    "lookup_grace_s",
     "hit_policy",
     "cache_salt",
     "cache_salt_source",
@@ -64,6 +65,7 @@ class ConnectorSettings:
     auth_token: str | None = None
     timeout_s: float = 2.0  # every RPC but Lookup (Fetch/Store streams grow with their size)
     lookup_timeout_s: float = 0.5  # the scheduler waits this long at most per request
+    lookup_grace_s: float = 0.004  # ...and, while vLLM runs others, this long per step (0: never): see scheduler.py
     hit_policy: str = "auto"  # always: load every usable block; auto: only when faster than prefill
     cache_salt: str | None = None  # salt for every request without its own (cache_salt_source=config)
     cache_salt_source: str = "request"  # request: vLLM's per-request cache_salt (else `cache_salt`)
@@ -98,7 +100,8 @@ class ConnectorSettings:
         if token is not None and (not isinstance(token, str) or not token):
             raise ConfigError("auth_token", "must be a non-empty string")
         values: dict[str, Any] = {"cache": cache, "auth_token": token}
-        for key in ("timeout_s", "lookup_timeout_s", "prefill_tokens_per_s"):
+        zero_allowed = ("prefill_tokens_per_s", "lookup_grace_s")
+        for key in ("timeout_s", "lookup_timeout_s", "lookup_grace_s", "prefill_tokens_per_s"):
             if key in extra:
                 value = extra[key]
                 if (
@@ -106,9 +109,10 @@ class ConnectorSettings:
                     or not isinstance(value, (int, float))
                     or not value >= 0
                     or value == float("inf")
-                    or (value == 0 and key != "prefill_tokens_per_s")
+                    or (value == 0 and key not in zero_allowed)
                 ):
-                    raise ConfigError(key, f"must be a positive number, got {value!r}")
+                    kind = "non-negative" if key in zero_allowed else "positive"
+                    raise ConfigError(key, f"must be a {kind} number, got {value!r}")
                 values[key] = float(value)
         for key, allowed in (
             ("hit_policy", HIT_POLICIES),

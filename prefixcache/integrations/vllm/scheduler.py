@@ -3,9 +3,10 @@
 Nothing here waits for the service on vLLM's scheduler thread while vLLM has work running.
 Per request: `started` (vLLM's on_new_request) sends the Lookup, with a lease, to a small
 thread pool as the request arrives; `match` (get_num_new_matched_tokens) answers None ("ask
-again next step") while it is in flight and vLLM is running other requests, waits for it
-when vLLM is idle (nothing to stall), and gives up at `lookup_timeout_s` (the request then
-prefills in full). With the answer it offers the cached tokens beyond vLLM's own prefix cache,
+again next step") while it is in flight and vLLM is running other requests (after a grace of
+at most `lookup_grace_s` per step, so a Lookup that is about to answer does not cost its
+request a whole step), waits for it when vLLM is idle (nothing to stall), and gives up at
+`lookup_timeout_s` (the request then prefills in full). With the answer it offers the cached tokens beyond vLLM's own prefix cache,
 copied within the step when that is cheap (`(n, False)`: the blocks are in this host's mapped
 memory and the copy is estimated shorter than a step's fixed cost, so the request prefills its
 suffix in the same step), else asynchronously (`(n, True)`: vLLM parks the request until the
@@ -39,7 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -69,6 +70,7 @@ PREFILL_PRIOR_STEP_S = 5e-3  # a step's fixed cost in the prior (the reference w
 MAX_STEP_S = 60.0  # a longer gap between two steps is not a step (the engine waited)
 PREFILL_STALE_S = 120.0  # older measurements give way to the prior again
 LOOKUP_THREADS = 4  # Lookups in flight at once (gRPC waits without the GIL)
+GRACE_SHARE = 0.25  # a step's Lookup waits stay under this share of the last step's length
 
 
 class PrefillMeter:
@@ -202,6 +204,9 @@ class SchedulerSide:
         self._requests: dict[str, _Request] = {}
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="prefixcache-lookup")
         self._engine_busy = False  # vLLM's last step computed something (a wait would stall it)
+        self._last_build = time.perf_counter()  # build_connector_meta's last call: one per step
+        self._last_step_s = 0.0  # from the call before it to that one
+        self._grace_left = self.settings.lookup_grace_s  # this step's Lookup waits left (`_grace`)
         self.prefill = PrefillMeter(self.settings.prefill_tokens_per_s or PREFILL_PRIOR_TOKENS_PER_S)
 
     # -- on_new_request / get_num_new_matched_tokens --------------------------------------
@@ -274,6 +279,8 @@ class SchedulerSide:
         if not pending.done():
             remaining = state.deadline - time.monotonic()
             if remaining > 0 and self._engine_busy:
+                self._grace(pending, remaining)
+            if not pending.done() and remaining > 0 and self._engine_busy:
                 return None, False  # vLLM steps its running requests; ask again next step
             if remaining > 0:
                 waited = time.perf_counter()
@@ -334,6 +341,25 @@ class SchedulerSide:
         state.in_step = self._load_in_step(external, num_computed_tokens, hit, attachment)
         self.stats.add(offered_tokens=external, in_step_loads=int(state.in_step))
         return external, not state.in_step
+
+    def _grace(self, pending: Future[Answer | None], remaining: float) -> None:
+        """Wait a little for a Lookup in flight while vLLM has others running: answering None
+        costs the request a whole step (vLLM skips it until the next), which is long when that
+        step prefills others, whereas a Lookup on loopback takes about a millisecond. The
+        waits of one step add up to at most `lookup_grace_s`, and to at most a quarter of the
+        last step's length, so running requests' steps grow by that at worst."""
+        grace = min(self._grace_left, GRACE_SHARE * self._last_step_s, remaining)
+        if grace <= 0:
+            return
+        waited = time.perf_counter()
+        try:
+            pending.result(timeout=grace)
+        except (TimeoutError, CancelledError):
+            pass
+        spent = time.perf_counter() - waited
+        self._grace_left -= spent
+        self.prefill.exclude(spent)
+        self.stats.add(lookup_grace_waits=1, lookup_grace_seconds=spent)
 
     def _abandon(self, state: _Request) -> None:
         """Forget the Lookup in flight; its lease, if any, is released when it answers."""
@@ -447,6 +473,9 @@ class SchedulerSide:
         load_s = sum(MAPPED_LOAD.seconds(op.blocks * block_bytes) for op in meta.loads)
         tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         self._engine_busy = tokens > 0
+        now = time.perf_counter()
+        self._last_step_s, self._last_build = now - self._last_build, now
+        self._grace_left = self.settings.lookup_grace_s
         self.prefill.step(tokens, load_s)
         return meta
 

@@ -51,6 +51,8 @@ FIELDS = (
     "in_step_loads",
     "engine_thread_seconds",
     "background_cpu_seconds",
+    "lookup_grace_waits",
+    "lookup_grace_seconds",
 )
 _DESCRIPTIONS = {
     "lookups": "Lookups the scheduler sent to prefixcache",
@@ -76,6 +78,8 @@ _DESCRIPTIONS = {
     "in_step_loads": "Loads copied within the step (mapped memory, cheaper than a step) instead of asynchronously",
     "engine_thread_seconds": "Seconds the connector's hooks ran on vLLM's own threads (they delay its steps)",
     "background_cpu_seconds": "CPU seconds of the connector's own threads (Lookups, loads, saves), competing with vLLM",
+    "lookup_grace_waits": "Times the scheduler waited briefly for a Lookup in flight instead of skipping its request a step",
+    "lookup_grace_seconds": "Seconds of those waits (part of engine_thread_seconds)",
 }
 
 
