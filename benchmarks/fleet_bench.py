@@ -46,11 +46,13 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
+
+from benchmarks.stream_result import StreamResult  # noqa: E402
 
 SEED = 20261203
 CONFIGS = ("rr-nocache", "rr-cache", "router")
@@ -90,15 +92,10 @@ def schedule(args: argparse.Namespace) -> list[list[list[dict]]]:
 
 
 @dataclass
-class Result:
+class Result(StreamResult):
     engine: str | None = None
-    ttft_s: float | None = None
     predicted_s: float | None = None
     predicted_hit_tokens: int | None = None
-    gaps_s: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    error: str | None = None
 
 
 def stream(port: int, messages: list[dict], max_tokens: int, salt: str | None = None) -> Result:
@@ -113,7 +110,7 @@ def stream(port: int, messages: list[dict], max_tokens: int, salt: str | None = 
     result = Result()
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     try:
-        started = time.perf_counter()
+        result.started = time.perf_counter()
         connection.request(
             "POST", "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
@@ -126,31 +123,18 @@ def stream(port: int, messages: list[dict], max_tokens: int, salt: str | None = 
         if response.status != 200:
             result.error = f"HTTP {response.status}: {response.read()[:200]!r}"
             return result
-        last = None
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data: "):
                 continue
             if line == "data: [DONE]":
                 break
-            event = json.loads(line[len("data: ") :])
-            if any(choice.get("delta", {}).get("content") for choice in event.get("choices", [])):
-                now = time.perf_counter()
-                if last is None:
-                    result.ttft_s = now - started
-                else:
-                    result.gaps_s.append(now - last)
-                last = now
-            usage = event.get("usage")
-            if usage:
-                result.prompt_tokens = usage.get("prompt_tokens") or 0
-                result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            result.observe(json.loads(line[len("data: ") :]))
     except (OSError, http.client.HTTPException) as error:
         result.error = f"{type(error).__name__}: {error}"
     finally:
         connection.close()
-    if result.error is None and result.ttft_s is None:
-        result.error = "no content streamed"
+    result.finish()
     return result
 
 

@@ -40,11 +40,13 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from benchmarks.stream_result import StreamResult  # noqa: E402
 
 BLOCK = 32  # vLLM's CPU attention backend wants multiples of 32
 VOCAB = 512
@@ -118,13 +120,8 @@ def schedule(args: argparse.Namespace) -> tuple[list[list[list[dict]]], list[str
 
 
 @dataclass
-class Result:
-    server: int
-    ttft_s: float | None = None
-    gaps_s: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    error: str | None = None
+class Result(StreamResult):
+    server: int = 0
 
 
 async def stream(session, url: str, messages: list[dict], max_tokens: int, server: int) -> Result:
@@ -139,7 +136,7 @@ async def stream(session, url: str, messages: list[dict], max_tokens: int, serve
         "max_tokens": max_tokens,
         "ignore_eos": True,
     }
-    result, started, last = Result(server), time.perf_counter(), None
+    result = Result(server=server)
     async with session.post(f"{url}/v1/chat/completions", json=body) as response:
         if response.status != 200:
             result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
@@ -147,20 +144,8 @@ async def stream(session, url: str, messages: list[dict], max_tokens: int, serve
         async for payload in iter_sse_data(response.content.iter_any()):
             if payload == "[DONE]":
                 break
-            event = json.loads(payload)
-            if any(choice.get("delta", {}).get("content") for choice in event.get("choices", [])):
-                now = time.perf_counter()
-                if last is None:
-                    result.ttft_s = now - started
-                else:
-                    result.gaps_s.append(now - last)
-                last = now
-            usage = event.get("usage")
-            if usage:
-                result.prompt_tokens = usage.get("prompt_tokens") or 0
-                result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    if result.ttft_s is None:
-        result.error = "no content streamed"
+            result.observe(json.loads(payload))
+    result.finish()
     return result
 
 

@@ -8,7 +8,9 @@ client); the scheduler half of the connector (`SchedulerSide`, no engine) is dri
 vLLM drives it, with vLLM's own `Request` objects:
 - `on_new_request` (`started`): hands the Lookup to the lookup threads;
 - `get_num_new_matched_tokens` while the Lookup is in flight and vLLM is busy (`None`);
-- `get_num_new_matched_tokens` once answered (validation, policy: returns the hit, async).
+- `get_num_new_matched_tokens` once answered (validation, policy: returns the hit, async);
+- then the same requests again with the grace wait (`lookup_grace_s`, as after `--step-ms`
+  steps): how often the first ask is answered (else vLLM skips the request for a step).
 `lookup on the scheduler thread` is one Lookup RPC with a lease plus its Release, timed on the
 calling thread: what every request cost the scheduler before the Lookups moved off it (the
 connector up to 00e251e called it inside get_num_new_matched_tokens). Medians and p99 in
@@ -39,6 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--step-ms", type=float, default=20.0, help="the last step's length for the grace phase")
     parser.add_argument("--json-out")
     args = parser.parse_args()
 
@@ -66,26 +69,37 @@ def main() -> None:
         for prompt in prompts:
             writer.store(prompt[: cached * BLOCK], torch.zeros((cached, *layout.block_shape), dtype=torch.bfloat16))
         scheduler = SchedulerSide(CacheLink(settings, namespace, "scheduler"), StatsBox(), BLOCK)
-        scheduler._engine_busy = True  # as while vLLM steps other requests: never wait
+        scheduler._engine_busy = True  # as while vLLM steps other requests
         params = SamplingParams(max_tokens=1)
-        requests = [Request(f"r{i}", p, params, None) for i, p in enumerate(prompts)]
         started, pending, answered, hits = [], [], [], 0
-        for request in requests:
-            t = time.perf_counter()
-            scheduler.started(request)
-            started.append(time.perf_counter() - t)
-            while True:
+        first_ask: dict[str, list[float]] = {"without grace": [], "with grace": []}  # 1: answered at once
+        for phase, step_s in (("without grace", 0.0), ("with grace", args.step_ms / 1000)):
+            requests = [Request(f"{phase}-{i}", p, params, None) for i, p in enumerate(prompts)]
+            for request in requests:
+                scheduler._last_step_s, scheduler._grace_left = step_s, settings.lookup_grace_s  # a new step
                 t = time.perf_counter()
-                tokens, _ = scheduler.match(request, 0)
-                spent = time.perf_counter() - t
-                if tokens is None:
-                    pending.append(spent)
-                    time.sleep(0.0005)  # the next scheduler step
-                    continue
-                answered.append(spent)
-                hits += tokens > 0
-                break
-            scheduler.finished(request)  # releases the lease (as vLLM would after the load)
+                scheduler.started(request)
+                if step_s == 0:
+                    started.append(time.perf_counter() - t)
+                asks = 0
+                while True:
+                    t = time.perf_counter()
+                    tokens, _ = scheduler.match(request, 0)
+                    spent = time.perf_counter() - t
+                    asks += 1
+                    if tokens is None:
+                        if step_s == 0:
+                            pending.append(spent)
+                        time.sleep(0.0005)  # the next scheduler step
+                        continue
+                    if step_s == 0:
+                        answered.append(spent)
+                        hits += tokens > 0
+                    first_ask[phase].append(float(asks == 1))
+                    break
+                scheduler.finished(request)  # releases the lease (as vLLM would after the load)
+        grace = scheduler.stats.totals
+        requests = prompts
         client, _ = scheduler.link.client() or (None, None)
         assert client is not None
         rpc = []
@@ -111,6 +125,8 @@ def main() -> None:
             "lookup on the scheduler thread (before)": (1e6 * statistics.median(rpc), 1e6 * _p(rpc, 0.99)),
         },
         "polls_per_request": polls,
+        "answered_at_first_ask": {phase: statistics.fmean(v) for phase, v in first_ask.items()},
+        "grace_wait_us_per_request": 1e6 * grace.get("lookup_grace_seconds", 0.0) / len(requests),
         "new_over_old_per_request": new_total / statistics.median(rpc),
     }
     print("| scheduler-thread work | median us | p99 us |\n|---|---:|---:|")
@@ -120,6 +136,12 @@ def main() -> None:
         f"\n{hits}/{len(requests)} hits; {polls:.2f} in-flight polls a request; per request "
         f"{new_total * 1e6:.1f} us now vs {1e6 * statistics.median(rpc):.1f} us before "
         f"({summary['new_over_old_per_request']:.3f}x)"
+    )
+    shares = summary["answered_at_first_ask"]
+    print(
+        f"answered at the first ask (else the request waits a step): {shares['without grace']:.0%} without "
+        f"grace, {shares['with grace']:.0%} with lookup_grace_s {settings.lookup_grace_s * 1000:g} ms "
+        f"({args.step_ms:g} ms steps), waiting {summary['grace_wait_us_per_request']:.0f} us a request"
     )
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(summary, indent=2))

@@ -47,6 +47,7 @@ LEFT_OUT = {
     "chaos_checks.py": "a library of the soak's checks, tested in tests/test_chaos_short.py",
     "chaos_soak.py": "run (75 s of load) by tests/test_chaos_short.py",
     "service_process.py": "a helper, not a script: every service-starting benchmark here uses it",
+    "stream_result.py": "a helper, not a script: the fleet benchmarks' stream timing (run by test_fleet_bench)",
     "peer_adapter.py": "needs ../shared/peers and its venvs, which a clean clone lacks",
     "redis_peer_bench.py": "needs ../shared/peers and its venvs, which a clean clone lacks",
     "vllm_ttft_bench.py": "needs vLLM (the .venv-vllm environment), not installed by the test extras",
