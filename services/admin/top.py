@@ -19,8 +19,10 @@ from __future__ import annotations
 import argparse
 import os
 import select
+import signal
 import sys
 import termios
+import threading
 import time
 import tty
 from collections.abc import Callable
@@ -39,30 +41,67 @@ from .top_view import top_frame
 QUIT_KEYS = frozenset("qQ")
 
 
+INTERRUPT = "\x03"  # what `KeyReader.wait` returns once Ctrl-C (SIGINT) arrived
+
+
 class KeyReader:
-    """Single key presses from stdin in cbreak mode (Ctrl-C still raises KeyboardInterrupt)."""
+    """Single key presses from stdin in cbreak mode, and Ctrl-C as a key (`INTERRUPT`).
+
+    SIGINT only sets a flag and wakes `wait` (a wakeup pipe): raised as KeyboardInterrupt inside
+    a gRPC call it could leave the channel unable to close, and the process hung at exit."""
 
     def __init__(self, stream=None) -> None:
         self._stream = stream if stream is not None else sys.stdin
         self._fd: int | None = None
         self._saved: list[Any] | None = None  # termios attributes, as typeshed types them
+        self._wakeup: tuple[int, int] | None = None  # the pipe signal.set_wakeup_fd writes to
+        self._previous: tuple[Any, int] | None = None  # the SIGINT handler and wakeup fd replaced
+        self.interrupted = False
 
     def __enter__(self) -> KeyReader:
         if self._stream is not None and self._stream.isatty():
             self._fd = self._stream.fileno()
             self._saved = termios.tcgetattr(self._fd)
             tty.setcbreak(self._fd)
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            read, write = os.pipe()
+            os.set_blocking(read, False)
+            os.set_blocking(write, False)
+            self._wakeup = read, write
+            handler = signal.signal(signal.SIGINT, self._interrupt)
+            self._previous = handler, signal.set_wakeup_fd(write)
         return self
 
     def __exit__(self, *_exc) -> None:
         if self._fd is not None and self._saved is not None:
             termios.tcsetattr(self._fd, termios.TCSADRAIN, self._saved)
+        if self._previous is not None and self._wakeup is not None:
+            signal.signal(signal.SIGINT, self._previous[0])
+            signal.set_wakeup_fd(self._previous[1])
+            for end in self._wakeup:
+                os.close(end)
+            self._previous = self._wakeup = None
+
+    def _interrupt(self, _signum: int, _frame: Any) -> None:
+        self.interrupted = True
 
     def wait(self, timeout_s: float) -> str | None:
-        """A key pressed within `timeout_s`, else None (without a terminal: just waits)."""
-        readable = [self._fd] if self._fd is not None else []
+        """A key pressed within `timeout_s` (`INTERRUPT` after Ctrl-C), else None (without a
+        terminal: just waits, or until Ctrl-C)."""
+        if self.interrupted:
+            return INTERRUPT
+        readable = [fd for fd in (self._fd, self._wakeup[0] if self._wakeup else None) if fd is not None]
         ready, _, _ = select.select(readable, [], [], max(0.0, timeout_s))
-        if not ready or self._fd is None:  # without a terminal nothing is ever ready
+        if self._wakeup is not None and self._wakeup[0] in ready:
+            while True:  # drain the wakeup bytes
+                try:
+                    if not os.read(self._wakeup[0], 64):
+                        break
+                except BlockingIOError:
+                    break
+        if self.interrupted:
+            return INTERRUPT
+        if self._fd is None or self._fd not in ready:
             return None
         data = os.read(self._fd, 32).decode("utf-8", "replace")
         return data[:1] or None
@@ -93,7 +132,7 @@ def run_live(
             due = time.monotonic() + interval_s
             while iterations is None or shown < iterations:
                 key = keys.wait(due - time.monotonic())
-                if key in QUIT_KEYS:
+                if key in QUIT_KEYS or key == INTERRUPT:
                     break
                 if key is not None and time.monotonic() < due:
                     continue  # another key: keep waiting for the refresh
@@ -102,7 +141,7 @@ def run_live(
                 shown += 1
                 live.update(top_frame(model, address, interval_s, status, True), refresh=True)
     except KeyboardInterrupt:
-        pass  # Ctrl-C is the other way to quit; Live and KeyReader restored the terminal
+        pass  # Ctrl-C before the key reader took SIGINT over; Live and KeyReader restored the terminal
     return 0
 
 
