@@ -43,9 +43,10 @@ from .config import KVLayout
 from .errors import CorruptBlock
 from .hashing import BlockHash
 from .index import ROOT, RadixIndex
+from .kinds import TierKind
 from .namespaces import NamespaceRegistry
 from .tiers.arena import Arena
-from .tiers.base import RemoteTier, TierKind
+from .tiers.base import RemoteTier
 from .tiers.redis_stats import RedisStats
 from .transfer import ProbeBudget, TransferEstimate, TransferMeter
 

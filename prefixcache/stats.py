@@ -21,15 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .index import MissReason
-from .tiers.base import TierKind
-
-
-class EvictionReason(enum.Enum):
-    LRU = "lru"  # chosen by LRU order to make room in a full tier
-    TTL = "ttl"  # its sliding time-to-live ran out
-    CAPACITY = "capacity"  # dropped because the tenant's quota in that tier was full
-    MANUAL = "manual"  # an Evict or Flush call
+from .kinds import EvictionReason, MissReason, TierKind
 
 
 @dataclass
@@ -242,10 +234,8 @@ __all__ = [
     "PER_TIER",
     "empty_snapshot",
     "Counters",
-    "EvictionReason",
     "Kind",
     "Label",
-    "MissReason",
     "Stat",
     "StatsSnapshot",
     "TierSnapshot",

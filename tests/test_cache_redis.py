@@ -30,8 +30,7 @@ import pytest
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, DType, KVLayout
 from prefixcache.errors import InvalidArgument
-from prefixcache.index import MissReason
-from prefixcache.tiers.base import TierKind
+from prefixcache.kinds import MissReason, TierKind
 from prefixcache.tiers.host import HostTier
 from prefixcache.tiers.redis import RedisOptions, RedisTier
 from tests.support.core import ManualClock, block_hashes, kv_for, namespace, read_blocks, same_bytes

@@ -40,7 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ..config import KVLayout
 from ..errors import InvalidArgument, UnknownLease
-from ..index import MissReason
+from ..kinds import MissReason
 from ..results import BlockLocations, CommitResult
 from ..rpc import cache_pb2 as pb
 from ..rpc import cache_pb2_grpc as pb_grpc

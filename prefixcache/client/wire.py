@@ -15,10 +15,9 @@ import numpy as np
 
 from ..config import DType, KVLayout
 from ..errors import ConfigError, InvalidArgument
-from ..index import MissReason
+from ..kinds import MissReason, TierKind
 from ..rpc import cache_pb2 as pb
 from ..stats import PER_TIER, STATS, TIER_STATS, StatsSnapshot, TierSnapshot
-from ..tiers.base import TierKind
 
 Chunk = bytes | memoryview  # a piece of a length-delimited field (1-d bytes: len() is its size)
 

@@ -15,7 +15,6 @@ its writes are asynchronous. Only `remote_link.RemoteLink` talks to it.
 from __future__ import annotations
 
 import array
-import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -23,24 +22,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from ..kinds import TierKind
 from ..native import core
 
 if TYPE_CHECKING:  # the protocol names Redis-side types; importing them would load redis-py
     from ..transfer import ProbeBudget, TransferEstimate
     from .redis_options import RedisOptions
     from .redis_stats import RedisStats
-
-
-class TierKind(enum.IntEnum):
-    """Tiers from fastest to slowest; a block spills to the next one."""
-
-    DEVICE = 0
-    HOST = 1
-    REDIS = 2
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
 
 
 class SlotTier(Protocol):

@@ -66,9 +66,10 @@ from typing import NamedTuple, cast
 
 import redis.exceptions
 
+from ..kinds import TierKind
 from ..native import core
 from ..transfer import ProbeBudget, TransferEstimate, TransferMeter
-from .base import Frame, TierKind
+from .base import Frame
 from .breaker import Backoff, BreakerState, CircuitBreaker, Retry
 from .redis_options import RedisClient, RedisOptions, connect, is_cluster_url, redact_url
 from .redis_stats import RedisCounters, RedisStats

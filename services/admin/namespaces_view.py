@@ -11,7 +11,7 @@ from rich.console import RenderableType
 from rich.table import Table
 
 from prefixcache.client.wire import NamespaceInfo
-from prefixcache.tiers.base import TierKind
+from prefixcache.kinds import TierKind
 
 from .document import SCHEMA_VERSION
 from .stats_view import human_bytes

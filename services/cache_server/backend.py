@@ -59,11 +59,11 @@ from prefixcache.errors import (
     UnknownNamespace,
 )
 from prefixcache.hashing import namespace_id
-from prefixcache.index import MissReason
+from prefixcache.kinds import MissReason, TierKind
 from prefixcache.leases import Lease, Reservation
 from prefixcache.results import BlockLocation, CommitResult, LookupResult, PrefixMatch
 from prefixcache.stats import StatsSnapshot
-from prefixcache.tiers.base import RemoteTier, ShareHandle, TierKind
+from prefixcache.tiers.base import RemoteTier, ShareHandle
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.disk import DiskOptions, DiskTier
 from prefixcache.tiers.host import HostTier

@@ -19,9 +19,9 @@ from google.protobuf.message import Message
 
 from prefixcache.client import wire
 from prefixcache.errors import InvalidArgument, ResourceExhausted
+from prefixcache.kinds import TierKind
 from prefixcache.leases import Lease
 from prefixcache.rpc import cache_pb2 as pb
-from prefixcache.tiers.base import TierKind
 
 from . import convert, status
 from .auth import OPEN, Authenticator, NotPermitted, Principal
