@@ -7,7 +7,7 @@ prompts or salts.
 `STATS` is the one list of what a snapshot reports: each entry's name (the
 `StatsSnapshot` field), kind (counter or gauge), labels, help text, and its
 spelling in each view: the proto `Stats` field, the Prometheus family and the
-path in `prefixcache stats --json`. The proto conversion (client/wire.py), the
+path in `prefixcache stats --json`. The proto conversion (wire.py), the
 Prometheus export (cache_server/metrics.py), the JSON document (admin/document.py)
 and the replay report (replay/service_stats.py) are derived from it, and
 tests/test_stats_schema.py fails when the proto message or a view has a field

@@ -37,6 +37,7 @@ CORE = [
     "prefixcache.stats",
     "prefixcache.leases",
     "prefixcache.errors",
+    "prefixcache.breaker",
     "prefixcache.remote_link",
     "prefixcache.namespaces",
     "prefixcache.quota",

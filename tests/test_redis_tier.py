@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from prefixcache.breaker import Backoff, BreakerState, CircuitBreaker, Retry
 from prefixcache.codec import decode_block, encode_block, frame_parts
 from prefixcache.config import DType, KVLayout
 from prefixcache.errors import ConfigError, CorruptBlock
-from prefixcache.tiers.breaker import Backoff, BreakerState, CircuitBreaker, Retry
 from prefixcache.tiers.redis import RedisOptions, RedisTier
 from prefixcache.tiers.redis_options import connect
 from tests.slow_proxy import SlowProxy

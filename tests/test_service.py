@@ -29,7 +29,8 @@ from grpc_health.v1 import health_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixcache.client import CacheClient, CacheUnavailable, Unauthenticated, wire
+from prefixcache import wire
+from prefixcache.client import CacheClient, CacheUnavailable, Unauthenticated
 from prefixcache.config import CacheConfig, KVLayout
 from prefixcache.errors import InvalidArgument, ResourceExhausted, UnknownLease
 from prefixcache.kinds import MissReason

@@ -66,11 +66,11 @@ from typing import NamedTuple, cast
 
 import redis.exceptions
 
+from ..breaker import Backoff, BreakerState, CircuitBreaker, Retry
 from ..kinds import TierKind
 from ..native import core
 from ..transfer import ProbeBudget, TransferEstimate, TransferMeter
 from .base import Frame
-from .breaker import Backoff, BreakerState, CircuitBreaker, Retry
 from .redis_options import RedisClient, RedisOptions, connect, is_cluster_url, redact_url
 from .redis_stats import RedisCounters, RedisStats
 from .resp import ExchangeDeadline, OversizedReply, RespPipeline

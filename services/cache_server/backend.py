@@ -48,7 +48,6 @@ import numpy as np
 import torch
 
 from prefixcache.cache import PrefixCache
-from prefixcache.client.wire import NamespaceInfo
 from prefixcache.config import CacheConfig, KVLayout, Namespace
 from prefixcache.errors import (
     ConfigError,
@@ -68,6 +67,7 @@ from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.disk import DiskOptions, DiskTier
 from prefixcache.tiers.host import HostTier
 from prefixcache.tiers.shm import OwnedSegment
+from prefixcache.wire import NamespaceInfo
 
 from .auth import Principal
 from .inspect import BlockReport, inspect_prefix

@@ -37,8 +37,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prefixcache.breaker import BreakerState
 from prefixcache.stats import STATS, TIER_STATS, Kind, Stat, StatsSnapshot
-from prefixcache.tiers.breaker import BreakerState
 from prefixcache.tiers.disk import DiskStats
 from prefixcache.tiers.redis_stats import LatencySnapshot, RedisStats
 
