@@ -200,6 +200,14 @@ class RedisTier:
         for thread in (self._thread, *self._lanes, self._completer):
             thread.start()
 
+    @property
+    def ttl_s(self) -> float:
+        return float(self.options.ttl_s)
+
+    @property
+    def hmac_key(self) -> bytes | None:
+        return self.options.hmac_key
+
     # ---- request path -------------------------------------------------------------------
 
     def key(self, namespace_id: str, block_hash: bytes) -> str:

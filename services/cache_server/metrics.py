@@ -154,7 +154,8 @@ class DiskCollector(Collector):
 def remote_stats_of(cache) -> RedisStats | None:
     """The Redis tier's stats of a cache (None: no cache yet, or no Redis tier)."""
     link = None if cache is None else cache.remote_link
-    return None if link is None else link.stats()
+    stats = None if link is None else link.stats()
+    return stats if isinstance(stats, RedisStats) else None
 
 
 def _histogram(name: str, text: str, label: str, series: dict[str, LatencySnapshot]) -> HistogramMetricFamily:
