@@ -2,7 +2,8 @@
 
 Counters only grow. Histograms use fixed bucket bounds so snapshots from any
 two instances (or two moments) can be added or subtracted bucket by bucket.
-The owner (`RedisTier`) guards every mutation with its own lock.
+The owner (`RedisLink`, which the tier's reader and writer share) guards every mutation
+with its lock.
 """
 
 from __future__ import annotations
