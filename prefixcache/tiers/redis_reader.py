@@ -42,28 +42,15 @@ class RedisReader:
         self,
         namespace_id: str,
         hashes: Sequence[bytes],
-        ttl_s: float | None = None,
+        ttl_ms: int,
         *,
-        frame_bytes: int | None = None,
-        prefix_only: bool = False,
-        budget: ProbeBudget | None = None,
-        verify: TransferEstimate | None = None,
-        max_frame_bytes: int | None = None,
+        frame_bytes: int | None,
+        prefix_only: bool,
+        budget: ProbeBudget | None,
+        verify: TransferEstimate | None,
+        max_frame_bytes: int | None,
     ) -> list[bytes | memoryview | None]:
-        """Frames for `hashes` (None = miss) by pipelined GETEX, which also refreshes each hit's TTL.
-
-        One round trip, or, when the expected frame size `frame_bytes` is given, round
-        trips of at most `max_fetch_bytes` of replies (4 MiB: on loopback, 64 KiB values 64
-        per trip read ~20% faster than 8 per trip, 2 MiB values two per trip a little faster
-        than one, and 128 x 64 KiB or 64 x 2 MiB per trip are slower again; docs/benchmarks.md).
-        With `prefix_only` only a contiguous run of hits is wanted: every entry after
-        the first miss is None, and no round trip starts after one that held a miss.
-        With a `budget` (which needs `frame_bytes`), each round trip asks only for what the
-        budget grants; the blocks it declines come back as None. `verify` is the caller's
-        cost of checking what comes back (e.g. a frame MAC), counted after the link's.
-        A value longer than `max_frame_bytes` (the frame size the namespace implies) is refused
-        before it is read (see tiers/redis.py): the round trip fails as a fault.
-        """
+        """`RedisTier.fetch`, which documents it (here with the TTL in milliseconds)."""
         if budget is not None and not frame_bytes:
             raise ValueError("a fetch with a budget needs frame_bytes")
         link = self._link
@@ -73,7 +60,6 @@ class RedisReader:
                 link.counters.reads_skipped += len(hashes)
             return [None] * len(hashes)
         per_trip = max(1, link.options.max_fetch_bytes // frame_bytes) if frame_bytes else max(1, len(hashes))
-        ttl_ms = link.ttl_ms(ttl_s)
         frames: list[bytes | memoryview | None] = []
         start = time.perf_counter()
         declined = budget.declined if budget is not None else 0
