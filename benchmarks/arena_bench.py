@@ -38,7 +38,7 @@ def child(repeats: int, shared: bool) -> dict[str, float]:
 
     from prefixcache.cache import PrefixCache
     from prefixcache.config import CacheConfig, KVLayout, Namespace
-    from prefixcache.tiers.base import TierKind
+    from prefixcache.kinds import TierKind
     from prefixcache.tiers.host import HostTier
 
     layout = KVLayout(layers=1, kv_heads=1, head_dim=8, block_size=BLOCK, dtype="float16")  # 512 B

@@ -41,7 +41,7 @@ from service_process import start_service as start_process  # noqa: E402
 from prefixcache.cache import PrefixCache  # noqa: E402
 from prefixcache.client import CacheClient  # noqa: E402
 from prefixcache.config import CacheConfig, KVLayout, Namespace  # noqa: E402
-from prefixcache.tiers.base import TierKind  # noqa: E402
+from prefixcache.kinds import TierKind  # noqa: E402
 from prefixcache.tiers.device import DeviceTier  # noqa: E402
 from prefixcache.tiers.host import HostTier  # noqa: E402
 

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prefixcache.cache import PrefixCache  # noqa: E402
 from prefixcache.config import CacheConfig, KVLayout, Namespace  # noqa: E402
+from prefixcache.kinds import TierKind  # noqa: E402
 from prefixcache.native import core  # noqa: E402
-from prefixcache.tiers.base import TierKind  # noqa: E402
 from prefixcache.tiers.host import HostTier  # noqa: E402
 
 

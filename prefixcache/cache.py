@@ -37,16 +37,17 @@ from .codec import decode_block, encode_block
 from .config import CacheConfig, KVLayout, Namespace
 from .errors import CorruptBlock, InvalidArgument, LayoutMismatch, ResourceExhausted, UnknownLease
 from .hashing import Hasher, Tokens
-from .index import ROOT, Match, MissReason, RadixIndex
+from .index import ROOT, Match, RadixIndex
+from .kinds import EvictionReason, MissReason, TierKind
 from .leases import Lease, LeaseTable, Reservation
 from .namespaces import NamespaceRegistry, Prompt
 from .placement import Placement
 from .quota import TenantLedger
 from .remote_link import RemoteLink
 from .results import BlockLocations, CommitResult, LookupResult, PrefixMatch
-from .stats import Counters, EvictionReason, StatsSnapshot, TierSnapshot, snapshot_of
+from .stats import Counters, StatsSnapshot, TierSnapshot, snapshot_of
 from .tenants import Tenants
-from .tiers.base import RemoteTier, SlotTier, TierKind
+from .tiers.base import RemoteTier, SlotTier
 from .tiers.device import DeviceTier
 from .tiers.disk import DiskTier
 from .tiers.host import HostTier

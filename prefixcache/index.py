@@ -25,7 +25,6 @@ Invariants:
 from __future__ import annotations
 
 import array
-import enum
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -33,21 +32,13 @@ import numpy as np
 
 from .blockmap import BlockMap
 from .hashing import BlockHash
+from .kinds import MissReason
 from .native import core
 from .touchlog import TouchLog
 
 ROOT = -1
 _NO_ROWS = np.empty(0, dtype=np.int64)
 _INT64 = _NO_ROWS.dtype
-
-
-class MissReason(enum.Enum):
-    """Why a lookup stopped before the prompt's last full block."""
-
-    TOO_SHORT = "shorter_than_block"
-    NOT_CACHED = "not_cached"
-    EXPIRED = "expired"
-    VERIFICATION_FAILED = "verification_failed"
 
 
 _STOPS: dict[int, MissReason | None] = {

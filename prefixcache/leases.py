@@ -22,7 +22,7 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .tiers.base import TierKind
+from .kinds import TierKind
 
 
 @dataclass(frozen=True)

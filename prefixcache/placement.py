@@ -29,12 +29,13 @@ import numpy as np
 
 from .config import KVLayout
 from .index import ROOT, RadixIndex
+from .kinds import EvictionReason, TierKind
 from .leases import LeaseTable, Reservation
 from .remote_link import RemoteLink
-from .stats import Counters, EvictionReason
+from .stats import Counters
 from .tenants import Tenants
 from .tiers.arena import Arena
-from .tiers.base import FreeSlots, SlotTier, TierKind
+from .tiers.base import FreeSlots, SlotTier
 from .tiers.pool import TensorPool
 
 log = logging.getLogger(__name__)

@@ -31,12 +31,13 @@ import numpy as np
 
 from .config import TenantQuota, TenantQuotas
 from .index import RadixIndex
+from .kinds import EvictionReason, TierKind
 from .leases import LeaseTable
 from .namespaces import NamespaceRegistry
 from .placement import Placement
-from .stats import EvictionReason, StatsSnapshot, TierSnapshot, snapshot_of
+from .stats import StatsSnapshot, TierSnapshot, snapshot_of
 from .tenants import Tenants
-from .tiers.base import SlotTier, TierKind
+from .tiers.base import SlotTier
 
 
 class TenantLedger:

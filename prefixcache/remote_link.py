@@ -43,10 +43,10 @@ from .config import KVLayout
 from .errors import CorruptBlock
 from .hashing import BlockHash
 from .index import ROOT, RadixIndex
+from .kinds import TierKind
 from .namespaces import NamespaceRegistry
 from .tiers.arena import Arena
-from .tiers.base import RemoteTier, TierKind
-from .tiers.redis_stats import RedisStats
+from .tiers.base import RemoteStats, RemoteTier
 from .transfer import ProbeBudget, TransferEstimate, TransferMeter
 
 log = logging.getLogger(__name__)
@@ -72,8 +72,8 @@ class RemoteLink:
         self.index = index
         self.namespaces = namespaces
         self.arenas = arenas
-        self.ttl_s = float(remote.options.ttl_s)
-        self._mac_key: bytes | None = remote.options.hmac_key
+        self.ttl_s = remote.ttl_s
+        self._mac_key = remote.hmac_key
         self._until = np.zeros(index.capacity, dtype=np.float64)
         # What checking fetched frames costs (a MAC dominates), so that a probe's budget counts it.
         self._verify = TransferMeter(VERIFY_PRIOR_KEYED if self._mac_key is not None else VERIFY_PRIOR)
@@ -264,8 +264,8 @@ class RemoteLink:
     def is_up(self) -> bool:
         return self.tier.is_up()
 
-    def stats(self) -> RedisStats:
-        """The tier's own stats (the service's metrics export them)."""
+    def stats(self) -> RemoteStats:
+        """The tier's own stats (the service's metrics export Redis's)."""
         return self.tier.stats()
 
     def figures(self) -> dict[str, float]:

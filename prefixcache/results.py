@@ -15,8 +15,7 @@ from typing import overload
 
 import numpy as np
 
-from .index import MissReason
-from .tiers.base import TierKind
+from .kinds import MissReason, TierKind
 
 
 @dataclass(frozen=True)

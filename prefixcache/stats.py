@@ -7,7 +7,7 @@ prompts or salts.
 `STATS` is the one list of what a snapshot reports: each entry's name (the
 `StatsSnapshot` field), kind (counter or gauge), labels, help text, and its
 spelling in each view: the proto `Stats` field, the Prometheus family and the
-path in `prefixcache stats --json`. The proto conversion (client/wire.py), the
+path in `prefixcache stats --json`. The proto conversion (wire.py), the
 Prometheus export (cache_server/metrics.py), the JSON document (admin/document.py)
 and the replay report (replay/service_stats.py) are derived from it, and
 tests/test_stats_schema.py fails when the proto message or a view has a field
@@ -21,15 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .index import MissReason
-from .tiers.base import TierKind
-
-
-class EvictionReason(enum.Enum):
-    LRU = "lru"  # chosen by LRU order to make room in a full tier
-    TTL = "ttl"  # its sliding time-to-live ran out
-    CAPACITY = "capacity"  # dropped because the tenant's quota in that tier was full
-    MANUAL = "manual"  # an Evict or Flush call
+from .kinds import EvictionReason, MissReason, TierKind
 
 
 @dataclass
@@ -242,10 +234,8 @@ __all__ = [
     "PER_TIER",
     "empty_snapshot",
     "Counters",
-    "EvictionReason",
     "Kind",
     "Label",
-    "MissReason",
     "Stat",
     "StatsSnapshot",
     "TierSnapshot",

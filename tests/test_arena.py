@@ -24,9 +24,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, KVLayout, TenantQuota, TenantQuotas
 from prefixcache.errors import LayoutMismatch, UnknownLease
-from prefixcache.stats import EvictionReason
+from prefixcache.kinds import EvictionReason, TierKind
 from prefixcache.tiers.arena import Arena, chunk_bytes_for
-from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier
 from tests.support.core import ManualClock, assert_consistent, kv_for, namespace, read_blocks, same_bytes

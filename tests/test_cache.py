@@ -15,8 +15,7 @@ import torch
 
 from prefixcache.errors import InvalidArgument, LayoutMismatch, ResourceExhausted, UnknownLease, UnknownNamespace
 from prefixcache.hashing import BlockHash, Hasher
-from prefixcache.index import MissReason
-from prefixcache.tiers.base import TierKind
+from prefixcache.kinds import MissReason, TierKind
 from tests.support.core import (
     TINY,
     ManualClock,

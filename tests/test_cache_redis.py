@@ -30,8 +30,7 @@ import pytest
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, DType, KVLayout
 from prefixcache.errors import InvalidArgument
-from prefixcache.index import MissReason
-from prefixcache.tiers.base import TierKind
+from prefixcache.kinds import MissReason, TierKind
 from prefixcache.tiers.host import HostTier
 from prefixcache.tiers.redis import RedisOptions, RedisTier
 from tests.support.core import ManualClock, block_hashes, kv_for, namespace, read_blocks, same_bytes
@@ -212,7 +211,7 @@ def test_a_slot_is_not_reused_while_its_block_is_still_being_sent_to_redis(
         warm = tokens_for(9, 1)
         assert cache.store(ns, warm, kv_for(warm, layout)).stored == 1 and tier.wait_idle(5)
         assert cache.flush() == 1 and tier.wait_idle(5)
-        pool = tier._writer.connection_pool
+        pool = tier._link.write_client.connection_pool
         connections = [*pool._available_connections, *pool._in_use_connections]  # the writer's lanes
         for connection in connections:
             connection._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
@@ -220,7 +219,7 @@ def test_a_slot_is_not_reused_while_its_block_is_still_being_sent_to_redis(
         private_redis.process.send_signal(signal.SIGSTOP)
         try:
             assert cache.store(ns, a, kv_for(a, layout)).stored == 4
-            assert poll(lambda: len(tier._ops.flight(-1)) > 0, 2)  # a pipeline of them stalled mid-send
+            assert poll(lambda: len(tier._writer._ops.flight(-1)) > 0, 2)  # a pipeline of them stalled mid-send
             started = time.perf_counter()
             refused = cache.store(ns, b, kv_for(b, layout))
             assert (refused.stored, refused.rejected) == (0, 3)  # a's slots are still being read

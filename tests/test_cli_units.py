@@ -12,8 +12,8 @@ import pytest
 
 from prefixcache.client import ServiceStats
 from prefixcache.config import KVLayout
+from prefixcache.kinds import TierKind
 from prefixcache.stats import StatsSnapshot, TierSnapshot
-from prefixcache.tiers.base import TierKind
 from prefixcache_services.admin.connect import AdminError, check_address
 from prefixcache_services.admin.document import stats_document
 from prefixcache_services.admin.prompt import WorkerIdentity, check_layout, read_tokens_file

@@ -28,7 +28,7 @@ from prefixcache.codec import decode_block, encode_block
 from prefixcache.config import MODEL_DTYPES, CacheConfig, DType, KVLayout, Namespace
 from prefixcache.errors import ConfigError, CorruptBlock, LayoutMismatch
 from prefixcache.hashing import Hasher
-from prefixcache.index import MissReason
+from prefixcache.kinds import MissReason
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier, MappedSegment

@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from prefixcache.client.api import Hit
 from prefixcache.config import DType, KVLayout
+from prefixcache.kinds import TierKind
 from prefixcache.results import BlockLocations
-from prefixcache.tiers.base import TierKind
 from prefixcache.transfer import ProbeBudget, TransferEstimate, TransferMeter, blocks_worth_fetching
 from prefixcache_services.worker.engine import PrefillResult
 from prefixcache_services.worker.hit_policy import Decision, Estimates, HitPolicy, ReadPath, Verdict, choose

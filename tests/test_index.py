@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.blockmap import BUCKET, BlockMap
-from prefixcache.index import ROOT, MissReason, RadixIndex
+from prefixcache.index import ROOT, RadixIndex
+from prefixcache.kinds import MissReason
 from prefixcache.touchlog import TouchLog
 
 pytestmark = pytest.mark.unit

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import zmq
 
-from prefixcache.tiers.base import TierKind
+from prefixcache.kinds import TierKind
 from prefixcache_services.cache_server.kv_events import END_SEQ, KvEventPublisher
 from tests.support.core import TINY, ManualClock, kv_for, make_cache, namespace
 from tests.support.poll import poll

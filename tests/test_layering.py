@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 CORE = [
     "prefixcache.native",
     "prefixcache.hashing",
+    "prefixcache.kinds",
     "prefixcache.index",
     "prefixcache.blockmap",
     "prefixcache.touchlog",
@@ -36,6 +37,7 @@ CORE = [
     "prefixcache.stats",
     "prefixcache.leases",
     "prefixcache.errors",
+    "prefixcache.breaker",
     "prefixcache.remote_link",
     "prefixcache.namespaces",
     "prefixcache.quota",
@@ -73,6 +75,13 @@ def test_core_modules_import_no_service_or_client_libraries() -> None:
     loaded = loaded_after_importing(CORE)
     assert set(CORE) <= loaded
     assert offenders(loaded) == []
+
+
+def test_the_closed_sets_load_neither_the_compiled_core_nor_torch() -> None:
+    """A client or a view names a tier or a reason without the index's or the tiers' imports."""
+    loaded = loaded_after_importing(["prefixcache.kinds"])
+    assert "prefixcache.kinds" in loaded
+    assert not {"prefixcache._core", "prefixcache.native", "torch", "numpy"} & loaded
 
 
 def test_the_probe_would_notice_a_forbidden_import() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from prefixcache.errors import InvalidArgument, ResourceExhausted
+from prefixcache.kinds import TierKind
 from prefixcache.leases import LeaseTable
-from prefixcache.tiers.base import TierKind
 from tests.support.core import (
     TINY,
     ManualClock,

@@ -11,8 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixcache.config import KVLayout
-from prefixcache.index import MissReason
-from prefixcache.tiers.base import TierKind
+from prefixcache.kinds import MissReason, TierKind
 from tests.support.core import TINY, ManualClock, kv_for, make_cache, namespace
 
 pytestmark = pytest.mark.unit

@@ -20,7 +20,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from prefixcache.tiers.base import TierKind
+from prefixcache.kinds import TierKind
 from prefixcache_services.worker.model import TINY_MODEL_ID
 from tests.support.poll import poll
 from tests.support.worker_procs import CacheService, Reply, WorkerProcess, start_all, stop_all

@@ -18,7 +18,8 @@ import xxhash
 from prefixcache import hashing, index
 from prefixcache.blockmap import BlockMap
 from prefixcache.hashing import Hasher, token_array
-from prefixcache.index import ROOT, MissReason, RadixIndex
+from prefixcache.index import ROOT, RadixIndex
+from prefixcache.kinds import MissReason
 from prefixcache.native import BUILD_COMMAND, core
 
 pytestmark = pytest.mark.unit

@@ -11,7 +11,7 @@ import pytest
 
 from prefixcache.config import TenantQuota, TenantQuotas
 from prefixcache.errors import ConfigError, InvalidArgument
-from prefixcache.tiers.base import TierKind
+from prefixcache.kinds import TierKind
 from tests.support.core import TINY, assert_consistent, kv_for, make_cache, namespace, write_reserved
 
 pytestmark = pytest.mark.unit

@@ -24,7 +24,7 @@ from prefixcache.client import CacheClient
 from prefixcache.codec import KEYED_VERSION, MAC_BYTES, VERSION, decode_block, encode_block
 from prefixcache.config import DType, KVLayout
 from prefixcache.errors import ConfigError, CorruptBlock
-from prefixcache.index import MissReason
+from prefixcache.kinds import MissReason
 from prefixcache.tiers.redis_options import RedisOptions
 from prefixcache_services.cache_server.command import remote_factory_from
 from prefixcache_services.cli import build_parser

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from prefixcache.breaker import Backoff, BreakerState, CircuitBreaker, Retry
 from prefixcache.codec import decode_block, encode_block, frame_parts
 from prefixcache.config import DType, KVLayout
 from prefixcache.errors import ConfigError, CorruptBlock
-from prefixcache.tiers.breaker import Backoff, BreakerState, CircuitBreaker, Retry
 from prefixcache.tiers.redis import RedisOptions, RedisTier
 from prefixcache.tiers.redis_options import connect
 from tests.slow_proxy import SlowProxy
@@ -210,7 +210,7 @@ def test_a_frame_in_parts_is_sent_from_its_buffers_until_done_whatever_the_outco
         assert calls == [0]  # answered
         assert bytes(tier.fetch(NS, [block_hash(0)])[0]) == frames[0]
         private_redis.pause(1000)
-        assert submit(tier, 1) and poll(lambda: not len(tier._ops), 2)  # in flight, waiting on the pause
+        assert submit(tier, 1) and poll(lambda: not len(tier._writer._ops), 2)  # in flight, waiting on the pause
         assert submit(tier, 2) and submit(tier, 3)  # queued behind it
         assert not tier.own_frames(0.05) and calls == [0, 2, 3]  # 2 and 3 copied now; 1 still in flight
         assert tier.own_frames(5)  # 1 answered once the pause ends
@@ -220,7 +220,7 @@ def test_a_frame_in_parts_is_sent_from_its_buffers_until_done_whatever_the_outco
         assert tier.wait_idle(5) and tier.stats().writes_failed == 0
         assert [bytes(f) for f in tier.fetch(NS, [block_hash(i) for i in range(4)])] == frames[:4]
         private_redis.pause(1000)
-        assert submit(tier, 4) and poll(lambda: not len(tier._ops), 2)
+        assert submit(tier, 4) and poll(lambda: not len(tier._writer._ops), 2)
         assert submit(tier, 5)
     finally:
         assert tier.close(timeout_s=0.1)  # 4 answered after the pause, 5 dropped (past the deadline)

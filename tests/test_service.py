@@ -29,10 +29,11 @@ from grpc_health.v1 import health_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixcache.client import CacheClient, CacheUnavailable, Unauthenticated, wire
+from prefixcache import wire
+from prefixcache.client import CacheClient, CacheUnavailable, Unauthenticated
 from prefixcache.config import CacheConfig, KVLayout
 from prefixcache.errors import InvalidArgument, ResourceExhausted, UnknownLease
-from prefixcache.index import MissReason
+from prefixcache.kinds import MissReason
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
 from prefixcache_services.cache_server.auth import Authenticator, parse_credentials
@@ -572,7 +573,7 @@ def test_tenants_are_isolated_and_salts_only_subdivide(start):
 
 
 def test_list_namespaces_is_scoped_to_the_tenant(start):
-    from prefixcache.tiers.base import TierKind
+    from prefixcache.kinds import TierKind
 
     credentials = parse_credentials(
         "tok-acme-0123456789 acme\ntok-globex-0123456789 globex\ntok-ops-0123456789 ops admin\n"

@@ -27,9 +27,9 @@ import torch
 
 from prefixcache.client import CacheClient
 from prefixcache.config import CacheConfig, KVLayout
+from prefixcache.kinds import TierKind
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
-from prefixcache.tiers.base import TierKind
 from prefixcache_services.cache_server.auth import OPEN
 from prefixcache_services.cache_server.backend import FENCE_S, BackendOptions, CacheBackend, Draining
 from prefixcache_services.cache_server.server import SHUTDOWN_BOUND_S

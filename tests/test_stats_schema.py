@@ -12,11 +12,11 @@ import dataclasses
 import pytest
 from prometheus_client import CollectorRegistry
 
-from prefixcache.client.wire import ServiceStats, stats_message, stats_of
 from prefixcache.config import DType, KVLayout
+from prefixcache.kinds import TierKind
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.stats import STATS, TIER_STATS, Kind, StatsSnapshot, TierSnapshot, empty_snapshot
-from prefixcache.tiers.base import TierKind
+from prefixcache.wire import ServiceStats, stats_message, stats_of
 from prefixcache_services.admin.document import DERIVED, stats_document
 from prefixcache_services.cache_server.metrics import PREFIX, StatsCollector
 from prefixcache_services.replay.service_stats import delta_dict, snapshot_dict

@@ -16,8 +16,8 @@ import pytest
 
 from prefixcache.config import CacheConfig, DType, KVLayout, Namespace, parse_duration, parse_size
 from prefixcache.errors import ConfigError
+from prefixcache.kinds import TierKind
 from prefixcache.results import BlockLocations
-from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier, MappedSegment
 from prefixcache.tiers.shm import PAGE

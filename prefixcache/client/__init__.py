@@ -4,9 +4,9 @@ This package may import grpc (it is not part of the core library); the core
 (hashing, index, tiers, cache, config) never imports it.
 """
 
+from ..wire import ServiceStats
 from .api import Attachment, BlockInfo, CacheClient, Hit, InspectReport, MatchReport, PinInfo
 from .errors import CacheUnavailable, PermissionDenied, ServiceError, Unauthenticated
-from .wire import ServiceStats
 
 __all__ = [
     "Attachment",

@@ -38,13 +38,13 @@ import numpy as np
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from .. import wire
 from ..config import KVLayout
 from ..errors import InvalidArgument, UnknownLease
-from ..index import MissReason
+from ..kinds import MissReason
 from ..results import BlockLocations, CommitResult
 from ..rpc import cache_pb2 as pb
 from ..rpc import cache_pb2_grpc as pb_grpc
-from . import wire
 from .dataplane import LocalPools, map_device_pool, map_host_segment
 from .errors import error_from_rpc, retry_after_s
 
@@ -189,7 +189,7 @@ class CacheClient:
         else:
             self._channel = grpc.insecure_channel(address, options)
         self._stub = pb_grpc.PrefixCacheStub(self._channel)
-        # The bulk calls skip protobuf objects for their payload (see wire.py): one copy per side.
+        # The bulk calls skip protobuf objects for their payload (see prefixcache/wire.py): one copy per side.
         self._fetch_call = self._channel.unary_stream(f"/{SERVICE_NAME}/Fetch", pb.FetchRequest.SerializeToString, None)
         self._store_call = self._channel.stream_unary(f"/{SERVICE_NAME}/Store", None, pb.CommitResponse.FromString)
         self._health = health_pb2_grpc.HealthStub(self._channel)

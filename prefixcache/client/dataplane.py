@@ -26,9 +26,9 @@ import torch
 
 from ..config import KVLayout
 from ..errors import ConfigError
+from ..kinds import TierKind
 from ..results import BlockLocations
 from ..rpc import cache_pb2 as pb
-from ..tiers.base import TierKind
 from ..tiers.host import MappedSegment
 from ..tiers.pool import TensorPool, addressing
 from .errors import CacheUnavailable

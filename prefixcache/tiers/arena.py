@@ -26,7 +26,8 @@ import torch
 
 from ..config import KVLayout
 from ..errors import ConfigError, LayoutMismatch
-from .base import FreeSlots, TierKind
+from ..kinds import TierKind
+from .base import FreeSlots
 from .pool import TensorPool
 
 DEFAULT_CHUNK_BYTES = 64 << 20

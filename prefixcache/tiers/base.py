@@ -9,38 +9,23 @@ maps the pool by (`share_handle`).
 
 The *remote tier* (`RemoteTier`, implemented by `tiers/redis.py`) is keyed by
 namespace and block hash instead of slot; it holds framed blocks (codec.py) and
-its writes are asynchronous. Only `remote_link.RemoteLink` talks to it.
+its writes are asynchronous. Only `remote_link.RemoteLink` talks to it. Its signatures name
+no Redis type: options come down to `ttl_s` and `hmac_key`, stats to a `RemoteStats`.
 """
 
 from __future__ import annotations
 
 import array
-import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from ..kinds import TierKind
 from ..native import core
-
-if TYPE_CHECKING:  # the protocol names Redis-side types; importing them would load redis-py
-    from ..transfer import ProbeBudget, TransferEstimate
-    from .redis_options import RedisOptions
-    from .redis_stats import RedisStats
-
-
-class TierKind(enum.IntEnum):
-    """Tiers from fastest to slowest; a block spills to the next one."""
-
-    DEVICE = 0
-    HOST = 1
-    REDIS = 2
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
+from ..transfer import ProbeBudget, TransferEstimate
 
 
 class SlotTier(Protocol):
@@ -97,6 +82,15 @@ class ShareHandle:
 Frame = bytes | tuple[bytes | memoryview, ...]
 
 
+class RemoteStats(Protocol):
+    """What the cache reads of any remote tier's stats snapshot (a frozen dataclass): whether
+    reads go through, and its numeric fields, which GetStats reports by name. Each tier's own
+    type says more (tiers/redis_stats.RedisStats, which the service's metrics export)."""
+
+    @property
+    def up(self) -> bool: ...
+
+
 class RemoteTier(Protocol):
     """A shared store of framed blocks keyed by (namespace id, block hash), e.g. Redis.
 
@@ -104,7 +98,13 @@ class RemoteTier(Protocol):
     the write was dropped); a tier that is down answers misses rather than raising.
     """
 
-    options: RedisOptions
+    @property
+    def ttl_s(self) -> float:
+        """How long a written block stays (the link believes it there until then)."""
+
+    @property
+    def hmac_key(self) -> bytes | None:
+        """The key frames are MAC-bound with (None: checksum and key binding only)."""
 
     def key(self, namespace_id: str, block_hash: bytes) -> str:
         """The storage key of a block (frames are MAC-bound to it)."""
@@ -147,7 +147,7 @@ class RemoteTier(Protocol):
 
     def is_up(self) -> bool: ...
 
-    def stats(self) -> RedisStats: ...
+    def stats(self) -> RemoteStats: ...
 
     def wait_idle(self, timeout_s: float) -> bool:
         """True once nothing is queued or in flight (tests, shutdown)."""

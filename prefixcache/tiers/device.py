@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from ..config import KVLayout
+from ..kinds import TierKind
 from .arena import Arena, chunk_bytes_for
-from .base import TierKind
 from .host import slots_for
 from .pool import TensorPool
 

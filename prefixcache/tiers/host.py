@@ -22,8 +22,8 @@ import torch
 
 from ..config import KVLayout
 from ..errors import ConfigError
+from ..kinds import TierKind
 from .arena import Arena, chunk_bytes_for
-from .base import TierKind
 from .pool import TensorPool, addressing
 from .shm import SHM_DIR, OwnedSegment, read_record
 

@@ -24,8 +24,9 @@ import torch
 
 from ..config import KVLayout
 from ..errors import LayoutMismatch
+from ..kinds import TierKind
 from ..native import core
-from .base import ShareHandle, TierKind
+from .base import ShareHandle
 
 
 def _word(nbytes: int) -> torch.dtype:

@@ -3,7 +3,7 @@
 Every timeout, retry and pool bound is set here explicitly, because redis-py's
 defaults have changed between releases (5 s socket timeouts, 3 then 10
 retries with backoff): a cache read must give up in tens of milliseconds and
-the tier owns its retries (see `breaker.py`), so library retries are off.
+the tier owns its retries (see `prefixcache/breaker.py`), so library retries are off.
 
 URL schemes: redis://, rediss:// (TLS), unix://, and redis+cluster:// or
 rediss+cluster:// for Redis Cluster, whose seed list may name several nodes

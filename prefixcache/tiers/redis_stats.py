@@ -2,7 +2,8 @@
 
 Counters only grow. Histograms use fixed bucket bounds so snapshots from any
 two instances (or two moments) can be added or subtracted bucket by bucket.
-The owner (`RedisTier`) guards every mutation with its own lock.
+The owner (`RedisLink`, which the tier's reader and writer share) guards every mutation
+with its lock.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from ..breaker import BreakerState
 from ..transfer import TransferEstimate
-from .breaker import BreakerState
 
 LATENCY_BOUNDS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from prefixcache.client import ServiceStats
-from prefixcache.stats import PER_TIER, STATS, TIER_STATS, EvictionReason, Label, Stat, TierSnapshot, empty_snapshot
+from prefixcache.kinds import EvictionReason
+from prefixcache.stats import PER_TIER, STATS, TIER_STATS, Label, Stat, TierSnapshot, empty_snapshot
 
 SCHEMA_VERSION = 1
 EVICTION_REASONS = tuple(reason.value for reason in EvictionReason)

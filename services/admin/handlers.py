@@ -17,7 +17,7 @@ from collections.abc import Callable
 from rich.console import Console
 
 from prefixcache.config import parse_duration
-from prefixcache.tiers.base import TierKind
+from prefixcache.kinds import TierKind
 
 from .connect import AdminError, connect
 from .document import SCHEMA_VERSION, stats_document

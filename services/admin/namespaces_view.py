@@ -10,8 +10,8 @@ from __future__ import annotations
 from rich.console import RenderableType
 from rich.table import Table
 
-from prefixcache.client.wire import NamespaceInfo
-from prefixcache.tiers.base import TierKind
+from prefixcache.kinds import TierKind
+from prefixcache.wire import NamespaceInfo
 
 from .document import SCHEMA_VERSION
 from .stats_view import human_bytes

@@ -48,7 +48,6 @@ import numpy as np
 import torch
 
 from prefixcache.cache import PrefixCache
-from prefixcache.client.wire import NamespaceInfo
 from prefixcache.config import CacheConfig, KVLayout, Namespace
 from prefixcache.errors import (
     ConfigError,
@@ -59,15 +58,16 @@ from prefixcache.errors import (
     UnknownNamespace,
 )
 from prefixcache.hashing import namespace_id
-from prefixcache.index import MissReason
+from prefixcache.kinds import MissReason, TierKind
 from prefixcache.leases import Lease, Reservation
 from prefixcache.results import BlockLocation, CommitResult, LookupResult, PrefixMatch
 from prefixcache.stats import StatsSnapshot
-from prefixcache.tiers.base import RemoteTier, ShareHandle, TierKind
+from prefixcache.tiers.base import RemoteTier, ShareHandle
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.disk import DiskOptions, DiskTier
 from prefixcache.tiers.host import HostTier
 from prefixcache.tiers.shm import OwnedSegment
+from prefixcache.wire import NamespaceInfo
 
 from .auth import Principal
 from .inspect import BlockReport, inspect_prefix

@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from prefixcache.client import wire
+from prefixcache import wire
 from prefixcache.config import KVLayout, validate_salt
 from prefixcache.errors import ConfigError, InvalidArgument
 from prefixcache.hashing import MAX_TOKEN_ID
@@ -23,8 +23,6 @@ from .inspect import BlockReport
 
 _NAMESPACE_ID = re.compile(r"^[0-9a-f]{16}$")
 MIN_CHUNK_BYTES = 4096
-
-TIERS = wire.TIERS
 
 
 # -- requests ------------------------------------------------------------------
@@ -130,8 +128,6 @@ def store_header(header: pb.StoreHeader, expected: KVLayout) -> None:
 
 
 # -- responses ------------------------------------------------------------------
-layout_message = wire.layout_message
-stats_message = wire.stats_message
 
 
 def lookup_response(result: LookupResult, lease_ttl_s: float) -> pb.LookupResponse:
@@ -164,7 +160,7 @@ def inspect_response(ns_id: str, report: BlockReport) -> pb.InspectResponse:
         blocks=[
             pb.BlockInfo(
                 block=b.block,
-                tier=TIERS[b.tier],
+                tier=wire.TIERS[b.tier],
                 slot=b.slot,
                 ttl_left_seconds=b.ttl_left_s,
                 last_access_age_seconds=b.last_access_age_s,
@@ -180,7 +176,9 @@ def match_response(result: PrefixMatch, block_bytes: int) -> pb.MatchResponse:
         namespace_id=result.namespace_id,
         prompt_tokens=result.prompt_tokens,
         hit_tokens=result.hit_tokens,
-        tiers=[pb.TierBlocks(tier=TIERS[kind], blocks=n, bytes=n * block_bytes) for kind, n in result.blocks.items()],
+        tiers=[
+            pb.TierBlocks(tier=wire.TIERS[kind], blocks=n, bytes=n * block_bytes) for kind, n in result.blocks.items()
+        ],
         remote_blocks=result.remote_blocks,
         miss_reason=wire.MISS_REASONS[result.miss_reason],
     )

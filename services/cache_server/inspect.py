@@ -20,8 +20,8 @@ import numpy as np
 
 from prefixcache.cache import PrefixCache
 from prefixcache.hashing import token_array
-from prefixcache.index import ROOT, MissReason
-from prefixcache.tiers.base import TierKind
+from prefixcache.index import ROOT
+from prefixcache.kinds import MissReason, TierKind
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ import zmq
 
 from prefixcache.cache import PrefixCache
 from prefixcache.index import ROOT
-from prefixcache.tiers.base import TierKind
+from prefixcache.kinds import TierKind
 
 log = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prefixcache.breaker import BreakerState
 from prefixcache.stats import STATS, TIER_STATS, Kind, Stat, StatsSnapshot
-from prefixcache.tiers.breaker import BreakerState
 from prefixcache.tiers.disk import DiskStats
 from prefixcache.tiers.redis_stats import LatencySnapshot, RedisStats
 
@@ -154,7 +154,8 @@ class DiskCollector(Collector):
 def remote_stats_of(cache) -> RedisStats | None:
     """The Redis tier's stats of a cache (None: no cache yet, or no Redis tier)."""
     link = None if cache is None else cache.remote_link
-    return None if link is None else link.stats()
+    stats = None if link is None else link.stats()
+    return stats if isinstance(stats, RedisStats) else None
 
 
 def _histogram(name: str, text: str, label: str, series: dict[str, LatencySnapshot]) -> HistogramMetricFamily:

@@ -17,11 +17,11 @@ import numpy as np
 import torch
 from google.protobuf.message import Message
 
-from prefixcache.client import wire
+from prefixcache import wire
 from prefixcache.errors import InvalidArgument, ResourceExhausted
+from prefixcache.kinds import TierKind
 from prefixcache.leases import Lease
 from prefixcache.rpc import cache_pb2 as pb
-from prefixcache.tiers.base import TierKind
 
 from . import convert, status
 from .auth import OPEN, Authenticator, NotPermitted, Principal
@@ -143,7 +143,7 @@ class PrefixCacheServicer:
         ns_id = self._backend.attach(principal, model, revision, layout, convert.salt(request), kv_scale)
         response = pb.AttachResponse(
             namespace_id=ns_id,
-            layout=convert.layout_message(layout),
+            layout=wire.layout_message(layout),
             lease_ttl_seconds=self._backend.options.cache.lease_ttl_s,
             max_prompt_tokens=self._limits.max_prompt_tokens,
             max_chunk_bytes=self._limits.max_chunk_bytes,
@@ -244,7 +244,7 @@ class PrefixCacheServicer:
         reservation = self._backend.reserve(principal, ns_id, request.block_count)
         return pb.ReserveResponse(
             reservation_id=reservation.id,
-            tier=convert.TIERS[reservation.tier],
+            tier=wire.TIERS[reservation.tier],
             slots=reservation.slots,
             ttl_seconds=self._backend.remaining_s(reservation.expires_at),
         )
@@ -304,7 +304,7 @@ class PrefixCacheServicer:
     def GetStats(self, request: pb.GetStatsRequest, context) -> pb.Stats:
         principal = self._begin(request, context)
         cache = self._backend.cache
-        return convert.stats_message(self._backend.stats_for(principal), cache.layout if cache is not None else None)
+        return wire.stats_message(self._backend.stats_for(principal), cache.layout if cache is not None else None)
 
     def Inspect(self, request: pb.InspectRequest, context) -> pb.InspectResponse:
         principal = self._begin(request, context)

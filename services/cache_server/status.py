@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from prefixcache.client.wire import WireError
 from prefixcache.errors import (
     InvalidArgument,
     LayoutMismatch,
@@ -42,6 +41,7 @@ from prefixcache.errors import (
     TierUnavailable,
     UnknownLease,
 )
+from prefixcache.wire import WireError
 
 from .auth import NotPermitted, Unauthenticated
 from .backend import Draining, ServiceMisconfigured

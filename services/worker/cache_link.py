@@ -14,7 +14,7 @@ gRPC's own, much longer, reconnect backoff). Two cases do not take the link
 down: a lookup rejected for the request's own tokens or salt (only that
 request prefills in full), and a service that restarted and forgot the
 namespace (the link attaches again at once and retries the lookup). When to
-re-attach is the shared `CircuitBreaker` (prefixcache/tiers/breaker.py): one
+re-attach is the shared `CircuitBreaker` (prefixcache/breaker.py): one
 failure takes the link down, re-attach attempts follow after 1-2 s (jittered,
 `RETRY_MAX_S`). State changes are logged once, not per request.
 
@@ -35,11 +35,11 @@ from collections.abc import Callable
 import torch
 from prometheus_client import CollectorRegistry, Counter
 
+from prefixcache.breaker import Backoff, CircuitBreaker
 from prefixcache.client import CacheClient
 from prefixcache.client.api import Hit
 from prefixcache.config import KVLayout
 from prefixcache.errors import InvalidArgument, PrefixCacheError
-from prefixcache.tiers.breaker import Backoff, CircuitBreaker
 
 from .engine import PrefillResult
 from .events import LinkState

@@ -18,8 +18,8 @@ import torch
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, KVLayout, Namespace
 from prefixcache.index import ROOT
+from prefixcache.kinds import TierKind
 from prefixcache.results import BlockLocations
-from prefixcache.tiers.base import TierKind
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.host import HostTier
 

@@ -48,7 +48,7 @@ import numpy as np
 
 from ...client.api import Attachment, CacheClient, Hit
 from ...errors import PrefixCacheError
-from ...tiers.base import TierKind
+from ...kinds import TierKind
 from ...transfer import TransferEstimate, TransferMeter
 from . import states
 from .link import LOGGER, CacheLink

@@ -1,8 +1,9 @@
 """The enum and value mappings between cache.proto and the library's types.
 
-Shared by the client and the service (the service imports them from here, so
-both ends agree by construction). Proto enums keep 0 for "unspecified";
-library enums are what the core uses.
+Shared by the client (prefixcache/client/) and the service (services/cache_server/), so both
+ends agree by construction; it sits beside the generated code (prefixcache/rpc/) rather than
+in either side's package. Not part of the core: it imports protobuf. Proto enums keep 0 for
+"unspecified"; library enums are what the core uses.
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ from typing import Any, cast
 
 import numpy as np
 
-from ..config import DType, KVLayout
-from ..errors import ConfigError, InvalidArgument
-from ..index import MissReason
-from ..rpc import cache_pb2 as pb
-from ..stats import PER_TIER, STATS, TIER_STATS, StatsSnapshot, TierSnapshot
-from ..tiers.base import TierKind
+from .config import DType, KVLayout
+from .errors import ConfigError, InvalidArgument
+from .kinds import MissReason, TierKind
+from .rpc import cache_pb2 as pb
+from .stats import PER_TIER, STATS, TIER_STATS, StatsSnapshot, TierSnapshot
 
 Chunk = bytes | memoryview  # a piece of a length-delimited field (1-d bytes: len() is its size)
 

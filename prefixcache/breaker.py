@@ -1,4 +1,8 @@
-"""Circuit breaker, jittered exponential backoff and a tiny retry policy for a remote tier.
+"""Circuit breaker, jittered exponential backoff and a tiny retry policy for a remote dependency.
+
+Used by the Redis tier (tiers/redis.py, its reads and its writes) and by the worker's link to the
+service (services/worker/cache_link.py, its re-attach); a module of its own so neither reaches
+into the other's package for it.
 
 The breaker has two states. UP: calls go through; `failure_threshold`
 consecutive failures switch it to DOWN. DOWN: callers skip I/O entirely; one
@@ -25,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
