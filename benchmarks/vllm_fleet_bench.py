@@ -15,7 +15,7 @@ greedy, streaming. Configurations (fresh servers, services and Redis for each):
   3s  two servers, APC, sticky by conversation (what operators deploy without a cache service)
   4   two servers round-robin, APC + prefixcache on one service (host tier, --block-size 32)
   5   two servers round-robin, APC + prefixcache on two services sharing one redis-server
-  6   (`--kv-pressure`) 3s and 4 again with VLLM_CPU_KVCACHE_SPACE=--pressure-gib, so vLLM evicts
+  6   (`--kv-pressure`) 3s and 4 again with a KV cache of `--pressure-mib` per server, so vLLM evicts
 
   4b, 5b (`--before-root DIR`) 4 and 5 with the vLLM servers on PYTHONPATH=DIR: another
       checkout's connector (a "before"), in the same run; the services always run from this tree Reported per configuration: TTFT p50/p90/p99, inter-token latency p50/p99 (gaps
@@ -72,11 +72,11 @@ class Config:
     apc: bool
     routing: str  # "rr" | "sticky"
     cache: str | None  # None | "host" | "redis"
-    kv_gib: str
+    kv_mib: int  # each vLLM server's KV cache (--kv-cache-memory-bytes)
 
 
 def configs(args: argparse.Namespace) -> list[Config]:
-    kv = args.kv_gib
+    kv = args.kv_mib
     table = {
         "1": Config("1", 1, False, "rr", None, kv),
         "2": Config("2", 1, True, "rr", None, kv),
@@ -90,8 +90,8 @@ def configs(args: argparse.Namespace) -> list[Config]:
     chosen = [table[name] for name in args.configs.split(",")]
     if args.kv_pressure:
         chosen += [
-            Config("6/3s", 2, True, "sticky", None, args.pressure_gib),
-            Config("6/4", 2, True, "rr", "host", args.pressure_gib),
+            Config("6/3s", 2, True, "sticky", None, args.pressure_mib),
+            Config("6/4", 2, True, "rr", "host", args.pressure_mib),
         ]
     return chosen
 
@@ -185,7 +185,7 @@ def serve(model: Path, work: Path, name: str, config: Config, cache: str | None,
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", "--dtype", "bfloat16",
         "--block-size", str(BLOCK), "--enforce-eager", "--max-model-len", "4096", "--max-num-seqs", "8",
-        "--seed", "0", "--enable-prompt-tokens-details",
+        "--seed", "0", "--enable-prompt-tokens-details", "--kv-cache-memory-bytes", str(config.kv_mib << 20),
         "--enable-prefix-caching" if config.apc else "--no-enable-prefix-caching",
     ]  # fmt: skip
     if cache is not None:
@@ -204,11 +204,11 @@ def serve(model: Path, work: Path, name: str, config: Config, cache: str | None,
     env = dict(
         os.environ,
         PYTHONPATH=pythonpath,
-        VLLM_CPU_KVCACHE_SPACE=config.kv_gib,
         PYTHONUNBUFFERED="1",
         HF_HUB_OFFLINE="1",
     )
     env.pop("ONEDNN_MAX_CPU_ISA", None)  # vLLM's AMX kernels SIGILL under the HF worker's cap
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # (whole GiB only) would override --kv-cache-memory-bytes
     log = (work / f"{name}.log").open("w")
     # cwd is the connector's checkout too: `python -m` puts the working directory ahead of PYTHONPATH
     process = subprocess.Popen(
@@ -307,7 +307,7 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
         # Warm each server (first-request kernels) with a prompt that shares nothing with the schedule.
         warm = [[{"role": "user", "content": "warm up " * 40}]]
         for i in range(config.servers):
-            asyncio.run(drive([urls[i]], [warm], Config("warm", 1, False, "rr", None, "1"), args))
+            asyncio.run(drive([urls[i]], [warm], Config("warm", 1, False, "rr", None, 0), args))
         before = counters(urls)
         cpu_before = group_cpu_s(servers), group_cpu_s(services)
         results, wall_s = asyncio.run(drive(urls, chats, config, args))
@@ -343,7 +343,7 @@ def summarise(config: Config, results: list[Result], wall_s: float, connector: d
     return {
         "config": config.name,
         "title": TITLES.get(config.name.split("/")[-1], config.name)
-        + (f" (KV {config.kv_gib} GiB)" if config.name.startswith("6") else ""),
+        + (f" (KV {config.kv_mib} MiB)" if config.name.startswith("6") else ""),
         "requests": len(results),
         "errors": sorted({r.error for r in results if r.error})[:3],
         "ttft_ms": {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99), "mean": statistics.fmean(ttft)},
@@ -415,8 +415,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", default=",".join(ALL_CONFIGS), help="comma list of " + ",".join(ALL_CONFIGS))
     parser.add_argument("--kv-pressure", action="store_true", help="also run 3s and 4 with a small vLLM KV cache")
-    parser.add_argument("--kv-gib", default="2", help="VLLM_CPU_KVCACHE_SPACE for configs 1-5")
-    parser.add_argument("--pressure-gib", default="0.05", help="VLLM_CPU_KVCACHE_SPACE for config 6")
+    parser.add_argument("--kv-mib", type=int, default=2048, help="each server's KV cache in configs 1-5")
+    parser.add_argument(
+        "--pressure-mib", type=int, default=16, help="each server's KV cache in config 6 (the default model: 8k tokens)"
+    )
     parser.add_argument("--before-root", default="", help="the checkout whose connector configs 4b and 5b run")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=3)
