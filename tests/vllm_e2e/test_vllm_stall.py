@@ -14,6 +14,8 @@ tokens; after its 16th, R2 arrives, whose prompt shares 320 tokens with one the 
 from __future__ import annotations
 
 import random
+import time
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +76,84 @@ def test_a_slow_service_never_stalls_running_requests(tmp_path_factory: pytest.T
     assert result["late"]["cached"] == 0  # past lookup_timeout_s: prefilled in full
     assert worst["in_time"] <= worst["baseline"] + 0.2
     assert worst["late"] <= worst["baseline"] + 0.2
+
+
+def _decode_step(tokens: int = 8):
+    """vLLM's SchedulerOutput of a step that decodes other requests (the engine is busy)."""
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    return SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={"running": tokens},
+        total_num_scheduled_tokens=tokens,
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+    )
+
+
+def test_a_lookup_about_to_answer_is_waited_for_within_the_grace(tmp_path: Path) -> None:
+    """While vLLM steps others, a request whose Lookup is in flight is skipped a whole step
+    (None); with `lookup_grace_s` the scheduler first waits for it, within the grace and within
+    a quarter of the last step, so a loopback Lookup answers the first ask."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from prefixcache.client.api import CacheClient
+    from prefixcache.config import KVLayout
+    from prefixcache.integrations.vllm.config import ConnectorSettings, VllmNamespace
+    from prefixcache.integrations.vllm.link import CacheLink
+    from prefixcache.integrations.vllm.scheduler import SchedulerSide
+    from prefixcache.integrations.vllm.stats import StatsBox
+
+    block, cached = 32, 8
+    layout = KVLayout(layers=2, kv_heads=2, head_dim=64, block_size=block, dtype="bfloat16")
+    namespace = VllmNamespace("grace", "r1", layout)
+    rng = random.Random(11)
+    prompts = [_tokens(rng, cached * block + 5) for _ in range(10)]
+    service = CacheService(tmp_path / "service", extra_args=["--block-size", str(block)]).start()
+    try:
+        writer = CacheClient(service.address)
+        writer.attach(namespace.model, layout, namespace.revision)
+        for prompt in prompts:
+            kv = torch.zeros((cached, *layout.block_shape), dtype=torch.bfloat16)
+            assert writer.store(prompt[: cached * block], kv).stored == cached
+        writer.close()
+        first_ask: dict[float, int] = {}
+        for grace in (0.0, 0.1):
+            settings = ConnectorSettings.parse(
+                {"cache": service.address, "hit_policy": "always", "lookup_timeout_s": 10.0, "lookup_grace_s": grace}
+            )
+            scheduler = SchedulerSide(CacheLink(settings, namespace, "scheduler"), StatsBox(), block)
+            try:
+                first_ask[grace] = 0
+                scheduler.build(_decode_step())
+                for number, prompt in enumerate(prompts):
+                    time.sleep(0.4)  # vLLM's step: the grace may reach a quarter of it (0.1 s)
+                    scheduler.build(_decode_step())
+                    request = Request(f"g{grace}-{number}", prompt, SamplingParams(max_tokens=1), None)
+                    scheduler.started(request)
+                    asks = 0
+                    while True:
+                        started = time.perf_counter()
+                        tokens, load_async = scheduler.match(request, 0)
+                        assert time.perf_counter() - started < grace + 0.1  # never beyond the grace
+                        asks += 1
+                        if tokens is not None:
+                            break
+                        scheduler.build(_decode_step())  # the step it was skipped for
+                    assert tokens == cached * block
+                    first_ask[grace] += asks == 1
+                    scheduler.finished(request)  # releases the lease
+                totals = scheduler.stats.totals
+                assert totals.get("lookup_grace_seconds", 0.0) <= len(prompts) * grace
+            finally:
+                scheduler.close()
+    finally:
+        service.stop()
+    print(f"\nanswered at the first ask: {first_ask}")
+    assert first_ask[0.0] <= 2  # without grace: a loopback Lookup is still in flight when vLLM asks
+    assert first_ask[0.1] >= len(prompts) - 1  # with it: waited for (one slow answer allowed on a loaded box)
