@@ -13,10 +13,12 @@ greedy, streaming. Configurations (fresh servers, services and Redis for each):
   1   one server, no prefix caching          2   one server, vLLM APC
   3   two servers, APC, round-robin per request (one global counter)
   3s  two servers, APC, sticky by conversation (what operators deploy without a cache service)
+  3l  two servers, APC, each request to the server with the fewest requests in flight
   4   two servers round-robin, APC + prefixcache on one service (host tier, --block-size 32)
   5   two servers round-robin, APC + prefixcache on two services sharing one redis-server
-  6   (`--kv-pressure`) 3s and 4 again with a KV cache of `--pressure-mib` per server, so vLLM evicts
+  6   (`--kv-pressure`) 3s, 4 and 4l again with a KV cache of `--pressure-mib` per server, so vLLM evicts
 
+  4l  as 4, routed as 3l: a free choice of server on every request, the cache service's point
   4b, 5b (`--before-root DIR`) 4 and 5 with the vLLM servers on PYTHONPATH=DIR: another
       checkout's connector (a "before"), in the same run; the services always run from this tree Reported per configuration: TTFT p50/p90/p99, inter-token latency p50/p99 (gaps
 between streamed chunks), requests/s and prompt tokens/s over the configuration's wall time,
@@ -52,12 +54,14 @@ BLOCK = 32  # vLLM's CPU attention backend wants multiples of 32
 VOCAB = 512
 SEED = 20261203
 READY_S = 600.0
-ALL_CONFIGS = ("1", "2", "3", "3s", "4", "5", "4b", "5b")
+ALL_CONFIGS = ("1", "2", "3", "3s", "3l", "4", "4l", "5", "4b", "5b")
 TITLES = {
     "1": "one server, no prefix caching",
     "2": "one server, vLLM APC",
     "3": "two servers, APC, round-robin",
     "3s": "two servers, APC, sticky by conversation",
+    "3l": "two servers, APC, least requests in flight",
+    "4l": "least requests in flight, APC + prefixcache (host tier)",
     "4": "round-robin, APC + prefixcache (host tier)",
     "5": "round-robin, APC + prefixcache (2 services, one Redis)",
     "4b": "round-robin, APC + prefixcache (host tier), the --before-root connector",
@@ -70,7 +74,7 @@ class Config:
     name: str
     servers: int
     apc: bool
-    routing: str  # "rr" | "sticky"
+    routing: str  # "rr" | "sticky" | "least" (fewest requests in flight, ties round-robin)
     cache: str | None  # None | "host" | "redis"
     kv_mib: int  # each vLLM server's KV cache (--kv-cache-memory-bytes)
 
@@ -82,6 +86,8 @@ def configs(args: argparse.Namespace) -> list[Config]:
         "2": Config("2", 1, True, "rr", None, kv),
         "3": Config("3", 2, True, "rr", None, kv),
         "3s": Config("3s", 2, True, "sticky", None, kv),
+        "3l": Config("3l", 2, True, "least", None, kv),
+        "4l": Config("4l", 2, True, "least", "host", kv),
         "4": Config("4", 2, True, "rr", "host", kv),
         "5": Config("5", 2, True, "rr", "redis", kv),
         "4b": Config("4b", 2, True, "rr", "host", kv),
@@ -92,6 +98,7 @@ def configs(args: argparse.Namespace) -> list[Config]:
         chosen += [
             Config("6/3s", 2, True, "sticky", None, args.pressure_mib),
             Config("6/4", 2, True, "rr", "host", args.pressure_mib),
+            Config("6/4l", 2, True, "least", "host", args.pressure_mib),
         ]
     return chosen
 
@@ -154,18 +161,29 @@ async def drive(urls: list[str], chats: list[list[list[dict]]], config: Config, 
 
     queue = list(range(len(chats)))
     counter = 0
+    in_flight = [0] * len(urls)
     results: list[Result] = []
 
-    async def user(session) -> None:
+    def route(number: int) -> int:
         nonlocal counter
+        if config.routing == "sticky":
+            return number % len(urls)
+        order = [(counter + i) % len(urls) for i in range(len(urls))]  # round-robin breaks ties
+        counter += 1
+        if config.routing == "least":
+            return min(order, key=lambda i: in_flight[i])
+        return order[0]
+
+    async def user(session) -> None:
         while queue:
             number = queue.pop(0)
             for messages in chats[number]:
-                if config.routing == "sticky":
-                    server = number % len(urls)
-                else:
-                    server, counter = counter % len(urls), counter + 1
-                results.append(await stream(session, urls[server], messages, args.max_tokens, server))
+                server = route(number)
+                in_flight[server] += 1
+                try:
+                    results.append(await stream(session, urls[server], messages, args.max_tokens, server))
+                finally:
+                    in_flight[server] -= 1
 
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -388,15 +406,18 @@ def breakdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def table(rows: list[dict], reference: str = "3s") -> str:
-    ref = next((r for r in rows if r["config"] == reference), None)
+def table(rows: list[dict]) -> str:
+    """One line per configuration; each compared with sticky APC-only under the same KV cache
+    (3s, or 6/3s for the pressure configurations)."""
+    by_name = {r["config"]: r for r in rows}
     lines = [
         "| config | TTFT p50 / p90 / p99 ms | ITL p50 / p99 ms | req/s | prompt tok/s "
-        "| cached share (vLLM + prefixcache) | vs 3s: p50 / p99 / req/s |",
+        "| cached share (vLLM + prefixcache) | vs sticky (3s or 6/3s): p50 / p99 / req/s |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t, i = r["ttft_ms"], r["itl_ms"]
+        ref = by_name.get("6/3s" if r["config"].startswith("6/") else "3s")
         versus = "—"
         if ref is not None and r is not ref:
             versus = (
@@ -414,7 +435,7 @@ def table(rows: list[dict], reference: str = "3s") -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", default=",".join(ALL_CONFIGS), help="comma list of " + ",".join(ALL_CONFIGS))
-    parser.add_argument("--kv-pressure", action="store_true", help="also run 3s and 4 with a small vLLM KV cache")
+    parser.add_argument("--kv-pressure", action="store_true", help="also run 3s, 4 and 4l with a small vLLM KV cache")
     parser.add_argument("--kv-mib", type=int, default=2048, help="each server's KV cache in configs 1-5")
     parser.add_argument(
         "--pressure-mib", type=int, default=16, help="each server's KV cache in config 6 (the default model: 8k tokens)"

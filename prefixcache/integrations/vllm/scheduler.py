@@ -20,7 +20,7 @@ Invariants:
 - External tokens are a whole number of vLLM blocks, never reach the prompt's last token
   (vLLM must compute >= 1 token) and never exceed the leased hit.
 - A lease is either handed to the worker in a `LoadOp` (the worker releases it) or released
-  here; re-asking about a request first releases the previous lease (the call is side-effect
+  here, by a lookup thread (no RPC on vLLM's thread); re-asking about a request first releases the previous lease (the call is side-effect
   free as vLLM requires).
 - Saves start at the block the cache already holds for this prompt (the hit's end) and follow
   each other in prompt order, so the service's "commit after a cached prefix" rule holds; the
@@ -579,12 +579,20 @@ class SchedulerSide:
         state.hit, state.state, state.load_pending = None, None, False
 
     def _release(self, client: CacheClient | None, hit: Hit, link: CacheLink | None = None) -> None:
-        if client is None:
+        """Release a lease on a lookup thread: the RPC never runs on vLLM's scheduler thread."""
+        if client is None or not hit.lease_id:
             return
         try:
-            client.release(hit)
-        except PrefixCacheError as error:
-            (link or self.link).failed(error, client)
+            self._lookups.submit(self._release_now, client, hit, link or self.link)
+        except RuntimeError:  # the pool is shut down (vLLM is stopping): release here
+            self._release_now(client, hit, link or self.link)
+
+    def _release_now(self, client: CacheClient, hit: Hit, link: CacheLink) -> None:
+        with self.stats.background():
+            try:
+                client.release(hit)
+            except PrefixCacheError as error:
+                link.failed(error, client)
 
     def close(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)
