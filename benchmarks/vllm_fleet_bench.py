@@ -384,7 +384,7 @@ def breakdown(rows: list[dict]) -> str:
     and the connector's own counters (configurations with it): its hooks' time on vLLM's threads,
     its threads' CPU, load and save times (wall, including waits for the cores)."""
     lines = [
-        "| config | CPU ms per request: vLLM servers / services | connector on vLLM's threads ms/req "
+        "| config | CPU ms per request: vLLM servers / services | connector on vLLM's threads: CPU / waits ms/req "
         "| connector threads CPU ms/req | lookups | hits (in-step) | misses | load ms per hit "
         "| save ms per request (wall) | load failures |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -397,7 +397,8 @@ def breakdown(rows: list[dict]) -> str:
             lines.append(f"| {r['config']} | {processes} | — | — | — | — | — | — | — | — |")
             continue
         lines.append(
-            f"| {r['config']} | {processes} | {1000 * c.get('engine_thread_seconds', 0.0) / n:.2f} "
+            f"| {r['config']} | {processes} | {1000 * c.get('engine_thread_cpu_seconds', 0.0) / n:.2f} / "
+            f"{1000 * c.get('lookup_grace_seconds', 0.0) / n:.2f} "
             f"| {1000 * c.get('background_cpu_seconds', 0.0) / n:.2f} "
             f"| {c['lookups']:.0f} | {hits:.0f} ({c.get('in_step_loads', 0.0):.0f}) "
             f"| {c.get('misses', 0.0):.0f} | {1000 * c.get('load_seconds', 0.0) / max(hits, 1):.2f} "

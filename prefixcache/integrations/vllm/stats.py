@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
@@ -49,7 +49,7 @@ FIELDS = (
     "saved_states",
     "state_misses",
     "in_step_loads",
-    "engine_thread_seconds",
+    "engine_thread_cpu_seconds",
     "background_cpu_seconds",
     "lookup_grace_waits",
     "lookup_grace_seconds",
@@ -76,10 +76,10 @@ _DESCRIPTIONS = {
     "saved_states": "Recurrent states newly published to prefixcache at prompt block boundaries",
     "state_misses": "Hits on a model with state layers unusable: no state stored at their last boundaries",
     "in_step_loads": "Loads copied within the step (mapped memory, cheaper than a step) instead of asynchronously",
-    "engine_thread_seconds": "Seconds the connector's hooks ran on vLLM's own threads (they delay its steps)",
+    "engine_thread_cpu_seconds": "CPU seconds of the connector's hooks on vLLM's own threads (they delay its steps)",
     "background_cpu_seconds": "CPU seconds of the connector's own threads (Lookups, loads, saves), competing with vLLM",
     "lookup_grace_waits": "Times the scheduler waited briefly for a Lookup in flight instead of skipping its request a step",
-    "lookup_grace_seconds": "Seconds of those waits (part of engine_thread_seconds)",
+    "lookup_grace_seconds": "Seconds of those waits (on vLLM's scheduler thread)",
 }
 
 
@@ -119,21 +119,23 @@ class StatsBox:
 
     @contextmanager
     def engine_thread(self) -> Iterator[None]:
-        """Count the wall time of a hook vLLM runs on its own thread (`engine_thread_seconds`)."""
-        started = time.perf_counter()
-        try:
+        """Count the CPU time of a hook vLLM runs on its own thread (`engine_thread_cpu_seconds`;
+        CPU, not wall, so a loaded machine's preemptions are not charged to the connector; its
+        waits are counted apart, `lookup_grace_seconds`)."""
+        with self._cpu("engine_thread_cpu_seconds"):
             yield
-        finally:
-            self.add(engine_thread_seconds=time.perf_counter() - started)
+
+    def background(self) -> AbstractContextManager[None]:
+        """Count the CPU time of one unit of work on a connector thread (`background_cpu_seconds`)."""
+        return self._cpu("background_cpu_seconds")
 
     @contextmanager
-    def background(self) -> Iterator[None]:
-        """Count the CPU time of one unit of work on a connector thread (`background_cpu_seconds`)."""
+    def _cpu(self, key: str) -> Iterator[None]:
         started = time.thread_time()
         try:
             yield
         finally:
-            self.add(background_cpu_seconds=time.thread_time() - started)
+            self.add(**{key: time.thread_time() - started})
 
     def take(self) -> PrefixCacheStats | None:
         with self._lock:
