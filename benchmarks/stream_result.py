@@ -21,8 +21,10 @@ class StreamResult:
     _last: float | None = field(default=None, repr=False)
 
     def observe(self, event: dict) -> None:
-        """One `chat.completion.chunk`: a chunk with content times a token, a usage chunk counts."""
-        if any(choice.get("delta", {}).get("content") for choice in event.get("choices", [])):
+        """One `chat.completion.chunk`: a token's chunk times it, a usage chunk counts. A token's
+        chunk has `content`, empty when the token's text is held back or none (vLLM sends one per
+        token); vLLM's opening chunk (role, empty content) is not a token."""
+        if any(_is_token(choice.get("delta") or {}) for choice in event.get("choices", [])):
             now = time.perf_counter()
             if self._last is None:
                 self.ttft_s = now - self.started
@@ -38,3 +40,7 @@ class StreamResult:
         """A stream that ended without content is an error."""
         if self.error is None and self.ttft_s is None:
             self.error = "no content streamed"
+
+
+def _is_token(delta: dict) -> bool:
+    return "content" in delta and (bool(delta["content"]) or "role" not in delta)

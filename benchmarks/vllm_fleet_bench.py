@@ -353,6 +353,8 @@ def pct(values: list[float], q: float) -> float:
 def summarise(config: Config, results: list[Result], wall_s: float, connector: dict[str, float]) -> dict:
     """`connector`: the run's deltas of the servers' prefixcache counters (empty without the connector)."""
     ok = [r for r in results if r.error is None]
+    if not ok:
+        raise SystemExit(f"config {config.name}: every request failed, e.g. {sorted({r.error for r in results})[:3]}")
     external = connector.get("external_tokens", 0.0)
     ttft = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
     gaps = [g * 1000 for r in ok for g in r.gaps_s]
