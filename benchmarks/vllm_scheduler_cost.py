@@ -53,7 +53,7 @@ def main() -> None:
     from prefixcache.client.api import CacheClient
     from prefixcache.config import KVLayout
     from prefixcache.integrations.vllm.config import ConnectorSettings, VllmNamespace
-    from prefixcache.integrations.vllm.link import CacheLink
+    from prefixcache.integrations.vllm.link import ConnectorLink
     from prefixcache.integrations.vllm.scheduler import SchedulerSide
     from prefixcache.integrations.vllm.stats import StatsBox
 
@@ -68,7 +68,7 @@ def main() -> None:
         cached = 1536 // BLOCK
         for prompt in prompts:
             writer.store(prompt[: cached * BLOCK], torch.zeros((cached, *layout.block_shape), dtype=torch.bfloat16))
-        scheduler = SchedulerSide(CacheLink(settings, namespace, "scheduler"), StatsBox(), BLOCK)
+        scheduler = SchedulerSide(ConnectorLink(settings, namespace, "scheduler"), StatsBox(), BLOCK)
         scheduler._engine_busy = True  # as while vLLM steps other requests
         params = SamplingParams(max_tokens=1)
         started, pending, answered, hits = [], [], [], 0

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...client.hit_policy import HIT_POLICIES
 from ...config import DType, KVLayout, validate_salt
 from ...errors import ConfigError
 
-HIT_POLICIES = ("always", "auto")
 SALT_SOURCES = ("request", "config", "none")
 DIGEST_MODES = ("sampled", "full", "off")
 _SAMPLE_BYTES = 1 << 20  # bytes hashed at the start, middle and end of each weight file
