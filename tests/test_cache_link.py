@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import pytest
 
 from prefixcache.client.link import CacheLink, service_level
+from prefixcache.config import Namespace
 from prefixcache.errors import InvalidArgument, PrefixCacheError, UnknownNamespace
 from prefixcache_services.cache_server.server import CacheServer
 from tests.support.core import ManualClock
@@ -39,9 +40,8 @@ def servers() -> Iterator:
 
 def _link(server: CacheServer, clock: ManualClock, caplog: pytest.LogCaptureFixture) -> CacheLink:
     caplog.set_level(logging.INFO, logger="tests.link")
-    return CacheLink(
-        server.address, "link-model", LAYOUT, "r1", timeout_s=5.0, logger=logging.getLogger("tests.link"), clock=clock
-    )
+    namespace = Namespace("link-model", "r1", LAYOUT)
+    return CacheLink(server.address, namespace, timeout_s=5.0, logger=logging.getLogger("tests.link"), clock=clock)
 
 
 def _stored(link: CacheLink, tokens: list[int]) -> int:

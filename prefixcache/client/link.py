@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ..breaker import Backoff
-from ..config import KVLayout
+from ..config import KVLayout, Namespace
 from ..errors import InvalidArgument, PrefixCacheError, UnknownNamespace
 from .api import Attachment, CacheClient, Hit
 
@@ -58,11 +58,8 @@ class CacheLink:
     def __init__(
         self,
         address: str,
-        model: str,
-        layout: KVLayout,
-        revision: str = "",
+        namespace: Namespace,
         *,
-        kv_scale: str = "",
         same_host: bool = True,
         auth_token: str | None = None,
         timeout_s: float = 5.0,
@@ -73,10 +70,12 @@ class CacheLink:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
-        """`timeout_s`: every call's deadline (the client's); `attach_timeout_s`: Attach's (default
-        `timeout_s`). `name` and `logger` are what its state changes are logged as and through."""
+        """`namespace`: what to attach as (its model, revision, layout, kv_scale and salt; the
+        service sets the tenant from the credential). `timeout_s`: every call's deadline (the
+        client's); `attach_timeout_s`: Attach's (default `timeout_s`). `name` and `logger` are what
+        its state changes are logged as and through."""
         self.address = address
-        self.model, self.layout, self.revision, self.kv_scale = model, layout, revision, kv_scale
+        self.namespace = namespace
         self.same_host = same_host
         self.timeout_s, self.attach_timeout_s = timeout_s, attach_timeout_s
         self._auth_token, self._tls_root_cert_file = auth_token, tls_root_cert_file
@@ -88,6 +87,10 @@ class CacheLink:
         self._attachment: Attachment | None = None
         self._up: bool | None = None  # None: never tried
         self._next_try = 0.0
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.namespace.layout
 
     @property
     def up(self) -> bool | None:
@@ -114,13 +117,15 @@ class CacheLink:
                 tls_root_cert_file=self._tls_root_cert_file,
             )
             try:
+                ns = self.namespace
                 attachment = client.attach(
-                    self.model,
-                    self.layout,
-                    self.revision,
+                    ns.model,
+                    ns.layout,
+                    ns.revision,
+                    cache_salt=ns.cache_salt or None,
                     same_host=self.same_host,
                     timeout_s=self.attach_timeout_s,
-                    kv_scale=self.kv_scale,
+                    kv_scale=ns.kv_scale,
                 )
                 if attachment.layout != self.layout:
                     raise PrefixCacheError(

@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prefixcache.client.api import Attachment, CacheClient, Hit
 from prefixcache.client.hit_policy import Decision, ReadPath
 from prefixcache.client.link import CacheLink, service_level
-from prefixcache.config import KVLayout
+from prefixcache.config import KVLayout, Namespace
 from prefixcache.errors import PrefixCacheError
 
 from .engine import PrefillResult
@@ -62,9 +62,7 @@ class WorkerLink:
         self.deadline_s = deadline_s
         self.link = CacheLink(
             address,
-            loaded.model_id,
-            self.layout,
-            loaded.weights_digest,
+            Namespace(loaded.model_id, loaded.weights_digest, self.layout),
             auth_token=auth_token,
             timeout_s=deadline_s,
             attach_timeout_s=max(deadline_s, 1.0),

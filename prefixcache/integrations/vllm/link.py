@@ -2,8 +2,8 @@
 (prefixcache/client/link.py: attach with backoff, one classification of errors, drop a failed
 client and re-attach) attached to this rank's namespace with the connector's settings.
 
-What is the connector's own: the namespace (`VllmNamespace`: per model, weights, tensor-parallel
-rank and KV format), the settings (address, token, TLS, `same_host`, every call's `timeout_s`),
+What is the connector's own: the namespace (config.py's `namespace_of`: per model, weights,
+tensor-parallel rank and KV format), the settings (address, token, TLS, `same_host`, every call's `timeout_s`),
 the role it is logged as (scheduler, worker; a state namespace's link is a second one), and
 vLLM's logger. The scheduler's thread and its lookup threads, the worker's load and save threads
 share one link (it is thread-safe).
@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 
 from ...client.link import CacheLink
-from .config import ConnectorSettings, VllmNamespace
+from ...config import Namespace
+from .config import ConnectorSettings
 
 # A child of vLLM's "vllm" logger, so messages go out through vLLM's handler, format and level.
 LOGGER = "vllm.prefixcache"
@@ -22,13 +23,10 @@ log = logging.getLogger(LOGGER)
 
 
 class ConnectorLink(CacheLink):
-    def __init__(self, settings: ConnectorSettings, namespace: VllmNamespace, role: str) -> None:
+    def __init__(self, settings: ConnectorSettings, namespace: Namespace, role: str) -> None:
         super().__init__(
             settings.cache,
-            namespace.model,
-            namespace.layout,
-            namespace.revision,
-            kv_scale=namespace.kv_scale,
+            namespace,
             same_host=settings.same_host,
             auth_token=settings.auth_token,
             timeout_s=settings.timeout_s,
@@ -37,5 +35,4 @@ class ConnectorLink(CacheLink):
             logger=log,
         )
         self.settings = settings
-        self.namespace = namespace
         self.role = role
