@@ -59,10 +59,11 @@ class WorkerLink:
     ) -> None:
         kv = loaded.kv
         self.layout = KVLayout(kv.layers, kv.kv_heads, kv.head_dim, block_size, kv.dtype)
+        self.model_id, self.revision = loaded.model_id, loaded.weights_digest
         self.deadline_s = deadline_s
         self.link = CacheLink(
             address,
-            Namespace(loaded.model_id, loaded.weights_digest, self.layout),
+            Namespace(self.model_id, self.revision, self.layout),
             auth_token=auth_token,
             timeout_s=deadline_s,
             attach_timeout_s=max(deadline_s, 1.0),
@@ -76,6 +77,11 @@ class WorkerLink:
             registry=registry,
         )
         self.policy = policy if policy is not None else HitPolicy(registry)  # load or recompute (hit_policy.py)
+
+    @property
+    def up(self) -> bool:
+        """Attached now."""
+        return self.link.up is True
 
     @property
     def state(self) -> LinkState:
@@ -176,11 +182,11 @@ class WorkerLink:
     def blocks_to_store(self, tokens: list[int], start_block: int) -> int:
         """How many full blocks from `start_block` on `store` would send now (0: none, or the link is down)."""
         end = len(tokens) // self.layout.block_size
-        return max(0, end - start_block) if self.link.up else 0
+        return max(0, end - start_block) if self.up else 0
 
     def store(self, tokens: list[int], kv: torch.Tensor, start_block: int, salt: str | None) -> None:
         """Commit `kv[i]` as block `start_block + i` of the prompt."""
-        if not self.link.up or not len(kv):
+        if not self.up or not len(kv):
             return
         self._call("store", lambda client, _: client.store(tokens, kv, start_block=start_block, cache_salt=salt))
 
