@@ -11,6 +11,7 @@ one link; their own tests (test_worker_failopen.py, tests/vllm_e2e/) cover the a
   re-attaches on a fresh client and succeeds.
 - A failure reported on a client another thread already replaced leaves the new one alone.
 - Releasing a lease never raises, also once the service is gone.
+- A client dropped by one thread's failure still serves another thread's call in flight.
 """
 
 from __future__ import annotations
@@ -147,3 +148,20 @@ def test_releasing_never_raises(servers, caplog) -> None:
     server.shutdown(0)
     link.release(leased[0])  # the service is gone: the lease dies with it, nothing raised
     assert link.up is False
+
+
+def test_a_dropped_client_still_serves_the_call_in_flight(servers, caplog) -> None:
+    """Another thread's failure drops the client, never closes it under a copy in progress."""
+    server = servers()
+    link = _link(server, ManualClock(), caplog)
+    tokens = prompt(2)[: 2 * LAYOUT.block_size]
+    assert _stored(link, tokens) == 2
+    attached = link.client()
+    assert attached is not None and attached[1].shared_memory
+    client = attached[0]
+    hit = client.lookup(tokens + [1], take_lease=True)  # this thread's load, about to copy
+    link.failed(PrefixCacheError("another thread's call failed"), client)
+    fresh = link.client()
+    assert fresh is not None and fresh[0] is not client
+    assert client.read(hit).shape == (2, *LAYOUT.block_shape)  # its mapped memory is still there
+    assert client.release(hit)

@@ -20,7 +20,9 @@ Invariants:
 - Thread-safe: an engine's threads (request, lookup, load and save threads) share one link. A
   failure drops only the client the failing call used: a call that fails on a client another
   thread already replaced leaves the new one alone (else concurrent calls failing on a
-  restarted service would close each other's fresh clients).
+  restarted service would drop each other's fresh clients). A dropped client is not closed
+  under a thread still using it (a load copying from its mapped memory): it is released when
+  its last caller is done; `close` (shutdown) closes the current one.
 """
 
 from __future__ import annotations
@@ -181,8 +183,8 @@ class CacheLink:
         with self._lock:
             if client is not None and client is not self._client:
                 return
-            if self._client is not None:
-                self._client.close()
+            # Dropped, not closed: another thread may be mid-call on it (closing unmaps the shared
+            # memory under its copy); it closes (channel, mappings) once the last caller lets go.
             self._client, self._attachment = None, None
             if isinstance(error, PrefixCacheError) and self._up:
                 self._next_try = 0.0
