@@ -13,7 +13,7 @@ machine); the JSON has medians too:
 
 - no cache: `Engine.prefill` over the whole prompt;
 - cached: the worker's own hit path against a real `prefixcache serve` process on this
-  machine: `CacheLink.lookup` (Lookup RPC with a lease, the hit policy, a read of the blocks
+  machine: `WorkerLink.lookup` (Lookup RPC with a lease, the hit policy, a read of the blocks
   through the mapped shared memory), then `Engine.prefill` of the suffix from those blocks;
   the lease is released after the first token, as the worker does after generating;
 - ideal: the same model reusing KV kept in its own process: `Engine.prefill` of the suffix
@@ -27,7 +27,7 @@ separately with a plain `CacheClient` on the same namespace (Lookup RPC, shared-
 read, Release) and the engine's own load/compute split.
 
 A miss is measured too (`--miss-sizes`; `--sizes ""` runs only it): on a fresh prompt each
-repeat, the worker's miss path (`CacheLink.lookup`, which misses, then the full prefill) against
+repeat, the worker's miss path (`WorkerLink.lookup`, which misses, then the full prefill) against
 the full prefill alone, interleaved and alternating which goes first; the JSON's `misses` give
 the median of the paired TTFT ratios, of the paired differences and of the Lookup alone.
 
@@ -258,7 +258,7 @@ def write_docs(report: dict, command: str) -> None:
     medians = ", ".join(f"{r['prompt_tokens']}: {r['saving_ratio_median']:.1%}" for r in report["results"])
     runs = report["repeats"]
     paragraphs = [
-        f"""Time to first token of the worker's own code path (`Engine`, `CacheLink`) on the built-in
+        f"""Time to first token of the worker's own code path (`Engine`, `WorkerLink`) on the built-in
         tiny model (4 layers, hidden 256, GQA 8/2 heads, bfloat16, prefix-exact attention), for prompts
         that share all but their last {report["suffix"]} tokens with a prompt committed before. "cached":
         a Lookup RPC with a lease to a real `prefixcache serve` process, the worker's hit policy, the

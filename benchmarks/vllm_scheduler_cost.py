@@ -51,9 +51,9 @@ def main() -> None:
     from vllm.v1.request import Request
 
     from prefixcache.client.api import CacheClient
-    from prefixcache.config import KVLayout
-    from prefixcache.integrations.vllm.config import ConnectorSettings, VllmNamespace
-    from prefixcache.integrations.vllm.link import CacheLink
+    from prefixcache.config import KVLayout, Namespace
+    from prefixcache.integrations.vllm.config import ConnectorSettings
+    from prefixcache.integrations.vllm.link import ConnectorLink
     from prefixcache.integrations.vllm.scheduler import SchedulerSide
     from prefixcache.integrations.vllm.stats import StatsBox
 
@@ -61,14 +61,14 @@ def main() -> None:
     service, address = start_service("--host-capacity", "2GiB", "--block-size", str(BLOCK))
     try:
         settings = ConnectorSettings.parse({"cache": address, "hit_policy": "always", "lookup_timeout_s": 5.0})
-        namespace = VllmNamespace("cost-bench", "r1", layout)
+        namespace = Namespace("cost-bench", "r1", layout)
         prompts = [[(i * 7919 + j) % 30000 + 1 for j in range(args.tokens)] for i in range(args.requests)]
         writer = CacheClient(address)
         writer.attach(namespace.model, layout, namespace.revision)
         cached = 1536 // BLOCK
         for prompt in prompts:
             writer.store(prompt[: cached * BLOCK], torch.zeros((cached, *layout.block_shape), dtype=torch.bfloat16))
-        scheduler = SchedulerSide(CacheLink(settings, namespace, "scheduler"), StatsBox(), BLOCK)
+        scheduler = SchedulerSide(ConnectorLink(settings, namespace, "scheduler"), StatsBox(), BLOCK)
         scheduler._engine_busy = True  # as while vLLM steps other requests
         params = SamplingParams(max_tokens=1)
         started, pending, answered, hits = [], [], [], 0

@@ -1,19 +1,26 @@
 """The load-or-recompute decision and the online estimates behind it (pure logic, no processes).
 
-- `choose` (services/worker/hit_policy.py): taken / partial / recompute / miss from the bytes
-  per read path and the prefill cost, with the break-even prefix length computed by hand;
+- `choose` (prefixcache/client/hit_policy.py, both engines' one rule): taken / partial /
+  recompute / miss from the bytes per read path and the prefill cost, with the break-even
+  prefix length computed by hand; as vLLM's scheduler asks it (past its own prefix cache's
+  blocks, all or nothing, on the fixed `UNTIMED_LOADS` priors);
+- `PrefillMeter`: the one prefill-cost estimator, from timed prefills or from an engine's steps
+  (what is not the engine's compute left out);
 - `Hit.usable_blocks`: the engine computes at least the last prompt token;
 - `TransferMeter` (prefixcache/transfer.py): recovers latency and bandwidth from timed
   transfers, follows a link that slows down, falls back to its prior when samples are alike
   in size or stale;
 - `blocks_worth_fetching` and `ProbeBudget`: the service's Redis probe plan and time cap;
-- `HitPolicy`: decisions and estimates show up in the worker's Prometheus metrics.
+- `HitPolicy` (services/worker/hit_policy.py): decisions and estimates show up in the worker's
+  Prometheus metrics.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import pickle
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -21,12 +28,21 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from prefixcache.client.api import Hit
+from prefixcache.client.hit_policy import (
+    UNTIMED_LOADS,
+    Decision,
+    Estimates,
+    PrefillMeter,
+    ReadPath,
+    Verdict,
+    choose,
+)
 from prefixcache.config import DType, KVLayout
 from prefixcache.kinds import TierKind
 from prefixcache.results import BlockLocations
 from prefixcache.transfer import ProbeBudget, TransferEstimate, TransferMeter, blocks_worth_fetching
 from prefixcache_services.worker.engine import PrefillResult
-from prefixcache_services.worker.hit_policy import Decision, Estimates, HitPolicy, ReadPath, Verdict, choose
+from prefixcache_services.worker.hit_policy import HitPolicy
 from tests.support.core import ManualClock
 
 pytestmark = pytest.mark.unit
@@ -124,6 +140,106 @@ def test_never_more_than_usable(usable, mapped):
         decision = choose(hit(usable, mapped=mapped, leased=max(usable, mapped)), LAYOUT, estimates(prefill=prefill))
         assert 0 <= decision.blocks <= usable
         assert (decision.blocks == 0) == (decision.verdict is Verdict.RECOMPUTE)
+
+
+# -- choose as vLLM's scheduler asks it ---------------------------------------------------------------
+
+VLLM_LAYOUT = KVLayout(layers=8, kv_heads=2, head_dim=128, block_size=32, dtype=DType.BFLOAT16)  # 256 KiB blocks
+
+
+def worth_loading(blocks: int, mapped: bool, leased: int, tokens_per_s: float, local: int = 0) -> bool:
+    """vLLM's question: load blocks `local` .. `local + blocks` of a `leased`-block hit (all of
+    them mapped, or none) at a prefill of `tokens_per_s`, or recompute them?"""
+    bs = VLLM_LAYOUT.block_size
+    locations = BlockLocations([int(TierKind.HOST)] * leased, list(range(leased)))
+    lease = Hit("0" * 16, leased * bs + 1, leased * bs, locations, None, 7, 1e9, 0, leased if mapped else 0)
+    estimates = replace(UNTIMED_LOADS, prefill=TransferEstimate(5e-3, tokens_per_s))
+    decision = choose(lease, VLLM_LAYOUT, estimates, first=local, end=local + blocks, partial=False)
+    assert decision.blocks in (0, blocks)  # all it offered or nothing
+    return decision.blocks > 0
+
+
+def test_the_auto_policy_loads_only_what_beats_prefill() -> None:
+    assert worth_loading(10, mapped=True, leased=10, tokens_per_s=5e3)
+    # a very fast prefill (a big GPU) beats a stream of the whole lease
+    assert not worth_loading(1, mapped=False, leased=40, tokens_per_s=1e6)
+    # ...but not a memcpy of the same block out of shared memory at a CPU's prefill rate
+    assert worth_loading(1, mapped=True, leased=40, tokens_per_s=5e3)
+    # the stream path pays for the whole lease: one usable block of a 40-block lease is not worth it
+    assert not worth_loading(1, mapped=False, leased=40, tokens_per_s=5e3)
+    # blocks vLLM holds itself are neither loaded nor counted as saved
+    # (a stream of a 10-block lease, ~10.7 ms: worth it for 9 blocks, not for the 1 past vLLM's own 8)
+    assert worth_loading(9, mapped=False, leased=10, tokens_per_s=5e3)
+    assert not worth_loading(1, mapped=False, leased=10, tokens_per_s=5e3, local=8)
+
+
+def test_all_or_nothing_never_loads_a_mapped_part() -> None:
+    """With `partial` False a hit mapped only in part goes by the stream or not at all."""
+    slow = TransferEstimate(latency_s=0.5, bytes_per_s=1e6)
+    est = estimates(stream=slow)
+    assert choose(hit(10, mapped=3), LAYOUT, est).verdict is Verdict.PARTIAL
+    decision = choose(hit(10, mapped=3), LAYOUT, est, partial=False)
+    assert (decision.verdict, decision.blocks, decision.path) == (Verdict.RECOMPUTE, 0, ReadPath.STREAM)
+    fast = choose(hit(10, mapped=3), LAYOUT, estimates(), first=1, partial=False)
+    assert (fast.verdict, fast.blocks, fast.path) == (Verdict.TAKEN, 9, ReadPath.STREAM)
+    assert choose(hit(10), LAYOUT, estimates(), first=10).verdict is Verdict.MISS
+
+
+# -- PrefillMeter -------------------------------------------------------------------------------------
+
+
+def test_prefill_meter_learns_from_timed_prefills() -> None:
+    meter = PrefillMeter(TransferEstimate(5e-3, 5e3), clock=ManualClock())
+    assert meter.tokens_per_s == 5e3 and meter.estimate().samples == 0  # the prior
+    for tokens in (64, 512, 128, 1024):
+        meter.observe(tokens, 0.004 + tokens * 100e-6)
+    assert meter.s_per_token == pytest.approx(100e-6) and meter.estimate().latency_s == pytest.approx(0.004)
+
+
+def test_prefill_meter_measures_an_engines_steps() -> None:
+    clock = ManualClock()
+    meter = PrefillMeter(TransferEstimate(5e-3, 5e3), stale_s=120.0, clock=clock)
+    # vLLM's steps: 20 ms a step + 2000 tokens/s (a slow CPU), prefill and decode steps mixed.
+    for tokens in [512, 4, 4, 256, 4, 1024, 8, 128] * 3:
+        meter.step(tokens)
+        clock.advance(0.020 + tokens / 2000)
+    meter.step(0)
+    estimate = meter.estimate()
+    assert estimate.samples == 24 and meter.steps == 24
+    assert estimate.latency_s == pytest.approx(0.020, rel=1e-6) and meter.tokens_per_s == pytest.approx(2000, rel=1e-6)
+    # At the measured 2000 tokens/s one block's recompute (16 ms) is slower than streaming a
+    # 10-block lease (~11 ms); at the prior's 5000 tokens/s (6.4 ms) it is not.
+    assert not worth_loading(1, mapped=False, leased=10, tokens_per_s=5e3)
+    assert worth_loading(1, mapped=False, leased=10, tokens_per_s=meter.tokens_per_s)
+
+    # What is not the engine's compute stays out: the caller's own Lookups, the planned loads, idle waits.
+    clock = ManualClock()
+    meter = PrefillMeter(TransferEstimate(5e-3, 5e3), stale_s=120.0, clock=clock)
+    for tokens in [64, 640] * 4:
+        meter.step(tokens, load_s=0.5)  # the worker copies for 0.5 s inside this step's forward
+        clock.advance(0.5 + 0.010 + tokens / 1000)
+        meter.exclude(0.3)  # a Lookup in the next step's scheduling
+        clock.advance(0.3)
+    meter.step(64)
+    clock.advance(30.0)  # the engine waited 30 s for a request...
+    meter.idle()  # ...which the scheduler saw arrive with nothing running
+    meter.step(64)
+    assert meter.estimate().samples == 8 and meter.tokens_per_s == pytest.approx(1000, rel=1e-6)
+
+
+def test_prefill_meter_logs_its_fit_in_the_line_the_vllm_tests_read(caplog) -> None:
+    """tests/vllm_e2e/test_vllm_connector.py finds vLLM's fit in the engine's log by this line."""
+    clock = ManualClock()
+    meter = PrefillMeter(clock=clock, name="prefixcache scheduler: vLLM's measured step cost", unit="steps")
+    with caplog.at_level(logging.INFO, logger="prefixcache.client.hit_policy"):
+        meter.log()
+        for tokens in [64, 640] * 4 + [0]:
+            meter.step(tokens)
+            clock.advance(0.010 + tokens / 1000)
+    first, eighth = (r.getMessage() for r in caplog.records)
+    assert first == "prefixcache scheduler: vLLM's measured step cost 5 ms + 5000 tokens/s (the prior)"
+    found = re.search(r"measured step cost ([\d.e+-]+) ms \+ ([\d.e+-]+) tokens/s \((\d+) steps\)", eighth)
+    assert found is not None and found.groups() == ("10", "1000", "8")  # logged at the 8th timed step
 
 
 # -- Hit: usable and mapped blocks -------------------------------------------------------------------

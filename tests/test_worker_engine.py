@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     DynamicCache,
@@ -32,8 +33,8 @@ from prefixcache_services.worker.attention import prefix_exact_attention
 from prefixcache_services.worker.chat import ChatMessage, ChatMLTemplate, Role, completion_prompt
 from prefixcache_services.worker.compat import UnsupportedModelError, check_plain_kv
 from prefixcache_services.worker.engine import Engine, FinishReason, bucket_length
+from prefixcache_services.worker.hit_policy import HitPolicy
 from prefixcache_services.worker.model import checkpoint_digest, configure_torch_threads, load_model
-from prefixcache_services.worker.prefill_rate import PrefillRateMeter
 from prefixcache_services.worker.tokenizer import (
     CL100K_SHA256,
     TiktokenTokenizer,
@@ -433,22 +434,15 @@ def test_sampling_is_reproducible_per_seed(engines):
 # --- prefill rate --------------------------------------------------------------------------
 
 
-def test_prefill_rate_meter_ewma():
-    meter = PrefillRateMeter(alpha=0.5, min_tokens=32)
-    assert meter.rate is None and meter.seconds_for(100) is None
-    meter.observe(10, 1.0)  # too small to count
-    assert meter.rate is None
-    meter.observe(100, 1.0)
-    meter.observe(300, 1.0)
-    assert meter.rate == pytest.approx(200.0) and meter.samples == 2
-    assert meter.seconds_for(400) == pytest.approx(2.0)
-
-
-def test_engine_measures_prefill_rate(engines):
-    engine = Engine(engines["float32"].loaded)
-    assert engine.prefill_rate is None
-    rate = engine.measure_prefill_rate(256)
-    assert rate > 0 and engine.prefill_rate == rate
+def test_the_hit_policy_calibrates_its_prefill_cost_on_real_prefills(engines):
+    """The worker's one prefill estimator (the library's PrefillMeter, in its hit policy) learns
+    from the engine's own timed prefills: the start-up calibration runs two real ones."""
+    policy = HitPolicy(CollectorRegistry())
+    prior = policy.estimates().prefill
+    assert prior.samples == 0
+    measured = policy.calibrate(engines["float32"], sizes=(64, 256))
+    assert measured.samples == 2 and measured is not prior
+    assert policy.recompute_s_per_token() == pytest.approx(1.0 / measured.bytes_per_s)
 
 
 # --- local checkpoint directories -----------------------------------------------------------

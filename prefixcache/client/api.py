@@ -182,6 +182,9 @@ class CacheClient:
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.keepalive_time_ms", 30000),
             ("grpc.keepalive_timeout_ms", 10000),
+            # Its own connections: a new client to a restarted service must not inherit the
+            # reconnect backoff of an older client's connection to the dead one.
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         if tls or tls_root_cert_file:
             root = Path(tls_root_cert_file).read_bytes() if tls_root_cert_file else None

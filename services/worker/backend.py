@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from .cache_link import CacheLink
+from .cache_link import WorkerLink
 from .chat import ChatMessage, Role
 from .engine import Engine
 from .events import Finished, FinishReason, LinkState, Piece, Started
@@ -72,9 +72,9 @@ class TextStream:
 
 
 class InferenceBackend:
-    """Implements `http.Backend` with an `Engine` and an optional `CacheLink`."""
+    """Implements `http.Backend` with an `Engine` and an optional `WorkerLink`."""
 
-    def __init__(self, engine: Engine, cache: CacheLink | None, registry: CollectorRegistry) -> None:
+    def __init__(self, engine: Engine, cache: WorkerLink | None, registry: CollectorRegistry) -> None:
         self.engine = engine
         self.cache = cache
         self.registry = registry

@@ -103,7 +103,7 @@ def register(subparsers) -> None:
 
 def build_backend(args):
     from .backend import InferenceBackend
-    from .cache_link import CacheLink
+    from .cache_link import WorkerLink
     from .compat import UnsupportedModelError
     from .engine import Engine
     from .hit_policy import HitPolicy
@@ -133,7 +133,7 @@ def build_backend(args):
     if not args.no_cache:
         policy = HitPolicy(registry, always_take=args.hit_policy == "always")
         policy.calibrate(engine)  # measured prefill cost before the first request's load-or-recompute decision
-        link = CacheLink(
+        link = WorkerLink(
             args.cache,
             loaded,
             args.block_size,

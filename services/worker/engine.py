@@ -44,7 +44,6 @@ from .compat import UnsupportedModelError
 from .events import FinishReason
 from .kv_blocks import KVLayout, blocks_to_cache, extract_blocks, validate_blocks
 from .model import LoadedModel
-from .prefill_rate import PrefillRateMeter
 from .sampling import GREEDY, Sampler, SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -203,7 +202,6 @@ class Engine:
     def __init__(
         self,
         loaded: LoadedModel,
-        rate_meter: PrefillRateMeter | None = None,
         *,
         prefill_buckets: bool | None = None,
     ) -> None:
@@ -216,7 +214,6 @@ class Engine:
         if not isinstance(vocab, int):  # nn.Module attributes type as Tensor | Module
             raise UnsupportedModelError(f"the input embeddings' num_embeddings is {vocab!r}, not a row count")
         self._vocab = vocab
-        self._rate = rate_meter if rate_meter is not None else PrefillRateMeter()
         # bfloat16 is the exact dtype (float32 differs by ~1e-6 whatever the kernels, see `attention`)
         self.rows_invariant = self._model.dtype == torch.bfloat16 and rows_invariant(loaded)
         if self._model.dtype == torch.bfloat16 and not self.rows_invariant:
@@ -308,7 +305,6 @@ class Engine:
         if out.cache.get_seq_length() != n:
             raise RuntimeError(f"prefill left {out.cache.get_seq_length()} KV positions, expected {n}")
         done = time.perf_counter()
-        self._rate.observe(n - prefix, done - loaded)
         logger.debug("prefill %d tokens (%d from prefix, %d pads) in %.3fs", n, prefix, pad, done - started)
         return PrefillResult(
             out.cache, logits, n, prefix, n - prefix, loaded - started, done - loaded, padding_tokens=pad
@@ -370,18 +366,3 @@ class Engine:
         """Contiguous copy [n_blocks, layers, 2, kv_heads, block_size, head_dim] of the KV of
         tokens [first_block * block_size, (first_block + n_blocks) * block_size)."""
         return extract_blocks(cache, first_block, n_blocks, block_size)
-
-    @property
-    def prefill_rate(self) -> float | None:
-        """Measured prefill speed in computed tokens/s (EWMA over real prefills), or None."""
-        return self._rate.rate
-
-    def measure_prefill_rate(self, n_tokens: int = 512) -> float:
-        """Run one real prefill of `n_tokens` synthetic tokens (e.g. at start-up) and return
-        the updated rate estimate."""
-        if n_tokens < self._rate.min_tokens:
-            raise ValueError(f"n_tokens must be >= {self._rate.min_tokens}, got {n_tokens}")
-        self.prefill([(1000 + i) % self._vocab for i in range(n_tokens)])
-        rate = self._rate.rate
-        assert rate is not None  # the prefill above was large enough to count
-        return rate

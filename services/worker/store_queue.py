@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from prefixcache.client.api import Hit
 
-from .cache_link import CacheLink
+from .cache_link import WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class _Job:
 
 
 class StoreQueue:
-    def __init__(self, link: CacheLink, registry: CollectorRegistry, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(self, link: WorkerLink, registry: CollectorRegistry, capacity: int = DEFAULT_CAPACITY) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.link = link

@@ -57,14 +57,20 @@ def prompt(blocks: int, start: int = 1000, extra: int = 5) -> list[int]:
 
 @contextlib.contextmanager
 def running_servers() -> Iterator:
-    """A factory of started servers (`make(**options)`, `make.client(server)`), all stopped on exit."""
+    """A factory of started servers (`make(**options)`, `make.client(server)`), all stopped on exit;
+    `listen` names the address (default: any free port), e.g. a stopped server's, to restart it."""
     servers, clients = [], []
 
-    def make_server(host_capacity: str | int = "4MiB", authenticator: Authenticator | None = None, **kwargs):
+    def make_server(
+        host_capacity: str | int = "4MiB",
+        authenticator: Authenticator | None = None,
+        listen: str = "127.0.0.1:0",
+        **kwargs,
+    ):
         cache_kwargs = {key: kwargs.pop(key) for key in list(kwargs) if key in CACHE_FIELDS}
         backend = BackendOptions(cache=CacheConfig(host_capacity=host_capacity, **cache_kwargs), block_size=BLOCK)
         options = ServerOptions(
-            backend=backend, listen="127.0.0.1:0", authenticator=authenticator or Authenticator.open(), **kwargs
+            backend=backend, listen=listen, authenticator=authenticator or Authenticator.open(), **kwargs
         )
         server = build_server(options)
         servers.append(server)

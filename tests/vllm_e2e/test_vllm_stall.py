@@ -103,15 +103,15 @@ def test_a_lookup_about_to_answer_is_waited_for_within_the_grace(tmp_path: Path)
     from vllm.v1.request import Request
 
     from prefixcache.client.api import CacheClient
-    from prefixcache.config import KVLayout
-    from prefixcache.integrations.vllm.config import ConnectorSettings, VllmNamespace
-    from prefixcache.integrations.vllm.link import CacheLink
+    from prefixcache.config import KVLayout, Namespace
+    from prefixcache.integrations.vllm.config import ConnectorSettings
+    from prefixcache.integrations.vllm.link import ConnectorLink
     from prefixcache.integrations.vllm.scheduler import SchedulerSide
     from prefixcache.integrations.vllm.stats import StatsBox
 
     block, cached = 32, 8
     layout = KVLayout(layers=2, kv_heads=2, head_dim=64, block_size=block, dtype="bfloat16")
-    namespace = VllmNamespace("grace", "r1", layout)
+    namespace = Namespace("grace", "r1", layout)
     rng = random.Random(11)
     prompts = [_tokens(rng, cached * block + 5) for _ in range(10)]
     service = CacheService(tmp_path / "service", extra_args=["--block-size", str(block)]).start()
@@ -127,7 +127,7 @@ def test_a_lookup_about_to_answer_is_waited_for_within_the_grace(tmp_path: Path)
             settings = ConnectorSettings.parse(
                 {"cache": service.address, "hit_policy": "always", "lookup_timeout_s": 10.0, "lookup_grace_s": grace}
             )
-            scheduler = SchedulerSide(CacheLink(settings, namespace, "scheduler"), StatsBox(), block)
+            scheduler = SchedulerSide(ConnectorLink(settings, namespace, "scheduler"), StatsBox(), block)
             try:
                 first_ask[grace] = 0
                 scheduler.build(_decode_step())

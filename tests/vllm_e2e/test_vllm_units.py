@@ -237,64 +237,6 @@ def test_the_library_does_not_import_vllm() -> None:
     assert subprocess.run([sys.executable, "-c", code], timeout=120, check=False).returncode == 0
 
 
-def test_the_auto_policy_loads_only_what_beats_prefill() -> None:
-    from prefixcache.integrations.vllm.scheduler import worth_loading
-
-    block = 32 * 2 * 8 * 2 * 128 * 2  # 32 tokens of an 8-layer, 2-KV-head, head-128 bf16 model: 256 KiB
-    assert worth_loading(320, 32, block, mapped=True, leased_blocks=10, prefill_tokens_per_s=5e3)
-    # a very fast prefill (a big GPU) beats a stream of the whole lease
-    assert not worth_loading(32, 32, block, mapped=False, leased_blocks=40, prefill_tokens_per_s=1e6)
-    # ...but not a memcpy of the same block out of shared memory at a CPU's prefill rate
-    assert worth_loading(32, 32, block, mapped=True, leased_blocks=40, prefill_tokens_per_s=5e3)
-    # the stream path pays for the whole lease: one usable block of a 40-block lease is not worth it
-    assert not worth_loading(32, 32, block, mapped=False, leased_blocks=40, prefill_tokens_per_s=5e3)
-
-
-class _Clock:
-    """A clock the test advances (the meter's injected time source)."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_the_auto_policy_measures_vllms_prefill_rate_from_its_steps() -> None:
-    from prefixcache.integrations.vllm.scheduler import PrefillMeter, worth_loading
-
-    clock = _Clock()
-    meter = PrefillMeter(5e3, clock=clock)
-    assert meter.tokens_per_s == 5e3 and meter.estimate().samples == 0  # the prior before any step
-    # vLLM's steps: 20 ms a step + 2000 tokens/s (a slow CPU), prefill and decode steps mixed.
-    for tokens in [512, 4, 4, 256, 4, 1024, 8, 128] * 3:
-        meter.step(tokens)
-        clock.now += 0.020 + tokens / 2000
-    meter.step(0)
-    estimate = meter.estimate()
-    assert estimate.samples == 24
-    assert estimate.latency_s == pytest.approx(0.020, rel=1e-6) and meter.tokens_per_s == pytest.approx(2000, rel=1e-6)
-    block = 32 * 2 * 8 * 2 * 128 * 2
-    # At the measured 2000 tokens/s one block's recompute (16 ms) is slower than streaming a
-    # 10-block lease (~11 ms); at the prior's 5000 tokens/s (6.4 ms) it is not.
-    assert not worth_loading(32, 32, block, mapped=False, leased_blocks=10, prefill_tokens_per_s=5e3)
-    assert worth_loading(32, 32, block, mapped=False, leased_blocks=10, prefill_tokens_per_s=meter.tokens_per_s)
-
-    # What is not vLLM's compute stays out: the connector's own Lookups, the planned loads, idle waits.
-    clock = _Clock()
-    meter = PrefillMeter(5e3, clock=clock)
-    for tokens in [64, 640] * 4:
-        meter.step(tokens, load_s=0.5)  # the worker copies for 0.5 s inside this step's forward
-        clock.now += 0.5 + 0.010 + tokens / 1000
-        meter.exclude(0.3)  # a Lookup in the next step's scheduling
-        clock.now += 0.3
-    meter.step(64)
-    clock.now += 30.0  # the engine waited 30 s for a request...
-    meter.idle()  # ...which the scheduler saw arrive with nothing running
-    meter.step(64)
-    assert meter.estimate().samples == 8 and meter.tokens_per_s == pytest.approx(1000, rel=1e-6)
-
-
 def _kv_cache_config(*groups: tuple[list[str], object]) -> object:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 

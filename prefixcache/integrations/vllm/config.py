@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...config import DType, KVLayout, validate_salt
+from ...client.hit_policy import HIT_POLICIES
+from ...config import DType, KVLayout, Namespace, validate_salt
 from ...errors import ConfigError
 
-HIT_POLICIES = ("always", "auto")
 SALT_SOURCES = ("request", "config", "none")
 DIGEST_MODES = ("sampled", "full", "off")
 _SAMPLE_BYTES = 1 << 20  # bytes hashed at the start, middle and end of each weight file
@@ -148,14 +148,6 @@ class ConnectorSettings:
         return self.cache_salt
 
 
-@dataclass(frozen=True)
-class VllmNamespace:
-    model: str
-    revision: str  # "<revision>|weights=<digest>|tp=<rank>/<size>": what besides the layout splits KV
-    layout: KVLayout
-    kv_scale: str = ""  # fp8 only: "scales=<source>" (kv_scale_of)
-
-
 UNIT_SCALES = "unit"  # kv_scale_of's source when vLLM quantizes with k_scale = v_scale = 1.0
 
 
@@ -243,7 +235,7 @@ def namespace_of(
     block_size: int,
     tp_rank: int,
     kind: str = "",
-) -> VllmNamespace:
+) -> Namespace:
     """`block_size`: the KV cache groups' (vLLM raises the configured one for hybrid models with
     state); `kind`: what besides the layout tells the blocks apart ("" for K/V, "mla" for MLA's
     latent rows stored as two halves, "state(...)" for state pages, groups.py)."""
@@ -269,7 +261,7 @@ def namespace_of(
     if kind:
         parts.append(f"kv={kind}")
     name = model_config.served_model_name if isinstance(model_config.served_model_name, str) else model_config.model
-    return VllmNamespace(
+    return Namespace(
         model=os.path.basename(str(name).rstrip("/")) or str(name),
         revision="|".join(parts),
         layout=layout,

@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...errors import ConfigError
 from .config import ConnectorSettings, check_layer_scales, describe, namespace_of
 from .groups import KVGroups
-from .link import LOGGER, CacheLink
+from .link import LOGGER, ConnectorLink
 from .metadata import PrefixCacheMetadata
 from .paged import KVPacking, PagedCache, PagedLayer, StatePages, packing_of_backend
 from .scheduler import SchedulerSide
@@ -101,13 +101,13 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self.stats = StatsBox()
         role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else f"worker (tp rank {tp_rank})"
-        self.link = CacheLink(self.settings, namespace, role_name)
-        self.state_link: CacheLink | None = None
+        self.link = ConnectorLink(self.settings, namespace, role_name)
+        self.state_link: ConnectorLink | None = None
         if self.groups.has_state:  # an attention page holds a state page: same geometry, one slot per layer
             states = namespace_of(
                 vllm_config, self.settings, len(self.groups.state_names), *geometry, kind=self.groups.state_kind
             )
-            self.state_link = CacheLink(self.settings, states, f"{role_name}, states")
+            self.state_link = ConnectorLink(self.settings, states, f"{role_name}, states")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

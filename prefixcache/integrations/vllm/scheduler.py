@@ -31,27 +31,30 @@ Invariants:
   at the hit's last boundaries; vLLM is offered tokens up to the longest boundary whose state
   is stored (none: a miss, never a wrong state), and the states vLLM commits at prompt
   boundaries (`boundary_state_offloads`) are saved the step it offers them.
-- The `auto` policy's prefill rate is vLLM's own, measured by `PrefillMeter` from the steps
-  this side sees (the prior only until a few steps were timed, and again once they are stale).
+- Load or recompute is the library's one hit rule (prefixcache/client/hit_policy.py: `choose`
+  on vLLM's fixed load priors, `UNTIMED_LOADS`); the `auto` policy's prefill rate is vLLM's
+  own, measured by the library's `PrefillMeter` from the steps this side sees (the prior only
+  until a few steps were timed, and again once they are stale).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ...client.api import Attachment, CacheClient, Hit
+from ...client.hit_policy import MAPPED_LOAD, UNTIMED_LOADS, PrefillMeter, choose
+from ...client.link import CacheLink
 from ...errors import PrefixCacheError
 from ...kinds import TierKind
-from ...transfer import TransferEstimate, TransferMeter
+from ...transfer import TransferEstimate
 from . import states
-from .link import LOGGER, CacheLink
+from .link import LOGGER, ConnectorLink
 from .metadata import LoadOp, PrefixCacheMetadata, SaveOp, StateSaveOp
 from .paged import NULL_BLOCK
 from .stats import StatsBox
@@ -62,90 +65,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(LOGGER)
 
-# Priors of the `auto` hit policy (services/worker/hit_policy.py measures these on the reference worker).
-MAPPED_LOAD = TransferEstimate(latency_s=100e-6, bytes_per_s=2e9)  # shared memory -> staging -> paged cache
-STREAM_LOAD = TransferEstimate(latency_s=2e-3, bytes_per_s=300e6)  # gRPC Fetch stream on loopback
-PREFILL_PRIOR_TOKENS_PER_S = 5e3
-PREFILL_PRIOR_STEP_S = 5e-3  # a step's fixed cost in the prior (the reference worker's prior too)
-MAX_STEP_S = 60.0  # a longer gap between two steps is not a step (the engine waited)
-PREFILL_STALE_S = 120.0  # older measurements give way to the prior again
+PREFILL_STALE_S = 120.0  # older step timings give way to the prior again
 LOOKUP_THREADS = 4  # Lookups in flight at once (gRPC waits without the GIL)
 GRACE_SHARE = 0.25  # a step's Lookup waits stay under this share of the last step's length
-
-
-class PrefillMeter:
-    """vLLM's own step cost, `seconds = per-step latency + tokens / tokens_per_s`, learned online.
-
-    vLLM calls `build_connector_meta` once per step, right after scheduling it; the time from
-    one call to the next is that step's forward (and output processing) plus the next step's
-    scheduling. `step(tokens)` closes the previous step's interval and opens this one's; from
-    it are taken the time the connector itself spent in the interval (its Lookups, `exclude`)
-    and the estimated time of the step's planned loads (the worker copies them inside the
-    forward, so they are not vLLM's compute). A gap in which vLLM had no request (`idle`) is
-    not a step. The fit is `TransferMeter`'s with "bytes" = scheduled tokens (prefill and
-    decode alike: a forward costs per token), so its bandwidth is the marginal tokens per
-    second that a hit saves. Not thread-safe: the scheduler's one thread owns it.
-    """
-
-    def __init__(self, prior_tokens_per_s: float, clock: Callable[[], float] = time.perf_counter) -> None:
-        self._clock = clock
-        self._meter = TransferMeter(
-            TransferEstimate(PREFILL_PRIOR_STEP_S, prior_tokens_per_s), stale_s=PREFILL_STALE_S, clock=clock
-        )
-        self._open: tuple[float, int, float] | None = None  # (start, tokens, planned load seconds)
-        self._excluded = 0.0
-        self.observed = 0  # steps timed so far
-
-    def step(self, tokens: int, load_s: float = 0.0) -> None:
-        now = self._clock()
-        if self._open is not None:
-            started, previous, previous_load_s = self._open
-            seconds = now - started - self._excluded - previous_load_s
-            if previous > 0 and 0 < seconds < MAX_STEP_S:
-                self._meter.observe(previous, seconds)
-                self.observed += 1
-                if self.observed >= 8 and not self.observed & (self.observed - 1):
-                    self.log()  # at 8, 16, 32, ... timed steps
-        self._open, self._excluded = ((now, tokens, load_s) if tokens > 0 else None), 0.0
-
-    def exclude(self, seconds: float) -> None:
-        """Time inside the open interval that was the connector's, not vLLM's (a Lookup)."""
-        self._excluded += seconds
-
-    def idle(self) -> None:
-        """vLLM had nothing running: the open interval includes waiting for requests."""
-        self._open, self._excluded = None, 0.0
-
-    def estimate(self) -> TransferEstimate:
-        return self._meter.estimate()
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self._meter.estimate().bytes_per_s
-
-    def log(self) -> None:
-        """vLLM's step cost as measured so far, at INFO (at 8, 16, 32, ... steps and at shutdown:
-        a line survives an engine process killed before its shutdown)."""
-        e = self.estimate()
-        log.info(
-            "prefixcache scheduler: vLLM's measured step cost %.3g ms + %.4g tokens/s (%s)",
-            1000 * e.latency_s,
-            e.bytes_per_s,
-            f"{e.samples} steps" if e.samples else "the prior",
-        )
-
-
-def worth_loading(
-    tokens: int, block_size: int, block_bytes: int, mapped: bool, leased_blocks: int, prefill_tokens_per_s: float
-) -> bool:
-    """The `auto` policy: is copying `tokens` (whole blocks) expected to beat prefilling them?
-    A mapped load copies just those blocks; a stream load moves the whole lease."""
-    load_s = (
-        MAPPED_LOAD.seconds(tokens // block_size * block_bytes)
-        if mapped
-        else STREAM_LOAD.seconds(leased_blocks * block_bytes)
-    )
-    return load_s < tokens / prefill_tokens_per_s
 
 
 @dataclass(frozen=True)
@@ -182,11 +104,11 @@ class _Request:
 class SchedulerSide:
     def __init__(
         self,
-        link: CacheLink,
+        link: ConnectorLink,
         stats: StatsBox,
         block_size: int,
         loads: bool = True,
-        state_link: CacheLink | None = None,
+        state_link: ConnectorLink | None = None,
         state_groups: tuple[int, ...] = (),
         in_step_loads: bool = True,
     ) -> None:
@@ -207,7 +129,17 @@ class SchedulerSide:
         self._last_build = time.perf_counter()  # build_connector_meta's last call: one per step
         self._last_step_s = 0.0  # from the call before it to that one
         self._grace_left = self.settings.lookup_grace_s  # this step's Lookup waits left (`_grace`)
-        self.prefill = PrefillMeter(self.settings.prefill_tokens_per_s or PREFILL_PRIOR_TOKENS_PER_S)
+        prior = UNTIMED_LOADS.prefill
+        if self.settings.prefill_tokens_per_s:
+            prior = TransferEstimate(prior.latency_s, self.settings.prefill_tokens_per_s)
+        self.prefill = PrefillMeter(
+            prior,
+            stale_s=PREFILL_STALE_S,
+            clock=time.perf_counter,
+            name="prefixcache scheduler: vLLM's measured step cost",
+            unit="steps",
+            logger=log,
+        )
 
     # -- on_new_request / get_num_new_matched_tokens --------------------------------------
     def started(self, request: Request) -> _Request:
@@ -233,7 +165,7 @@ class SchedulerSide:
             return self._lookup_answer(prompt, salt)
 
     def _lookup_answer(self, prompt: list[int], salt: str | None) -> Answer | None:
-        recompute = None if self.settings.hit_policy == "always" else 1.0 / self.prefill.tokens_per_s
+        recompute = None if self.settings.hit_policy == "always" else self.prefill.s_per_token
         self.stats.add(lookups=1)
         try:
             answer = self.link.call(
@@ -396,18 +328,13 @@ class SchedulerSide:
         )
 
     def _worth_loading(self, external: int, local: int, hit: Hit, attachment: Attachment) -> bool:
+        """The hit rule on the blocks vLLM would load: all by mapped memory when every one is
+        mapped, else the worker's read takes the Fetch stream (the whole lease); never a part."""
         if self.settings.hit_policy == "always":
             return True
-        end = (local + external) // self.block_size
-        mapped = end <= hit.mapped_blocks  # else the worker's read takes the Fetch stream
-        return worth_loading(
-            external,
-            attachment.layout.block_size,
-            attachment.layout.block_bytes,
-            mapped,
-            hit.blocks,
-            self.prefill.tokens_per_s,
-        )
+        estimates = replace(UNTIMED_LOADS, prefill=self.prefill.estimate())
+        first, end = local // self.block_size, (local + external) // self.block_size
+        return choose(hit, attachment.layout, estimates, first=first, end=end, partial=False).blocks > 0
 
     def _load_in_step(self, external: int, local: int, hit: Hit, attachment: Attachment) -> bool:
         """Copy within the step rather than asynchronously? Yes when every block is in this host's
@@ -589,10 +516,7 @@ class SchedulerSide:
 
     def _release_now(self, client: CacheClient, hit: Hit, link: CacheLink) -> None:
         with self.stats.background():
-            try:
-                client.release(hit)
-            except PrefixCacheError as error:
-                link.failed(error, client)
+            link.release(hit, client)  # never raises; a service-level failure drops the client
 
     def close(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)

@@ -47,9 +47,10 @@ import time
 import torch
 
 from ...client.api import CacheClient, Hit
+from ...client.link import CacheLink, service_level
 from ...errors import PrefixCacheError
 from . import states
-from .link import LOGGER, CacheLink, service_level
+from .link import LOGGER
 from .metadata import LoadOp, PrefixCacheMetadata, SaveOp, StateSaveOp
 from .paged import PagedCache, StatePages
 from .stats import StatsBox
