@@ -387,8 +387,6 @@ def test_a_fresh_instance_loads_every_shared_prefix_from_the_host_tier(scenario:
     assert metrics.get("hits") == len(expected)
     # mapped blocks of a one-group model, far cheaper than a step: copied within the step that schedules them
     assert metrics.get("in_step_loads") == len(expected)
-    # what the connector cost: its hooks' CPU on vLLM's threads and its own threads' CPU, both counted
-    assert metrics.get("engine_thread_cpu_seconds", 0) > 0 and metrics.get("background_cpu_seconds", 0) > 0
 
 
 def test_through_redis_a_second_service_serves_what_the_first_saved(scenario: dict) -> None:
