@@ -203,14 +203,7 @@ class WorkerSide:
         return self.paged.load(blocks, op.block_ids)
 
     def _release(self, hit: Hit, link: CacheLink | None = None) -> None:
-        link = link or self.link
-        attached = link.client()
-        if attached is None:
-            return
-        try:
-            attached[0].release(hit)
-        except PrefixCacheError as error:
-            link.failed(error, attached[0])
+        (link or self.link).release(hit)  # never raises; a service-level failure drops the client
 
     def invalid_blocks(self) -> set[int]:
         """Blocks of in-step loads that failed since the last call (vLLM recomputes them)."""
