@@ -7,7 +7,9 @@
 Every configuration replays the SAME schedule: `--conversations` synthetic chats behind one
 shared system prompt (each turn resends every earlier turn plus a new user message; the
 assistant turns are fixed text, so the prompts do not depend on what the model says), driven by
-`--users` concurrent users, each taking the next conversation and playing its turns in order;
+`--users` concurrent users, each taking the next conversation and playing its turns in order
+(`--by-turn`: the next turn of any conversation, all first turns before any second turn, so
+every conversation stays live and a server's own cache must hold them all between turns);
 greedy, streaming. Configurations (fresh servers, services and Redis for each):
 
   1   one server, no prefix caching          2   one server, vLLM APC
@@ -159,7 +161,15 @@ async def stream(session, url: str, messages: list[dict], max_tokens: int, serve
 async def drive(urls: list[str], chats: list[list[list[dict]]], config: Config, args: argparse.Namespace):
     import aiohttp
 
-    queue = list(range(len(chats)))
+    # (conversation, turn) in the order users take them: a conversation's turns back to back, or
+    # (--by-turn) every conversation's first turn, then every second turn, ... so all of them stay
+    # live at once and a server's KV cache must hold them all between turns
+    if args.by_turn:
+        turns = max(len(turns) for turns in chats)
+        queue = [(c, t) for t in range(turns) for c in range(len(chats)) if t < len(chats[c])]
+    else:
+        queue = [(c, t) for c in range(len(chats)) for t in range(len(chats[c]))]
+    done = {(c, t): asyncio.Event() for c, t in queue}
     counter = 0
     in_flight = [0] * len(urls)
     results: list[Result] = []
@@ -176,14 +186,17 @@ async def drive(urls: list[str], chats: list[list[list[dict]]], config: Config, 
 
     async def user(session) -> None:
         while queue:
-            number = queue.pop(0)
-            for messages in chats[number]:
-                server = route(number)
-                in_flight[server] += 1
-                try:
-                    results.append(await stream(session, urls[server], messages, args.max_tokens, server))
-                finally:
-                    in_flight[server] -= 1
+            number, turn = queue.pop(0)
+            if turn:
+                await done[number, turn - 1].wait()  # its previous turn's answer first
+            server = route(number)
+            in_flight[server] += 1
+            try:
+                messages = chats[number][turn]
+                results.append(await stream(session, urls[server], messages, args.max_tokens, server))
+            finally:
+                in_flight[server] -= 1
+                done[number, turn].set()
 
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -447,6 +460,9 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--users", type=int, default=3)
+    parser.add_argument(
+        "--by-turn", action="store_true", help="play every conversation's turn 1, then every turn 2, ... (all live)"
+    )
     parser.add_argument("--system-words", type=int, default=700)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--layers", type=int, default=4)
