@@ -208,7 +208,10 @@ async def drive(urls: list[str], chats: list[list[list[dict]]], config: Config, 
 # --- servers --------------------------------------------------------------------------------
 
 
-def serve(model: Path, work: Path, name: str, config: Config, cache: str | None, pythonpath: str):
+def serve(model: Path, work: Path, name: str, config: Config, cache: str | None, pythonpath: str, core: int | None):
+    """One vLLM OpenAI server; `core`: the CPU its OpenMP threads are bound to (None: vLLM's own
+    binding, which puts every server of a fleet on the same cores, where they spin against each
+    other's barriers: two servers on two cores are then each on one, as on two hosts)."""
     from tests.support.redis_server import free_port
 
     port = free_port()
@@ -240,6 +243,8 @@ def serve(model: Path, work: Path, name: str, config: Config, cache: str | None,
     )
     env.pop("ONEDNN_MAX_CPU_ISA", None)  # vLLM's AMX kernels SIGILL under the HF worker's cap
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # (whole GiB only) would override --kv-cache-memory-bytes
+    if core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     log = (work / f"{name}.log").open("w")
     # cwd is the connector's checkout too: `python -m` puts the working directory ahead of PYTHONPATH
     process = subprocess.Popen(
@@ -326,7 +331,9 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
         pythonpath = args.before_root if config.name.endswith("b") else str(ROOT)
         urls = []
         for i in range(config.servers):
-            process, url = serve(model, work, f"{tag}-{i}", config, addresses[i], pythonpath)
+            cores = os.cpu_count() or 1
+            core = i % cores if args.bind_cores and config.servers > 1 else None
+            process, url = serve(model, work, f"{tag}-{i}", config, addresses[i], pythonpath, core)
             servers.append(process)
             urls.append(url)
         deadline = time.monotonic() + READY_S
@@ -460,6 +467,12 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--users", type=int, default=3)
+    parser.add_argument(
+        "--no-bind-cores",
+        dest="bind_cores",
+        action="store_false",
+        help="leave vLLM's own CPU binding (default: server i of a fleet on core i, as on separate hosts)",
+    )
     parser.add_argument(
         "--by-turn", action="store_true", help="play every conversation's turn 1, then every turn 2, ... (all live)"
     )
