@@ -461,7 +461,10 @@ def main() -> None:
     parser.add_argument("--kv-pressure", action="store_true", help="also run 3s, 4 and 4l with a small vLLM KV cache")
     parser.add_argument("--kv-mib", type=int, default=2048, help="each server's KV cache in configs 1-5")
     parser.add_argument(
-        "--pressure-mib", type=int, default=16, help="each server's KV cache in config 6 (the default model: 8k tokens)"
+        "--pressure-mib",
+        type=int,
+        default=10,
+        help="each server's KV cache in config 6 (the default model: 5k tokens; 8 MiB is under --max-model-len)",
     )
     parser.add_argument("--before-root", default="", help="the checkout whose connector configs 4b and 5b run")
     parser.add_argument("--conversations", type=int, default=8)
