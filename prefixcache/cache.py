@@ -145,16 +145,24 @@ class PrefixCache:
 
     # -- lookup -------------------------------------------------------------
     def lookup(
-        self, ns_id: str, tokens: Tokens, take_lease: bool = False, recompute_s_per_token: float | None = None
+        self,
+        ns_id: str,
+        tokens: Tokens,
+        take_lease: bool = False,
+        recompute_s_per_token: float | None = None,
+        block_size: int = 0,
     ) -> LookupResult:
         """Longest cached prefix of `tokens`; with a lease its blocks stay put until release.
 
         `recompute_s_per_token` is the asking worker's prefill cost: given, Redis is asked only
         for blocks it is expected to deliver faster than that (`transfer.ProbeBudget`); the
-        blocks left unasked are `LookupResult.remote_blocks_declined`.
+        blocks left unasked are `LookupResult.remote_blocks_declined`. `block_size` is the
+        asking engine's in tokens (0: the namespace's), a multiple of the namespace's: the hit
+        is cut to whole engine blocks, and only those are leased, touched and counted.
         """
         budget_s = _recompute_cost(recompute_s_per_token)
-        prompt = self.namespaces.prompt(ns_id, tokens)
+        multiple = self.layout_of(ns_id).blocks_per(block_size)
+        prompt = self.namespaces.prompt(ns_id, tokens, multiple)
         with self._lock:
             match = self.index.match(prompt.entry.index, prompt.hashes, prompt.blocks, self.clock(), self.config.ttl_s)
             path, stop = match.rows, match.stop
@@ -214,8 +222,12 @@ class PrefixCache:
     def _finish_lookup(
         self, prompt: Prompt, path: np.ndarray, stop: MissReason | None, take_lease: bool, declined: int = 0
     ) -> LookupResult:
-        """Touch, promote, count and (optionally) lease an unpinned, verified path."""
+        """Touch, promote, count and (optionally) lease an unpinned, verified path, cut to whole
+        blocks of the asking engine."""
         now = self.clock()
+        whole = len(path) // prompt.multiple * prompt.multiple
+        if whole < len(path):
+            path, stop = path[:whole], MissReason.NOT_CACHED  # the engine block it ends in is not all here
         full, hit = len(prompt.hashes), len(path)
         if full == 0:
             stop = MissReason.TOO_SHORT

@@ -11,13 +11,15 @@ from __future__ import annotations
 import enum
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError
 
 if TYPE_CHECKING:
     import torch  # for annotations only: importing config must not load torch
+
+MAX_BLOCK_SIZE = 65536  # tokens per block, a service's or an engine's
 
 _SIZE_UNITS = {
     "": 1,
@@ -183,7 +185,7 @@ class KVLayout:
         _positive_int("layers", self.layers, 4096)
         _positive_int("kv_heads", self.kv_heads, 4096)
         _positive_int("head_dim", self.head_dim, 65536)
-        _positive_int("block_size", self.block_size, 65536)
+        _positive_int("block_size", self.block_size, MAX_BLOCK_SIZE)
         object.__setattr__(self, "dtype", DType.parse(self.dtype))
 
     @property
@@ -198,6 +200,24 @@ class KVLayout:
     def block_bytes(self) -> int:
         """Bytes of one block, from the format (a packed format's own `nbytes`, scales included)."""
         return self.dtype.nbytes(2 * self.layers * self.kv_heads * self.head_dim * self.block_size)
+
+    def blocks_per(self, engine_block_size: int, field: str = "block_size") -> int:
+        """How many of these blocks make one engine block of `engine_block_size` tokens (0: one).
+
+        An engine block must be a whole number of them: it is stored as that many blocks, so
+        engines of different block sizes share every block where their prompts agree."""
+        size = engine_block_size or self.block_size
+        if not 0 < size <= MAX_BLOCK_SIZE or size % self.block_size:
+            raise ConfigError(
+                field,
+                f"{size} is not a multiple of this service's block size {self.block_size} up to "
+                f"{MAX_BLOCK_SIZE} (an engine block is stored as whole service blocks: give the "
+                "service a --block-size that divides every engine's)",
+            )
+        return size // self.block_size
+
+    def with_block_size(self, block_size: int) -> KVLayout:
+        return replace(self, block_size=block_size)
 
 
 QUOTA_TIERS = ("device", "host")  # slot tiers that take a per-tenant byte quota

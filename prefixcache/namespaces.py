@@ -38,6 +38,7 @@ class Prompt:
     tokens: np.ndarray  # u32
     blocks: np.ndarray  # [full blocks, block_size] u32
     hashes: list[BlockHash]
+    multiple: int = 1  # blocks per block of the asking engine: a hit is a whole number of them
 
 
 class NamespaceRegistry:
@@ -93,7 +94,8 @@ class NamespaceRegistry:
     def by_row(self, row: int) -> NamespaceEntry:
         return self._by_row[row]
 
-    def prompt(self, ns_id: str, tokens: Tokens) -> Prompt:
+    def prompt(self, ns_id: str, tokens: Tokens, multiple: int = 1) -> Prompt:
+        """Only whole groups of `multiple` blocks are hashed (an engine's blocks, KVLayout.blocks_per)."""
         entry = self.get(ns_id)
         array = token_array(tokens)
         if len(array) > self.max_prompt_tokens:
@@ -101,6 +103,8 @@ class NamespaceRegistry:
                 f"tokens: {len(array)} tokens exceed the limit of {self.max_prompt_tokens}", "tokens"
             )
         size = self.block_size
-        full = len(array) // size
-        blocks = array[: full * size].reshape(full, size)
-        return Prompt(entry, array, blocks, self.hasher.block_hashes(entry.root, array, size))
+        full = len(array) // (size * multiple) * multiple
+        whole = array[: full * size]
+        return Prompt(
+            entry, array, whole.reshape(full, size), self.hasher.block_hashes(entry.root, whole, size), multiple
+        )

@@ -8,6 +8,7 @@ in either side's package. Not part of the core: it imports protobuf. Proto enums
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -77,12 +78,14 @@ class ServiceStats:
     ready: bool
     layout: KVLayout | None
     snapshot: StatsSnapshot | None
+    attach_refusals: dict[str, int] = dataclasses.field(default_factory=dict)  # refused Attach calls by field (admins)
 
 
 def stats_of(message: pb.Stats) -> ServiceStats:
     """GetStats' answer as values; every field is read as `stats.STATS` spells it."""
+    refusals = dict(message.attach_refusals)
     if not message.ready:
-        return ServiceStats(False, None, None)
+        return ServiceStats(False, None, None, refusals)
     values: dict[str, Any] = {}
     for stat in STATS:
         field = stat.proto_field
@@ -99,7 +102,7 @@ def stats_of(message: pb.Stats) -> ServiceStats:
         else:
             values[stat.name] = getattr(message, field)
     layout = layout_of(message.layout) if message.HasField("layout") else None
-    return ServiceStats(True, layout, StatsSnapshot(**values))
+    return ServiceStats(True, layout, StatsSnapshot(**values), refusals)
 
 
 def stats_message(snapshot: StatsSnapshot | None, layout: KVLayout | None) -> pb.Stats:
@@ -137,6 +140,7 @@ class NamespaceInfo:
     blocks: dict[TierKind, int]  # resident blocks per local tier (absent: none)
     kv_scale: str = ""  # the engine's KV quantization settings it was attached with
     block_bytes: int = 0  # its layout's block size (the service side; 0: not known here)
+    engine_block_sizes: tuple[int, ...] = ()  # block sizes in tokens its engines attached with
 
     def resident_bytes(self, block_bytes: int) -> int:
         return sum(self.blocks.values()) * (self.block_bytes or block_bytes)
@@ -154,6 +158,7 @@ def namespaces_message(entries: list[NamespaceInfo], block_bytes: int) -> pb.Lis
                 salted=e.salted,
                 tenant=e.tenant,
                 kv_scale=e.kv_scale,
+                engine_block_sizes=e.engine_block_sizes,
                 tiers=[
                     pb.TierBlocks(tier=TIERS[kind], blocks=n, bytes=n * (e.block_bytes or block_bytes))
                     for kind, n in sorted(e.blocks.items())
@@ -175,8 +180,33 @@ def namespaces_of(message: pb.ListNamespacesResponse) -> list[NamespaceInfo]:
             {TIER_OF[t.tier]: t.blocks for t in n.tiers if t.tier in TIER_OF},
             n.kv_scale,
             _block_bytes(n),
+            tuple(n.engine_block_sizes),
         )
         for n in message.namespaces
+    ]
+
+
+@dataclass(frozen=True)
+class RefusedAttach:
+    """Attach calls refused alike (tenant, model, revision, field): how many, the last message, when."""
+
+    model: str
+    revision: str
+    tenant: str  # "" unless an admin asked
+    field: str
+    reason: str
+    count: int
+    seconds_since_last: float
+
+
+def refused_message(refused: RefusedAttach) -> pb.RefusedAttach:
+    return pb.RefusedAttach(**dataclasses.asdict(refused))
+
+
+def refused_of(message: pb.ListNamespacesResponse) -> list[RefusedAttach]:
+    return [
+        RefusedAttach(r.model, r.revision, r.tenant, r.field, r.reason, r.count, r.seconds_since_last)
+        for r in message.refused
     ]
 
 

@@ -321,6 +321,7 @@ def test_namespaces_lists_ids_models_and_resident_blocks(stack, populated, cli):
         "salted": False,
         "tenant": None,
         "kv_scale": "",
+        "engine_block_sizes": [BLOCK],
         "blocks": {"host": 14},
         "bytes": 14 * LAYOUT.block_bytes,
     }

@@ -55,7 +55,11 @@ def full_snapshot(remote_up: bool | None = True) -> StatsSnapshot:
 def test_the_table_is_the_snapshot_and_the_proto_message():
     assert [stat.name for stat in STATS] == [f.name for f in dataclasses.fields(StatsSnapshot)]
     assert [stat.name for stat in TIER_STATS] == [f.name for f in dataclasses.fields(TierSnapshot) if f.name != "kind"]
-    proto = {f.name for f in pb.Stats.DESCRIPTOR.fields} - {"ready", "layout"}  # not stats: the answer's frame
+    proto = {f.name for f in pb.Stats.DESCRIPTOR.fields} - {
+        "ready",
+        "layout",
+        "attach_refusals",
+    }  # the frame; the service's own
     assert proto == {stat.proto_field for stat in STATS}
     assert {f.name for f in pb.TierStats.DESCRIPTOR.fields} - {"tier"} == {stat.name for stat in TIER_STATS}
     assert len({stat.metric_name for stat in STATS + TIER_STATS if stat.metric_name}) == len(

@@ -62,13 +62,19 @@ STORE_CHUNK_BYTES = 1 << 20  # data per Store message (the service may allow up 
 @dataclass(frozen=True)
 class Attachment:
     namespace_id: str
-    layout: KVLayout
+    layout: KVLayout  # the engine's blocks, as attached: what `read` returns and `store` takes
     lease_ttl_s: float
     max_prompt_tokens: int
     max_chunk_bytes: int
     shared_memory: bool  # the host tier is mapped into this process
     device_ipc: bool  # the device pool is mapped by CUDA IPC
     host_segment: str = ""  # the mapped host tier's shm name: changes when the service restarts
+    stored_layout: KVLayout | None = None  # the service's blocks (None: the same as `layout`)
+
+    @property
+    def split(self) -> int:
+        """Service blocks per engine block (the service's block size divides the engine's)."""
+        return 1 if self.stored_layout is None else self.layout.block_size // self.stored_layout.block_size
 
 
 @dataclass(frozen=True)
@@ -89,10 +95,12 @@ class Hit:
     lease_deadline: float | None  # time.monotonic() before which the lease is surely live
     remote_blocks_declined: int = 0  # past the hit, not fetched from Redis: slower than recomputing
     mapped_blocks: int = 0  # leading blocks the looking-up client copies from mapped memory (no stream)
+    split: int = 1  # service blocks per block (`locations` has one entry per service block)
 
     @property
     def blocks(self) -> int:
-        return len(self.locations)
+        """Whole blocks of the engine that looked it up."""
+        return len(self.locations) // self.split
 
     @property
     def usable_blocks(self) -> int:
@@ -155,6 +163,21 @@ def _leading_in(tiers: np.ndarray, mapped: Iterable[int]) -> int:
     for kind in mapped:
         inside |= tiers == kind
     return len(tiers) if inside.all() else int(np.argmin(inside))
+
+
+def _split_blocks(kv: torch.Tensor, k: int) -> torch.Tensor:
+    """Engine blocks `[n, L, 2, H, k*b, D]` as the service's `[n*k, L, 2, H, b, D]` (a copy)."""
+    n, layers, two, heads, tokens, dim = kv.shape
+    parts = kv.reshape(n, layers, two, heads, k, tokens // k, dim).permute(0, 4, 1, 2, 3, 5, 6)
+    return parts.reshape(n * k, layers, two, heads, tokens // k, dim)
+
+
+def _join_blocks(stored: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
+    """The service's blocks `[n*k, L, 2, H, b, D]` into engine blocks `out` `[n, L, 2, H, k*b, D]`."""
+    count, layers, two, heads, tokens, dim = stored.shape
+    view = out.view(count // k, layers, two, heads, k, tokens, dim)
+    view.copy_(stored.reshape(count // k, k, layers, two, heads, tokens, dim).permute(0, 2, 3, 4, 1, 5, 6))
+    return out
 
 
 def _token_list(tokens: TokenInput) -> list[int]:
@@ -240,20 +263,22 @@ class CacheClient:
         if cache_salt is not None:
             request.cache_salt = cache_salt
         reply = self._call(self._stub.Attach, request, timeout_s)
-        layout = wire.layout_of(reply.layout)
+        stored = wire.layout_of(reply.layout)
+        engine = stored if layout.block_size == stored.block_size else stored.with_block_size(layout.block_size)
         self._pools.close()
-        host = map_host_segment(reply.host_segment, layout) if reply.HasField("host_segment") else None
-        device = map_device_pool(reply.device_pool, layout) if reply.HasField("device_pool") else None
+        host = map_host_segment(reply.host_segment, stored) if reply.HasField("host_segment") else None
+        device = map_device_pool(reply.device_pool, stored) if reply.HasField("device_pool") else None
         self._pools = LocalPools(host, device)
         self._attachment = Attachment(
             reply.namespace_id,
-            layout,
+            engine,
             reply.lease_ttl_seconds,
             reply.max_prompt_tokens,
             reply.max_chunk_bytes,
             host is not None,
             device is not None,
             reply.host_segment.name if host is not None else "",
+            None if engine == stored else stored,
         )
         return self._attachment
 
@@ -283,6 +308,9 @@ class CacheClient:
             request.cache_salt = cache_salt
         if recompute_s_per_token is not None:
             request.recompute_seconds_per_token = recompute_s_per_token
+        split = 1
+        if namespace_id is None and self.attachment.split > 1:  # the hit in whole blocks of this engine
+            request.block_size, split = self.attachment.layout.block_size, self.attachment.split
         sent = time.monotonic()
         reply = self._call(self._stub.Lookup, request, timeout_s)
         locations = BlockLocations(wire.tier_kinds(reply.tiers), np.asarray(reply.slots, dtype=np.int64))
@@ -296,7 +324,8 @@ class CacheClient:
             lease,
             sent + reply.lease_ttl_seconds - LEASE_MARGIN_S if lease else None,
             reply.remote_blocks_declined,
-            _leading_in(locations.tiers, self._pools.pools.keys()),
+            _leading_in(locations.tiers, self._pools.pools.keys()) // split,
+            split,
         )
 
     def read(
@@ -306,7 +335,9 @@ class CacheClient:
 
         From mapped memory when every block of the range is mapped (only the range is copied),
         else by the Fetch stream, which moves the whole lease (the rest is dropped)."""
-        layout = self.attachment.layout
+        stored = self.attachment.stored_layout or self.attachment.layout
+        k = hit.split
+        layout = stored if k == 1 else stored.with_block_size(stored.block_size * k)
         start, stop, step = (blocks or slice(None)).indices(hit.blocks)
         if step != 1:
             raise InvalidArgument("blocks", f"must be a contiguous range, got step {step}")
@@ -321,16 +352,22 @@ class CacheClient:
             return target
         if hit.lease_id is None:
             raise InvalidArgument("hit", "reading blocks needs a lease: lookup(..., take_lease=True)")
-        part = hit.locations if count == hit.blocks else hit.locations[start:stop]
+        first, end = start * k, stop * k  # in the service's blocks
+        part = hit.locations if end - first == len(hit.locations) else hit.locations[first:end]
         if self._pools.covers(part):
-            self._pools.gather(part, target)
+            staging = target
+            if k > 1:  # the service's blocks, then rearranged into the engine's
+                staging = torch.empty((end - first, *stored.block_shape), dtype=target.dtype, device=target.device)
+            self._pools.gather(part, staging)
             self._pools.check_current()  # slots of a restarted service's new segment: not these bytes
             if hit.lease_deadline is None or time.monotonic() >= hit.lease_deadline:
                 raise UnknownLease(hit.lease_id)  # the slots may have been reused while we copied
-            return target
-        if count == hit.blocks:
+            return target if k == 1 else _join_blocks(staging, k, target)
+        if k == 1 and count == hit.blocks:
             return self._fetch(hit, target, timeout_s)
-        whole = self._fetch(hit, torch.empty((hit.blocks, *layout.block_shape), dtype=target.dtype), timeout_s)
+        whole = self._fetch(hit, torch.empty((len(hit.locations), *stored.block_shape), dtype=target.dtype), timeout_s)
+        if k > 1:
+            return _join_blocks(whole[first:end], k, target)
         return whole[start:stop] if out is None else out.copy_(whole[start:stop])  # a view: no copy
 
     def _fetch(self, hit: Hit, out: torch.Tensor, timeout_s: float | None) -> torch.Tensor:
@@ -400,14 +437,16 @@ class CacheClient:
     ) -> CommitResult:
         """Publish `kv[i]` as block `start_block + i` of `tokens` (shared memory if mapped, else the stream).
 
-        Blocks the service had no free slot for are counted in `rejected`.
+        Blocks the service had no free slot for are counted in `rejected`. The counts are the
+        service's blocks (`Attachment.split` of them per block of this engine).
         """
         attachment = self.attachment
-        layout = attachment.layout
         token_list = _token_list(tokens)
-        self._check_kv(kv, layout, start_block, len(token_list))
+        self._check_kv(kv, attachment.layout, start_block, len(token_list))
         if len(kv) == 0:
             return CommitResult(0, 0, 0)
+        if attachment.split > 1:  # stored as the service's blocks
+            kv, start_block = _split_blocks(kv, attachment.split), start_block * attachment.split
         if self._pools.host is not None:
             return self._store_shared(token_list, kv, start_block, cache_salt, timeout_s)
         return self._store_stream(token_list, kv, start_block, cache_salt, timeout_s)
@@ -449,7 +488,7 @@ class CacheClient:
         self, tokens: list[int], kv: torch.Tensor, start_block: int, salt: str | None, timeout_s: float | None
     ) -> CommitResult:
         attachment = self.attachment
-        layout = attachment.layout
+        layout = attachment.stored_layout or attachment.layout
         header = pb.StoreHeader(
             namespace_id=attachment.namespace_id,
             tokens=tokens,
@@ -478,6 +517,10 @@ class CacheClient:
     def namespaces(self, timeout_s: float | None = None) -> list[wire.NamespaceInfo]:
         """This credential's namespaces (an admin's: every tenant's) with their resident blocks."""
         return wire.namespaces_of(self._call(self._stub.ListNamespaces, pb.ListNamespacesRequest(), timeout_s))
+
+    def refused_attaches(self, timeout_s: float | None = None) -> list[wire.RefusedAttach]:
+        """Attaches the service refused lately (newest first; a tenant's token: its own), with why."""
+        return wire.refused_of(self._call(self._stub.ListNamespaces, pb.ListNamespacesRequest(), timeout_s))
 
     def inspect(
         self,

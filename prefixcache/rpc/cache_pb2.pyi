@@ -136,18 +136,20 @@ class AttachResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., host_segment: _Optional[_Union[SharedMemorySegment, _Mapping]] = ..., device_pool: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., lease_ttl_seconds: _Optional[float] = ..., max_prompt_tokens: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "tokens", "cache_salt", "take_lease", "recompute_seconds_per_token")
+    __slots__ = ("namespace_id", "tokens", "cache_salt", "take_lease", "recompute_seconds_per_token", "block_size")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TAKE_LEASE_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     take_lease: bool
     recompute_seconds_per_token: float
-    def __init__(self, namespace_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., take_lease: _Optional[bool] = ..., recompute_seconds_per_token: _Optional[float] = ...) -> None: ...
+    block_size: int
+    def __init__(self, namespace_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., take_lease: _Optional[bool] = ..., recompute_seconds_per_token: _Optional[float] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("namespace_id", "prompt_tokens", "hit_tokens", "tiers", "slots", "miss_reason", "lease_id", "lease_ttl_seconds", "remote_blocks_declined")
@@ -290,7 +292,7 @@ class TierBlocks(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class NamespaceInfo(_message.Message):
-    __slots__ = ("namespace_id", "model", "revision", "salted", "tenant", "tiers", "kv_scale")
+    __slots__ = ("namespace_id", "model", "revision", "salted", "tenant", "tiers", "kv_scale", "engine_block_sizes")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +300,7 @@ class NamespaceInfo(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     KV_SCALE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BLOCK_SIZES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     model: str
     revision: str
@@ -305,13 +308,34 @@ class NamespaceInfo(_message.Message):
     tenant: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierBlocks]
     kv_scale: str
-    def __init__(self, namespace_id: _Optional[str] = ..., model: _Optional[str] = ..., revision: _Optional[str] = ..., salted: _Optional[bool] = ..., tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ..., kv_scale: _Optional[str] = ...) -> None: ...
+    engine_block_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace_id: _Optional[str] = ..., model: _Optional[str] = ..., revision: _Optional[str] = ..., salted: _Optional[bool] = ..., tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ..., kv_scale: _Optional[str] = ..., engine_block_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RefusedAttach(_message.Message):
+    __slots__ = ("model", "revision", "tenant", "field", "reason", "count", "seconds_since_last")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_LAST_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revision: str
+    tenant: str
+    field: str
+    reason: str
+    count: int
+    seconds_since_last: float
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., tenant: _Optional[str] = ..., field: _Optional[str] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ..., seconds_since_last: _Optional[float] = ...) -> None: ...
 
 class ListNamespacesResponse(_message.Message):
-    __slots__ = ("namespaces",)
+    __slots__ = ("namespaces", "refused")
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
-    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ...) -> None: ...
+    refused: _containers.RepeatedCompositeFieldContainer[RefusedAttach]
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[RefusedAttach, _Mapping]]] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("tier", "blocks", "bytes_used", "capacity_bytes")
@@ -339,7 +363,7 @@ class ReasonCounts(_message.Message):
     def __init__(self, by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("ready", "uptime_seconds", "lookups", "request_hits", "request_misses", "block_hits", "block_misses", "token_hits", "tokens_looked_up", "tokens_saved", "blocks_committed", "blocks_deduplicated", "active_leases", "tiers", "spills", "spills_dropped", "promotions", "evictions", "miss_reasons", "remote_up", "remote", "layout")
+    __slots__ = ("ready", "uptime_seconds", "lookups", "request_hits", "request_misses", "block_hits", "block_misses", "token_hits", "tokens_looked_up", "tokens_saved", "blocks_committed", "blocks_deduplicated", "active_leases", "tiers", "spills", "spills_dropped", "promotions", "evictions", "miss_reasons", "remote_up", "remote", "layout", "attach_refusals")
     class SpillsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -375,6 +399,13 @@ class Stats(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class AttachRefusalsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     READY_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -397,6 +428,7 @@ class Stats(_message.Message):
     REMOTE_UP_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_REFUSALS_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     uptime_seconds: float
     lookups: int
@@ -419,7 +451,8 @@ class Stats(_message.Message):
     remote_up: bool
     remote: _containers.ScalarMap[str, float]
     layout: KVLayout
-    def __init__(self, ready: _Optional[bool] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., request_hits: _Optional[int] = ..., request_misses: _Optional[int] = ..., block_hits: _Optional[int] = ..., block_misses: _Optional[int] = ..., token_hits: _Optional[int] = ..., tokens_looked_up: _Optional[int] = ..., tokens_saved: _Optional[int] = ..., blocks_committed: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., active_leases: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., spills: _Optional[_Mapping[str, int]] = ..., spills_dropped: _Optional[int] = ..., promotions: _Optional[_Mapping[str, int]] = ..., evictions: _Optional[_Mapping[str, ReasonCounts]] = ..., miss_reasons: _Optional[_Mapping[str, int]] = ..., remote_up: _Optional[bool] = ..., remote: _Optional[_Mapping[str, float]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+    attach_refusals: _containers.ScalarMap[str, int]
+    def __init__(self, ready: _Optional[bool] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., request_hits: _Optional[int] = ..., request_misses: _Optional[int] = ..., block_hits: _Optional[int] = ..., block_misses: _Optional[int] = ..., token_hits: _Optional[int] = ..., tokens_looked_up: _Optional[int] = ..., tokens_saved: _Optional[int] = ..., blocks_committed: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., active_leases: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., spills: _Optional[_Mapping[str, int]] = ..., spills_dropped: _Optional[int] = ..., promotions: _Optional[_Mapping[str, int]] = ..., evictions: _Optional[_Mapping[str, ReasonCounts]] = ..., miss_reasons: _Optional[_Mapping[str, int]] = ..., remote_up: _Optional[bool] = ..., remote: _Optional[_Mapping[str, float]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., attach_refusals: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class InspectRequest(_message.Message):
     __slots__ = ("namespace_id", "tokens", "cache_salt")

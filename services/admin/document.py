@@ -88,6 +88,7 @@ def stats_document(stats: ServiceStats, address: str) -> dict:
             "block_bytes": layout.block_bytes,
             "bytes_per_token": layout.bytes_per_token,
         },
+        "attach_refusals": dict(sorted(stats.attach_refusals.items())),
     }
     for stat in STATS:
         if stat.json is not None:
@@ -113,6 +114,7 @@ DERIVED = frozenset(
         "address",
         "ready",
         "layout",
+        "attach_refusals",
         "requests.hit_rate",
         "blocks.hit_rate",
         "tokens.hit_rate",

@@ -110,9 +110,11 @@ def evict(args: argparse.Namespace) -> int:
 
 def namespaces(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        entries = client.namespaces()
+        entries, refused = client.namespaces(), client.refused_attaches()
         layout = client.stats().layout
-        document = namespaces_document(client.address, entries, layout.block_bytes if layout is not None else 0)
+        document = namespaces_document(
+            client.address, entries, layout.block_bytes if layout is not None else 0, refused
+        )
     if args.json:
         _print_json(document)
     else:

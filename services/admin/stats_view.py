@@ -75,6 +75,11 @@ def overview_table(doc: dict) -> Table:
             ("tokens saved", f"{tok['saved']:,}"),
             ("blocks committed", f"{blk['committed']:,}  ({blk['deduplicated']:,} already cached)"),
             ("active leases", f"{doc['active_leases']:,}"),
+            *(
+                [("refused attaches", ", ".join(f"{n:,} ({field})" for field, n in refused.items()))]
+                if (refused := doc["attach_refusals"])
+                else []
+            ),
         ],
     )
 

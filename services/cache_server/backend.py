@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 
 
 RECLAIM_RETRY_S = 1.0  # a tenant's reclaim scan that freed nothing waits this long to run again
+MAX_ENGINE_BLOCK_SIZES = 16  # engine block sizes listed per namespace (a tenant cannot grow the list unbounded)
 FENCE_S = 0.25  # how long close() waits for copies out of the tiers (each is one chunk, <= 4 MiB)
 
 
@@ -141,6 +142,7 @@ class CacheBackend:
         self._owners: dict[str, str] = {}  # namespace id -> tenant
         self._salted: dict[tuple[str, str], str] = {}  # (namespace id, salt) -> namespace id
         self._counts: dict[str, int] = {}  # tenant -> namespaces registered
+        self._engine_block_sizes: dict[str, set[int]] = {}  # namespace id -> its engines' block sizes
         self._reclaim_after: dict[str, float] = {}  # tenant -> no reclaim scan before (monotonic)
         self._draining = threading.Event()
         self._fence = TierFence()
@@ -254,12 +256,26 @@ class CacheBackend:
 
     # -- namespaces ---------------------------------------------------------
     def attach(
-        self, principal: Principal, model: str, revision: str, layout: KVLayout, salt: str | None, kv_scale: str = ""
+        self,
+        principal: Principal,
+        model: str,
+        revision: str,
+        layout: KVLayout,
+        salt: str | None,
+        kv_scale: str = "",
+        engine_block_size: int = 0,
     ) -> str:
+        """`layout` in the service's blocks; `engine_block_size` (0: the same) is listed with the
+        namespace, so an operator sees which engines share it."""
         namespace = Namespace(
             model, revision, layout, tenant=principal.tenant, cache_salt=salt or "", kv_scale=kv_scale
         )
-        return self._register(self._cache_for(layout), namespace, "model")
+        ns_id = self._register(self._cache_for(layout), namespace, "model")
+        with self._registry_lock:
+            sizes = self._engine_block_sizes.setdefault(ns_id, set())
+            if len(sizes) < MAX_ENGINE_BLOCK_SIZES:
+                sizes.add(engine_block_size or layout.block_size)
+        return ns_id
 
     def _register(self, cache: PrefixCache, namespace: Namespace, field: str) -> str:
         """Attach `namespace` to the cache for its tenant, within the tenant's namespace budget."""
@@ -335,9 +351,11 @@ class CacheBackend:
         tokens: np.ndarray,
         take_lease: bool,
         recompute_s_per_token: float | None = None,
+        block_size: int = 0,
     ) -> LookupResult:
+        """`block_size` (0: the namespace's): the caller's, a multiple the hit is cut to."""
         resolved = self.resolve(principal, ns_id, salt)
-        return self._require().lookup(resolved, tokens, take_lease, recompute_s_per_token)
+        return self._require().lookup(resolved, tokens, take_lease, recompute_s_per_token, block_size)
 
     def remaining_s(self, expires_at: float | None) -> float:
         if expires_at is None or self._cache is None:
@@ -418,6 +436,7 @@ class CacheBackend:
             owned = [
                 (ns, tenant) for ns, tenant in self._owners.items() if principal.admin or tenant == principal.tenant
             ]
+            engines = {ns: tuple(sorted(self._engine_block_sizes.get(ns, ()))) for ns, _ in owned}
         resident = cache.resident_blocks()
         entries = []
         for ns, tenant in owned:
@@ -432,6 +451,7 @@ class CacheBackend:
                     resident.get(ns, {}),
                     namespace.kv_scale,
                     namespace.layout.block_bytes,
+                    engines[ns],
                 )
             )
         return entries

@@ -71,7 +71,12 @@ def register(subparsers) -> None:
         "pays instead: about 2.3 s per GiB on a 2-vCPU VM)",
     )
     add("--device-capacity", default="0", help="device tier byte budget on CUDA (default %(default)s: none)")
-    add("--block-size", type=int, default=16, help="tokens per block (default %(default)s)")
+    add(
+        "--block-size",
+        type=int,
+        default=16,
+        help="tokens per block (default %(default)s); an engine attaches with any multiple of it",
+    )
     add(
         "--chunk-bytes",
         default=None,

@@ -64,18 +64,19 @@ def positive_id(value: int, field: str) -> int:
     return value
 
 
-def layout(message: pb.KVLayout, server_block_size: int) -> KVLayout:
-    """KVLayout from an Attach; block size 0 means the server's, any other value must equal it."""
+def layout(message: pb.KVLayout, server_block_size: int) -> tuple[KVLayout, int]:
+    """An Attach's layout: (the namespace's, in the service's blocks; the engine's block size).
+
+    The engine's block size (0: the service's) must be a whole number of the service's blocks
+    (`KVLayout.blocks_per`): the namespace stores each engine block as that many service blocks,
+    so engines of other block sizes share its blocks (and its Redis keys) where prompts agree."""
     dtype = wire.dtype_of(message.dtype, "layout.dtype")
-    block_size = message.block_size or server_block_size
-    if block_size != server_block_size:
-        raise InvalidArgument(
-            "layout.block_size", f"{block_size} differs from this service's block size {server_block_size}"
-        )
     try:
-        return KVLayout(message.layers, message.kv_heads, message.head_dim, block_size, dtype)
+        stored = KVLayout(message.layers, message.kv_heads, message.head_dim, server_block_size, dtype)
+        engine = stored.blocks_per(message.block_size, "block_size") * server_block_size
     except ConfigError as error:
         raise InvalidArgument(f"layout.{error.field}", str(error).split(": ", 1)[-1]) from None
+    return stored, engine
 
 
 def text(value: str, field: str, limit: int = 512, required: bool = True) -> str:

@@ -232,6 +232,23 @@ class HandlerCollector(Collector):
         yield calls
 
 
+class RefusalCollector(Collector):
+    """Refused Attach calls by the request field refused (refusals.py), read at each scrape."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        refused = CounterMetricFamily(
+            f"{PREFIX}_attach_refusals",
+            "Attach calls refused, by the field refused (the engine then runs without the cache)",
+            labels=["field"],
+        )
+        for field, n in sorted(self._counts().items()):
+            refused.add_metric([field], n)
+        yield refused
+
+
 def add_process_collectors(registry: CollectorRegistry) -> None:
     """process_* (CPU, memory, file descriptors; Linux), python_info and python_gc_*."""
     ProcessCollector(registry=registry)
@@ -285,6 +302,9 @@ class ServiceMetrics:
 
     def watch_handlers(self, load: Callable[[], dict[str, int]]) -> None:
         self.registry.register(HandlerCollector(load))
+
+    def watch_refusals(self, counts: Callable[[], dict[str, int]]) -> None:
+        self.registry.register(RefusalCollector(counts))
 
     def observe(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         self._rpcs.labels(method, code.name).inc()

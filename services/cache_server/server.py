@@ -54,6 +54,7 @@ from .pools import (
     StreamWatch,
     TenantShares,
 )
+from .refusals import AttachRefusals
 from .servicer import SERVICE_NAME, Limits, PrefixCacheServicer, register
 from .status import CallTracker
 
@@ -144,8 +145,10 @@ class CacheServer:
         # balancer sends work elsewhere; "" (liveness) stays SERVING: a busy pod is not restarted.
         self._load_ticker = Ticker("prefixcache-load", LOAD_CHECK_S, self._report_load)
         self._full = False
+        self.refusals = AttachRefusals()
         if self.metrics is not None:
             self.metrics.watch_handlers(self.unary_pool.load)
+            self.metrics.watch_refusals(self.refusals.by_field)
         self._server = self._build_grpc()
 
     def _build_grpc(self) -> grpc.Server:
@@ -157,7 +160,7 @@ class CacheServer:
         server = grpc.server(self.unary_pool, interceptors=interceptors, options=options.grpc_options())
         limits = Limits(options.backend.block_size, options.backend.cache.max_prompt_tokens, options.max_chunk_bytes)
         servicer = PrefixCacheServicer(
-            self.backend, options.authenticator, limits, self.streams, self.store_buffers, self.shares
+            self.backend, options.authenticator, limits, self.streams, self.store_buffers, self.shares, self.refusals
         )
         register(server, servicer, self.tracker, self.metrics.observe if self.metrics else _no_observer)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -18,7 +18,7 @@ import torch
 from google.protobuf.message import Message
 
 from prefixcache import wire
-from prefixcache.errors import InvalidArgument, ResourceExhausted
+from prefixcache.errors import InvalidArgument, PrefixCacheError, ResourceExhausted
 from prefixcache.kinds import TierKind
 from prefixcache.leases import Lease
 from prefixcache.rpc import cache_pb2 as pb
@@ -27,6 +27,7 @@ from . import convert, status
 from .auth import OPEN, Authenticator, NotPermitted, Principal
 from .backend import CacheBackend
 from .pools import ByteBudget, StreamWatch, TenantShares, Watched
+from .refusals import AttachRefusals
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefixCache"].full_name
 MAX_CHUNK_BYTES = (4 << 20) - 1024  # a whole FetchChunk message stays <= 4 MiB
@@ -109,6 +110,7 @@ class PrefixCacheServicer:
         streams: StreamWatch,
         store_buffers: ByteBudget,
         shares: TenantShares | None = None,
+        refusals: AttachRefusals | None = None,
     ) -> None:
         self._backend = backend
         self._auth = authenticator
@@ -116,6 +118,7 @@ class PrefixCacheServicer:
         self._streams = streams  # cancels a Fetch/Store whose peer stalls
         self._store_buffers = store_buffers  # what Store streams buffer at once
         self._shares = shares  # multi-tenant mode: each tenant's share of calls and stream threads
+        self._refusals = refusals or AttachRefusals()
 
     def _begin(self, request, context: grpc.ServicerContext, kind: str | None = "calls") -> Principal:
         """The caller, once the request parsed and the service is open; counted in its tenant's
@@ -134,13 +137,24 @@ class PrefixCacheServicer:
 
     def Attach(self, request: pb.AttachRequest, context) -> pb.AttachResponse:
         principal = self._begin(request, context)
+        try:
+            return self._attach(request, principal)
+        except PrefixCacheError as error:  # kept where the operator looks, not only in the engine's log
+            field = getattr(error, "field", None) or "layout"
+            reason = str(error).removeprefix(f"{field}: ")
+            self._refusals.record(principal.tenant, request.model, request.revision, field, reason)
+            raise
+
+    def _attach(self, request: pb.AttachRequest, principal: Principal) -> pb.AttachResponse:
         model = convert.text(request.model, "model")
         revision = convert.text(request.revision, "revision", required=False)
         if not request.HasField("layout"):
             raise InvalidArgument("layout", "is required")
-        layout = convert.layout(request.layout, self._limits.block_size)
+        layout, engine_block_size = convert.layout(request.layout, self._limits.block_size)
         kv_scale = convert.text(request.kv_scale, "kv_scale", required=False)
-        ns_id = self._backend.attach(principal, model, revision, layout, convert.salt(request), kv_scale)
+        ns_id = self._backend.attach(
+            principal, model, revision, layout, convert.salt(request), kv_scale, engine_block_size
+        )
         response = pb.AttachResponse(
             namespace_id=ns_id,
             layout=wire.layout_message(layout),
@@ -192,7 +206,13 @@ class PrefixCacheServicer:
         ns_id = convert.namespace_id(request.namespace_id)
         salt = convert.salt(request)
         result = self._backend.lookup(
-            principal, ns_id, salt, self._tokens(request.tokens), request.take_lease, convert.recompute_cost(request)
+            principal,
+            ns_id,
+            salt,
+            self._tokens(request.tokens),
+            request.take_lease,
+            convert.recompute_cost(request),
+            request.block_size,
         )
         return convert.lookup_response(result, self._backend.remaining_s(result.lease_expires_at))
 
@@ -304,7 +324,10 @@ class PrefixCacheServicer:
     def GetStats(self, request: pb.GetStatsRequest, context) -> pb.Stats:
         principal = self._begin(request, context)
         cache = self._backend.cache
-        return wire.stats_message(self._backend.stats_for(principal), cache.layout if cache is not None else None)
+        message = wire.stats_message(self._backend.stats_for(principal), cache.layout if cache is not None else None)
+        if principal.admin:  # counts of every tenant's refusals
+            message.attach_refusals.update(self._refusals.by_field())
+        return message
 
     def Inspect(self, request: pb.InspectRequest, context) -> pb.InspectResponse:
         principal = self._begin(request, context)
@@ -322,9 +345,12 @@ class PrefixCacheServicer:
     def ListNamespaces(self, request: pb.ListNamespacesRequest, context) -> pb.ListNamespacesResponse:
         principal = self._begin(request, context)
         cache = self._backend.cache
-        return wire.namespaces_message(
+        message = wire.namespaces_message(
             self._backend.namespaces(principal), cache.layout.block_bytes if cache is not None else 0
         )
+        seen_by = None if principal.admin else principal.tenant
+        message.refused.extend(wire.refused_message(r) for r in self._refusals.recent(seen_by))
+        return message
 
     def Evict(self, request: pb.EvictRequest, context) -> pb.EvictResponse:
         principal = self._begin(request, context)

@@ -60,7 +60,12 @@ def register(subparsers) -> None:
         help="model and KV dtype (default bfloat16: cached == recomputed bit for bit on CPU)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weights seed of the tiny model (default 0)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per cached block (default 16)")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="tokens per cached block (default 16): a multiple of the cache service's --block-size",
+    )
     parser.add_argument(
         "--cache-deadline-ms",
         type=float,

@@ -189,11 +189,23 @@ MATRIX = {
         "cache_salt",
         lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, cache_salt="a\x00b")),
     ),
-    "block size mismatch": (
+    "block size not a multiple": (
         "Attach",
         CODE.INVALID_ARGUMENT,
         "layout.block_size",
-        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(block_size=32))),
+        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(block_size=24))),
+    ),
+    "block size too large": (
+        "Attach",
+        CODE.INVALID_ARGUMENT,
+        "layout.block_size",
+        lambda s, ns: s.Attach(pb.AttachRequest(model="m", layout=_layout_msg(block_size=65536 + BLOCK))),
+    ),
+    "lookup block size not a multiple": (
+        "Lookup",
+        CODE.INVALID_ARGUMENT,
+        "block_size",
+        lambda s, ns: s.Lookup(pb.LookupRequest(namespace_id=ns, tokens=[1] * 64, block_size=40)),
     ),
     "no dtype": (
         "Attach",
