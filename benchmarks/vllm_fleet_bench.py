@@ -491,7 +491,7 @@ def main() -> None:
     before = {"4b", "5b"} & set(args.configs.split(","))
     if before and not (Path(args.before_root) / "prefixcache" / "integrations" / "vllm").is_dir():
         parser.error(f"--before-root: configs {sorted(before)} need a checkout with prefixcache/integrations/vllm")
-    for name in ("conversations", "turns", "users", "max_tokens"):
+    for name in ("conversations", "turns", "users", "max_tokens", "kv_mib", "pressure_mib"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
 

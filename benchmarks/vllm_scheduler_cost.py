@@ -99,7 +99,6 @@ def main() -> None:
                     break
                 scheduler.finished(request)  # releases the lease (as vLLM would after the load)
         grace = scheduler.stats.totals
-        requests = prompts
         client, _ = scheduler.link.client() or (None, None)
         assert client is not None
         rpc = []
@@ -112,10 +111,10 @@ def main() -> None:
     finally:
         service.terminate()
         service.wait(30)
-    polls = len(pending) / len(requests)
+    polls = len(pending) / len(prompts)
     new_total = statistics.median(started) + polls * statistics.median(pending) + statistics.median(answered)
     summary = {
-        "requests": len(requests),
+        "requests": len(prompts),
         "prompt_tokens": args.tokens,
         "hits": hits,
         "us": {
@@ -126,14 +125,14 @@ def main() -> None:
         },
         "polls_per_request": polls,
         "answered_at_first_ask": {phase: statistics.fmean(v) for phase, v in first_ask.items()},
-        "grace_wait_us_per_request": 1e6 * grace.get("lookup_grace_seconds", 0.0) / len(requests),
+        "grace_wait_us_per_request": 1e6 * grace.get("lookup_grace_seconds", 0.0) / len(prompts),
         "new_over_old_per_request": new_total / statistics.median(rpc),
     }
     print("| scheduler-thread work | median us | p99 us |\n|---|---:|---:|")
     for name, (median, p99) in summary["us"].items():
         print(f"| {name} | {median:.1f} | {p99:.1f} |")
     print(
-        f"\n{hits}/{len(requests)} hits; {polls:.2f} in-flight polls a request; per request "
+        f"\n{hits}/{len(prompts)} hits; {polls:.2f} in-flight polls a request; per request "
         f"{new_total * 1e6:.1f} us now vs {1e6 * statistics.median(rpc):.1f} us before "
         f"({summary['new_over_old_per_request']:.3f}x)"
     )
