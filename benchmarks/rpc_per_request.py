@@ -4,16 +4,22 @@
 
 Starts `prefixcache serve` as its own process, attaches like a worker (same host: the host tier
 mapped), stores a shared prefix, then replays the worker's per-request sequence N times:
-Lookup (with a lease) -> read the hit through shared memory -> store the new suffix blocks
-(Reserve + write the mapped slots + Commit, as `CacheClient.store` does) -> Release. It prints the wall time of each call,
-mean and p50, and which of them sit before the first token (only Lookup and the read do: the
-store and the release run after the response has streamed). Layout: Llama-3-8B-shaped.
+Lookup (with a lease) -> read the hit through shared memory -> store the new suffix blocks ->
+Release. Two ways to store, in alternating quarters of the run (A B A B, so load drifts hit
+both alike):
+- two calls: Reserve + write the mapped slots + Commit, each timed (the client before issue 31);
+- one call: `CacheClient.store`, whose Commit also reserves the next store's slots
+  (`reserve_next`): a store that finds that spare writes and commits, one RPC.
+It prints the wall time of each stage, mean and p50, and the service's CPU per request in each
+mode (from /proc). Only Lookup and the read sit before the first token: the store and the
+Release run after the response has streamed. Layout: Llama-3-8B-shaped.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -49,49 +55,70 @@ def main() -> None:
         prefix = list(range(args.prompt_tokens))
         client.store(prefix, torch.zeros((args.prompt_tokens // size, *LAYOUT.block_shape), dtype=torch.float16))
         kv = torch.ones((suffix_blocks, *LAYOUT.block_shape), dtype=torch.float16)
-        stages: dict[str, list[float]] = {
-            "lookup": [],
-            "read": [],
-            "reserve": [],
-            "write": [],
-            "commit": [],
-            "release": [],
-        }
         ns_id = client.attachment.namespace_id
+        modes: dict[str, dict[str, list[float]]] = {
+            "two_calls": {name: [] for name in ("lookup", "read", "reserve", "write", "commit", "release")},
+            "one_call": {name: [] for name in ("lookup", "read", "store", "release")},
+        }
+        cpu = {mode: 0.0 for mode in modes}
+        quarter = max(1, args.requests // 4)
         for request in range(args.requests):
+            mode = "two_calls" if (request // quarter) % 2 == 0 else "one_call"
             tokens = prefix + [100_000 + request * args.suffix + i for i in range(args.suffix)]
+            cpu_before = _cpu_s(process.pid)
             t0 = time.perf_counter()
             hit = client.lookup(tokens, take_lease=True)
             t1 = time.perf_counter()
             client.read(hit)
             t2 = time.perf_counter()
-            # client.store's same-host path, step by step (CacheClient._store_shared)
-            reservation = client._stub.Reserve(pb.ReserveRequest(namespace_id=ns_id, block_count=len(kv)))
-            t3 = time.perf_counter()
-            client._pools.scatter(list(reservation.slots), kv[: len(reservation.slots)])
-            t4 = time.perf_counter()
-            client._stub.Commit(
-                pb.CommitRequest(
-                    namespace_id=ns_id, tokens=tokens, start_block=hit.blocks, reservation_id=reservation.reservation_id
+            if mode == "one_call":
+                client.store(tokens, kv, start_block=hit.blocks)
+                marks = [t0, t1, t2, time.perf_counter()]
+            else:  # CacheClient._store_shared before it kept a spare reservation, step by step
+                reservation = client._stub.Reserve(pb.ReserveRequest(namespace_id=ns_id, block_count=len(kv)))
+                t3 = time.perf_counter()
+                client._pools.scatter(list(reservation.slots), kv[: len(reservation.slots)])
+                t4 = time.perf_counter()
+                client._stub.Commit(
+                    pb.CommitRequest(
+                        namespace_id=ns_id,
+                        tokens=tokens,
+                        start_block=hit.blocks,
+                        reservation_id=reservation.reservation_id,
+                    )
                 )
-            )
-            t5 = time.perf_counter()
+                marks = [t0, t1, t2, t3, t4, time.perf_counter()]
             client.release(hit)
-            t6 = time.perf_counter()
-            for name, seconds in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)):
-                stages[name].append(seconds * 1e3)
-        report = {name: {"mean_ms": statistics.fmean(v), "p50_ms": statistics.median(v)} for name, v in stages.items()}
+            marks.append(time.perf_counter())
+            cpu[mode] += _cpu_s(process.pid) - cpu_before
+            for name, start, end in zip(modes[mode], marks, marks[1:]):
+                modes[mode][name].append((end - start) * 1e3)
+        report: dict = {
+            mode: {name: {"mean_ms": statistics.fmean(v), "p50_ms": statistics.median(v)} for name, v in stages.items()}
+            for mode, stages in modes.items()
+        }
+        report["service_cpu_ms_per_request"] = {
+            mode: 1e3 * cpu[mode] / max(1, len(stages["lookup"])) for mode, stages in modes.items()
+        }
         report["shared_memory"] = client.attachment.shared_memory
         client.close()
     finally:
         process.terminate()
         process.wait(30)
-    print(f"{'stage':<24}{'mean ms':>10}{'p50 ms':>10}   (before the first token: lookup, read)")
-    for name in stages:
-        print(f"{name:<24}{report[name]['mean_ms']:>10.3f}{report[name]['p50_ms']:>10.3f}")
+    for mode in modes:
+        print(f"{mode:<24}{'mean ms':>10}{'p50 ms':>10}   (before the first token: lookup, read)")
+        for name in modes[mode]:
+            print(f"  {name:<22}{report[mode][name]['mean_ms']:>10.3f}{report[mode][name]['p50_ms']:>10.3f}")
+        print(f"  {'service CPU / request':<22}{report['service_cpu_ms_per_request'][mode]:>10.3f}")
     print(json.dumps(report, indent=2))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

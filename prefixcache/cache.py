@@ -25,6 +25,7 @@ drops the lock for the probe, and re-takes it to admit what came back).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -450,42 +451,64 @@ class PrefixCache:
         return lease
 
     # -- storing ------------------------------------------------------------------
-    def reserve(self, count: int, ns_id: str | None = None) -> Reservation:
+    def reserve(
+        self, count: int, ns_id: str | None = None, evict: bool = True, replaces: int | None = None
+    ) -> Reservation:
         """Up to `count` free host slots for a writer; fewer when the tier is pinned full.
 
         With `ns_id`, the slots count against its tenant's host quota (fewer when over it) and
-        only that tenant may commit them.
+        only that tenant may commit them. `evict=False` (a writer's spare for a store that may
+        never come) takes only slots free now, evicting nothing. `replaces` names a reservation
+        of the same tenant to give back first (a spare too small for this store); an unknown or
+        expired one is ignored.
         """
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise InvalidArgument("count", f"must be a non-negative integer, got {count!r}")
         entry = self.namespaces.get(ns_id) if ns_id is not None else None
         row, layout = (entry.index, entry.layout) if entry is not None else (-1, 0)
         with self._lock:
-            slots = self._take_slots(count, row, layout)
+            old = self.leases.reservation(replaces) if replaces else None
+            if old is not None and self._same_tenant(old.namespace, row):
+                self.leases.take_reservation(old.id)
+                self.placement.free_reserved(old)
+            slots = self._take_slots(count, row, layout, evict)
             return self.leases.add_reservation(
                 TierKind.HOST, slots, self.clock() + self.config.lease_ttl_s, row, layout
             )
 
-    def _take_slots(self, count: int, row: int, layout: int) -> tuple[int, ...]:
+    def _same_tenant(self, row: int, other: int) -> bool:
+        """Whether namespace rows `row` and `other` (-1: none) belong to one tenant."""
+        return row == other or (row >= 0 and other >= 0 and self.tenants.tenant(row) == self.tenants.tenant(other))
+
+    def _take_slots(self, count: int, row: int, layout: int, evict: bool = True) -> tuple[int, ...]:
         """`reserve`'s slots for a checked count, namespace row `row` (-1: none) of `layout`; locked."""
         host = self.placement.pool(TierKind.HOST, layout)
         if count > host.num_slots:
             raise ResourceExhausted(f"count: {count} blocks exceed the host tier's {host.num_slots} slots", "count")
         if row >= 0:
-            count = self.ledger.room(row, TierKind.HOST, count)
-        self.placement.make_room(TierKind.HOST, count, layout)
+            count = self.ledger.room(row, TierKind.HOST, count, evict)
+        if evict:
+            self.placement.make_room(TierKind.HOST, count, layout)
         return self.placement.free(TierKind.HOST, layout).take_many(count)
 
-    def commit(self, ns_id: str, tokens: Tokens, reservation_id: int, start_block: int) -> CommitResult:
-        """Publish reserved slots as blocks `start_block..` of the prompt `tokens`."""
+    def commit(
+        self, ns_id: str, tokens: Tokens, reservation_id: int, start_block: int, count: int | None = None
+    ) -> CommitResult:
+        """Publish reserved slots as blocks `start_block..` of the prompt `tokens`; with `count`,
+        only the first `count` slots (the rest go back to the free list)."""
         prompt = self.namespaces.prompt(ns_id, tokens)
         if not isinstance(start_block, int) or isinstance(start_block, bool) or start_block < 0:
             raise InvalidArgument("start_block", f"must be a non-negative integer, got {start_block!r}")
         with self._lock:
-            return self._commit(prompt, reservation_id, start_block)
+            return self._commit(prompt, reservation_id, start_block, count=count)
 
     def _commit(
-        self, prompt: Prompt, reservation_id: int, start_block: int, match: Match | None = None
+        self,
+        prompt: Prompt,
+        reservation_id: int,
+        start_block: int,
+        match: Match | None = None,
+        count: int | None = None,
     ) -> CommitResult:
         reservation = self.leases.reservation(reservation_id)
         if reservation is None or (
@@ -497,12 +520,19 @@ class PrefixCache:
             raise InvalidArgument(
                 "reservation_id", "the reservation was made for another KV layout than the namespace's"
             )
-        end = start_block + len(reservation.slots)
+        if count is not None and not 0 < count <= len(reservation.slots):
+            raise InvalidArgument("block_count", f"must be 1 to the reservation's {len(reservation.slots)} slots")
+        used = reservation.slots if count is None else reservation.slots[:count]
+        end = start_block + len(used)
         if end > len(prompt.hashes):  # checked first: a refused commit keeps its reservation (retry it right)
             raise InvalidArgument(
                 "start_block", f"the reservation's blocks would end at {end}, past the prompt's full blocks"
             )
         self.leases.take_reservation(reservation_id)
+        if len(used) < len(reservation.slots):
+            rest = np.asarray(reservation.slots[len(used) :], dtype=np.int64)
+            self.placement.free(reservation.tier, reservation.layout).give_many(rest)
+            reservation = dataclasses.replace(reservation, slots=used)
         return self._publish(prompt, reservation, start_block, end, match)
 
     def _match_for_commit(self, prompt: Prompt, end: int) -> Match:

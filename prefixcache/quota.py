@@ -93,11 +93,12 @@ class TenantLedger:
         )
         return self.resident_bytes(tenant, kind) + reserved
 
-    def room(self, ns_row: int, kind: TierKind, count: int) -> int:
+    def room(self, ns_row: int, kind: TierKind, count: int, evict: bool = True) -> int:
         """How many of `count` new blocks of namespace row `ns_row` may go into `kind`.
 
         Over its quota, the tenant's own least recently used blocks there (of any layout) are
-        evicted first (reason `capacity`); what its pinned blocks keep occupied is not given out.
+        evicted first (reason `capacity`; with `evict` False, none are: only the room left now);
+        what its pinned blocks keep occupied is not given out.
         """
         tenant = self._tenants.tenant(ns_row)
         limit = self.limit_bytes(tenant, kind)
@@ -106,7 +107,7 @@ class TenantLedger:
         block = int(self._bytes_of_row[ns_row])
         used = self.usage(tenant, kind)
         excess = used + count * block - limit
-        if excess > 0:
+        if excess > 0 and evict:
             used -= self._placement.trim(
                 kind, self._tenants.members(tenant), excess, EvictionReason.CAPACITY, self.block_bytes
             )

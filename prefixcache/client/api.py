@@ -27,6 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -221,6 +222,10 @@ class CacheClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._attachment: Attachment | None = None
         self._pools = LocalPools(None, None)
+        # A reservation the last Commit asked for (`reserve_next`), for the next same-host store:
+        # one call per store instead of Reserve + Commit. (reservation, monotonic time to stop using it)
+        self._spare: tuple[pb.ReserveResponse, float] | None = None
+        self._spare_lock = threading.Lock()
 
     # -- plumbing ---------------------------------------------------------------
     def _call(
@@ -263,6 +268,7 @@ class CacheClient:
         if cache_salt is not None:
             request.cache_salt = cache_salt
         reply = self._call(self._stub.Attach, request, timeout_s)
+        self._take_spare()  # a reservation of the last attachment is not this one's
         stored = wire.layout_of(reply.layout)
         engine = stored if layout.block_size == stored.block_size else stored.with_block_size(layout.block_size)
         self._pools.close()
@@ -467,22 +473,51 @@ class CacheClient:
     def _store_shared(
         self, tokens: list[int], kv: torch.Tensor, start_block: int, salt: str | None, timeout_s: float | None
     ) -> CommitResult:
+        """Write the reserved slots, then Commit; the Commit reserves the next store's slots, so a
+        store finding that spare reservation large enough makes one call, not two."""
         ns_id = self.attachment.namespace_id
-        reservation = self._call(
-            self._stub.Reserve, pb.ReserveRequest(namespace_id=ns_id, block_count=len(kv)), timeout_s
-        )
-        slots = list(reservation.slots)
+        spare = self._take_spare()
+        reservation = spare if spare is not None and len(spare.slots) >= len(kv) else None
+        if reservation is None:
+            ask = pb.ReserveRequest(namespace_id=ns_id, block_count=len(kv))
+            if spare is not None:  # too small: given back in the same call
+                ask.replaces = spare.reservation_id
+            reservation = self._call(self._stub.Reserve, ask, timeout_s)
+        slots = list(reservation.slots)[: len(kv)]
         if not slots:
             return CommitResult(0, 0, len(kv))
         self._pools.check_current()  # a restarted service's slots are not in this mapping
         self._pools.scatter(slots, kv[: len(slots)])
         request = pb.CommitRequest(
-            namespace_id=ns_id, tokens=tokens, reservation_id=reservation.reservation_id, start_block=start_block
+            namespace_id=ns_id,
+            tokens=tokens,
+            reservation_id=reservation.reservation_id,
+            start_block=start_block,
+            block_count=len(slots),
+            reserve_next=len(kv),  # the next store is likely this one's size
         )
         if salt is not None:
             request.cache_salt = salt
+        sent = time.monotonic()
         reply = self._call(self._stub.Commit, request, timeout_s)
+        if reply.HasField("next") and reply.next.slots:
+            # Used only while at least half its TTL is left: a store that finds it must still
+            # write and commit before the service reclaims it.
+            self._put_spare(reply.next, sent + reply.next.ttl_seconds / 2)
         return CommitResult(reply.stored, reply.deduplicated, reply.rejected + len(kv) - len(slots))
+
+    def _take_spare(self) -> pb.ReserveResponse | None:
+        """The spare reservation while it is fresh (taken: one store uses it); a stale one is left
+        to expire on the service."""
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is None or time.monotonic() >= spare[1]:
+            return None
+        return spare[0]
+
+    def _put_spare(self, reservation: pb.ReserveResponse, use_until: float) -> None:
+        with self._spare_lock:
+            self._spare = (reservation, use_until)
 
     def _store_stream(
         self, tokens: list[int], kv: torch.Tensor, start_block: int, salt: str | None, timeout_s: float | None

@@ -194,12 +194,14 @@ class FetchChunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., block_count: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace_id", "block_count")
+    __slots__ = ("namespace_id", "block_count", "replaces")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    REPLACES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     block_count: int
-    def __init__(self, namespace_id: _Optional[str] = ..., block_count: _Optional[int] = ...) -> None: ...
+    replaces: int
+    def __init__(self, namespace_id: _Optional[str] = ..., block_count: _Optional[int] = ..., replaces: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reservation_id", "tier", "slots", "ttl_seconds")
@@ -214,28 +216,34 @@ class ReserveResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., slots: _Optional[_Iterable[int]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("namespace_id", "tokens", "cache_salt", "reservation_id", "start_block")
+    __slots__ = ("namespace_id", "tokens", "cache_salt", "reservation_id", "start_block", "block_count", "reserve_next")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_NEXT_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     reservation_id: int
     start_block: int
-    def __init__(self, namespace_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., reservation_id: _Optional[int] = ..., start_block: _Optional[int] = ...) -> None: ...
+    block_count: int
+    reserve_next: int
+    def __init__(self, namespace_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., reservation_id: _Optional[int] = ..., start_block: _Optional[int] = ..., block_count: _Optional[int] = ..., reserve_next: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("stored", "deduplicated", "rejected")
+    __slots__ = ("stored", "deduplicated", "rejected", "next")
     STORED_FIELD_NUMBER: _ClassVar[int]
     DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
     stored: int
     deduplicated: int
     rejected: int
-    def __init__(self, stored: _Optional[int] = ..., deduplicated: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+    next: ReserveResponse
+    def __init__(self, stored: _Optional[int] = ..., deduplicated: _Optional[int] = ..., rejected: _Optional[int] = ..., next: _Optional[_Union[ReserveResponse, _Mapping]] = ...) -> None: ...
 
 class StoreHeader(_message.Message):
     __slots__ = ("namespace_id", "tokens", "cache_salt", "start_block", "block_count", "dtype", "block_shape")

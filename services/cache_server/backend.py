@@ -394,9 +394,11 @@ class CacheBackend:
         return self._require().pool(location.tier, ns_id).block_bytes(location.slot)
 
     # -- writes -------------------------------------------------------------------------
-    def reserve(self, principal: Principal, ns_id: str, count: int) -> Reservation:
+    def reserve(
+        self, principal: Principal, ns_id: str, count: int, evict: bool = True, replaces: int | None = None
+    ) -> Reservation:
         resolved = self.resolve(principal, ns_id, None)
-        return self._require().reserve(count, resolved)  # the tenant's host quota; only it may commit
+        return self._require().reserve(count, resolved, evict, replaces)  # the tenant's host quota; only it commits
 
     def commit(
         self,
@@ -406,9 +408,10 @@ class CacheBackend:
         tokens: np.ndarray,
         reservation_id: int,
         start_block: int,
+        count: int | None = None,
     ) -> CommitResult:
         resolved = self.resolve(principal, ns_id, salt)
-        return self._require().commit(resolved, tokens, reservation_id, start_block)
+        return self._require().commit(resolved, tokens, reservation_id, start_block, count)
 
     def store(
         self, principal: Principal, ns_id: str, salt: str | None, tokens: np.ndarray, kv: torch.Tensor, start_block: int

@@ -261,7 +261,12 @@ class PrefixCacheServicer:
         ns_id = convert.namespace_id(request.namespace_id)
         if request.block_count == 0:
             raise InvalidArgument("block_count", "must be at least 1")
-        reservation = self._backend.reserve(principal, ns_id, request.block_count)
+        return self._reserve(principal, ns_id, request.block_count, replaces=request.replaces or None)
+
+    def _reserve(
+        self, principal: Principal, ns_id: str, count: int, evict: bool = True, replaces: int | None = None
+    ) -> pb.ReserveResponse:
+        reservation = self._backend.reserve(principal, ns_id, count, evict, replaces)
         return pb.ReserveResponse(
             reservation_id=reservation.id,
             tier=wire.TIERS[reservation.tier],
@@ -276,9 +281,21 @@ class PrefixCacheServicer:
         salt = convert.salt(request)
         reservation_id = convert.positive_id(request.reservation_id, "reservation_id")
         result = self._backend.commit(
-            principal, ns_id, salt, self._tokens(request.tokens), reservation_id, request.start_block
+            principal,
+            ns_id,
+            salt,
+            self._tokens(request.tokens),
+            reservation_id,
+            request.start_block,
+            request.block_count or None,
         )
-        return convert.commit_response(result)
+        response = convert.commit_response(result)
+        if request.reserve_next:
+            try:  # the commit stands whatever happens here: no spare reservation is no error
+                response.next.CopyFrom(self._reserve(principal, ns_id, request.reserve_next, evict=False))
+            except ResourceExhausted:
+                pass
+        return response
 
     def Store(self, requests: Iterator[wire.StorePart], context) -> pb.CommitResponse:
         with self._streams.watching(context) as watched:

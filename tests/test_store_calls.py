@@ -1,0 +1,91 @@
+"""One call per same-host store: each Commit reserves the writer's next store (issue 31).
+
+A same-host store was Reserve + write the mapped slots + Commit. The Commit now asks for the
+next store's slots (`reserve_next`) and the client keeps that spare reservation, so a worker
+storing request after request makes one call per store. Real servers on loopback; the calls
+are counted by the service's own metrics. The spare never evicts, a spare too small is given
+back in the Reserve that replaces it, and a Commit publishes only the slots it names.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixcache.rpc import cache_pb2 as pb
+from tests.support.service import BLOCK, layout_of, prompt, random_kv, rpc_code, running_servers, same_bytes, stub_for
+
+
+@pytest.fixture
+def start():
+    with running_servers() as make:
+        yield make
+
+
+def calls(server, method: str) -> int:
+    value = server.metrics.registry.get_sample_value("prefixcache_rpcs_total", {"method": method, "code": "OK"})
+    return int(value or 0)
+
+
+def test_a_worker_storing_request_after_request_makes_one_call_per_store(start) -> None:
+    layout = layout_of()
+    server = start(host_capacity=64 * layout.block_bytes, metrics_port=0)
+    client = start.client(server)
+    client.attach("model", layout)
+    assert client.attachment.shared_memory
+    stored = []
+    for request in range(10):
+        tokens, kv = prompt(4, start=10_000 * (request + 1)), random_kv(4, layout, seed=request)
+        assert client.store(tokens, kv).stored == 4
+        stored.append((tokens, kv))
+    assert (calls(server, "Reserve"), calls(server, "Commit")) == (1, 10)
+    for tokens, kv in stored:  # every store's bytes landed in the slots it was given
+        hit = client.lookup(tokens)
+        try:
+            assert hit.hit_tokens == 4 * BLOCK and same_bytes(client.read(hit), kv)
+        finally:
+            client.release(hit)
+    # A smaller store uses the spare's first slots; the rest go back to the free list.
+    tokens, kv = prompt(2, start=900_000), random_kv(2, layout, seed=99)
+    assert client.store(tokens, kv).stored == 2 and calls(server, "Reserve") == 1
+    snapshot = client.stats().snapshot
+    assert snapshot.tiers[0].blocks == 10 * 4 + 2 + 2  # resident + the next spare (2, the last store's size)
+
+
+def test_a_spare_too_small_is_given_back_and_a_spare_never_evicts(start) -> None:
+    layout = layout_of()
+    server = start(host_capacity=12 * layout.block_bytes, metrics_port=0)
+    client = start.client(server)
+    client.attach("model", layout)
+    client.store(prompt(2, start=0), random_kv(2, layout, seed=1))  # 2 resident + a spare of 2
+    assert client.stats().snapshot.tiers[0].blocks == 4
+    client.store(prompt(6, start=50_000), random_kv(6, layout, seed=2))  # Reserve(6) gives the 2 back
+    assert calls(server, "Reserve") == 2
+    # 8 resident and the next spare of 6 would be 14 slots of 12: the spare takes only the 4 free
+    # ones and evicts nothing (the spare of 2 was given back, or 2 more would be held).
+    snapshot = client.stats().snapshot
+    assert snapshot.tiers[0].blocks == 12 and sum(snapshot.evictions.get("host", {}).values()) == 0
+    assert client.lookup(prompt(2, start=0), take_lease=False).hit_tokens == 2 * BLOCK
+    # That spare of 4 is too small for 6 more blocks: a plain Reserve, which evicts as always.
+    assert client.store(prompt(6, start=90_000), random_kv(6, layout, seed=3)).stored == 6
+    assert calls(server, "Reserve") == 3
+
+
+def test_a_commit_publishes_only_the_slots_it_names(start) -> None:
+    layout = layout_of()
+    server = start(host_capacity=16 * layout.block_bytes)
+    stub = stub_for(server)
+    client = start.client(server)
+    ns = client.attach("model", layout).namespace_id
+    reservation = stub.Reserve(pb.ReserveRequest(namespace_id=ns, block_count=5))
+    tokens = prompt(5, start=3000)
+    code, field = rpc_code(
+        stub.Commit,
+        pb.CommitRequest(namespace_id=ns, tokens=tokens, reservation_id=reservation.reservation_id, block_count=6),
+    )
+    assert (code.name, field) == ("INVALID_ARGUMENT", "block_count")
+    reply = stub.Commit(
+        pb.CommitRequest(namespace_id=ns, tokens=tokens, reservation_id=reservation.reservation_id, block_count=3)
+    )
+    assert (reply.stored, reply.rejected) == (3, 0) and not reply.HasField("next")
+    assert client.lookup(tokens, take_lease=False).hit_tokens == 3 * BLOCK
+    assert client.stats().snapshot.tiers[0].blocks == 3  # the 2 slots left over are free again
