@@ -10,6 +10,8 @@ a block's retention. Torch-free: the worker's HTTP layer and the vLLM scheduler 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from .config import parse_duration
 from .errors import ConfigError, InvalidArgument
@@ -53,3 +55,31 @@ def check_priority(priority: object, field_name: str = "priority") -> int:
             field_name, f"must be an integer {PIN_PRIORITIES.start}..{PIN_PRIORITIES.stop - 1}, got {priority!r}"
         )
     return priority
+
+
+# The keys a request's vLLM `kv_transfer_params` may carry for the connector.
+RETENTION_KEY = "prompt_cache_retention"
+MAX_TOKENS_KEY = "prompt_cache_max_tokens"
+
+
+@dataclass(frozen=True)
+class StoreHints:
+    """What one request asks of its store: a retention hint (seconds; None: the service's TTLs)
+    and how many leading prompt tokens to store at most (None: all)."""
+
+    retention_s: float | None = None
+    max_tokens: int | None = None
+
+
+def store_hints(params: object) -> StoreHints:
+    """The hints in a request's `kv_transfer_params` (vLLM's per-request dict; None: none), e.g.
+    {"prompt_cache_retention": "24h", "prompt_cache_max_tokens": 4096}. Other keys belong to
+    other connectors and are ignored. InvalidArgument naming the key for a bad value."""
+    if params is None:
+        return StoreHints()
+    if not isinstance(params, Mapping):
+        raise InvalidArgument("kv_transfer_params", f"expected a JSON object, got {type(params).__name__}")
+    most = params.get(MAX_TOKENS_KEY)
+    if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < 0):
+        raise InvalidArgument(MAX_TOKENS_KEY, f"must be an integer >= 0, got {most!r}")
+    return StoreHints(parse_retention(params.get(RETENTION_KEY), RETENTION_KEY), most)
