@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from prefixcache.cache import PrefixCache
-from prefixcache.config import CacheConfig, DType, KVLayout
+from prefixcache.config import CacheConfig, DType, KVLayout, TenantQuota, TenantQuotas
 from prefixcache.errors import InvalidArgument
 from prefixcache.kinds import MissReason, TierKind
 from prefixcache.tiers.host import HostTier
@@ -634,3 +634,30 @@ def test_a_retention_hint_keeps_blocks_past_both_ttls_and_never_shortens_them(
         with pytest.raises(InvalidArgument) as caught:
             cache.store(ns, plain, kv_for(plain, LAYOUT), retention_s=-1)
         assert caught.value.field == "retention_seconds"
+
+
+def test_within_a_tenants_host_quota_its_own_lower_pins_give_way(redis_server: RedisServer, prefix: str) -> None:
+    quotas = TenantQuotas(overrides=(("acme", TenantQuota(host=2 * LAYOUT.block_bytes)),))
+    options = RedisOptions(url=redis_server.url, key_prefix=prefix, ttl_s=REDIS_TTL_S)
+    cache = PrefixCache(
+        CacheConfig(host_capacity=8 * LAYOUT.block_bytes, tenant_quotas=quotas),
+        LAYOUT,
+        HostTier(LAYOUT, 8 * LAYOUT.block_bytes),
+        remote=RedisTier(options),
+        clock=ManualClock(),
+    )
+    try:
+        ns = cache.attach(namespace(LAYOUT, tenant="acme"))
+        a, b = tokens_for(1, 2), tokens_for(2, 2)
+        store(cache, ns, b)
+        store(cache, ns, a)  # over the quota: acme's own b goes to Redis
+        assert cache.remote_link.tier.wait_idle(5) and cache.resident_blocks()[ns][TierKind.HOST] == 2
+        low = cache.pin(ns, a, priority=1)
+        with pytest.raises(InvalidArgument):  # the quota is pinned full and nothing is below 0
+            cache.pin(ns, b, priority=0)
+        high = cache.pin(ns, b, priority=5)  # a's pin gives way within the quota; the tier had room
+        assert len(high.nodes) == 2 and [p.id for _, p in cache.pins()] == [high.id]
+        assert cache.stats().pins_displaced == 1 and low.id not in {p.id for _, p in cache.pins()}
+        assert cache.resident_blocks()[ns][TierKind.HOST] == 2  # still within the quota
+    finally:
+        cache.close()
