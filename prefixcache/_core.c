@@ -858,21 +858,24 @@ get_blocks(const IndexCore *x, PyObject *obj, Py_ssize_t rows, Py_buffer *view)
     return 0;
 }
 
-/* match(digests, blocks, ns, oldest, found) -> (matched, stop)
+/* match(digests, blocks, ns, oldest, found[, extra]) -> (matched, stop)
  * found[i] = the table's row for digests[i] (-1 absent), for every digest. The match is the
  * longest prefix of found that is all present, starts at a ROOT row of namespace `ns`, links
  * each row to the one before (parent), holds the prompt's tokens (blocks[i] == tokens[row]) and
  * was used at or after `oldest`; it stops at the first failing row, verification winning ties
- * with expiry. stop: 0 every digest matched, 1 not cached, 2 expired, 3 verification failed. */
+ * with expiry. stop: 0 every digest matched, 1 not cached, 2 expired, 3 verification failed.
+ * extra (float64, one per row): seconds a row is kept past `oldest` (a retention hint): it has
+ * expired only when used before oldest - extra[row]. */
 static PyObject *
 index_match(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer blocks_v, found_v;
+    Py_buffer blocks_v, found_v, extra_v;
+    const double *extra = NULL;
     if (!index_ready(x)) {
         return NULL;
     }
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "match(digests, blocks, ns, oldest, found) takes 5 arguments");
+    if (nargs != 5 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "match(digests, blocks, ns, oldest, found[, extra]) takes 5 or 6 arguments");
         return NULL;
     }
     if (!PyLong_Check(args[2])) {
@@ -902,6 +905,17 @@ index_match(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "found: expected one int64 per digest");
         goto done;
     }
+    if (nargs == 6) {
+        if (get_array(args[5], "extra", 'f', 8, 1, 0, &extra_v) < 0) {
+            goto done;
+        }
+        if (length_of(&extra_v) != x->capacity) {
+            PyBuffer_Release(&extra_v);
+            PyErr_SetString(PyExc_ValueError, "extra: expected one float64 per row");
+            goto done;
+        }
+        extra = extra_v.buf;
+    }
     int64_t *found = found_v.buf;
     get_many_into(x->table, digests, found);
     const uint32_t *blocks = blocks_v.buf;
@@ -920,12 +934,16 @@ index_match(IndexCore *x, PyObject *const *args, Py_ssize_t nargs)
             stop = STOP_VERIFICATION_FAILED;
             break;
         }
-        if (x->access[row] < oldest && x->pins[row] == 0) { /* pinned: expire() keeps it, so it matches */
+        if (x->access[row] < oldest && x->pins[row] == 0 && /* pinned: expire() keeps it, so it matches */
+            (extra == NULL || x->access[row] < oldest - extra[row])) {
             stop = STOP_EXPIRED;
             break;
         }
     }
     result = Py_BuildValue("(ni)", matched, stop);
+    if (extra != NULL) {
+        PyBuffer_Release(&extra_v);
+    }
 done:
     PyBuffer_Release(&found_v);
 no_found:

@@ -39,7 +39,14 @@ class IndexCore:
         /,
     ) -> None: ...
     def match(
-        self, digests: Sequence[bytes], blocks: np.ndarray, ns: int, oldest: float, found: np.ndarray, /
+        self,
+        digests: Sequence[bytes],
+        blocks: np.ndarray,
+        ns: int,
+        oldest: float,
+        found: np.ndarray,
+        extra: np.ndarray = ...,
+        /,
     ) -> tuple[int, int]: ...
     def add_chain(
         self,

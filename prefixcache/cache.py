@@ -46,6 +46,7 @@ from .placement import Placement
 from .quota import TenantLedger
 from .remote_link import RemoteLink
 from .results import BlockLocations, CommitResult, LookupResult, PrefixMatch
+from .retention import check_priority, check_retention
 from .stats import Counters, StatsSnapshot, TierSnapshot, snapshot_of
 from .tenants import Tenants
 from .tiers.base import RemoteTier, SlotTier
@@ -104,8 +105,10 @@ class PrefixCache:
         self.ledger = TenantLedger(
             self.tenants, self.index, config.tenant_quotas, self.namespaces, self.leases, self.placement
         )  # quota.py
+        self.placement.pin_ended = self._pin_ended
         self._lock = threading.RLock()
         self._started = clock()
+        self._next_pin_refresh = 0.0  # when `expire` next renews pinned blocks' Redis TTLs
 
     # -- namespaces -------------------------------------------------------
     def attach(self, namespace: Namespace) -> str:
@@ -161,6 +164,19 @@ class PrefixCache:
         asking engine's in tokens (0: the namespace's), a multiple of the namespace's: the hit
         is cut to whole engine blocks, and only those are leased, touched and counted.
         """
+        return self._lookup(ns_id, tokens, take_lease, recompute_s_per_token, block_size=block_size)
+
+    def _lookup(
+        self,
+        ns_id: str,
+        tokens: Tokens,
+        take_lease: bool = False,
+        recompute_s_per_token: float | None = None,
+        pin_priority: int | None = None,
+        block_size: int = 0,
+    ) -> LookupResult:
+        """`lookup`; with `pin_priority` (a pin's lookup), room for what it promotes may come from
+        the tenant's pins of lower priority (`_displace_pin`)."""
         budget_s = _recompute_cost(recompute_s_per_token)
         multiple = self.layout_of(ns_id).blocks_per(block_size)
         prompt = self.namespaces.prompt(ns_id, tokens, multiple)
@@ -195,7 +211,7 @@ class PrefixCache:
             raise
         with self._lock:
             try:
-                extended = self._admit(link, prompt, path, from_disk + payloads, len(from_disk))
+                extended = self._admit(link, prompt, path, from_disk + payloads, len(from_disk), pin_priority)
             finally:
                 self.index.unpin(path)
             self.counters.remote_integrity_failures += corrupt
@@ -337,6 +353,7 @@ class PrefixCache:
         pinned: np.ndarray,
         payloads: list[memoryview],
         from_disk: int = 0,
+        pin_priority: int | None = None,
     ) -> np.ndarray:
         """Insert blocks fetched from disk (the first `from_disk` of `payloads`), then Redis, after
         the (pinned) `path` into the host tier.
@@ -347,8 +364,15 @@ class PrefixCache:
         path: list[int] = pinned.tolist()
         layout = prompt.entry.layout
         free = self.placement.free(TierKind.HOST, layout)
-        payloads = payloads[: self.ledger.room(prompt.entry.index, TierKind.HOST, len(payloads))]  # the tenant's quota
-        if not payloads or not self.placement.make_room(TierKind.HOST, len(payloads), layout):
+        row, wanted = prompt.entry.index, len(payloads)
+        room = self.ledger.room(row, TierKind.HOST, wanted)  # the tenant's quota
+        while room < wanted and pin_priority is not None and self._displace_pin(row, pin_priority):
+            room = self.ledger.room(row, TierKind.HOST, wanted)
+        payloads = payloads[:room]
+        fits = not payloads or self.placement.make_room(TierKind.HOST, len(payloads), layout)
+        while not fits and pin_priority is not None and self._displace_pin(row, pin_priority):
+            fits = self.placement.make_room(TierKind.HOST, len(payloads), layout)
+        if not fits:
             payloads = payloads[: len(free)]
         now = self.clock()
         for k, payload in enumerate(payloads):
@@ -412,23 +436,37 @@ class PrefixCache:
             self.index.unpin(list(lease.nodes))
 
     # -- operator pins ----------------------------------------------------------------
-    def pin(self, ns_id: str, tokens: Tokens, ttl_s: float | None = None) -> Lease:
+    def pin(self, ns_id: str, tokens: Tokens, ttl_s: float | None = None, priority: int = 0) -> Lease:
         """Pin the cached prefix of `tokens` (promoted from Redis first, as a lookup does) so LRU,
         TTL expiry and flush leave it in its local tier until `unpin` or `ttl_s` (None: no end).
 
         A lease held by the operator: the lookup's lease becomes the pin, so the path is verified
-        and never unpinned in between. Raises InvalidArgument when no block of it is cached."""
+        and never unpinned in between. Raises InvalidArgument when no block of it is cached.
+
+        `priority` (PIN_PRIORITIES, 0..100) orders pins of one tenant: when promoting this prefix
+        into the host tier finds no room (or the tenant's host quota is reached) because the rest is
+        pinned, that tenant's pins of lower priority are released, lowest first (`_displace_pin`),
+        until it fits. Nothing else ever releases a pin early: stores and lookups never do.
+
+        With Redis, the pinned blocks' keys live as long as the pin and then the Redis TTL
+        (`_hold_pin_keys`, renewed by `expire`), so other instances keep finding them."""
         if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not ttl_s > 0):
             raise InvalidArgument("ttl_s", f"must be a number > 0 or None, got {ttl_s!r}")
-        found = self.lookup(ns_id, tokens, take_lease=True)
+        check_priority(priority)
+        found = self._lookup(ns_id, tokens, take_lease=True, pin_priority=priority)
         if found.lease_id is None:
             raise InvalidArgument("tokens", f"no block of this prefix is cached in {ns_id!r}: store or warm it first")
         with self._lock:
             lease = self.leases.pop_lease(found.lease_id)
             if lease is None:  # reclaimed in between (a lease TTL shorter than this call)
                 raise UnknownLease(found.lease_id)
-            expires = float("inf") if ttl_s is None else self.clock() + ttl_s
-            return self.leases.add_lease(lease.namespace, lease.nodes, expires, lease.tenant, operator=True)
+            now = self.clock()
+            expires = float("inf") if ttl_s is None else now + ttl_s
+            pin = self.leases.add_lease(
+                lease.namespace, lease.nodes, expires, lease.tenant, operator=True, priority=priority
+            )
+            self._hold_pin_keys([pin], now)
+            return pin
 
     def unpin(self, pin_id: int) -> None:
         with self._lock:
@@ -436,6 +474,57 @@ class PrefixCache:
             if pin is None:
                 raise InvalidArgument("pin_id", f"pin {pin_id} is unknown or has expired")
             self.index.unpin(list(pin.nodes))
+            self._pin_ended(pin)
+
+    def _retain(self, rows: list[int], retain_s: float, now: float) -> None:
+        """A retention hint: `rows` stay `retain_s` since their last use where that outlasts the
+        TTL (`RadixIndex.retain`), and their Redis keys as long where that outlasts the Redis TTL.
+        Locked."""
+        self.index.retain(rows, retain_s - self.config.ttl_s)
+        link = self.remote_link
+        if link is not None and rows and retain_s > link.ttl_s:
+            link.set_ttl(np.asarray(rows, dtype=np.int64), retain_s, now, extend_only=True)
+
+    def _displace_pin(self, ns_row: int, priority: int) -> bool:
+        """Release the lowest-priority pin (the soonest to expire among equals) of the tenant of
+        namespace row `ns_row` below `priority`, for a pin of that priority that needs its room;
+        False if there is none. Its blocks become ordinary LRU blocks. Locked."""
+        tenant = self.tenants.tenant(ns_row)
+        below = [p for p in self.leases.pins() if p.priority < priority and self.tenants.tenant(p.namespace) == tenant]
+        if not below:
+            return False
+        victim = min(below, key=lambda p: (p.priority, p.expires_at))
+        self.leases.pop_lease(victim.id, operator=True)
+        self.index.unpin(list(victim.nodes))
+        self._pin_ended(victim)
+        self.counters.pins_displaced += 1
+        log.info("pin %d (priority %d) released for a pin of priority %d", victim.id, victim.priority, priority)
+        return True
+
+    def _hold_pin_keys(self, pins: Iterable[Lease], now: float) -> None:
+        """Redis keeps pinned blocks while pinned: each key's TTL becomes the pin's time left plus
+        the Redis TTL (a pin without a TTL: the Redis TTL, renewed by `expire` four times per Redis
+        TTL), so a GETEX of another instance, which resets a key to the Redis TTL, cannot outlast
+        a renewal. Locked."""
+        link = self.remote_link
+        if link is None:
+            return
+        for pin in pins:
+            left = 0.0 if pin.expires_at == float("inf") else max(0.0, pin.expires_at - now)
+            link.set_ttl(np.asarray(pin.nodes, dtype=np.int64), link.ttl_s + left, now)
+        self._next_pin_refresh = now + link.ttl_s / 4
+
+    def _pin_ended(self, pin: Lease) -> None:
+        """A pin ended (unpin, expiry, displaced): its blocks' keys get their normal TTL back, as if
+        used now (a retention hint's longer TTL kept). Locked."""
+        link = self.remote_link
+        if link is None:
+            return
+        now = self.clock()
+        rows = np.asarray(pin.nodes, dtype=np.int64)
+        extra = self.index.extra_ttl[rows]
+        retained = np.where(extra > 0, self.index.last_access[rows] + self.config.ttl_s + extra - now, 0.0)
+        link.set_ttl(rows, np.maximum(link.ttl_s, retained), now)
 
     def pins(self) -> list[tuple[str, Lease]]:
         """Live operator pins with their namespace ids, soonest to expire first."""
@@ -443,6 +532,13 @@ class PrefixCache:
             now = self.clock()
             live = [p for p in self.leases.pins() if p.expires_at > now]
             return [(self.namespaces.by_row(p.namespace).id, p) for p in sorted(live, key=lambda p: p.expires_at)]
+
+    def count_retention_clamped(self, ns_id: str) -> None:
+        """A store's retention hint was cut to its tenant's bound (the service's policy)."""
+        row = self.namespaces.get(ns_id).index
+        with self._lock:
+            self.counters.retention_clamped += 1
+            self.tenants.counters(row).retention_clamped += 1
 
     def _live_lease(self, lease_id: int) -> Lease:
         lease = self.leases.live_lease(lease_id, self.clock())
@@ -492,15 +588,26 @@ class PrefixCache:
         return self.placement.free(TierKind.HOST, layout).take_many(count)
 
     def commit(
-        self, ns_id: str, tokens: Tokens, reservation_id: int, start_block: int, count: int | None = None
+        self,
+        ns_id: str,
+        tokens: Tokens,
+        reservation_id: int,
+        start_block: int,
+        retention_s: float | None = None,
+        count: int | None = None,
     ) -> CommitResult:
         """Publish reserved slots as blocks `start_block..` of the prompt `tokens`; with `count`,
-        only the first `count` slots (the rest go back to the free list)."""
+        only the first `count` slots (the rest go back to the free list).
+
+        `retention_s` (a retention hint, already bounded by the caller's policy): these blocks and
+        their prefix are kept at least that long since their last use, in the index and in Redis,
+        where that is longer than the TTLs (never shorter than they had)."""
         prompt = self.namespaces.prompt(ns_id, tokens)
         if not isinstance(start_block, int) or isinstance(start_block, bool) or start_block < 0:
             raise InvalidArgument("start_block", f"must be a non-negative integer, got {start_block!r}")
+        check_retention(retention_s)
         with self._lock:
-            return self._commit(prompt, reservation_id, start_block, count=count)
+            return self._commit(prompt, reservation_id, start_block, retain_s=retention_s, count=count)
 
     def _commit(
         self,
@@ -508,6 +615,7 @@ class PrefixCache:
         reservation_id: int,
         start_block: int,
         match: Match | None = None,
+        retain_s: float | None = None,
         count: int | None = None,
     ) -> CommitResult:
         reservation = self.leases.reservation(reservation_id)
@@ -533,7 +641,7 @@ class PrefixCache:
             rest = np.asarray(reservation.slots[len(used) :], dtype=np.int64)
             self.placement.free(reservation.tier, reservation.layout).give_many(rest)
             reservation = dataclasses.replace(reservation, slots=used)
-        return self._publish(prompt, reservation, start_block, end, match)
+        return self._publish(prompt, reservation, start_block, end, match, retain_s)
 
     def _match_for_commit(self, prompt: Prompt, end: int) -> Match:
         # No TTL here: an expired block of this very prefix (tokens verified) holds the same KV
@@ -543,7 +651,13 @@ class PrefixCache:
         )
 
     def _publish(
-        self, prompt: Prompt, reservation: Reservation, start: int, end: int, match: Match | None
+        self,
+        prompt: Prompt,
+        reservation: Reservation,
+        start: int,
+        end: int,
+        match: Match | None,
+        retain_s: float | None = None,
     ) -> CommitResult:
         """Index the reserved slots' blocks after the cached prefix; `match` (of hashes[:end]) may
         come from the caller when its matched rows have stayed pinned since."""
@@ -568,7 +682,9 @@ class PrefixCache:
             )
             if self.remote_link is not None and nodes:
                 # Sent from their slots: the path stays pinned until the writer is done with them.
-                self.counters.spills_dropped += self.remote_link.write_through(path, nodes, now)
+                self.counters.spills_dropped += self.remote_link.write_through(path, nodes, now, retain_s)
+        if retain_s is not None:
+            self._retain(path[:end] + nodes, retain_s, now)
         new = len(nodes)
         unused = reservation.slots[:first] + reservation.slots[first + new :] if new else reservation.slots
         if unused:
@@ -580,14 +696,18 @@ class PrefixCache:
             counters.blocks_deduplicated += deduplicated
         return CommitResult(new, deduplicated, end - start - new - deduplicated)
 
-    def store(self, ns_id: str, tokens: Tokens, kv: torch.Tensor, start_block: int = 0) -> CommitResult:
+    def store(
+        self, ns_id: str, tokens: Tokens, kv: torch.Tensor, start_block: int = 0, retention_s: float | None = None
+    ) -> CommitResult:
         """Reserve, write and commit in one call (the path for bytes sent over the wire).
 
         `kv[j]` is block `start_block + j` of `tokens`; every block must be a full one.
         Blocks already cached are not written again (deduplicated), and the cached
         prefix is pinned while room is made, so a store never evicts its own prefix.
         Blocks that get no slot (the host tier is pinned full) count as rejected.
+        `retention_s`: as in `commit`.
         """
+        check_retention(retention_s)
         layout = self.layout_of(ns_id)
         if not isinstance(kv, torch.Tensor) or kv.dim() != len(layout.block_shape) + 1:
             shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
@@ -628,7 +748,7 @@ class PrefixCache:
                 self.placement.free_reserved(reservation)
                 raise
             first = start_block + skip
-            result = self._publish(prompt, reservation, first, first + len(slots), match)
+            result = self._publish(prompt, reservation, first, first + len(slots), match, retention_s)
             self.counters.blocks_deduplicated += skip
             self.tenants.counters(entry.index).blocks_deduplicated += skip
         unreserved = blocks - skip - len(slots)
@@ -640,8 +760,10 @@ class PrefixCache:
         with self._lock:
             now = self.clock()
             self.placement.reclaim_expired(now)
+            if self.remote_link is not None and now >= self._next_pin_refresh:
+                self._hold_pin_keys(self.leases.pins(), now)
             index = self.index
-            stale = index.select(index.last_access + self.config.ttl_s < now)
+            stale = index.select(index.last_access + self.config.ttl_s + index.extra_ttl < now)
             return self.placement.drop_all(stale, EvictionReason.TTL)
 
     def evict(
@@ -716,8 +838,13 @@ class PrefixCache:
             c = self.counters
             tiers = []
             for kind, tier in self.tiers.items():  # every layout's blocks together
+                # Blocks, not slots: a writer's reservation (a spare one waits between stores) holds none yet.
+                reserved = [r for r in self.leases.reservations() if r.tier == kind]
+                blocks = self.placement.used(kind) - sum(len(r.slots) for r in reserved)
+                layouts = self.namespaces.layouts
+                reserved_bytes = sum(len(r.slots) * layouts[r.layout].block_bytes for r in reserved)
                 tiers.append(
-                    TierSnapshot(kind, self.placement.used(kind), self.placement.used_bytes(kind), tier.capacity_bytes)
+                    TierSnapshot(kind, blocks, self.placement.used_bytes(kind) - reserved_bytes, tier.capacity_bytes)
                 )
             remote_up: bool | None = None
             remote: dict[str, float] = {}

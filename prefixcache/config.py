@@ -221,21 +221,26 @@ class KVLayout:
 
 
 QUOTA_TIERS = ("device", "host")  # slot tiers that take a per-tenant byte quota
+QUOTA_KEYS = (*QUOTA_TIERS, "retention")  # what a quota spec may name
 _UNLIMITED = ("unlimited", "none")
 
 
 @dataclass(frozen=True)
 class TenantQuota:
-    """One tenant's byte budget in each slot tier; None means no limit in that tier."""
+    """One tenant's byte budget in each slot tier (None means no limit in that tier), and the
+    longest retention hint its stores may give (`retention`, seconds; 0: hints never keep blocks
+    past the service's TTLs; longer hints are cut to it)."""
 
     host: int | None = None
     device: int | None = None
+    retention: float = 0.0
 
     def __post_init__(self) -> None:
         for name in QUOTA_TIERS:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, parse_size(value, f"tenant_quota.{name}"))
+        object.__setattr__(self, "retention", parse_duration(self.retention, "tenant_quota.retention"))
 
     @property
     def limited(self) -> bool:
@@ -243,18 +248,23 @@ class TenantQuota:
 
     def updated(self, spec: str, field_name: str = "tenant_quota") -> TenantQuota:
         """This quota with the tiers named in `spec` replaced: "host=256MiB,device=1GiB";
-        a tier given as "unlimited" (or "none") has no limit."""
-        values = {name: getattr(self, name) for name in QUOTA_TIERS}
+        a tier given as "unlimited" (or "none") has no limit. "retention=24h" sets the longest
+        retention hint honoured."""
+        values: dict[str, int | float | None] = {name: getattr(self, name) for name in QUOTA_KEYS}
         for item in filter(None, (part.strip() for part in spec.split(","))):
             tier, sep, size = item.partition("=")
             tier = tier.strip().lower()
-            if not sep or tier not in QUOTA_TIERS:
+            if not sep or tier not in QUOTA_KEYS:
                 raise ConfigError(
-                    field_name, f"expected TIER=SIZE with TIER one of {', '.join(QUOTA_TIERS)}, got {item!r}"
+                    field_name,
+                    f"expected TIER=SIZE with TIER one of {', '.join(QUOTA_TIERS)}, or retention=DURATION, got {item!r}",
                 )
             size = size.strip()
-            values[tier] = None if size.lower() in _UNLIMITED else parse_size(size, f"{field_name}.{tier}")
-        return TenantQuota(**values)
+            if tier == "retention":
+                values[tier] = parse_duration(size, f"{field_name}.retention")
+            else:
+                values[tier] = None if size.lower() in _UNLIMITED else parse_size(size, f"{field_name}.{tier}")
+        return TenantQuota(**values)  # type: ignore[arg-type]
 
     @classmethod
     def parse(cls, spec: str, field_name: str = "tenant_quota") -> TenantQuota:

@@ -79,6 +79,10 @@ class RadixIndex:
         self.tick = np.zeros(capacity, dtype=np.int64)
         self.last_access = np.zeros(capacity, dtype=np.float64)
         self.pins = np.zeros(capacity, dtype=np.int32)
+        # Seconds a row outlives the TTL (a store's retention hint beyond it); 0 for most rows, and
+        # `retaining` stays False (match passes no array) until a hint sets one.
+        self.extra_ttl = np.zeros(capacity, dtype=np.float64)
+        self.retaining = False
         self.children = np.zeros(capacity, dtype=np.int32)
         self.tokens = np.zeros((capacity, block_size), dtype=np.uint32)
         self.map = BlockMap(capacity, digest_size)
@@ -110,7 +114,8 @@ class RadixIndex:
     # -- matching ---------------------------------------------------------
     def match(self, namespace: int, hashes: list[BlockHash], blocks: np.ndarray, now: float, ttl_s: float) -> Match:
         """Longest verified, unexpired chain for `hashes` (blocks: `[n, block_size]` u32, C-contiguous).
-        A pinned row is never expired here (expiry never drops it either).
+        A pinned row is never expired here (expiry never drops it either); a retained one only
+        `extra_ttl[row]` seconds after the TTL (`retain`).
 
         One call of the compiled core (`IndexCore.match`): it probes every hash, then walks the found
         rows and cuts at the first whose chain (parent, the namespace of the first), tokens or age
@@ -119,7 +124,10 @@ class RadixIndex:
         if not hashes:
             return Match(_NO_ROWS, None, _NO_ROWS)
         found = np.empty(len(hashes), dtype=np.int64)
-        matched, stop = self.core.match(hashes, blocks, namespace, now - ttl_s, found)
+        if self.retaining:
+            matched, stop = self.core.match(hashes, blocks, namespace, now - ttl_s, found, self.extra_ttl)
+        else:
+            matched, stop = self.core.match(hashes, blocks, namespace, now - ttl_s, found)
         return Match(found[:matched], _STOPS[stop], found)
 
     # -- mutation -----------------------------------------------------------
@@ -193,6 +201,7 @@ class RadixIndex:
         """Take `nodes` (the last free rows, just mapped to their hashes) off the free list and
         fill their rows as a chain under `parent`."""
         del self._free_rows[len(self._free_rows) - len(nodes) :]
+        self.extra_ttl[nodes] = 0.0  # a reused row starts without its last block's retention
         self.core.add_chain(
             nodes, parent, namespace, tier, _rows(slots), np.ascontiguousarray(tokens, dtype=np.uint32), now
         )
@@ -238,6 +247,14 @@ class RadixIndex:
     def unpin(self, path: Sequence[int] | np.ndarray) -> None:
         """One pin less on each node; RuntimeError, changing nothing, if one has none."""
         self.core.unpin(_rows(path))
+
+    def retain(self, path: Sequence[int] | np.ndarray, extra_s: float) -> None:
+        """Keep a path's rows `extra_s` seconds past the TTL since their last use (never less than
+        they already had)."""
+        if extra_s > 0 and len(path):
+            rows = np.asarray(path, dtype=np.int64)
+            self.extra_ttl[rows] = np.maximum(self.extra_ttl[rows], extra_s)
+            self.retaining = True
 
     def move(self, node: int, tier: int, slot: int) -> None:
         self.tier[node] = tier

@@ -1,7 +1,8 @@
 """Leases (timed pins on a matched path) and reservations (slots being written): `LeaseTable`.
 
 An operator pin (`PrefixCache.pin`) is a lease too, marked `operator`: it has its own TTL
-(or none), does not count against `max_leases`, and only `unpin` ends it early.
+(or none), does not count against `max_leases`, and only `unpin` ends it early, or a pin of
+higher `priority` of the same tenant that needs its room (`PrefixCache.pin`).
 
 Ids are random 63-bit numbers, so a client cannot guess another's lease; lease and
 reservation ids are drawn from one space, so neither can be mistaken for the other.
@@ -33,6 +34,7 @@ class Lease:
     expires_at: float  # inf: an operator pin without a TTL
     tenant: str = ""  # the namespace's tenant: each holds at most its share of the table (`full`)
     operator: bool = False  # an operator pin, not a worker's lease (not counted in `full`)
+    priority: int = 0  # an operator pin's (retention.PIN_PRIORITIES): lower gives way first
 
 
 @dataclass(frozen=True)
@@ -95,9 +97,15 @@ class LeaseTable:
             del self._per_tenant[lease.tenant]
 
     def add_lease(
-        self, namespace: int, nodes: tuple[int, ...], expires_at: float, tenant: str = "", operator: bool = False
+        self,
+        namespace: int,
+        nodes: tuple[int, ...],
+        expires_at: float,
+        tenant: str = "",
+        operator: bool = False,
+        priority: int = 0,
     ) -> Lease:
-        lease = Lease(self._new_id(), namespace, nodes, expires_at, tenant, operator)
+        lease = Lease(self._new_id(), namespace, nodes, expires_at, tenant, operator, priority)
         self._leases[lease.id] = lease
         if operator:
             self._pins += 1

@@ -30,7 +30,7 @@ import numpy as np
 from .config import KVLayout
 from .index import ROOT, RadixIndex
 from .kinds import EvictionReason, TierKind
-from .leases import LeaseTable, Reservation
+from .leases import Lease, LeaseTable, Reservation
 from .remote_link import RemoteLink
 from .stats import Counters
 from .tenants import Tenants
@@ -66,6 +66,9 @@ class Placement:
         # Called with each block leaving the last slot tier by eviction (the cache offers it to
         # the disk tier, tiers/disk.py); None: no disk tier.
         self.spill_disk: Callable[[int], None] | None = None
+        # Called with each operator pin that expired, after its rows are unpinned (the cache gives
+        # their Redis keys their normal TTL back); None: nothing to do.
+        self.pin_ended: Callable[[Lease], None] | None = None
 
     # -- layouts and slots --------------------------------------------------------
     def add_layout(self, layout: KVLayout) -> None:
@@ -111,6 +114,8 @@ class Placement:
         leases, reservations = self.leases.expired(now)
         for lease in leases:
             self.index.unpin(list(lease.nodes))
+            if lease.operator and self.pin_ended is not None:
+                self.pin_ended(lease)
         for reservation in reservations:
             self.free_reserved(reservation)
 

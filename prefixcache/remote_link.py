@@ -160,18 +160,20 @@ class RemoteLink:
         return len(alive) if alive.all() else int(np.argmin(alive))
 
     # -- writing (cache lock held) ------------------------------------------------------
-    def write_through(self, path: list[int], nodes: list[int], now: float) -> int:
+    def write_through(self, path: list[int], nodes: list[int], now: float, ttl_s: float | None = None) -> int:
         """Queue new blocks `nodes` (the end of `path + nodes`, a path from the root) for Redis so
         other instances and restarts can hit them, sent from their slots: the whole path stays
-        pinned until the tier is done with every one (`settle`). Returns how many were dropped."""
+        pinned until the tier is done with every one (`settle`). Returns how many were dropped.
+        `ttl_s`: their keys' TTL when longer than the tier's (a retention hint)."""
         rows = path + nodes
         pinned = _Pinned(rows, 0)  # counts the accepted writes (their `done` is settled under this lock)
         self.index.pin(rows)
         done = partial(self._finished.append, pinned)
+        ttl = self.ttl_s if ttl_s is None else max(self.ttl_s, ttl_s)
         try:
             for node in nodes:
-                accepted = self._submit(node, done)
-                self._until[node] = now + self.ttl_s if accepted else 0.0
+                accepted = self._submit(node, done, ttl)
+                self._until[node] = now + ttl if accepted else 0.0
                 pinned.left += accepted
         finally:
             if pinned.left:
@@ -213,7 +215,29 @@ class RemoteLink:
         """A block left the slot tiers without a spill; its row will be reused."""
         self._until[node] = 0.0
 
-    def _submit(self, node: int, done: Callable[[], None] | None) -> bool:
+    def set_ttl(self, rows: np.ndarray, ttls_s: np.ndarray | float, now: float, extend_only: bool = False) -> int:
+        """Give the keys of `rows` (index rows; those believed in Redis) the TTLs `ttls_s`, queued
+        after the writes before it: a pin keeps its blocks' keys alive, an unpin gives them their
+        normal TTL back, a retention hint lengthens them. With `extend_only`, only keys believed to
+        expire sooner. Returns how many keys were asked."""
+        rows = np.asarray(rows, dtype=np.int64)
+        ttls = np.broadcast_to(np.asarray(ttls_s, dtype=np.float64), rows.shape)
+        until = now + ttls
+        chosen = self._until[rows] > now  # a write dropped or never made: PEXPIRE would find nothing
+        if extend_only:
+            chosen &= self._until[rows] < until
+        rows, ttls = rows[chosen], ttls[chosen]
+        if not len(rows):
+            return 0
+        self._until[rows] = now + ttls
+        namespaces = self.index.namespace[rows]
+        for ns_row in np.unique(namespaces).tolist():
+            mine = namespaces == ns_row
+            ns_id = self.namespaces.by_row(ns_row).id
+            self.tier.expire(ns_id, [self.index.hash_of(int(r)) for r in rows[mine].tolist()], ttls[mine].tolist())
+        return len(rows)
+
+    def _submit(self, node: int, done: Callable[[], None] | None, ttl_s: float | None = None) -> bool:
         """Queue a block's frame: the slot's bytes themselves when `done` is given (the caller
         keeps the slot until it is called), else a copy (the slot is about to be freed)."""
         index = self.index
@@ -236,7 +260,7 @@ class RemoteLink:
             mac_key=mac_key,
             storage_key=storage_key,
         )
-        return self.tier.submit(ns_id, block_hash, frame, done=done)
+        return self.tier.submit(ns_id, block_hash, frame, ttl_s, done=done)
 
     def _mac(self, ns_id: str, block_hash: BlockHash) -> tuple[bytes | None, str | None]:
         """(mac_key, storage_key): codec arguments that key a frame to the Redis key it is stored

@@ -108,6 +108,8 @@ class CommitResult:
     stored: int  # new blocks now in the cache
     deduplicated: int  # blocks someone had already stored (their slots were freed)
     rejected: int  # blocks not stored: their prefix is no longer cached, or a collision
+    retention_s: float = 0.0  # the retention hint applied (after the tenant's bound); 0: none given
+    retention_clamped: bool = False  # the hint was longer than the tenant's bound and cut to it
 
 
 @dataclass(frozen=True)

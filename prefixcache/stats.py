@@ -45,6 +45,8 @@ class Counters:
     )  # (TierKind, EvictionReason) -> blocks
     miss_reasons: Counter[MissReason] = field(default_factory=Counter)  # MissReason -> requests
     remote_integrity_failures: int = 0
+    pins_displaced: int = 0  # operator pins released for a pin of higher priority
+    retention_clamped: int = 0  # retention hints cut to their tenant's bound (the service counts)
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ class StatsSnapshot:
     miss_reasons: dict[str, int]
     remote_up: bool | None  # None when no remote tier is configured
     remote: dict[str, float] = field(default_factory=dict)
+    pins_displaced: int = 0
+    retention_clamped: int = 0
 
     @property
     def token_hit_rate(self) -> float:
@@ -166,6 +170,8 @@ STATS: tuple[Stat, ...] = (
     # The remote tier's own figures (link estimates, probe counts); Prometheus gets them from
     # the tier itself, with their own names (RemoteCollector).
     Stat("remote", G, "The remote tier's figures by name", (Label("name", ()),), metric=None, json="redis.stats"),
+    Stat("pins_displaced", C, "Operator pins released for a pin of higher priority", json="pins.displaced"),
+    Stat("retention_clamped", C, "Retention hints cut to the tenant's bound", json="retention.clamped"),
 )
 
 PER_TIER = next(stat for stat in STATS if stat.name == "tiers")
@@ -225,6 +231,8 @@ def snapshot_of(
         miss_reasons={reason.value: n for reason, n in c.miss_reasons.items()},
         remote_up=remote_up,
         remote=remote,
+        pins_displaced=c.pins_displaced,
+        retention_clamped=c.retention_clamped,
     )
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from prefixcache.cache import PrefixCache
-from prefixcache.config import CacheConfig, DType, KVLayout
+from prefixcache.config import CacheConfig, DType, KVLayout, TenantQuota, TenantQuotas
 from prefixcache.errors import InvalidArgument
 from prefixcache.kinds import MissReason, TierKind
 from prefixcache.tiers.host import HostTier
@@ -552,3 +552,112 @@ def test_a_pin_warms_a_prefix_from_redis_into_the_host_tier_and_keeps_it_there(
         with pytest.raises(InvalidArgument) as caught:
             cache.pin(ns, tokens_for(4, 2))  # neither tier holds it: reported, nothing pinned
         assert caught.value.field == "tokens" and cache.pins() == []
+
+
+def test_a_pin_of_higher_priority_releases_the_tenants_lower_pins_to_make_room(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    with redis_cache(redis_server.url, prefix, host_slots=4) as (cache, ns):
+        a, b, d, e = tokens_for(1, 2), tokens_for(2, 3), tokens_for(3, 2), tokens_for(4, 2)
+        for tokens in (b, e, a, d):  # b and e pushed out: only Redis holds them
+            store(cache, ns, tokens)
+        assert cache.remote_link.tier.wait_idle(5)
+        low, high = cache.pin(ns, a, priority=1), cache.pin(ns, d, priority=50)
+        assert [(p.id, p.priority) for _, p in cache.pins()] == [(low.id, 1), (high.id, 50)]
+        with pytest.raises(InvalidArgument) as caught:  # the host tier is pinned full, nothing below 0
+            cache.pin(ns, e, priority=0)
+        assert caught.value.field == "tokens" and cache.stats().pins_displaced == 0
+        middle = cache.pin(ns, b, priority=10)  # a (1) gives way; d (50) does not: 2 of b's 3 blocks fit
+        assert len(middle.nodes) == 2 and hit_blocks(cache, ns, b) == 2
+        assert {p.id for _, p in cache.pins()} == {middle.id, high.id}
+        assert cache.stats().pins_displaced == 1
+        with pytest.raises(InvalidArgument, match="unknown"):
+            cache.unpin(low.id)  # released: ended like an unpin
+        for bad in (101, -1, True, 2.5):
+            with pytest.raises(InvalidArgument) as caught:
+                cache.pin(ns, d, priority=bad)  # type: ignore[arg-type]
+            assert caught.value.field == "priority"
+
+
+def test_a_pins_redis_keys_outlive_the_redis_ttl_and_an_unpinned_prefixs_do_not(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    clock = ManualClock()
+    with redis_cache(redis_server.url, prefix, clock=clock, ttl_s=1.0) as (cache, ns):  # Redis TTL 1 s
+        pinned, plain, timed = tokens_for(1, 2), tokens_for(2, 2), tokens_for(3, 2)
+        for tokens in (pinned, plain, timed):
+            store(cache, ns, tokens)
+        assert cache.remote_link.tier.wait_idle(5)
+        pin = cache.pin(ns, pinned)  # no TTL: its keys are renewed by expire() every 0.25 s
+        cache.pin(ns, timed, ttl_s=60)  # its keys: the pin's time left plus the Redis TTL
+        assert cache.remote_link.tier.wait_idle(5)
+        with redis_server.client() as raw:
+            assert all(60_000 < raw.pttl(key) <= 61_000 for key in keys_of(cache, ns, timed))
+            deadline = time.monotonic() + 1.6  # past the Redis TTL of every key written above
+            while time.monotonic() < deadline:
+                clock.advance(0.1)  # the service's ticker
+                cache.expire()
+                time.sleep(0.05)
+            assert cache.remote_link.tier.wait_idle(5)
+            assert all(raw.pttl(key) > 0 for key in keys_of(cache, ns, pinned))
+            assert all(raw.pttl(key) == -2 for key in keys_of(cache, ns, plain))  # gone at the tier's TTL
+            cache.unpin(pin.id)  # back to the tier's TTL, as if used now
+            assert cache.remote_link.tier.wait_idle(5)
+            keys = keys_of(cache, ns, pinned)
+            assert all(0 < raw.pttl(key) <= 1000 for key in keys)
+            assert poll(lambda: all(raw.pttl(key) == -2 for key in keys), 3)
+
+
+def test_a_retention_hint_keeps_blocks_past_both_ttls_and_never_shortens_them(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    clock = ManualClock()
+    with redis_cache(redis_server.url, prefix, clock=clock, cache_ttl_s=60) as (cache, ns):
+        kept, plain = tokens_for(1, 3), tokens_for(2, 3)
+        assert cache.store(ns, kept, kv_for(kept, LAYOUT), retention_s=7200).stored == 3
+        store(cache, ns, plain)
+        assert cache.store(ns, kept[: 2 * BS], kv_for(kept, LAYOUT)[:2], retention_s=0).deduplicated == 2
+        assert cache.remote_link.tier.wait_idle(5)
+        with redis_server.client() as raw:  # the Redis TTL (900 s) lengthened to the hint's
+            assert all(7_000_000 < raw.pttl(key) <= 7_200_000 for key in keys_of(cache, ns, kept))
+            assert all(raw.pttl(key) <= REDIS_TTL_S * 1000 for key in keys_of(cache, ns, plain))
+        clock.advance(61)  # past the cache's TTL
+        assert cache.expire() == 3 and cache.resident_blocks()[ns][TierKind.HOST] == 3  # plain's went
+        promotions = cache.stats().promotions
+        assert hit_blocks(cache, ns, kept) == 3  # retained in the host tier; the hit slides its last use
+        assert cache.stats().promotions == promotions
+        clock.advance(7199)  # 60 s + 7140 s of retention past the TTL, less a second
+        assert cache.expire() == 0 and cache.lookup(ns, kept).miss_reason is None
+        clock.advance(7201)
+        assert cache.lookup(ns, kept).miss_reason is MissReason.EXPIRED
+        assert cache.expire() == 3
+        with pytest.raises(InvalidArgument) as caught:
+            cache.store(ns, plain, kv_for(plain, LAYOUT), retention_s=-1)
+        assert caught.value.field == "retention_seconds"
+
+
+def test_within_a_tenants_host_quota_its_own_lower_pins_give_way(redis_server: RedisServer, prefix: str) -> None:
+    quotas = TenantQuotas(overrides=(("acme", TenantQuota(host=2 * LAYOUT.block_bytes)),))
+    options = RedisOptions(url=redis_server.url, key_prefix=prefix, ttl_s=REDIS_TTL_S)
+    cache = PrefixCache(
+        CacheConfig(host_capacity=8 * LAYOUT.block_bytes, tenant_quotas=quotas),
+        LAYOUT,
+        HostTier(LAYOUT, 8 * LAYOUT.block_bytes),
+        remote=RedisTier(options),
+        clock=ManualClock(),
+    )
+    try:
+        ns = cache.attach(namespace(LAYOUT, tenant="acme"))
+        a, b = tokens_for(1, 2), tokens_for(2, 2)
+        store(cache, ns, b)
+        store(cache, ns, a)  # over the quota: acme's own b goes to Redis
+        assert cache.remote_link.tier.wait_idle(5) and cache.resident_blocks()[ns][TierKind.HOST] == 2
+        low = cache.pin(ns, a, priority=1)
+        with pytest.raises(InvalidArgument):  # the quota is pinned full and nothing is below 0
+            cache.pin(ns, b, priority=0)
+        high = cache.pin(ns, b, priority=5)  # a's pin gives way within the quota; the tier had room
+        assert len(high.nodes) == 2 and [p.id for _, p in cache.pins()] == [high.id]
+        assert cache.stats().pins_displaced == 1 and low.id not in {p.id for _, p in cache.pins()}
+        assert cache.resident_blocks()[ns][TierKind.HOST] == 2  # still within the quota
+    finally:
+        cache.close()

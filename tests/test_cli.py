@@ -588,18 +588,22 @@ def test_pin_keeps_a_prefix_through_flush_until_unpin(stack, populated, tmp_path
     prefix = tmp_path / "system.json"
     prefix.write_text(json.dumps(PROMPT_B[: 4 * BLOCK + 3]))
     address = ["--cache", stack.address]
-    made = cli("pin", *address, "--namespace", populated.namespace_id, "--tokens-file", str(prefix), "--ttl", "1h")
+    pin_args = ["--namespace", populated.namespace_id, "--tokens-file", str(prefix)]
+    bad = cli("pin", *address, *pin_args, "--priority", "101")
+    assert bad.returncode != 0 and "--priority" in bad.stderr and populated.client.pins() == []
+    made = cli("pin", *address, *pin_args, "--ttl", "1h", "--priority", "70")
     assert made.returncode == 0, made.stderr
     pin_id = int(made.stdout.split()[1].rstrip(":"))
-    assert f"pin {pin_id}: {4 * BLOCK:,} of {4 * BLOCK + 3:,} token(s) pinned" in made.stdout
+    assert f"pin {pin_id}: {4 * BLOCK:,} of {4 * BLOCK + 3:,} token(s) pinned (priority 70," in made.stdout
     assert run("flush", *address, "--yes").returncode == 0
     listed = cli("pins", *address, "--json")
     assert listed.returncode == 0, listed.stderr
     (entry,) = json.loads(listed.stdout)["pins"]
-    assert (entry["pin_id"], entry["namespace_id"], entry["pinned_tokens"]) == (
+    assert (entry["pin_id"], entry["namespace_id"], entry["pinned_tokens"], entry["priority"]) == (
         pin_id,
         populated.namespace_id,
         4 * BLOCK,
+        70,
     )
     assert 3500 < entry["expires_in_s"] <= 3600
     assert populated.client.lookup(PROMPT_B, take_lease=False).hit_tokens == 4 * BLOCK  # the flush kept it

@@ -10,6 +10,7 @@ draining; auth on and off, tenants; metrics; generated code freshness.
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import shutil
@@ -38,6 +39,7 @@ from prefixcache.rpc import cache_pb2 as pb
 from prefixcache.rpc import cache_pb2_grpc as pb_grpc
 from prefixcache_services.cache_server.auth import Authenticator, parse_credentials
 from prefixcache_services.cache_server.backend import BackendOptions
+from prefixcache_services.cache_server.command import quotas_from
 from prefixcache_services.cache_server.kv_events import END_SEQ
 from prefixcache_services.cache_server.options import ServerOptions
 from prefixcache_services.cache_server.server import build_server
@@ -639,6 +641,71 @@ def test_pins_survive_lru_over_grpc_and_a_tenant_pins_only_its_own(start):
     assert acme.pins() == [] and ops.flush() == 4
 
 
+def test_pin_priority_travels_and_a_tenants_pin_never_releases_anothers(start):
+    credentials = parse_credentials("tok-acme-0123456789 acme\ntok-globex-0123456789 globex\n")
+    layout = layout_of()
+    server = start(authenticator=Authenticator(credentials), host_capacity=4 * layout.block_bytes)
+    acme, globex = (start.client(server, auth_token=f"tok-{n}-0123456789") for n in ("acme", "globex"))
+    acme_id = acme.attach("model", layout, same_host=False).namespace_id
+    globex.attach("model", layout, same_host=False)
+    low, high = prompt(2, start=0), prompt(2, start=50_000)
+    globex.store(low, random_kv(2, layout, seed=1))
+    acme.store(high, random_kv(2, layout, seed=2))
+    theirs = globex.pin(low, priority=0)
+    mine = acme.pin(high, priority=100)
+    assert (theirs.priority, mine.priority) == (0, 100) and [p.priority for p in acme.pins()] == [100]
+    # The host tier is pinned full; no Redis: acme's new prefix finds no room, and its priority
+    # never reaches globex's pin (only a tenant's own lower pins give way).
+    assert acme.store(prompt(2, start=90_000), random_kv(2, layout, seed=3)).rejected == 2
+    assert [p.pin_id for p in globex.pins()] == [theirs.pin_id]
+    for bad in (101, -1):
+        request = pb.PinRequest(namespace_id=acme_id, priority=bad)
+        request.prefix.tokens.extend(high)
+        assert rpc_code(stub_for(server).Pin, request, metadata=[("authorization", "Bearer tok-acme-0123456789")]) == (
+            CODE.INVALID_ARGUMENT,
+            "priority",
+        )
+    with pytest.raises(InvalidArgument) as caught:
+        acme.pin(high, priority=1000)  # refused before it is sent
+    assert caught.value.field == "priority"
+
+
+def test_retention_hints_are_bounded_by_the_tenants_policy(start):
+    credentials = parse_credentials(
+        "tok-acme-0123456789 acme\ntok-globex-0123456789 globex local retention=24h\ntok-ops-0123456789 ops admin\n"
+    )
+    authenticator = Authenticator(credentials)
+    quotas = quotas_from(argparse.Namespace(tenant_quota="", max_retention="1h"), authenticator)
+    server = start(authenticator=authenticator, tenant_quotas=quotas, ttl_s=60)
+    acme, globex, ops = (start.client(server, auth_token=f"tok-{n}-0123456789") for n in ("acme", "globex", "ops"))
+    layout = layout_of()
+    acme.attach("model", layout, same_host=False)  # the Store stream
+    assert globex.attach("model", layout, same_host=True).shared_memory  # Reserve + Commit
+    within, beyond, theirs = prompt(2, start=0), prompt(2, start=10_000), prompt(2, start=20_000)
+    kept = acme.store(within, random_kv(2, layout, seed=1), retention_s=1800)
+    assert (kept.stored, kept.retention_s, kept.retention_clamped) == (2, 1800, False)
+    cut = acme.store(beyond, random_kv(2, layout, seed=2), retention_s=86_400)  # "24h" for a 1h tenant
+    assert (cut.stored, cut.retention_s, cut.retention_clamped) == (2, 3600, True)
+    allowed = globex.store(theirs, random_kv(2, layout, seed=3), retention_s=86_400)  # its line: retention=24h
+    assert (allowed.stored, allowed.retention_s, allowed.retention_clamped) == (2, 86_400, False)
+    plain = acme.store(prompt(2, start=30_000), random_kv(2, layout, seed=4))
+    assert (plain.retention_s, plain.retention_clamped) == (0, False)
+    # The service keeps them that long (the block TTL is 60 s): inspect shows the time left.
+    assert all(1790 < b.ttl_left_s <= 1800 for b in acme.inspect(within).blocks)
+    assert all(3590 < b.ttl_left_s <= 3600 for b in acme.inspect(beyond).blocks)
+    assert all(86_390 < b.ttl_left_s <= 86_400 for b in globex.inspect(theirs).blocks)
+    assert tuple(c.stats().snapshot.retention_clamped for c in (ops, acme, globex)) == (
+        1,
+        1,
+        0,
+    )
+    request = pb.CommitRequest(
+        namespace_id=globex.attachment.namespace_id, tokens=theirs, reservation_id=1, retention_seconds=-1
+    )
+    metadata = [("authorization", "Bearer tok-globex-0123456789")]
+    assert rpc_code(stub_for(server).Commit, request, metadata=metadata) == (CODE.INVALID_ARGUMENT, "retention_seconds")
+
+
 def test_credentials_file_errors_name_the_line():
     with pytest.raises(InvalidArgument, match="line 2"):
         parse_credentials("good-token-0123 acme\nbad-line\n")
@@ -664,8 +731,7 @@ def test_inspect_and_evict(start):
     assert client.evict(prefix_tokens=tokens[: 2 * BLOCK]) == 3  # block 1 and its descendants
     assert client.lookup(tokens, take_lease=False).hit_tokens == BLOCK
     assert client.evict(older_than_s=0) == 1
-    # Nothing resident; the tier's used slots are the 4 the store's Commit reserved for the next store.
-    assert client.stats().snapshot.tiers[0].blocks == 4 and not client.namespaces()[0].blocks
+    assert client.stats().snapshot.tiers[0].blocks == 0  # (the spare reservation's slots hold no block)
 
 
 def test_metrics_bind_loopback_unless_told_whatever_listen_is(start):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from prefixcache.kinds import TierKind
 from prefixcache.rpc import cache_pb2 as pb
 from tests.support.service import BLOCK, layout_of, prompt, random_kv, rpc_code, running_servers, same_bytes, stub_for
 
@@ -47,8 +48,8 @@ def test_a_worker_storing_request_after_request_makes_one_call_per_store(start) 
     # A smaller store uses the spare's first slots; the rest go back to the free list.
     tokens, kv = prompt(2, start=900_000), random_kv(2, layout, seed=99)
     assert client.store(tokens, kv).stored == 2 and calls(server, "Reserve") == 1
-    snapshot = client.stats().snapshot
-    assert snapshot.tiers[0].blocks == 10 * 4 + 2 + 2  # resident + the next spare (2, the last store's size)
+    assert client.stats().snapshot.tiers[0].blocks == 10 * 4 + 2  # blocks only: the next spare holds none
+    assert server.backend.cache.placement.used(TierKind.HOST) == 10 * 4 + 2 + 2  # + the spare (the last size)
 
 
 def test_a_spare_too_small_is_given_back_and_a_spare_never_evicts(start) -> None:
@@ -57,13 +58,14 @@ def test_a_spare_too_small_is_given_back_and_a_spare_never_evicts(start) -> None
     client = start.client(server)
     client.attach("model", layout)
     client.store(prompt(2, start=0), random_kv(2, layout, seed=1))  # 2 resident + a spare of 2
-    assert client.stats().snapshot.tiers[0].blocks == 4
+    used = lambda: server.backend.cache.placement.used(TierKind.HOST)  # noqa: E731  (slots: blocks + reservations)
+    assert used() == 4
     client.store(prompt(6, start=50_000), random_kv(6, layout, seed=2))  # Reserve(6) gives the 2 back
     assert calls(server, "Reserve") == 2
     # 8 resident and the next spare of 6 would be 14 slots of 12: the spare takes only the 4 free
     # ones and evicts nothing (the spare of 2 was given back, or 2 more would be held).
     snapshot = client.stats().snapshot
-    assert snapshot.tiers[0].blocks == 12 and sum(snapshot.evictions.get("host", {}).values()) == 0
+    assert used() == 12 and snapshot.tiers[0].blocks == 8 and sum(snapshot.evictions.get("host", {}).values()) == 0
     assert client.lookup(prompt(2, start=0), take_lease=False).hit_tokens == 2 * BLOCK
     # That spare of 4 is too small for 6 more blocks: a plain Reserve, which evicts as always.
     assert client.store(prompt(6, start=90_000), random_kv(6, layout, seed=3)).stored == 6
@@ -88,4 +90,4 @@ def test_a_commit_publishes_only_the_slots_it_names(start) -> None:
     )
     assert (reply.stored, reply.rejected) == (3, 0) and not reply.HasField("next")
     assert client.lookup(tokens, take_lease=False).hit_tokens == 3 * BLOCK
-    assert client.stats().snapshot.tiers[0].blocks == 3  # the 2 slots left over are free again
+    assert server.backend.cache.placement.used(TierKind.HOST) == 3  # the 2 slots left over are free again

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from prefixcache.client import CacheClient
 from tests.support.poll import poll
 from tests.support.worker_procs import Stack
 
@@ -74,6 +75,9 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": [2**40]}, "prompt", "outside the model vocabulary"),
     (COMPLETIONS, {"prompt": [1] * 20000}, "prompt", "the model allows"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": -5}, "max_tokens", "got -5"),
+    (CHAT, {"messages": USER, "prompt_cache_retention": "forever"}, "prompt_cache_retention", "'24h'"),
+    (CHAT, {"messages": USER, "prompt_cache_retention": -3}, "prompt_cache_retention", "'in_memory'"),
+    (COMPLETIONS, {"prompt": "x", "prompt_cache_max_tokens": -1}, "prompt_cache_max_tokens", "integer"),
 ]
 
 
@@ -134,3 +138,27 @@ def test_metrics_count_requests_tokens_and_time_to_first_token(stack):
     assert delta("prefixcache_worker_ttft_seconds_count") == 2
     assert delta("prefixcache_worker_ttft_seconds_sum") > 0
     assert delta("prefixcache_worker_ttft_seconds_bucket", le="+Inf") == 2
+
+
+def test_retention_hints_travel_to_the_service_which_bounds_them(stack):
+    client, prompt = stack.cached.client, list(range(7000, 7000 + 40))
+    with CacheClient(stack.service.address, timeout_s=10) as service:
+        base = next(n.namespace_id for n in service.namespaces() if not n.salted)
+        block = service.stats().layout.block_size
+
+        def clamped() -> int:
+            return service.stats().snapshot.retention_clamped
+
+        def stored(salt: str) -> int:
+            return service.inspect(prompt, cache_salt=salt, namespace_id=base).hit_tokens
+
+        before = clamped()
+        options = {"max_tokens": 2, "prompt_cache_retention": "24h", "prompt_cache_max_tokens": block + 3}
+        assert client.complete(prompt, cache_salt="retention-24h", **options).status == 200
+        # The session's service allows no retention past its TTLs (--max-retention 0s): cut, counted.
+        assert poll(lambda: clamped() == before + 1, 30)
+        assert stored("retention-24h") == block  # prompt_cache_max_tokens: the one whole block within it
+        options = {"max_tokens": 2, "prompt_cache_retention": "in_memory"}  # OpenAI's default: no hint
+        assert client.complete(prompt, cache_salt="retention-default", **options).status == 200
+        assert poll(lambda: stored("retention-default") == len(prompt) // block * block, 30)
+        assert clamped() == before + 1

@@ -44,6 +44,7 @@ from ..config import KVLayout
 from ..errors import InvalidArgument, UnknownLease
 from ..kinds import MissReason
 from ..results import BlockLocations, CommitResult
+from ..retention import check_priority, check_retention
 from ..rpc import cache_pb2 as pb
 from ..rpc import cache_pb2_grpc as pb_grpc
 from .dataplane import LocalPools, map_device_pool, map_host_segment
@@ -129,11 +130,12 @@ class PinInfo:
     namespace_id: str
     pinned_tokens: int
     expires_in_s: float | None
+    priority: int = 0  # 0..100: a pin needing room releases the tenant's lower ones first
 
     @classmethod
     def of(cls, message: pb.Pin) -> PinInfo:
         expires = message.expires_in_seconds if message.HasField("expires_in_seconds") else None
-        return cls(message.pin_id, message.namespace_id, message.pinned_tokens, expires)
+        return cls(message.pin_id, message.namespace_id, message.pinned_tokens, expires, message.priority)
 
 
 @dataclass(frozen=True)
@@ -440,22 +442,26 @@ class CacheClient:
         start_block: int = 0,
         cache_salt: str | None = None,
         timeout_s: float | None = None,
+        retention_s: float | None = None,
     ) -> CommitResult:
         """Publish `kv[i]` as block `start_block + i` of `tokens` (shared memory if mapped, else the stream).
 
         Blocks the service had no free slot for are counted in `rejected`. The counts are the
-        service's blocks (`Attachment.split` of them per block of this engine).
+        service's blocks (`Attachment.split` of them per block of this engine). `retention_s` (a
+        retention hint, e.g. `parse_retention("24h")`): keep these blocks at least that long since
+        their last use, within the tenant's bound (the result says what was applied).
         """
         attachment = self.attachment
         token_list = _token_list(tokens)
         self._check_kv(kv, attachment.layout, start_block, len(token_list))
+        check_retention(retention_s)
         if len(kv) == 0:
             return CommitResult(0, 0, 0)
         if attachment.split > 1:  # stored as the service's blocks
             kv, start_block = _split_blocks(kv, attachment.split), start_block * attachment.split
         if self._pools.host is not None:
-            return self._store_shared(token_list, kv, start_block, cache_salt, timeout_s)
-        return self._store_stream(token_list, kv, start_block, cache_salt, timeout_s)
+            return self._store_shared(token_list, kv, start_block, cache_salt, timeout_s, retention_s)
+        return self._store_stream(token_list, kv, start_block, cache_salt, timeout_s, retention_s)
 
     @staticmethod
     def _check_kv(kv: torch.Tensor, layout: KVLayout, start_block: int, token_count: int) -> None:
@@ -471,7 +477,13 @@ class CacheClient:
             )
 
     def _store_shared(
-        self, tokens: list[int], kv: torch.Tensor, start_block: int, salt: str | None, timeout_s: float | None
+        self,
+        tokens: list[int],
+        kv: torch.Tensor,
+        start_block: int,
+        salt: str | None,
+        timeout_s: float | None,
+        retention_s: float | None = None,
     ) -> CommitResult:
         """Write the reserved slots, then Commit; the Commit reserves the next store's slots, so a
         store finding that spare reservation large enough makes one call, not two."""
@@ -498,13 +510,21 @@ class CacheClient:
         )
         if salt is not None:
             request.cache_salt = salt
+        if retention_s is not None:
+            request.retention_seconds = retention_s
         sent = time.monotonic()
         reply = self._call(self._stub.Commit, request, timeout_s)
         if reply.HasField("next") and reply.next.slots:
             # Used only while at least half its TTL is left: a store that finds it must still
             # write and commit before the service reclaims it.
             self._put_spare(reply.next, sent + reply.next.ttl_seconds / 2)
-        return CommitResult(reply.stored, reply.deduplicated, reply.rejected + len(kv) - len(slots))
+        return CommitResult(
+            reply.stored,
+            reply.deduplicated,
+            reply.rejected + len(kv) - len(slots),
+            reply.retention_seconds,
+            reply.retention_clamped,
+        )
 
     def _take_spare(self) -> pb.ReserveResponse | None:
         """The spare reservation while it is fresh (taken: one store uses it); a stale one is left
@@ -520,7 +540,13 @@ class CacheClient:
             self._spare = (reservation, use_until)
 
     def _store_stream(
-        self, tokens: list[int], kv: torch.Tensor, start_block: int, salt: str | None, timeout_s: float | None
+        self,
+        tokens: list[int],
+        kv: torch.Tensor,
+        start_block: int,
+        salt: str | None,
+        timeout_s: float | None,
+        retention_s: float | None = None,
     ) -> CommitResult:
         attachment = self.attachment
         layout = attachment.stored_layout or attachment.layout
@@ -534,6 +560,8 @@ class CacheClient:
         )
         if salt is not None:
             header.cache_salt = salt
+        if retention_s is not None:
+            header.retention_seconds = retention_s
         payload = kv.detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy().data
         chunk = min(STORE_CHUNK_BYTES, attachment.max_chunk_bytes)
 
@@ -543,7 +571,9 @@ class CacheClient:
                 yield wire.encode_store_data([payload[offset : offset + chunk]])
 
         reply = self._call(self._store_call, messages(), self._stream_timeout(len(payload), timeout_s))
-        return CommitResult(reply.stored, reply.deduplicated, reply.rejected)
+        return CommitResult(
+            reply.stored, reply.deduplicated, reply.rejected, reply.retention_seconds, reply.retention_clamped
+        )
 
     # -- operations -------------------------------------------------------------------------
     def stats(self, timeout_s: float | None = None) -> wire.ServiceStats:
@@ -633,6 +663,7 @@ class CacheClient:
         ttl_s: float | None = None,
         cache_salt: str | None = None,
         timeout_s: float | None = None,
+        priority: int | None = None,
     ) -> PinInfo:
         """Pin the cached prefix of `tokens` (the attached namespace by default) until `unpin` or
         `ttl_s`; the service promotes it from Redis first. InvalidArgument when nothing holds it."""
@@ -642,6 +673,8 @@ class CacheClient:
             request.ttl_seconds = ttl_s
         if cache_salt is not None:
             request.cache_salt = cache_salt
+        if priority is not None:
+            request.priority = check_priority(priority)
         return PinInfo.of(self._call(self._stub.Pin, request, timeout_s).pin)
 
     def unpin(self, pin_id: int, timeout_s: float | None = None) -> None:

@@ -216,12 +216,13 @@ class ReserveResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., slots: _Optional[_Iterable[int]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("namespace_id", "tokens", "cache_salt", "reservation_id", "start_block", "block_count", "reserve_next")
+    __slots__ = ("namespace_id", "tokens", "cache_salt", "reservation_id", "start_block", "retention_seconds", "block_count", "reserve_next")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COUNT_FIELD_NUMBER: _ClassVar[int]
     RESERVE_NEXT_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
@@ -229,24 +230,29 @@ class CommitRequest(_message.Message):
     cache_salt: str
     reservation_id: int
     start_block: int
+    retention_seconds: float
     block_count: int
     reserve_next: int
-    def __init__(self, namespace_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., reservation_id: _Optional[int] = ..., start_block: _Optional[int] = ..., block_count: _Optional[int] = ..., reserve_next: _Optional[int] = ...) -> None: ...
+    def __init__(self, namespace_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., reservation_id: _Optional[int] = ..., start_block: _Optional[int] = ..., retention_seconds: _Optional[float] = ..., block_count: _Optional[int] = ..., reserve_next: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("stored", "deduplicated", "rejected", "next")
+    __slots__ = ("stored", "deduplicated", "rejected", "retention_seconds", "retention_clamped", "next")
     STORED_FIELD_NUMBER: _ClassVar[int]
     DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_CLAMPED_FIELD_NUMBER: _ClassVar[int]
     NEXT_FIELD_NUMBER: _ClassVar[int]
     stored: int
     deduplicated: int
     rejected: int
+    retention_seconds: float
+    retention_clamped: bool
     next: ReserveResponse
-    def __init__(self, stored: _Optional[int] = ..., deduplicated: _Optional[int] = ..., rejected: _Optional[int] = ..., next: _Optional[_Union[ReserveResponse, _Mapping]] = ...) -> None: ...
+    def __init__(self, stored: _Optional[int] = ..., deduplicated: _Optional[int] = ..., rejected: _Optional[int] = ..., retention_seconds: _Optional[float] = ..., retention_clamped: _Optional[bool] = ..., next: _Optional[_Union[ReserveResponse, _Mapping]] = ...) -> None: ...
 
 class StoreHeader(_message.Message):
-    __slots__ = ("namespace_id", "tokens", "cache_salt", "start_block", "block_count", "dtype", "block_shape")
+    __slots__ = ("namespace_id", "tokens", "cache_salt", "start_block", "block_count", "dtype", "block_shape", "retention_seconds")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +260,7 @@ class StoreHeader(_message.Message):
     BLOCK_COUNT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
@@ -261,7 +268,8 @@ class StoreHeader(_message.Message):
     block_count: int
     dtype: DType
     block_shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., start_block: _Optional[int] = ..., block_count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., block_shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    retention_seconds: float
+    def __init__(self, namespace_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., start_block: _Optional[int] = ..., block_count: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., block_shape: _Optional[_Iterable[int]] = ..., retention_seconds: _Optional[float] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
     __slots__ = ("header", "data")
@@ -371,7 +379,7 @@ class ReasonCounts(_message.Message):
     def __init__(self, by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("ready", "uptime_seconds", "lookups", "request_hits", "request_misses", "block_hits", "block_misses", "token_hits", "tokens_looked_up", "tokens_saved", "blocks_committed", "blocks_deduplicated", "active_leases", "tiers", "spills", "spills_dropped", "promotions", "evictions", "miss_reasons", "remote_up", "remote", "layout", "attach_refusals")
+    __slots__ = ("ready", "uptime_seconds", "lookups", "request_hits", "request_misses", "block_hits", "block_misses", "token_hits", "tokens_looked_up", "tokens_saved", "blocks_committed", "blocks_deduplicated", "active_leases", "tiers", "spills", "spills_dropped", "promotions", "evictions", "miss_reasons", "remote_up", "remote", "layout", "pins_displaced", "retention_clamped", "attach_refusals")
     class SpillsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -436,6 +444,8 @@ class Stats(_message.Message):
     REMOTE_UP_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PINS_DISPLACED_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_CLAMPED_FIELD_NUMBER: _ClassVar[int]
     ATTACH_REFUSALS_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     uptime_seconds: float
@@ -459,8 +469,10 @@ class Stats(_message.Message):
     remote_up: bool
     remote: _containers.ScalarMap[str, float]
     layout: KVLayout
+    pins_displaced: int
+    retention_clamped: int
     attach_refusals: _containers.ScalarMap[str, int]
-    def __init__(self, ready: _Optional[bool] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., request_hits: _Optional[int] = ..., request_misses: _Optional[int] = ..., block_hits: _Optional[int] = ..., block_misses: _Optional[int] = ..., token_hits: _Optional[int] = ..., tokens_looked_up: _Optional[int] = ..., tokens_saved: _Optional[int] = ..., blocks_committed: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., active_leases: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., spills: _Optional[_Mapping[str, int]] = ..., spills_dropped: _Optional[int] = ..., promotions: _Optional[_Mapping[str, int]] = ..., evictions: _Optional[_Mapping[str, ReasonCounts]] = ..., miss_reasons: _Optional[_Mapping[str, int]] = ..., remote_up: _Optional[bool] = ..., remote: _Optional[_Mapping[str, float]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., attach_refusals: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    def __init__(self, ready: _Optional[bool] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., request_hits: _Optional[int] = ..., request_misses: _Optional[int] = ..., block_hits: _Optional[int] = ..., block_misses: _Optional[int] = ..., token_hits: _Optional[int] = ..., tokens_looked_up: _Optional[int] = ..., tokens_saved: _Optional[int] = ..., blocks_committed: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., active_leases: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., spills: _Optional[_Mapping[str, int]] = ..., spills_dropped: _Optional[int] = ..., promotions: _Optional[_Mapping[str, int]] = ..., evictions: _Optional[_Mapping[str, ReasonCounts]] = ..., miss_reasons: _Optional[_Mapping[str, int]] = ..., remote_up: _Optional[bool] = ..., remote: _Optional[_Mapping[str, float]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., pins_displaced: _Optional[int] = ..., retention_clamped: _Optional[int] = ..., attach_refusals: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class InspectRequest(_message.Message):
     __slots__ = ("namespace_id", "tokens", "cache_salt")
@@ -563,28 +575,32 @@ class MatchResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ..., remote_blocks: _Optional[int] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ...) -> None: ...
 
 class PinRequest(_message.Message):
-    __slots__ = ("namespace_id", "cache_salt", "prefix", "ttl_seconds")
+    __slots__ = ("namespace_id", "cache_salt", "prefix", "ttl_seconds", "priority")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     cache_salt: str
     prefix: TokenPrefix
     ttl_seconds: float
-    def __init__(self, namespace_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prefix: _Optional[_Union[TokenPrefix, _Mapping]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    priority: int
+    def __init__(self, namespace_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., prefix: _Optional[_Union[TokenPrefix, _Mapping]] = ..., ttl_seconds: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class Pin(_message.Message):
-    __slots__ = ("pin_id", "namespace_id", "pinned_tokens", "expires_in_seconds")
+    __slots__ = ("pin_id", "namespace_id", "pinned_tokens", "expires_in_seconds", "priority")
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     pin_id: int
     namespace_id: str
     pinned_tokens: int
     expires_in_seconds: float
-    def __init__(self, pin_id: _Optional[int] = ..., namespace_id: _Optional[str] = ..., pinned_tokens: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
+    priority: int
+    def __init__(self, pin_id: _Optional[int] = ..., namespace_id: _Optional[str] = ..., pinned_tokens: _Optional[int] = ..., expires_in_seconds: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PinResponse(_message.Message):
     __slots__ = ("pin",)

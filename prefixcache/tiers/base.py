@@ -139,6 +139,10 @@ class RemoteTier(Protocol):
 
     def delete(self, namespace_id: str, block_hash: bytes) -> None: ...
 
+    def expire(self, namespace_id: str, hashes: Sequence[bytes], ttls_s: Sequence[float]) -> None:
+        """Queue a TTL change of blocks already written (a pin or a retention hint keeps them
+        longer, an unpin gives them their normal TTL back); a block the tier lacks is left so."""
+
     def delete_namespace(self, namespace_id: str) -> None: ...
 
     def flush(self) -> None: ...

@@ -171,6 +171,14 @@ class RedisTier:
         """Queue an UNLINK of one block (e.g. after it failed verification)."""
         self._writer.delete(self._link.key(namespace_id, block_hash))
 
+    def expire(self, namespace_id: str, hashes: Sequence[bytes], ttls_s: Sequence[float]) -> None:
+        """Queue one pipelined PEXPIRE per block (after the writes queued before it): pins and
+        retention hints set a key's TTL. PEXPIRE never creates a key, so a block Redis lacks stays
+        missing."""
+        if len(hashes):
+            keys = tuple(self._link.key(namespace_id, h) for h in hashes)
+            self._writer.expire(keys, tuple(self._link.ttl_ms(t) for t in ttls_s))
+
     def delete_namespace(self, namespace_id: str) -> None:
         """Queue a SCAN+UNLINK of every block of one namespace (on every cluster node)."""
         self._writer.delete_matching(f"{_escape(self.options.key_prefix)}:{_escape(namespace_id)}:*")

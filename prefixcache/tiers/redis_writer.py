@@ -62,7 +62,18 @@ class _UnlinkMatching(NamedTuple):
         return len(self.pattern)
 
 
-_Op = _Set | _Unlink | _UnlinkMatching
+class _Expire(NamedTuple):
+    """PEXPIRE of each key to its TTL, pipelined: run through Python, alone, like a delete."""
+
+    keys: tuple[str, ...]
+    ttls_ms: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(key) for key in self.keys)
+
+
+_Op = _Set | _Unlink | _UnlinkMatching | _Expire
 _STOP = object()
 _PROBE = object()
 _STREAM = object()
@@ -118,6 +129,10 @@ class RedisWriter:
         """Queue an UNLINK of one key."""
         self._enqueue(_Unlink(key))
 
+    def expire(self, keys: tuple[str, ...], ttls_ms: tuple[int, ...]) -> None:
+        """Queue a PEXPIRE of each key (existing keys only) to its TTL."""
+        self._enqueue(_Expire(keys, ttls_ms))
+
     def delete_matching(self, pattern: str) -> None:
         """Queue a SCAN+UNLINK of every key matching the glob `pattern` (on every cluster node)."""
         self._enqueue(_UnlinkMatching(pattern))
@@ -170,7 +185,7 @@ class RedisWriter:
 
     # ---- the queue's bookkeeping --------------------------------------------------------
 
-    def _enqueue(self, op: _Unlink | _UnlinkMatching) -> None:
+    def _enqueue(self, op: _Unlink | _UnlinkMatching | _Expire) -> None:
         """Queue an op the writer runs through Python (in order with the SETs around it)."""
         with self._link.lock:
             if not self._closing:
@@ -314,6 +329,9 @@ class RedisWriter:
         if isinstance(batch[0], _UnlinkMatching):
             self._unlink_matching(batch[0].pattern)
             return
+        if isinstance(batch[0], _Expire):
+            self._expire(batch[0])
+            return
         start = time.perf_counter()
         try:
             self._retry.call(lambda: self._pipeline(batch), link.rng)
@@ -360,6 +378,25 @@ class RedisWriter:
         self._link.wrote()
         log.info("redis: removed %d keys matching %s", removed, pattern)
 
+    def _expire(self, op: _Expire) -> None:
+        writer = self._link.write_client
+        assert writer is not None  # _apply checked
+        try:
+            for start in range(0, len(op.keys), _UNLINK_CHUNK):
+                pipe = writer.pipeline(transaction=False)
+                for key, ttl_ms in zip(
+                    op.keys[start : start + _UNLINK_CHUNK], op.ttls_ms[start : start + _UNLINK_CHUNK]
+                ):
+                    pipe.pexpire(key, ttl_ms)
+                pipe.execute(raise_on_error=True)
+        except REDIS_ERRORS as exc:
+            self._write_failed(exc, f"pexpire: {error_kind(exc)}")
+            log.warning(
+                "redis TTL change of %d key(s) from %s failed: %s", len(op.keys), key_hint(op.keys[0]), error_kind(exc)
+            )
+            return
+        self._link.wrote()
+
     def _unlink_keys(self, keys: list[bytes]) -> int:
         """One UNLINK per key in a pipeline: never a multi-key command across cluster slots."""
         if not keys:
@@ -374,7 +411,14 @@ class RedisWriter:
     # ---- outcomes -----------------------------------------------------------------------
 
     def _failed(self, batch: list[_Op], exc: BaseException) -> None:
-        key = batch[0].key if isinstance(batch[0], (_Set, _Unlink)) else batch[0].pattern
+        first = batch[0]
+        key = (
+            first.key
+            if isinstance(first, (_Set, _Unlink))
+            else first.pattern
+            if isinstance(first, _UnlinkMatching)
+            else first.keys[0]
+        )
         reason = f"write of {len(batch)} key(s) from {key_hint(key)}: {error_kind(exc)}"
         self._write_failed(exc, reason)
         with self._link.lock:

@@ -53,7 +53,7 @@ FLUSH_EXAMPLES = """examples:
 """
 PIN_EXAMPLES = """examples:
   prefixcache pin --cache 127.0.0.1:50051 --text "You are a helpful assistant..."   # until unpinned
-  prefixcache pin --tokens-file system.json --namespace 3f2a... --ttl 24h
+  prefixcache pin --tokens-file system.json --namespace 3f2a... --ttl 24h --priority 80
   prefixcache pins --json | jq '.pins[].pin_id'
   prefixcache unpin 1234567890
   prefixcache warm --text "You are a helpful assistant..."       # Redis -> host tier ahead of traffic
@@ -207,11 +207,20 @@ def _register_pins(subparsers) -> None:
         "Pins the cached part of a prompt prefix in its namespace (promoted from Redis first, so it "
         "also warms a prefix only Redis holds): LRU eviction, block TTL and flush leave it in the "
         "host tier until `unpin` or --ttl. Fails, naming the prefix, when no tier holds any of it. "
-        "A tenant's token pins only its own namespaces.",
+        "When promoting it finds the host tier (or the tenant's host quota) held by pins, the tenant's "
+        "pins of lower --priority are released, lowest first; nothing else ends a pin early. With Redis, "
+        "its blocks' keys live while pinned. A tenant's token pins only its own namespaces.",
         PIN_EXAMPLES,
     )
     add_prompt_arguments(parser, "--text", "the prefix")
     parser.add_argument("--ttl", default=None, metavar="DURATION", help="e.g. 30m, 24h (default: until unpinned)")
+    parser.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        metavar="N",
+        help="0..100 (default 0): a pin that needs room releases the tenant's pins of lower priority first",
+    )
     add_identity_arguments(parser)
     _add_json(parser, "the pin")
     parser.set_defaults(handler=handlers.pin)
@@ -228,7 +237,7 @@ def _register_pins(subparsers) -> None:
         "pins",
         "the live pins a credential can see",
         "Every live pin of this credential's tenant (an admin's: every tenant's): id, namespace, "
-        "pinned tokens, time left.",
+        "pinned tokens, priority, time left.",
         PIN_EXAMPLES,
     )
     _add_json(parser, "one document")

@@ -18,6 +18,7 @@ from rich.console import Console
 
 from prefixcache.config import parse_duration
 from prefixcache.kinds import TierKind
+from prefixcache.retention import check_priority
 
 from .connect import AdminError, connect
 from .document import SCHEMA_VERSION, stats_document
@@ -150,6 +151,7 @@ def _pin_entry(pin) -> dict:
         "namespace_id": pin.namespace_id,
         "pinned_tokens": pin.pinned_tokens,
         "expires_in_s": pin.expires_in_s,
+        "priority": pin.priority,
     }
 
 
@@ -159,6 +161,7 @@ def _left(pin) -> str:
 
 def pin(args: argparse.Namespace) -> int:
     ttl_s = None if args.ttl is None else parse_duration(args.ttl, "--ttl")
+    priority = None if args.priority is None else check_priority(args.priority, "--priority")
     tokens = prompt_tokens(args, args.text, args.tokens_file)
     if not tokens:
         raise AdminError("the prefix is empty: nothing to pin")
@@ -166,13 +169,14 @@ def pin(args: argparse.Namespace) -> int:
         namespace_id, _ = resolve_namespace(args, client, client.stats())
         if namespace_id is None:
             raise AdminError("nothing is cached yet (no worker has attached): nothing to pin")
-        made = client.pin(tokens, namespace_id=namespace_id, ttl_s=ttl_s, cache_salt=args.cache_salt)
+        made = client.pin(tokens, namespace_id=namespace_id, ttl_s=ttl_s, cache_salt=args.cache_salt, priority=priority)
         address = client.address
     if args.json:
         _print_json({"schema_version": SCHEMA_VERSION, "address": address, **_pin_entry(made)})
     else:
         print(
-            f"pin {made.pin_id}: {made.pinned_tokens:,} of {len(tokens):,} token(s) pinned ({_left(made)}) at {address}"
+            f"pin {made.pin_id}: {made.pinned_tokens:,} of {len(tokens):,} token(s) pinned "
+            f"(priority {made.priority}, {_left(made)}) at {address}"
         )
     return 0
 
@@ -198,7 +202,7 @@ def pins(args: argparse.Namespace) -> int:
     if not found:
         print(f"no pins at {address}")
     for p in found:
-        print(f"{p.pin_id}  {p.namespace_id}  {p.pinned_tokens:,} token(s)  {_left(p)}")
+        print(f"{p.pin_id}  {p.namespace_id}  {p.pinned_tokens:,} token(s)  priority {p.priority}  {_left(p)}")
     return 0
 
 

@@ -7,7 +7,7 @@ Three modes, chosen at start-up:
   PREFIXCACHE_AUTH_TOKEN): its holder is the default tenant "", admin;
 - a credentials file (`--credentials FILE`) mapping tokens to tenants, one per line:
 
-      # token (or sha256:<hex of the token>)   tenant    [admin] [local] [host=SIZE] [device=SIZE]
+      # token (or sha256:<hex of the token>)   tenant    [admin] [local] [host=SIZE] [device=SIZE] [retention=DURATION]
       0b7a1c...e4                              acme      local host=256MiB
       sha256:9f86d08188...                     globex
       5c1f2d...77                              ops       admin
@@ -15,7 +15,8 @@ Three modes, chosen at start-up:
   `admin` may act on every tenant's blocks. `local` may use the same-host data plane: map the
   host tier's shared memory and the device pool (which hold every tenant's KV) and write slots
   through Reserve/Commit; other credentials move KV through Fetch/Store only (SECURITY.md).
-  `host=`/`device=` override `--tenant-quota` for that tenant ("unlimited" lifts it); every
+  `host=`/`device=` override `--tenant-quota` for that tenant ("unlimited" lifts it);
+  `retention=` overrides `--max-retention`, the longest retention hint its stores may give; every
   line of one tenant must give the same quota.
 
 The tenant is always derived here, server-side, from the token; a request can
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from prefixcache.config import QUOTA_TIERS, TenantQuota
+from prefixcache.config import QUOTA_KEYS, TenantQuota
 from prefixcache.errors import ConfigError, PrefixCacheError
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ METADATA_KEY = "authorization"
 UNAUTHENTICATED_PATHS = ("/grpc.health.v1.Health/",)  # probes carry no token
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _SHA256 = re.compile(r"^sha256:([0-9a-fA-F]{64})$")
-_LINE = "TOKEN TENANT [admin] [local] [host=SIZE] [device=SIZE]"
+_LINE = "TOKEN TENANT [admin] [local] [host=SIZE] [device=SIZE] [retention=DURATION]"
 
 
 class Unauthenticated(PrefixCacheError):
@@ -110,7 +111,7 @@ def _options(fields: list[str], where: str) -> tuple[bool, bool, str]:
     """(admin, local, quota spec) from the fields after TOKEN TENANT; the spec is validated here."""
     flags = [field for field in fields if field in ("admin", "local")]
     quota = [field for field in fields if field not in flags]
-    if len(set(flags)) != len(flags) or any(f.partition("=")[0].lower() not in QUOTA_TIERS for f in quota):
+    if len(set(flags)) != len(flags) or any(f.partition("=")[0].lower() not in QUOTA_KEYS for f in quota):
         raise ConfigError("credentials", f"{where}: expected '{_LINE}'")  # never echo a field: it may be a token
     spec = ",".join(quota)
     try:

@@ -61,6 +61,7 @@ from prefixcache.hashing import namespace_id
 from prefixcache.kinds import MissReason, TierKind
 from prefixcache.leases import Lease, Reservation
 from prefixcache.results import BlockLocation, CommitResult, LookupResult, PrefixMatch
+from prefixcache.retention import check_retention
 from prefixcache.stats import StatsSnapshot
 from prefixcache.tiers.base import RemoteTier, ShareHandle
 from prefixcache.tiers.device import DeviceTier
@@ -408,16 +409,42 @@ class CacheBackend:
         tokens: np.ndarray,
         reservation_id: int,
         start_block: int,
+        retention_s: float | None = None,
         count: int | None = None,
     ) -> CommitResult:
         resolved = self.resolve(principal, ns_id, salt)
-        return self._require().commit(resolved, tokens, reservation_id, start_block, count)
+        retain, clamped = self._bounded_retention(resolved, retention_s)
+        result = self._require().commit(resolved, tokens, reservation_id, start_block, retain, count)
+        return dataclasses.replace(result, retention_s=retain or 0.0, retention_clamped=clamped)
 
     def store(
-        self, principal: Principal, ns_id: str, salt: str | None, tokens: np.ndarray, kv: torch.Tensor, start_block: int
+        self,
+        principal: Principal,
+        ns_id: str,
+        salt: str | None,
+        tokens: np.ndarray,
+        kv: torch.Tensor,
+        start_block: int,
+        retention_s: float | None = None,
     ) -> CommitResult:
         resolved = self.resolve(principal, ns_id, salt)
-        return self._require().store(resolved, tokens, kv, start_block)
+        retain, clamped = self._bounded_retention(resolved, retention_s)
+        result = self._require().store(resolved, tokens, kv, start_block, retain)
+        return dataclasses.replace(result, retention_s=retain or 0.0, retention_clamped=clamped)
+
+    def _bounded_retention(self, ns_id: str, retention_s: float | None) -> tuple[float | None, bool]:
+        """A store's retention hint within its namespace's tenant's bound (`retention=` of its
+        credentials line, else --max-retention): a longer one is cut to the bound and counted, not
+        refused, so an engine's request never fails over a hint. (hint, whether it was cut)."""
+        retention_s = check_retention(retention_s)
+        if retention_s is None:
+            return None, False
+        cache = self._require()
+        bound = self.options.cache.tenant_quotas.of(cache.namespace(ns_id).tenant).retention
+        if retention_s <= bound:
+            return retention_s, False
+        cache.count_retention_clamped(ns_id)
+        return bound, True
 
     # -- operations -------------------------------------------------------------------------
     def stats(self) -> StatsSnapshot | None:
@@ -509,13 +536,22 @@ class CacheBackend:
         return self._require().evict(resolved, older_than_s=older_than_s)
 
     # -- operator pins ------------------------------------------------------------------
-    def pin(self, principal: Principal, ns_id: str, salt: str | None, tokens: np.ndarray, ttl_s: float | None) -> Lease:
+    def pin(
+        self,
+        principal: Principal,
+        ns_id: str,
+        salt: str | None,
+        tokens: np.ndarray,
+        ttl_s: float | None,
+        priority: int = 0,
+    ) -> Lease:
         """Pin: an admin any namespace, a tenant its own (resolve checks); the blocks it pins were
-        stored within the tenant's quota, so a pin takes no room beyond it."""
+        stored within the tenant's quota, so a pin takes no room beyond it (what it promotes from
+        Redis is admitted within that quota, where only the tenant's own lower pins give way)."""
         resolved = self.resolve(principal, ns_id, salt, create=False)
         if resolved is None:  # a salt never used holds nothing
             raise InvalidArgument("prefix.tokens", f"no block of this prefix is cached in {ns_id!r}")
-        return self._require().pin(resolved, tokens, ttl_s)
+        return self._require().pin(resolved, tokens, ttl_s, priority)
 
     def pins(self, principal: Principal) -> list[tuple[str, Lease]]:
         if self._cache is None:

@@ -106,6 +106,14 @@ def register(subparsers) -> None:
         "a credentials line may override it",
     )
     add(
+        "--max-retention",
+        default="0s",
+        metavar="DURATION",
+        help="longest retention hint (a store's prompt_cache_retention) honoured for a tenant, e.g. 24h; "
+        "longer hints are cut to it and counted (default %(default)s: hints keep nothing past --ttl and "
+        "--redis-ttl); a credentials line's retention= overrides it",
+    )
+    add(
         "--shm-name",
         default=None,
         help="name of the host tier's shared-memory segment in /dev/shm (default: prefixcache-HOST-PORT of the "
@@ -244,7 +252,7 @@ def authenticator_from(args: argparse.Namespace) -> Authenticator:
 
 def quotas_from(args: argparse.Namespace, authenticator: Authenticator) -> TenantQuotas:
     """`--tenant-quota` for every tenant, with the credentials file's per-tenant overrides."""
-    default = TenantQuota.parse(args.tenant_quota)
+    default = TenantQuota.parse(args.tenant_quota).updated(f"retention={args.max_retention}", "max_retention")
     overrides = quota_overrides(authenticator.principals)
     return TenantQuotas(default, tuple((tenant, default.updated(spec)) for tenant, spec in sorted(overrides.items())))
 

@@ -149,7 +149,13 @@ def lookup_response(result: LookupResult, lease_ttl_s: float) -> pb.LookupRespon
 
 
 def commit_response(result: CommitResult) -> pb.CommitResponse:
-    return pb.CommitResponse(stored=result.stored, deduplicated=result.deduplicated, rejected=result.rejected)
+    return pb.CommitResponse(
+        stored=result.stored,
+        deduplicated=result.deduplicated,
+        rejected=result.rejected,
+        retention_seconds=result.retention_s,
+        retention_clamped=result.retention_clamped,
+    )
 
 
 def inspect_response(ns_id: str, report: BlockReport) -> pb.InspectResponse:

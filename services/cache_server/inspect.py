@@ -74,7 +74,8 @@ def inspect_prefix(cache: PrefixCache, ns_id: str, tokens: np.ndarray) -> BlockR
             stop = MissReason.VERIFICATION_FAILED
             break
         last_access = float(index.last_access[node])
-        if last_access + ttl < now:
+        kept = ttl + float(index.extra_ttl[node])  # a retention hint's extra time counts
+        if last_access + kept < now:
             stop = MissReason.EXPIRED
             break
         states.append(
@@ -82,7 +83,7 @@ def inspect_prefix(cache: PrefixCache, ns_id: str, tokens: np.ndarray) -> BlockR
                 i,
                 TierKind(tier),
                 int(index.slot[node]),
-                last_access + ttl - now,
+                last_access + kept - now,
                 now - last_access,
                 bool(index.pins[node] > 0),
             )

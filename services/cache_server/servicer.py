@@ -69,6 +69,7 @@ PROTO_FIELDS: dict[str, dict[str, str]] = {
         "start_block": "header.start_block",
         "count": "header.block_count",
         "kv": "data",
+        "retention_seconds": "header.retention_seconds",
     },
     "Evict": {"namespace": "namespace_id", "older_than_s": "older_than_seconds", "tokens": "prefix.tokens"},
     "Pin": {"namespace": "namespace_id", "ttl_s": "ttl_seconds", "tokens": "prefix.tokens"},
@@ -287,6 +288,7 @@ class PrefixCacheServicer:
             self._tokens(request.tokens),
             reservation_id,
             request.start_block,
+            request.retention_seconds if request.HasField("retention_seconds") else None,
             request.block_count or None,
         )
         response = convert.commit_response(result)
@@ -331,7 +333,9 @@ class PrefixCacheServicer:
             if received != total:
                 raise InvalidArgument("data", f"{received} bytes received; header.block_count announced {total}")
             kv = buffer.view(layout.dtype.torch).view(header.block_count, *layout.block_shape)
-            return convert.commit_response(self._backend.store(principal, ns_id, salt, tokens, kv, header.start_block))
+            retention_s = header.retention_seconds if header.HasField("retention_seconds") else None
+            result = self._backend.store(principal, ns_id, salt, tokens, kv, header.start_block, retention_s)
+            return convert.commit_response(result)
 
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         principal = self._begin(request, context, None)  # frees what a lease pins: never refused
@@ -385,7 +389,8 @@ class PrefixCacheServicer:
         ns_id = convert.namespace_id(request.namespace_id)
         tokens = self._tokens(request.prefix.tokens, "prefix.tokens")
         ttl_s = request.ttl_seconds if request.HasField("ttl_seconds") else None
-        pin = self._backend.pin(principal, ns_id, convert.salt(request), tokens, ttl_s)
+        priority = request.priority if request.HasField("priority") else 0
+        pin = self._backend.pin(principal, ns_id, convert.salt(request), tokens, ttl_s, priority)
         return pb.PinResponse(pin=self._pin_message(pin))
 
     def Unpin(self, request: pb.UnpinRequest, context) -> pb.UnpinResponse:
@@ -405,6 +410,7 @@ class PrefixCacheServicer:
             pin_id=pin.id,
             namespace_id=cache.namespaces.by_row(pin.namespace).id,
             pinned_tokens=len(pin.nodes) * cache.layout.block_size,
+            priority=pin.priority,
         )
         if pin.expires_at != float("inf"):
             message.expires_in_seconds = self._backend.remaining_s(pin.expires_at)

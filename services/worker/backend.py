@@ -217,7 +217,7 @@ class InferenceBackend:
             # neither this response nor the next request waits for them.
             if self.cache is not None:
                 kv, start_block = None, hit.blocks if hit else 0
-                count = self.cache.blocks_to_store(tokens, start_block) if completed else 0
+                count = self.cache.blocks_to_store(tokens, start_block, request.cache_max_tokens) if completed else 0
                 if count and generation is not None:
                     try:
                         kv = self.engine.extract_blocks(
@@ -227,7 +227,9 @@ class InferenceBackend:
                         log.exception("copying the prompt's blocks for the cache failed")
                 assert self.stores is not None  # built with the cache
                 after = finished.delivered if completed and finished is not None else None
-                self.stores.submit(tokens, kv, start_block, request.cache_salt, hit, after=after)
+                self.stores.submit(
+                    tokens, kv, start_block, request.cache_salt, hit, after=after, retention_s=request.cache_retention_s
+                )
 
     def _stream(self, generation, request: GenerationRequest, started_at: float) -> Iterator[Piece | Finished]:
         text = TextStream(self.engine.loaded.tokenizer.decode, request.stop)

@@ -179,16 +179,24 @@ class WorkerLink:
             return None
         return None if answer is None else answer[0].hit_tokens // self.layout.block_size
 
-    def blocks_to_store(self, tokens: list[int], start_block: int) -> int:
-        """How many full blocks from `start_block` on `store` would send now (0: none, or the link is down)."""
-        end = len(tokens) // self.layout.block_size
+    def blocks_to_store(self, tokens: list[int], start_block: int, max_tokens: int | None = None) -> int:
+        """How many full blocks from `start_block` on `store` would send now (0: none, or the link is
+        down); with `max_tokens` (a request's prompt_cache_max_tokens), only blocks within them."""
+        end = (len(tokens) if max_tokens is None else min(len(tokens), max_tokens)) // self.layout.block_size
         return max(0, end - start_block) if self.up else 0
 
-    def store(self, tokens: list[int], kv: torch.Tensor, start_block: int, salt: str | None) -> None:
-        """Commit `kv[i]` as block `start_block + i` of the prompt."""
+    def store(
+        self, tokens: list[int], kv: torch.Tensor, start_block: int, salt: str | None, retention_s: float | None = None
+    ) -> None:
+        """Commit `kv[i]` as block `start_block + i` of the prompt (kept `retention_s` if the service allows)."""
         if not self.up or not len(kv):
             return
-        self._call("store", lambda client, _: client.store(tokens, kv, start_block=start_block, cache_salt=salt))
+        self._call(
+            "store",
+            lambda client, _: client.store(
+                tokens, kv, start_block=start_block, cache_salt=salt, retention_s=retention_s
+            ),
+        )
 
     def release(self, hit: Hit | None) -> None:
         self.link.release(hit)  # a failure never raises: the service's lease timeout reclaims it

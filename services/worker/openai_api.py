@@ -21,11 +21,15 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from prefixcache.errors import InvalidArgument
+from prefixcache.retention import parse_retention
+
 from .events import RequestKind
 from .sampling import SamplingParams
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOKENS_LIMIT = 8192  # the most max_tokens one request may ask for
+MAX_CACHE_TOKENS = 2**31 - 1  # prompt_cache_max_tokens' range (any prompt fits)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default; chat defaults to the context left
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
@@ -53,6 +57,9 @@ _COMMON = frozenset(
         "repetition_penalty",
         "stop_token_ids",
         "cache_salt",
+        # the cache's retention hints: OpenAI's name, and this worker's bound on what is stored
+        "prompt_cache_retention",
+        "prompt_cache_max_tokens",
     }
 )
 CHAT_FIELDS = _COMMON | {
@@ -95,7 +102,6 @@ _UNSUPPORTED: dict[str, tuple[str, Callable[[object], bool]]] = {
     "web_search_options": ("web search is not supported", lambda v: False),
     "store": ("completions are not stored", lambda v: v is False),
     "service_tier": ("only the default service tier exists", lambda v: v in ("auto", "default")),
-    "prompt_cache_retention": ("prompt cache retention is set by the cache service's --ttl", lambda v: False),
     "response_format": ('only response_format {"type": "text"} is supported', lambda v: v == {"type": "text"}),
     "suffix": ("suffix (fill-in-the-middle) is not supported", lambda v: False),
 }
@@ -134,6 +140,11 @@ class GenerationRequest:
     include_usage: bool
     cache_salt: str | None
     echo: bool = False  # completions: the prompt's text leads the output
+    # prompt_cache_retention: seconds the cache should keep the prompt's blocks (None: the
+    # service's TTLs; the service bounds it per tenant); prompt_cache_max_tokens: store at most
+    # that many leading prompt tokens (None: all).
+    cache_retention_s: float | None = None
+    cache_max_tokens: int | None = None
 
     @property
     def temperature(self) -> float:
@@ -413,7 +424,16 @@ def parse_request(raw: bytes, kind: str, served_model: str | None = None) -> Gen
         include_usage=include_usage,
         cache_salt=salt,
         echo=echo,
+        cache_retention_s=_retention(body),
+        cache_max_tokens=_number(body, "prompt_cache_max_tokens", None, 0, MAX_CACHE_TOKENS, True),
     )
+
+
+def _retention(body: dict) -> float | None:
+    try:
+        return parse_retention(body.get("prompt_cache_retention"))
+    except InvalidArgument as error:
+        raise ApiError(str(error), "prompt_cache_retention") from None
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ class _Job:
     salt: str | None
     hit: Hit | None
     after: threading.Event | None = None
+    retention_s: float | None = None  # the request's retention hint (prompt_cache_retention)
 
 
 class StoreQueue:
@@ -89,6 +90,7 @@ class StoreQueue:
         salt: str | None,
         hit: Hit | None,
         after: threading.Event | None = None,
+        retention_s: float | None = None,
     ) -> None:
         """Queue a store of `kv` (None or empty: nothing to store) and then `hit`'s release, to run
         once `after` is set (or `AFTER_WAIT_S` has passed); never blocks."""
@@ -100,7 +102,7 @@ class StoreQueue:
                 self.dropped.inc()
                 kv = None
             if kv is not None or (hit is not None and hit.lease_id is not None):
-                self._jobs.append(_Job(tokens, kv, start_block, salt, hit, after))
+                self._jobs.append(_Job(tokens, kv, start_block, salt, hit, after, retention_s))
                 self._stores += kv is not None
                 self._cond.notify()
             self._publish()
@@ -130,7 +132,7 @@ class StoreQueue:
                 if job.after is not None:
                     job.after.wait(AFTER_WAIT_S)
                 if job.kv is not None:
-                    self.link.store(job.tokens, job.kv, job.start_block, job.salt)
+                    self.link.store(job.tokens, job.kv, job.start_block, job.salt, job.retention_s)
                 self.link.release(job.hit)
             except Exception:  # noqa: BLE001 - a store must never stop the thread (the link is fail-open)
                 log.exception("background cache store failed")

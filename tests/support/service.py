@@ -31,7 +31,15 @@ from prefixcache_services.cache_server.servicer import SERVICE_NAME
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = tuple(dtype.value for dtype in DType)  # every format the cache stores, fp8 included
 BLOCK = 16
-CACHE_FIELDS = {"ttl_s", "lease_ttl_s", "max_prompt_tokens", "max_leases", "chunk_bytes", "min_block_bytes"}
+CACHE_FIELDS = {
+    "ttl_s",
+    "lease_ttl_s",
+    "max_prompt_tokens",
+    "max_leases",
+    "chunk_bytes",
+    "min_block_bytes",
+    "tenant_quotas",
+}
 CODE = grpc.StatusCode
 
 

@@ -51,6 +51,7 @@ class SaveOp:
     start_block: int
     block_ids: GroupBlockIds
     cache_salt: str | None
+    retention_s: float | None = None  # the request's prompt_cache_retention (kv_transfer_params)
 
     @property
     def blocks(self) -> int:

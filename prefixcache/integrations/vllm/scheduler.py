@@ -50,8 +50,9 @@ import numpy as np
 from ...client.api import Attachment, CacheClient, Hit
 from ...client.hit_policy import MAPPED_LOAD, UNTIMED_LOADS, PrefillMeter, choose
 from ...client.link import CacheLink
-from ...errors import PrefixCacheError
+from ...errors import InvalidArgument, PrefixCacheError
 from ...kinds import TierKind
+from ...retention import StoreHints, store_hints
 from ...transfer import TransferEstimate
 from . import states
 from .link import LOGGER, ConnectorLink
@@ -99,6 +100,7 @@ class _Request:
     saves_stopped: bool = False  # a block to save was already freed by vLLM: the chain ends here
     asked_again: bool = False  # the first answer's lease had ended before vLLM asked for it
     load_failed: bool = False  # its load failed: vLLM recomputes it, and is offered nothing again
+    hints: StoreHints = StoreHints()  # its kv_transfer_params' retention hint and store bound
 
 
 class SchedulerSide:
@@ -149,6 +151,7 @@ class SchedulerSide:
             if not self._requests:
                 self.prefill.idle()  # no request was running: vLLM waited for this one
             state = _Request(request, self.settings.salt_for(getattr(request, "cache_salt", None)))
+            state.hints = _hints(request)
             self._requests[request.request_id] = state
         if state.pending is None and self.loads and self._usable(request) > 0:
             state.deadline = time.monotonic() + self.settings.lookup_timeout_s
@@ -445,6 +448,8 @@ class SchedulerSide:
         bs = self.block_size
         prompt = state.request.prompt_token_ids or ()
         full = min(computed_after_step, len(prompt)) // bs
+        if state.hints.max_tokens is not None:  # prompt_cache_max_tokens: whole blocks within it
+            full = min(full, state.hints.max_tokens // bs)
         start = state.saved_blocks
         attention = [ids for group, ids in enumerate(state.block_ids) if group not in self.state_groups]
         if full <= start or any(len(ids) < full for ids in attention):
@@ -455,7 +460,9 @@ class SchedulerSide:
             self.stats.add(saves_dropped=1)
             return
         state.saved_blocks = full
-        meta.saves.append(SaveOp(req_id, tuple(prompt[: full * bs]), start, block_ids, state.salt))
+        meta.saves.append(
+            SaveOp(req_id, tuple(prompt[: full * bs]), start, block_ids, state.salt, state.hints.retention_s)
+        )
 
     def _plan_state_saves(self, scheduler_output: SchedulerOutput, meta: PrefixCacheMetadata) -> None:
         """Save the states vLLM committed this step at the prompts' block boundaries: they are
@@ -520,3 +527,13 @@ class SchedulerSide:
 
     def close(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)
+
+
+def _hints(request: Request) -> StoreHints:
+    """A request's store hints from its `kv_transfer_params` (retention.store_hints). A bad one is
+    logged, naming the key, and ignored: the connector never fails a request over a hint."""
+    try:
+        return store_hints(getattr(request, "kv_transfer_params", None))
+    except InvalidArgument as error:
+        log.warning("prefixcache: request %s: kv_transfer_params %s; hint ignored", request.request_id, error)
+        return StoreHints()

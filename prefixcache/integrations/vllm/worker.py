@@ -270,7 +270,11 @@ class WorkerSide:
         try:
             answer = self.link.call(
                 lambda client, _: client.store(
-                    list(op.tokens), kv, start_block=op.start_block, cache_salt=op.cache_salt
+                    list(op.tokens),
+                    kv,
+                    start_block=op.start_block,
+                    cache_salt=op.cache_salt,
+                    retention_s=op.retention_s,
                 )
             )
         except PrefixCacheError as error:
