@@ -227,6 +227,7 @@ def test_service_bench(tmp_path: Path) -> None:
     assert_positive(throughput, "rpc_per_s", "service_cpu_us_per_call", "service_cores_used")
     assert report["fetch"]["bytes"] == 4 << 20
     assert_positive(report["fetch"], "shm_GBps", "memcpy_GBps", "shm_vs_memcpy", "stream_GBps")
+    assert_positive(report["fetch"], "shm_engine_blocks_of_2_GBps", "engine_blocks_of_2_vs_1")
 
 
 def test_ttft_bench(tmp_path: Path) -> None:

@@ -6,7 +6,8 @@ SPEC: {"model": DIR, "apc": bool, "connector": {kv_connector_extra_config} | nul
 "kv_cache_dtype": "auto" | "fp8" | ..., "block_size": int (32), "tensor_parallel_size": int (1),
 "max_model_len": int, "steps": [...]} with steps
 - {"generate": NAME, "prompts": [[token ids]...], "salts": [str|null...]?, "max_tokens": n,
-   "kill_pid_after_s": [pid, seconds]?}: greedy outputs and num_cached_tokens per prompt;
+   "kill_pid_after_s": [pid, seconds]?, "kv_transfer_params": {...}?}: greedy outputs and
+   num_cached_tokens per prompt (kv_transfer_params: every prompt's, as an API request sets them);
    with kill_pid_after_s a thread SIGKILLs pid that long after generation starts;
 - {"barrier": NAME}: writes OUT.NAME.reached, waits for OUT.NAME.go (the test acts meanwhile).
 - {"stall": NAME, "running": [ids], "running_tokens": n, "arriving": [ids], "arrive_after": k}:
@@ -133,7 +134,10 @@ def main(spec_path: str, out_path: str) -> None:
         if step.get("kill_pid_after_s"):
             pid, delay = step["kill_pid_after_s"]
             threading.Timer(delay, os.kill, (pid, signal.SIGKILL)).start()
-        params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8), ignore_eos=True)
+        extra = {"kv_transfer_params": step["kv_transfer_params"]} if "kv_transfer_params" in step else None
+        params = SamplingParams(
+            temperature=0.0, max_tokens=step.get("max_tokens", 8), ignore_eos=True, extra_args=extra
+        )
         begun = time.monotonic()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         result["steps"][step["generate"]] = {

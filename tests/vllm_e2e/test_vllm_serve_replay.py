@@ -126,8 +126,11 @@ def _serve(workdir: Path, name: str, model: Path, connector: dict | None) -> tup
         str(port),
         "--served-model-name",
         "tiny",
+        # float32: vLLM's CPU kernels are not batch-invariant, and in bf16 (AMX tiles on hosts that
+        # have them) a prefill on top of reused KV flipped 1 of 12 greedy outputs against a full
+        # prefill, as vLLM's own prefix caching does; in fp32 the two agree, so the check stays exact.
         "--dtype",
-        "bfloat16",
+        "float32",
         "--block-size",
         str(BS),
         "--enforce-eager",

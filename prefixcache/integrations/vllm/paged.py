@@ -12,9 +12,9 @@ values share the last axis depends on the backend:
 - `CONTENT_SPLIT` (CUDA FlashAttention `FLASH_ATTN` and FlashInfer `FLASHINFER`): keys are
   `[..., :head_size]`, values `[..., head_size:]` of each token's row; NHD (`LBNHC`, tokens
   outer) and HND (`LBHNC`/`BLHNC`, heads outer) differ only in strides, which these views keep.
-- `LATENT` (MLA: vLLM's CPU backend `CPU_MLA` as `[num_blocks, 1, block_size, width]`, the CUDA
-  MLA backends `FLASHMLA`, `CUTLASS_MLA`, `FLASHINFER_MLA`, `TRITON_MLA`, `FLASH_ATTN_MLA` as
-  `[num_blocks, block_size, width]`): one latent row per token (kv_lora_rank + rope dims, 576
+- `LATENT` (MLA: vLLM's CPU backend `CPU_MLA` as `[num_blocks, 1, block_size, width]`, its AMX
+  backend `AMX_MLA` and the CUDA MLA backends `FLASHMLA`, `CUTLASS_MLA`, `FLASHINFER_MLA`,
+  `TRITON_MLA`, `FLASH_ATTN_MLA` as `[num_blocks, block_size, width]`, token rows): one latent row per token (kv_lora_rank + rope dims, 576
   for DeepSeek-V2/V3), no separate keys and values. The cache stores the row as the canonical
   block's two halves with one "head" (`head_size` = width / 2), i.e. `CONTENT_SPLIT` of a
   one-head view: the bytes of a block are exactly vLLM's, in vLLM's order.
@@ -60,6 +60,7 @@ _PACKING_OF_BACKEND = {
     "FLASH_ATTN": KVPacking.CONTENT_SPLIT,
     "FLASHINFER": KVPacking.CONTENT_SPLIT,
     "CPU_MLA": KVPacking.LATENT,
+    "AMX_MLA": KVPacking.LATENT,  # vLLM's CPU MLA backend on AMX hosts: token rows, as the CUDA ones
     "FLASHMLA": KVPacking.LATENT,
     "CUTLASS_MLA": KVPacking.LATENT,
     "FLASHINFER_MLA": KVPacking.LATENT,
