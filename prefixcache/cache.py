@@ -554,7 +554,8 @@ class PrefixCache:
 
         With `ns_id`, the slots count against its tenant's host quota (fewer when over it) and
         only that tenant may commit them. `evict=False` (a writer's spare for a store that may
-        never come) takes only slots free now, evicting nothing. `replaces` names a reservation
+        never come) takes only slots free now, evicting nothing, and none unless as many more
+        stay free. `replaces` names a reservation
         of the same tenant to give back first (a spare too small for this store); an unknown or
         expired one is ignored.
         """
@@ -583,9 +584,14 @@ class PrefixCache:
             raise ResourceExhausted(f"count: {count} blocks exceed the host tier's {host.num_slots} slots", "count")
         if row >= 0:
             count = self.ledger.room(row, TierKind.HOST, count, evict)
+        free = self.placement.free(TierKind.HOST, layout)
         if evict:
             self.placement.make_room(TierKind.HOST, count, layout)
-        return self.placement.free(TierKind.HOST, layout).take_many(count)
+        elif len(free) < 2 * count:
+            # A spare only where as many slots stay free: held slots keep their chunk from changing
+            # layout (placement.py), and in a full tier a spare would only move an eviction earlier.
+            return ()
+        return free.take_many(count)
 
     def commit(
         self,

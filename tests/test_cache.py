@@ -289,10 +289,10 @@ def test_reservations_expire_and_return_their_slots() -> None:
     with make_cache(host_slots=4, clock=clock, lease_ttl_s=5) as cache:
         ns = cache.attach(namespace())
         reservation = cache.reserve(3)
-        assert len(reservation.slots) == 3 and cache.stats().tiers[0].blocks == 3
+        assert len(reservation.slots) == 3 and cache.placement.used(TierKind.HOST) == 3
         clock.advance(6)
         cache.expire()
-        assert cache.stats().tiers[0].blocks == 0
+        assert cache.placement.used(TierKind.HOST) == 0
         assert reservation.id not in cache.leases  # expired: its slots went back
         with pytest.raises(InvalidArgument):
             cache.commit(ns, prompt(1, 2, 3), reservation.id, 0)
@@ -393,7 +393,7 @@ def test_commit_validates_its_block_range_without_leaking_slots() -> None:
         # issue 33: a refused commit keeps its reservation (it expires with its TTL if never
         # committed), so the writer can commit the KV it wrote with the right range
         assert cache.leases.reservation(reservation.id) == reservation
-        assert cache.stats().tiers[0].blocks == 2  # its two slots, still reserved
+        assert cache.placement.used(TierKind.HOST) == 2  # its two slots, still reserved
         assert_consistent(cache)
         assert cache.commit(ns, prompt(1, 2), reservation.id, 0).stored == 2
         assert reservation.id not in cache.leases

@@ -62,12 +62,12 @@ def test_a_spare_too_small_is_given_back_and_a_spare_never_evicts(start) -> None
     assert used() == 4
     client.store(prompt(6, start=50_000), random_kv(6, layout, seed=2))  # Reserve(6) gives the 2 back
     assert calls(server, "Reserve") == 2
-    # 8 resident and the next spare of 6 would be 14 slots of 12: the spare takes only the 4 free
-    # ones and evicts nothing (the spare of 2 was given back, or 2 more would be held).
+    # 8 resident and 4 free: a spare of 6 would evict, and even the 4 free would leave none, so
+    # there is no spare and nothing was evicted (the spare of 2 was given back, or 10 would be used).
     snapshot = client.stats().snapshot
-    assert used() == 12 and snapshot.tiers[0].blocks == 8 and sum(snapshot.evictions.get("host", {}).values()) == 0
+    assert used() == 8 and snapshot.tiers[0].blocks == 8 and sum(snapshot.evictions.get("host", {}).values()) == 0
     assert client.lookup(prompt(2, start=0), take_lease=False).hit_tokens == 2 * BLOCK
-    # That spare of 4 is too small for 6 more blocks: a plain Reserve, which evicts as always.
+    # No spare: a plain Reserve, which evicts as always.
     assert client.store(prompt(6, start=90_000), random_kv(6, layout, seed=3)).stored == 6
     assert calls(server, "Reserve") == 3
 
