@@ -244,7 +244,9 @@ class PrefixCache:
         now = self.clock()
         whole = len(path) // prompt.multiple * prompt.multiple
         if whole < len(path):
-            path, stop = path[:whole], MissReason.NOT_CACHED  # the engine block it ends in is not all here
+            # The engine block it ends in is not all here: why the next block was not (expired,
+            # failed verification) stays the reason when the match said so.
+            path, stop = path[:whole], stop or MissReason.NOT_CACHED
         full, hit = len(prompt.hashes), len(path)
         if full == 0:
             stop = MissReason.TOO_SHORT

@@ -583,11 +583,18 @@ class CacheClient:
 
     def namespaces(self, timeout_s: float | None = None) -> list[wire.NamespaceInfo]:
         """This credential's namespaces (an admin's: every tenant's) with their resident blocks."""
-        return wire.namespaces_of(self._call(self._stub.ListNamespaces, pb.ListNamespacesRequest(), timeout_s))
+        return self.namespace_report(timeout_s)[0]
 
     def refused_attaches(self, timeout_s: float | None = None) -> list[wire.RefusedAttach]:
         """Attaches the service refused lately (newest first; a tenant's token: its own), with why."""
-        return wire.refused_of(self._call(self._stub.ListNamespaces, pb.ListNamespacesRequest(), timeout_s))
+        return self.namespace_report(timeout_s)[1]
+
+    def namespace_report(
+        self, timeout_s: float | None = None
+    ) -> tuple[list[wire.NamespaceInfo], list[wire.RefusedAttach]]:
+        """`namespaces()` and `refused_attaches()` from one ListNamespaces call."""
+        reply = self._call(self._stub.ListNamespaces, pb.ListNamespacesRequest(), timeout_s)
+        return wire.namespaces_of(reply), wire.refused_of(reply)
 
     def inspect(
         self,

@@ -111,7 +111,7 @@ def evict(args: argparse.Namespace) -> int:
 
 def namespaces(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        entries, refused = client.namespaces(), client.refused_attaches()
+        entries, refused = client.namespace_report()
         layout = client.stats().layout
         document = namespaces_document(
             client.address, entries, layout.block_bytes if layout is not None else 0, refused

@@ -25,7 +25,7 @@ from prefixcache.rpc import cache_pb2 as pb
 
 from . import convert, status
 from .auth import OPEN, Authenticator, NotPermitted, Principal
-from .backend import CacheBackend
+from .backend import CacheBackend, Draining
 from .pools import ByteBudget, StreamWatch, TenantShares, Watched
 from .refusals import AttachRefusals
 
@@ -140,6 +140,8 @@ class PrefixCacheServicer:
         principal = self._begin(request, context)
         try:
             return self._attach(request, principal)
+        except Draining:  # the service is going away: no fault of the engine's to show
+            raise
         except PrefixCacheError as error:  # kept where the operator looks, not only in the engine's log
             field = getattr(error, "field", None) or "layout"
             reason = str(error).removeprefix(f"{field}: ")
