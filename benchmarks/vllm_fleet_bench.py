@@ -131,9 +131,26 @@ def schedule(args: argparse.Namespace) -> tuple[list[list[list[dict]]], list[str
 @dataclass
 class Result(StreamResult):
     server: int = 0
+    conversation: int = 0
+    turn: int = 0
+    at_s: float = 0.0  # sent, seconds into the configuration's run
+
+    def record(self) -> dict:
+        """The request in the JSON output (where a tail came from: which turn, server, hit)."""
+        return {
+            "conversation": self.conversation,
+            "turn": self.turn,
+            "server": self.server,
+            "at_s": round(self.at_s, 3),
+            "ttft_ms": None if self.ttft_s is None else round(1000 * self.ttft_s, 1),
+            "max_gap_ms": round(1000 * max(self.gaps_s, default=0.0), 1),
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "error": self.error,
+        }
 
 
-async def stream(session, url: str, messages: list[dict], max_tokens: int, server: int) -> Result:
+async def stream(session, url: str, messages: list[dict], max_tokens: int, result: Result) -> Result:
     from services.replay.openai_client import iter_sse_data
 
     body = {
@@ -145,7 +162,6 @@ async def stream(session, url: str, messages: list[dict], max_tokens: int, serve
         "max_tokens": max_tokens,
         "ignore_eos": True,
     }
-    result = Result(server=server)
     async with session.post(f"{url}/v1/chat/completions", json=body) as response:
         if response.status != 200:
             result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
@@ -193,7 +209,8 @@ async def drive(urls: list[str], chats: list[list[list[dict]]], config: Config, 
             in_flight[server] += 1
             try:
                 messages = chats[number][turn]
-                results.append(await stream(session, urls[server], messages, args.max_tokens, server))
+                sent = Result(server=server, conversation=number, turn=turn, at_s=time.perf_counter() - started)
+                results.append(await stream(session, urls[server], messages, args.max_tokens, sent))
             finally:
                 in_flight[server] -= 1
                 done[number, turn].set()
@@ -398,6 +415,7 @@ def summarise(config: Config, results: list[Result], wall_s: float, connector: d
         "vllm_share": (cached - external) / prompt if prompt else 0.0,
         "prefixcache_share": external / prompt if prompt else 0.0,
         "connector": connector,
+        "per_request": [r.record() for r in results],
     }
 
 
@@ -407,8 +425,8 @@ def breakdown(rows: list[dict]) -> str:
     its threads' CPU, load and save times (wall, including waits for the cores)."""
     lines = [
         "| config | CPU ms per request: vLLM servers / services | connector on vLLM's threads: CPU / waits ms/req "
-        "| connector threads CPU ms/req | lookups | hits (in-step) | misses | load ms per hit "
-        "| save ms per request (wall) | load failures |",
+        "| connector threads CPU ms/req | lookups: steps deferred / not awaited | hits (in-step) | misses "
+        "| load ms per hit | save ms per request (wall) | load failures |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -422,7 +440,8 @@ def breakdown(rows: list[dict]) -> str:
             f"| {r['config']} | {processes} | {1000 * c.get('engine_thread_cpu_seconds', 0.0) / n:.2f} / "
             f"{1000 * c.get('lookup_grace_seconds', 0.0) / n:.2f} "
             f"| {1000 * c.get('background_cpu_seconds', 0.0) / n:.2f} "
-            f"| {c['lookups']:.0f} | {hits:.0f} ({c.get('in_step_loads', 0.0):.0f}) "
+            f"| {c['lookups']:.0f}: {c.get('lookup_deferrals', 0.0):.0f} / {c.get('lookups_not_awaited', 0.0):.0f} "
+            f"| {hits:.0f} ({c.get('in_step_loads', 0.0):.0f}) "
             f"| {c.get('misses', 0.0):.0f} | {1000 * c.get('load_seconds', 0.0) / max(hits, 1):.2f} "
             f"| {1000 * c.get('save_seconds', 0.0) / n:.2f} | {c.get('load_failures', 0.0):.0f} |"
         )

@@ -36,6 +36,7 @@ from prefixcache.client.hit_policy import (
     ReadPath,
     Verdict,
     choose,
+    worth_waiting,
 )
 from prefixcache.config import DType, KVLayout
 from prefixcache.kinds import TierKind
@@ -449,3 +450,12 @@ def test_replay_report_section_counts_decisions_during_the_run():
 def test_always_take_sends_no_budget_so_the_service_fetches_all_it_holds():
     assert HitPolicy(CollectorRegistry(), always_take=True).recompute_s_per_token() is None
     assert HitPolicy(CollectorRegistry()).recompute_s_per_token() > 0
+
+
+def test_a_lookup_is_worth_a_wait_only_when_its_most_could_repay_it() -> None:
+    """At 20k tokens/s, 200 tokens take 10 ms to prefill: worth a 9 ms wait, not an 11 ms one
+    (a hit saves at most that; a miss nothing); nothing to gain is never worth waiting for."""
+    assert worth_waiting(200, PREFILL, 9e-3)
+    assert not worth_waiting(200, PREFILL, 11e-3)
+    assert not worth_waiting(0, PREFILL, 0.0)
+    assert worth_waiting(1, PREFILL, 0.0)

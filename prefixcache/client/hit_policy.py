@@ -16,6 +16,8 @@ Owns:
   no budget, so the service fetches all Redis holds).
 - `choose`: the pure decision on the client's `Hit` as the Lookup returned it and a set of
   `Estimates`; it returns a small `Decision` (how many blocks to load, by which path).
+- `worth_waiting`: before the answer, whether a Lookup in flight is worth delaying its request
+  (vLLM's scheduler: a step) at all, from the most it could save.
 - The priors: `PREFILL_PRIOR`; `MAPPED_PRIOR`, `STREAM_PRIOR`, `INSTALL_PRIOR` for an engine that
   times its own reads and installs (the reference worker learns each from there,
   services/worker/hit_policy.py); `UNTIMED_LOADS` (`MAPPED_LOAD`,
@@ -142,6 +144,13 @@ def choose(
         return Decision(Verdict.RECOMPUTE, 0, path, load, recompute)
     verdict = Verdict.TAKEN if count == offered else Verdict.PARTIAL
     return Decision(verdict, count, path, load, recompute)
+
+
+def worth_waiting(tokens: int, prefill: TransferEstimate, wait_s: float) -> bool:
+    """Delay a request by `wait_s` for its Lookup in flight? Only when recomputing the `tokens`
+    the Lookup could bring at most (the usable prompt beyond what the engine holds) takes longer
+    than the wait: a smaller hit saves less than the wait costs, and a miss saves nothing."""
+    return tokens > 0 and tokens / prefill.bytes_per_s > wait_s
 
 
 class PrefillMeter:

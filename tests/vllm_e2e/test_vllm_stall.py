@@ -157,3 +157,95 @@ def test_a_lookup_about_to_answer_is_waited_for_within_the_grace(tmp_path: Path)
     print(f"\nanswered at the first ask: {first_ask}")
     assert first_ask[0.0] <= 2  # without grace: a loopback Lookup is still in flight when vLLM asks
     assert first_ask[0.1] >= len(prompts) - 1  # with it: waited for (one slow answer allowed on a loaded box)
+
+
+def test_a_lookup_is_awaited_only_when_a_hit_could_repay_the_step(tmp_path: Path) -> None:
+    """hit_policy auto, while vLLM steps others: a request whose Lookup is in flight is skipped a
+    step (None) only when recomputing what the Lookup could bring at most takes longer than such
+    a step (`worth_waiting`); otherwise it prefills now, and saves from the end of vLLM's own
+    prefix instead of copying out blocks the cache holds."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from prefixcache.client.api import CacheClient
+    from prefixcache.config import KVLayout, Namespace
+    from prefixcache.integrations.vllm.config import ConnectorSettings
+    from prefixcache.integrations.vllm.link import ConnectorLink
+    from prefixcache.integrations.vllm.scheduler import SchedulerSide
+    from prefixcache.integrations.vllm.stats import StatsBox
+
+    block, cached = 32, 8
+    layout = KVLayout(layers=2, kv_heads=2, head_dim=64, block_size=block, dtype="bfloat16")
+    namespace = Namespace("worth", "r1", layout)
+    prompt = _tokens(random.Random(12), cached * block + 5)
+    service = CacheService(tmp_path / "service", extra_args=["--block-size", str(block)]).start()
+    proxy = SlowProxy(service.port, latency_s=0.1, bytes_per_s=1e9).start()  # every Lookup in flight when asked
+    try:
+        writer = CacheClient(service.address)
+        writer.attach(namespace.model, layout, namespace.revision)
+        assert (
+            writer.store(
+                prompt[: cached * block], torch.zeros((cached, *layout.block_shape), dtype=torch.bfloat16)
+            ).stored
+            == cached
+        )
+        writer.close()
+        # Prefill prior 5 ms + 1 ms per token; no grace, so only the rule decides.
+        extra = {"cache": f"127.0.0.1:{proxy.port}", "lookup_timeout_s": 10.0, "lookup_grace_s": 0.0}
+        settings = ConnectorSettings.parse(extra | {"prefill_tokens_per_s": 1000})
+
+        def scheduler_after(step_tokens: int) -> SchedulerSide:
+            scheduler = SchedulerSide(ConnectorLink(settings, namespace, "scheduler"), StatsBox(), block)
+            scheduler.build(_decode_step(step_tokens))  # vLLM is stepping others
+            return scheduler
+
+        # A step of 8 tokens (~13 ms): the 256 tokens the Lookup may bring (~256 ms) are worth it.
+        waits = scheduler_after(8)
+        request = Request("waits", prompt, SamplingParams(max_tokens=1), None)
+        waits.started(request)
+        assert waits.match(request, 0) == (None, False)
+        while (answer := waits.match(request, 0))[0] is None:
+            time.sleep(0.02)
+        assert answer[0] == cached * block
+        assert waits.stats.totals.get("lookup_deferrals", 0) >= 2
+        assert waits.stats.totals.get("lookups_not_awaited", 0) == 0
+        waits.finished(request)
+        waits.close()
+
+        # A step of 1,024 tokens (~1 s): one block beyond vLLM's own 7 (~32 ms) is not.
+        goes = scheduler_after(1024)
+        request = Request("goes", prompt, SamplingParams(max_tokens=1), None)
+        goes.started(request)
+        started = time.perf_counter()
+        assert goes.match(request, 7 * block) == (0, False)
+        assert time.perf_counter() - started < 0.05  # answered without waiting for the Lookup
+        assert goes.stats.totals.get("lookups_not_awaited") == 1
+        assert goes.stats.totals.get("lookup_deferrals", 0) == 0
+        goes.allocated(request, (list(range(cached + 1)),), 0)
+        meta = goes.build(_prefill_step(request, (list(range(cached + 1)),), 7 * block))
+        assert [(op.start_block, op.block_ids[0]) for op in meta.saves] == [(7, (7,))]  # not blocks 0-6 again
+        goes.finished(request)
+        goes.close()
+    finally:
+        proxy.stop()
+        service.stop()
+
+
+def _prefill_step(request, block_ids: tuple[list[int], ...], computed: int):
+    """vLLM's SchedulerOutput of the step that prefills `request` from `computed` tokens on."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    request.num_computed_tokens = computed
+    new = NewRequestData.from_request(request, block_ids)
+    scheduled = len(request.prompt_token_ids) - computed
+    return SchedulerOutput(
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={request.request_id: scheduled},
+        total_num_scheduled_tokens=scheduled,
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+    )

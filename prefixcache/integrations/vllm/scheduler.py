@@ -5,7 +5,8 @@ Per request: `started` (vLLM's on_new_request) sends the Lookup, with a lease, t
 thread pool as the request arrives; `match` (get_num_new_matched_tokens) answers None ("ask
 again next step") while it is in flight and vLLM is running other requests (after a grace of
 at most `lookup_grace_s` per step, so a Lookup that is about to answer does not cost its
-request a whole step), waits for it when vLLM is idle (nothing to stall), and gives up at
+request a whole step) if a hit could repay that step (`worth_waiting`: else the request
+prefills now without it), waits for it when vLLM is idle (nothing to stall), and gives up at
 `lookup_timeout_s` (the request then prefills in full). With the answer it offers the cached tokens beyond vLLM's own prefix cache,
 copied within the step when that is cheap (`(n, False)`: the blocks are in this host's mapped
 memory and the copy is estimated shorter than a step's fixed cost, so the request prefills its
@@ -48,7 +49,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...client.api import Attachment, CacheClient, Hit
-from ...client.hit_policy import MAPPED_LOAD, UNTIMED_LOADS, PrefillMeter, choose
+from ...client.hit_policy import MAPPED_LOAD, UNTIMED_LOADS, PrefillMeter, choose, worth_waiting
 from ...client.link import CacheLink
 from ...errors import InvalidArgument, PrefixCacheError
 from ...kinds import TierKind
@@ -128,6 +129,7 @@ class SchedulerSide:
         self._requests: dict[str, _Request] = {}
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="prefixcache-lookup")
         self._engine_busy = False  # vLLM's last step computed something (a wait would stall it)
+        self._step_tokens = 0  # ... that many tokens
         self._last_build = time.perf_counter()  # build_connector_meta's last call: one per step
         self._last_step_s = 0.0  # from the call before it to that one
         self._grace_left = self.settings.lookup_grace_s  # this step's Lookup waits left (`_grace`)
@@ -204,9 +206,8 @@ class SchedulerSide:
         state.local_tokens, state.external_tokens = num_computed_tokens, 0
         usable = self._usable(request)
         if usable <= num_computed_tokens or not self.loads or state.load_failed:
-            self._abandon(state)
-            state.saved_blocks = max(state.saved_blocks, 0)
-            return 0, False  # nothing to gain; saves start at the prompt's first block
+            self._go_ahead(state)
+            return 0, False  # nothing to gain
         if state.pending is None:  # answered before and dropped (vLLM asks again): ask anew
             self.started(request)
         pending = state.pending
@@ -215,8 +216,13 @@ class SchedulerSide:
             remaining = state.deadline - time.monotonic()
             if remaining > 0 and self._engine_busy:
                 self._grace(pending, remaining)
-            if not pending.done() and remaining > 0 and self._engine_busy:
-                return None, False  # vLLM steps its running requests; ask again next step
+                if not pending.done():
+                    if self._worth_a_step(usable - num_computed_tokens):
+                        self.stats.add(lookup_deferrals=1)
+                        return None, False  # vLLM steps its running requests; ask again next step
+                    self._go_ahead(state)
+                    self.stats.add(lookups_not_awaited=1)
+                    return 0, False  # no hit could repay the step it would cost: prefill now
             if remaining > 0:
                 waited = time.perf_counter()
                 try:
@@ -225,9 +231,8 @@ class SchedulerSide:
                     pass
                 self.prefill.exclude(time.perf_counter() - waited)
             if not pending.done():
-                self._abandon(state)
+                self._go_ahead(state)
                 self.stats.add(lookup_errors=1)
-                state.saved_blocks = max(state.saved_blocks, 0)
                 return 0, False  # past the deadline: prefill in full
         state.pending = None
         answer = pending.result()
@@ -295,6 +300,23 @@ class SchedulerSide:
         self._grace_left -= spent
         self.prefill.exclude(spent)
         self.stats.add(lookup_grace_waits=1, lookup_grace_seconds=spent)
+
+    def _worth_a_step(self, tokens: int) -> bool:
+        """Is the Lookup in flight worth skipping its request this step (the hit rule's
+        `worth_waiting`)? The wait is the next step, estimated as one like the last (its scheduled
+        tokens at vLLM's measured cost); the `always` policy waits for every hit."""
+        if self.settings.hit_policy == "always":
+            return True
+        estimate = self.prefill.estimate()
+        return worth_waiting(tokens, estimate, estimate.seconds(self._step_tokens))
+
+    def _go_ahead(self, state: _Request) -> None:
+        """The request goes ahead without the cache: forget its Lookup; its saves start after
+        vLLM's own prefix, which the cache holds (this engine saved it, or loaded it from there),
+        so those blocks are not copied out again. Where the cache has lost some of them, the
+        service indexes nothing of the save (it extends only a cached prefix)."""
+        self._abandon(state)
+        state.saved_blocks = max(state.saved_blocks, state.local_tokens // self.block_size)
 
     def _abandon(self, state: _Request) -> None:
         """Forget the Lookup in flight; its lease, if any, is released when it answers."""
@@ -402,7 +424,7 @@ class SchedulerSide:
         block_bytes = self.link.layout.block_bytes
         load_s = sum(MAPPED_LOAD.seconds(op.blocks * block_bytes) for op in meta.loads)
         tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
-        self._engine_busy = tokens > 0
+        self._engine_busy, self._step_tokens = tokens > 0, tokens
         now = time.perf_counter()
         self._last_step_s, self._last_build = now - self._last_build, now
         self._grace_left = self.settings.lookup_grace_s

@@ -53,6 +53,8 @@ FIELDS = (
     "background_cpu_seconds",
     "lookup_grace_waits",
     "lookup_grace_seconds",
+    "lookup_deferrals",
+    "lookups_not_awaited",
 )
 _DESCRIPTIONS = {
     "lookups": "Lookups the scheduler sent to prefixcache",
@@ -80,6 +82,8 @@ _DESCRIPTIONS = {
     "background_cpu_seconds": "CPU seconds of the connector's own threads (Lookups, loads, saves), competing with vLLM",
     "lookup_grace_waits": "Times the scheduler waited briefly for a Lookup in flight instead of skipping its request a step",
     "lookup_grace_seconds": "Seconds of those waits (on vLLM's scheduler thread)",
+    "lookup_deferrals": "Steps a request was skipped while its Lookup was in flight (vLLM asked again next step)",
+    "lookups_not_awaited": "Requests that prefilled without their Lookup's answer: no hit could have repaid a step's wait",
 }
 
 
