@@ -1,7 +1,7 @@
 """A fleet of vLLM OpenAI servers under multi-turn load, with and without prefixcache (issue #31).
 
     PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/vllm_fleet_bench.py [--configs 1,2,3,3s,4,5]
-        [--kv-pressure] [--before-root DIR] [--conversations 8] [--turns 3] [--users 3]
+        [--kv-pressure] [--before-root DIR] [--rounds 1] [--conversations 8] [--turns 3] [--users 3]
         [--layers 4 --hidden 512] [--json-out FILE]
 
 Every configuration replays the SAME schedule: `--conversations` synthetic chats behind one
@@ -21,12 +21,18 @@ greedy, streaming. Configurations (fresh servers, services and Redis for each):
   6   (`--kv-pressure`) 3s, 4 and 4l again with a KV cache of `--pressure-mib` per server, so vLLM evicts
 
   4l  as 4, routed as 3l: a free choice of server on every request, the cache service's point
+  4r  as 4, behind `prefixcache route` (Match on the service, each server's queue, the
+      conversation's previous server on a tie), which every request goes through
   4b, 5b (`--before-root DIR`) 4 and 5 with the vLLM servers on PYTHONPATH=DIR: another
-      checkout's connector (a "before"), in the same run; the services always run from this tree Reported per configuration: TTFT p50/p90/p99, inter-token latency p50/p99 (gaps
-between streamed chunks), requests/s and prompt tokens/s over the configuration's wall time,
-and the cached-token share by source: vLLM's `usage.prompt_tokens_details.cached_tokens` counts
-both its own prefix cache and the connector's tokens, the connector's own are the servers'
-/metrics `vllm:prefixcache_external_tokens` delta; vLLM's own share is the difference. The
+      checkout's connector (a "before"), in the same run; the services always run from this tree
+
+Reported per configuration: TTFT p50/p90/p99, inter-token latency p50/p99 (gaps between
+streamed chunks), requests/s and prompt tokens/s over the configuration's wall time, and the
+cached-token share by source: vLLM's `usage.prompt_tokens_details.cached_tokens` counts both
+its own prefix cache and the connector's tokens, the connector's own are the servers' /metrics
+`vllm:prefixcache_external_tokens` delta; vLLM's own share is the difference. With `--rounds N`
+every configuration is played N times, round by round (A B A B), and its row pools the rounds'
+requests; each round's TTFT p50 is printed too, and the JSON holds every request. The
 machine is shared and noisy: compare ratios within one run.
 """
 
@@ -56,7 +62,7 @@ BLOCK = 32  # vLLM's CPU attention backend wants multiples of 32
 VOCAB = 512
 SEED = 20261203
 READY_S = 600.0
-ALL_CONFIGS = ("1", "2", "3", "3s", "3l", "4", "4l", "5", "4b", "5b")
+ALL_CONFIGS = ("1", "2", "3", "3s", "3l", "4", "4l", "4r", "5", "4b", "5b")
 TITLES = {
     "1": "one server, no prefix caching",
     "2": "one server, vLLM APC",
@@ -64,6 +70,7 @@ TITLES = {
     "3s": "two servers, APC, sticky by conversation",
     "3l": "two servers, APC, least requests in flight",
     "4l": "least requests in flight, APC + prefixcache (host tier)",
+    "4r": "prefixcache route in front, APC + prefixcache (host tier)",
     "4": "round-robin, APC + prefixcache (host tier)",
     "5": "round-robin, APC + prefixcache (2 services, one Redis)",
     "4b": "round-robin, APC + prefixcache (host tier), the --before-root connector",
@@ -76,7 +83,9 @@ class Config:
     name: str
     servers: int
     apc: bool
-    routing: str  # "rr" | "sticky" | "least" (fewest requests in flight, ties round-robin)
+    routing: (
+        str  # "rr" | "sticky" | "least" (fewest requests in flight, ties round-robin) | "router" (prefixcache route)
+    )
     cache: str | None  # None | "host" | "redis"
     kv_mib: int  # each vLLM server's KV cache (--kv-cache-memory-bytes)
 
@@ -90,6 +99,7 @@ def configs(args: argparse.Namespace) -> list[Config]:
         "3s": Config("3s", 2, True, "sticky", None, kv),
         "3l": Config("3l", 2, True, "least", None, kv),
         "4l": Config("4l", 2, True, "least", "host", kv),
+        "4r": Config("4r", 2, True, "router", "host", kv),
         "4": Config("4", 2, True, "rr", "host", kv),
         "5": Config("5", 2, True, "rr", "redis", kv),
         "4b": Config("4b", 2, True, "rr", "host", kv),
@@ -102,6 +112,8 @@ def configs(args: argparse.Namespace) -> list[Config]:
             Config("6/4", 2, True, "rr", "host", args.pressure_mib),
             Config("6/4l", 2, True, "least", "host", args.pressure_mib),
         ]
+        if "4r" in args.configs.split(","):
+            chosen.append(Config("6/4r", 2, True, "router", "host", args.pressure_mib))
     return chosen
 
 
@@ -194,6 +206,8 @@ async def drive(urls: list[str], chats: list[list[list[dict]]], config: Config, 
         nonlocal counter
         if config.routing == "sticky":
             return number % len(urls)
+        if config.routing == "router":
+            return 0  # the one URL: the router chooses
         order = [(counter + i) % len(urls) for i in range(len(urls))]  # round-robin breaks ties
         counter += 1
         if config.routing == "least":
@@ -226,9 +240,10 @@ async def drive(urls: list[str], chats: list[list[list[dict]]], config: Config, 
 
 
 def serve(model: Path, work: Path, name: str, config: Config, cache: str | None, pythonpath: str, core: int | None):
-    """One vLLM OpenAI server; `core`: the CPU its OpenMP threads are bound to (None: vLLM's own
-    binding, which puts every server of a fleet on the same cores, where they spin against each
-    other's barriers: two servers on two cores are then each on one, as on two hosts)."""
+    """One vLLM OpenAI server; `core`: the CPU its processes (API server and engine) and OpenMP
+    threads are bound to (None: vLLM's own binding, which puts every server of a fleet on the same
+    cores, where they spin against each other's barriers: two servers on two cores are then each
+    on one, as on two hosts, and an API server no longer crowds the other server's core)."""
     from tests.support.redis_server import free_port
 
     port = free_port()
@@ -265,9 +280,32 @@ def serve(model: Path, work: Path, name: str, config: Config, cache: str | None,
     log = (work / f"{name}.log").open("w")
     # cwd is the connector's checkout too: `python -m` puts the working directory ahead of PYTHONPATH
     process = subprocess.Popen(
-        command, cwd=pythonpath, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        command,
+        cwd=pythonpath,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=None if core is None else lambda: os.sched_setaffinity(0, {core}),
     )
     return process, f"http://127.0.0.1:{port}"
+
+
+def start_router(model: Path, urls: list[str], caches: list[str | None]) -> tuple[subprocess.Popen, str]:
+    """`prefixcache route` in front of the servers (each with its cache service), on a free port."""
+    command = [sys.executable, "-m", "prefixcache_services", "--log-level", "WARNING", "route"]
+    command += ["--listen", "127.0.0.1:0", "--tokenizer", str(model)]
+    for url, cache in zip(urls, caches, strict=True):
+        command += ["--engine", url if cache is None else f"{url}={cache}"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    ready = "prefixcache route: listening on "
+    while line := process.stdout.readline():
+        if line.startswith(ready):
+            return process, "http://" + line[len(ready) :].strip()
+    process.kill()
+    raise SystemExit("prefixcache route did not start")
 
 
 def connector_counters(url: str) -> dict[str, float]:
@@ -321,7 +359,34 @@ def stop(processes: list[subprocess.Popen]) -> None:
             process.wait(timeout=30)
 
 
-def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Namespace) -> dict:
+@dataclass
+class Run:
+    """One configuration played once: its requests, wall time and counter deltas."""
+
+    results: list[Result]
+    wall_s: float
+    connector: dict[str, float]  # the servers' prefixcache counters (empty without the connector)
+    cpu: dict[str, float]  # CPU seconds of the vLLM servers' and the services' processes
+
+
+def pooled(config: Config, runs: list[Run]) -> dict:
+    """A configuration's rounds as one row: requests pooled (percentiles over all of them),
+    throughput over the summed wall time, counters summed; each round's TTFT p50 alongside."""
+    connector: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    for run in runs:
+        for totals, deltas in ((connector, run.connector), (cpu, run.cpu)):
+            for name, value in deltas.items():
+                totals[name] = totals.get(name, 0.0) + value
+    results = [r for run in runs for r in run.results]
+    row = summarise(config, results, sum(run.wall_s for run in runs), connector) | {"cpu": cpu}
+    row["round_ttft_p50_ms"] = [
+        pct([r.ttft_s * 1000 for r in run.results if r.error is None and r.ttft_s is not None], 50) for run in runs
+    ]
+    return row
+
+
+def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Namespace) -> Run:
     from service_process import start_service
 
     from tests.support.redis_server import RedisServer
@@ -363,14 +428,19 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
         warm = [[{"role": "user", "content": "warm up " * 40}]]
         for i in range(config.servers):
             asyncio.run(drive([urls[i]], [warm], Config("warm", 1, False, "rr", None, 0), args))
+        targets = urls
+        if config.routing == "router":
+            process, router_url = start_router(model, urls, addresses)
+            services.append(process)  # its CPU counts with the services'
+            targets = [router_url]
         before = counters(urls)
         cpu_before = group_cpu_s(servers), group_cpu_s(services)
-        results, wall_s = asyncio.run(drive(urls, chats, config, args))
+        results, wall_s = asyncio.run(drive(targets, chats, config, args))
         cpu = {"servers_s": group_cpu_s(servers) - cpu_before[0], "services_s": group_cpu_s(services) - cpu_before[1]}
         time.sleep(0.5)
         after = counters(urls)
         connector = {name: value - before.get(name, 0.0) for name, value in after.items()}
-        return summarise(config, results, wall_s, connector) | {"cpu": cpu}
+        return Run(results, wall_s, connector, cpu)
     finally:
         stop(servers)
         for process in services:
@@ -424,7 +494,7 @@ def breakdown(rows: list[dict]) -> str:
     and the connector's own counters (configurations with it): its hooks' time on vLLM's threads,
     its threads' CPU, load and save times (wall, including waits for the cores)."""
     lines = [
-        "| config | CPU ms per request: vLLM servers / services | connector on vLLM's threads: CPU / waits ms/req "
+        "| config | CPU ms per request: vLLM servers / services (and router) | connector on vLLM's threads: CPU / waits ms/req "
         "| connector threads CPU ms/req | lookups: steps deferred / not awaited | hits (in-step) | misses "
         "| load ms per hit | save ms per request (wall) | load failures |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -486,6 +556,9 @@ def main() -> None:
         help="each server's KV cache in config 6 (the default model: 5k tokens; 8 MiB is under --max-model-len)",
     )
     parser.add_argument("--before-root", default="", help="the checkout whose connector configs 4b and 5b run")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="play the configurations this many times, A B A B; rows pool the rounds"
+    )
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--users", type=int, default=3)
@@ -510,7 +583,7 @@ def main() -> None:
     before = {"4b", "5b"} & set(args.configs.split(","))
     if before and not (Path(args.before_root) / "prefixcache" / "integrations" / "vllm").is_dir():
         parser.error(f"--before-root: configs {sorted(before)} need a checkout with prefixcache/integrations/vllm")
-    for name in ("conversations", "turns", "users", "max_tokens", "kv_mib", "pressure_mib"):
+    for name in ("rounds", "conversations", "turns", "users", "max_tokens", "kv_mib", "pressure_mib"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
 
@@ -524,19 +597,29 @@ def main() -> None:
         model = work / "model"
         build_model(model, args.layers, args.hidden, VOCAB)
         _tokenizer(model, corpus)
-        rows = []
-        for config in configs(args):
-            started = time.monotonic()
-            row = run_config(config, model, work, chats, args)
-            rows.append(row)
-            print(
-                f"config {config.name}: {row['requests']} requests, TTFT p50 {row['ttft_ms']['p50']:.0f} ms, "
-                f"cached {row['cached_share']:.1%} ({time.monotonic() - started:.0f} s incl. start-up)",
-                flush=True,
-            )
+        chosen = configs(args)
+        runs: dict[str, list[Run]] = {config.name: [] for config in chosen}
+        for number in range(args.rounds):  # A B A B: a slow spell of the machine hits every configuration
+            (work / f"round{number}").mkdir()
+            for config in chosen:
+                started = time.monotonic()
+                run = run_config(config, model, work / f"round{number}", chats, args)
+                runs[config.name].append(run)
+                row = summarise(config, run.results, run.wall_s, run.connector)
+                print(
+                    f"round {number + 1}, config {config.name}: {row['requests']} requests, "
+                    f"TTFT p50 {row['ttft_ms']['p50']:.0f} ms, cached {row['cached_share']:.1%} "
+                    f"({time.monotonic() - started:.0f} s incl. start-up)",
+                    flush=True,
+                )
+        rows = [pooled(config, runs[config.name]) for config in chosen]
     print(table(rows))
     print()
     print(breakdown(rows))
+    if args.rounds > 1:
+        print()
+        for row in rows:
+            print(f"{row['config']}: TTFT p50 by round " + " / ".join(f"{v:.0f}" for v in row["round_ttft_p50_ms"]))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
 
