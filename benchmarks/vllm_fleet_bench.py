@@ -14,7 +14,10 @@ greedy, streaming. Configurations (fresh servers, services and Redis for each):
 
   1   one server, no prefix caching          2   one server, vLLM APC
   3   two servers, APC, round-robin per request (one global counter)
-  3s  two servers, APC, sticky by conversation (what operators deploy without a cache service)
+  3s  two servers, APC, sticky by conversation (what operators deploy without a cache service),
+      conversations dealt to the servers in turn as they start: every server gets every other one
+  3h  as 3s, the server chosen by a hash of the conversation id (a load balancer's hash or
+      consistent-hash affinity): no server knows how many live conversations the other has
   3l  two servers, APC, each request to the server with the fewest requests in flight
   4   two servers round-robin, APC + prefixcache on one service (host tier, --block-size 32)
   5   two servers round-robin, APC + prefixcache on two services sharing one redis-server
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import random
@@ -62,12 +66,13 @@ BLOCK = 32  # vLLM's CPU attention backend wants multiples of 32
 VOCAB = 512
 SEED = 20261203
 READY_S = 600.0
-ALL_CONFIGS = ("1", "2", "3", "3s", "3l", "4", "4l", "4r", "5", "4b", "5b")
+ALL_CONFIGS = ("1", "2", "3", "3s", "3h", "3l", "4", "4l", "4r", "5", "4b", "5b")
 TITLES = {
     "1": "one server, no prefix caching",
     "2": "one server, vLLM APC",
     "3": "two servers, APC, round-robin",
     "3s": "two servers, APC, sticky by conversation",
+    "3h": "two servers, APC, sticky by a hash of the conversation",
     "3l": "two servers, APC, least requests in flight",
     "4l": "least requests in flight, APC + prefixcache (host tier)",
     "4r": "prefixcache route in front, APC + prefixcache (host tier)",
@@ -97,6 +102,7 @@ def configs(args: argparse.Namespace) -> list[Config]:
         "2": Config("2", 1, True, "rr", None, kv),
         "3": Config("3", 2, True, "rr", None, kv),
         "3s": Config("3s", 2, True, "sticky", None, kv),
+        "3h": Config("3h", 2, True, "hash", None, kv),
         "3l": Config("3l", 2, True, "least", None, kv),
         "4l": Config("4l", 2, True, "least", "host", kv),
         "4r": Config("4r", 2, True, "router", "host", kv),
@@ -206,6 +212,9 @@ async def drive(urls: list[str], chats: list[list[list[dict]]], config: Config, 
         nonlocal counter
         if config.routing == "sticky":
             return number % len(urls)
+        if config.routing == "hash":
+            digest = hashlib.blake2b(f"conversation-{number}".encode(), digest_size=8).digest()
+            return int.from_bytes(digest, "big") % len(urls)
         if config.routing == "router":
             return 0  # the one URL: the router chooses
         order = [(counter + i) % len(urls) for i in range(len(urls))]  # round-robin breaks ties
