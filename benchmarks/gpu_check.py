@@ -15,7 +15,11 @@ well within 8 minutes (about a minute on an H100/H200):
    process; this process attaches as a same-host worker, opens the device pool
    from its IPC handle, and reads a promoted hit device-to-device;
 5. bf16 exactness: every byte read back (device tier, IPC, shared memory, gRPC
-   stream) equals what was stored, NaN payloads included.
+   stream) equals what was stored, NaN payloads included;
+6. the vLLM connector's layer-by-layer loads (prefixcache/integrations/vllm/layers.py; where
+   vLLM is importable): a 32-layer "forward" (a matmul per layer, reading that layer's loaded
+   blocks) after a whole in-step load vs with the copies on a side stream, each layer waited
+   for; the loaded bytes must equal the source, and the times are reported.
 
 Prints a table (and JSON); exits 1 if any check fails.
 """
@@ -189,6 +193,68 @@ def check_ipc(rows: list) -> None:
         rows.append(("service exits 0 after SIGTERM", process.wait(60) == 0, ""))
 
 
+def check_layer_loads(rows: list) -> None:
+    try:
+        from prefixcache.integrations.vllm.layers import LayerLoads
+        from prefixcache.integrations.vllm.paged import KVPacking, PagedCache, PagedLayer
+    except ImportError as error:
+        rows.append(("layer-by-layer loads", True, f"not checked: {error}"[:120]))
+        return
+    layers, heads, tokens, dim, blocks = LAYOUT.layers, LAYOUT.kv_heads, LAYOUT.block_size, LAYOUT.head_dim, 256
+    tensors = [
+        torch.zeros(blocks + 1, heads, tokens, 2 * dim, dtype=torch.bfloat16, device="cuda") for _ in range(layers)
+    ]
+    cache = PagedCache([PagedLayer.of(t, KVPacking.CONTENT_SPLIT, dim) for t in tensors])
+    names = [f"layer{i}" for i in range(layers)]
+    source = random_bits(blocks).pin_memory()
+    ids = tuple(range(1, blocks + 1))
+    weight = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    activations = torch.randn(2048, 4096, dtype=torch.bfloat16, device="cuda")
+
+    def forward(pipeline: LayerLoads | None) -> None:
+        x = activations
+        for number, name in enumerate(names):
+            if pipeline is not None:
+                pipeline.wait(name)
+            x = (x @ weight).tanh() + tensors[number][1, 0, :1, :1].float().sum().to(x.dtype)  # reads layer's KV
+        if pipeline is not None:
+            pipeline.finish()
+
+    def whole() -> None:
+        cache.load(source, (ids,))
+        forward(None)
+
+    pipeline = LayerLoads(cache, names, lambda failed: None)
+
+    def by_layer() -> None:
+        pipeline.add(cache.plan_load(source, (ids,)), ids)
+        pipeline.start()
+        forward(pipeline)
+
+    def best_ms(fn: Callable[[], None]) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            started = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        return 1000 * min(times)
+
+    whole_ms, layered_ms, compute_ms = best_ms(whole), best_ms(by_layer), best_ms(lambda: forward(None))
+    pipeline.close()
+    ok = all(exact(cache.gather((ids,))[:, i], source[:, i]) for i in (0, layers - 1))
+    rows.append(
+        (
+            "layer-by-layer loads",
+            ok,
+            f"{blocks} blocks of {LAYOUT.block_bytes >> 20} MiB: whole load + forward {whole_ms:.1f} ms, "
+            f"layer by layer {layered_ms:.1f} ms, forward alone {compute_ms:.1f} ms",
+        )
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json-out", default=None)
@@ -199,7 +265,7 @@ def main() -> int:
     started = time.monotonic()
     torch.manual_seed(0)
     rows: list[tuple[str, bool, str]] = []
-    for check in (check_device_tier, check_host_to_gpu, check_ipc):
+    for check in (check_device_tier, check_host_to_gpu, check_ipc, check_layer_loads):
         try:
             check(rows)
         except (RuntimeError, OSError, AssertionError) as error:  # report and go on to the next check

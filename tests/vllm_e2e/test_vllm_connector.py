@@ -298,7 +298,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "B2",
             model,
             [_gen("b2", prompts["b2"]), {"barrier": "corrupt"}, _gen("e", prompts["e"])],
-            {"cache": s2.address, **connector},
+            {"cache": s2.address, **connector, "layer_loads": "on"},  # layers.py's CPU pipeline, end to end
             apc=True,
         )
         engines += [b1, b2]
@@ -396,6 +396,9 @@ def test_through_redis_a_second_service_serves_what_the_first_saved(scenario: di
     # num_cached_tokens counts both.
     assert b["cached"] == expected
     assert b["metrics"].get("loaded_tokens", 0) > 0
+    # B2 copies in-step loads layer by layer (layer_loads: on), each before its layer's attention:
+    # its outputs are checked against a vLLM without the connector below.
+    assert b["metrics"].get("layered_loads", 0) == b["metrics"].get("in_step_loads") > 0
 
 
 def test_outputs_equal_a_vllm_without_the_connector_and_no_worse_than_apc(scenario: dict) -> None:

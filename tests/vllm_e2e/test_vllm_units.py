@@ -18,6 +18,7 @@ from prefixcache.integrations.vllm.config import (
     kv_scale_of,
     weights_digest,
 )
+from prefixcache.integrations.vllm.layers import LayerLoads, layer_by_layer
 from prefixcache.integrations.vllm.paged import (
     KVPacking,
     PagedCache,
@@ -45,6 +46,7 @@ H, N, D, BLOCKS, LAYERS = 2, 32, 16, 9, 3
         ({"cache": "h:1", "cache_salt_source": "config"}, "cache_salt"),
         ({"cache": "h:1", "same_host": "yes"}, "same_host"),
         ({"cache": "h:1", "weights_digest": "md5"}, "weights_digest"),
+        ({"cache": "h:1", "layer_loads": True}, "layer_loads"),
     ],
 )
 def test_bad_extra_config_names_the_key(extra: dict, field: str) -> None:
@@ -395,3 +397,67 @@ def test_an_untested_vllm_version_fails_on_import_by_name() -> None:
             _check_vllm(bad)
     with pytest.raises(ImportError, match="cannot read"):
         _check_vllm("not-a-version")
+
+
+def test_layer_by_layer_copies_land_before_each_layers_wait_returns() -> None:
+    """The CPU pipeline (layer_loads: on): a thread copies the step's loads layer by layer while
+    the "forward" waits for each layer in model order; when `wait(layer)` returns, every block of
+    that layer is in place (the copies are large enough that an early return would find layers
+    half copied; repeated to catch a race), and `finish` leaves no copy in flight."""
+    layers, blocks_total, heads, tokens, dim = 8, 96, 4, 32, 64
+    tensors = [torch.zeros(blocks_total, heads, tokens, 2 * dim, dtype=torch.bfloat16) for _ in range(layers)]
+    cache = PagedCache([PagedLayer.of(t, KVPacking.TOKEN_STACKED, dim) for t in tensors])
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    failed: list[set[int]] = []
+    pipeline = LayerLoads(cache, names, failed.append)
+    layout = KVLayout(layers=layers, kv_heads=heads, head_dim=dim, block_size=tokens, dtype="bfloat16")
+    generator = torch.Generator().manual_seed(3)
+    try:
+        for step in range(40):
+            ids = [tuple(range(1 + 40 * part, 41 + 40 * part)) for part in (0, 1)]  # two loads of 40 blocks
+            sources = [torch.randn(40, *layout.block_shape, generator=generator).to(torch.bfloat16) for _ in ids]
+            for source, block_ids in zip(sources, ids, strict=True):
+                pipeline.add(cache.plan_load(source, (block_ids,)), block_ids)
+            pipeline.start()
+            for number, name in enumerate(names):
+                pipeline.wait(name)
+                keys, values = _vllm_cpu_views(tensors[number])
+                for source, block_ids in zip(sources, ids, strict=True):
+                    assert torch.equal(keys[list(block_ids)], source[:, number, 0]), (step, number)
+                    assert torch.equal(values[list(block_ids)], source[:, number, 1]), (step, number)
+            pipeline.wait("not.an.attention.layer")  # passes
+            pipeline.finish()
+        assert failed == []
+    finally:
+        pipeline.close()
+
+
+def test_a_layer_copy_that_fails_marks_its_blocks_for_vllm_to_recompute() -> None:
+    tensors = [torch.zeros(BLOCKS, H, N, 2 * D, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    cache = PagedCache([PagedLayer.of(t, KVPacking.TOKEN_STACKED, D) for t in tensors])
+    layout = KVLayout(layers=LAYERS, kv_heads=H, head_dim=D, block_size=N, dtype="bfloat16")
+    failed: list[set[int]] = []
+    pipeline = LayerLoads(cache, [f"l{i}" for i in range(LAYERS)], failed.append)
+    try:
+        good = torch.randn(1, *layout.block_shape).to(torch.bfloat16)
+        pipeline.add(
+            cache.plan_load(torch.randn(2, *layout.block_shape).to(torch.bfloat16), ((3, BLOCKS + 5),)), (3, BLOCKS + 5)
+        )
+        pipeline.add(cache.plan_load(good, ((7,),)), (7,))
+        pipeline.start()
+        for i in range(LAYERS):
+            pipeline.wait(f"l{i}")  # never raises into the forward
+        pipeline.finish()
+        assert failed == [{3, BLOCKS + 5}]  # once, at its first layer; the other load still lands
+        keys, values = _vllm_cpu_views(tensors[LAYERS - 1])
+        assert torch.equal(keys[7], good[0, LAYERS - 1, 0]) and torch.equal(values[7], good[0, LAYERS - 1, 1])
+    finally:
+        pipeline.close()
+    with pytest.raises(ValueError, match="2 layer names for 3 layers"):
+        LayerLoads(cache, ["a", "b"], failed.append)
+
+
+def test_layer_by_layer_where_it_pays() -> None:
+    assert layer_by_layer("auto", torch.device("cuda", 0)) and not layer_by_layer("auto", torch.device("cpu"))
+    assert layer_by_layer("on", torch.device("cpu")) and not layer_by_layer("off", torch.device("cuda", 0))
+    assert ConnectorSettings.parse({"cache": "h:1"}).layer_loads == "auto"

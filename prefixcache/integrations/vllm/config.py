@@ -36,6 +36,7 @@ from ...errors import ConfigError
 
 SALT_SOURCES = ("request", "config", "none")
 DIGEST_MODES = ("sampled", "full", "off")
+LAYER_LOAD_MODES = ("auto", "on", "off")  # layers.py
 _SAMPLE_BYTES = 1 << 20  # bytes hashed at the start, middle and end of each weight file
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _KNOWN_KEYS = {
@@ -53,6 +54,7 @@ _KNOWN_KEYS = {
     "same_host",
     "tls_root_cert_file",
     "prefill_tokens_per_s",
+    "layer_loads",
 }
 
 # vLLM's cache_dtype -> the cache's element type name ("auto" means the model's dtype).
@@ -74,6 +76,7 @@ class ConnectorSettings:
     same_host: bool = True  # map the service's shared memory when it is on this host
     tls_root_cert_file: str | None = None
     prefill_tokens_per_s: float = 0.0  # auto policy's prefill rate before the worker measured one
+    layer_loads: str = "auto"  # in-step loads copied layer by layer behind the forward: auto (CUDA only), on, off
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -118,6 +121,7 @@ class ConnectorSettings:
             ("hit_policy", HIT_POLICIES),
             ("cache_salt_source", SALT_SOURCES),
             ("weights_digest", DIGEST_MODES),
+            ("layer_loads", LAYER_LOAD_MODES),
         ):
             if key in extra:
                 if extra[key] not in allowed:

@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...errors import ConfigError
 from .config import ConnectorSettings, check_layer_scales, describe, namespace_of
 from .groups import KVGroups
+from .layers import LayerLoads, layer_by_layer
 from .link import LOGGER, ConnectorLink
 from .metadata import PrefixCacheMetadata
 from .paged import KVPacking, PagedCache, PagedLayer, StatePages, packing_of_backend
@@ -110,6 +111,9 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.state_link = ConnectorLink(self.settings, states, f"{role_name}, states")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # Loads copied within the step: one KV cache group (vLLM maps block-level load errors back
+        # to requests only then) and one rank (other ranks' own Lookups would run inside the step).
+        self._in_step_loads = self.groups.group_count == 1 and parallel.tensor_parallel_size == 1
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
                 transfer.kv_load_failure_policy = "recompute"  # read by the scheduler right after this
@@ -132,7 +136,7 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 loads,
                 self.state_link,
                 self.groups.state_groups,
-                in_step_loads=self.groups.group_count == 1 and parallel.tensor_parallel_size == 1,
+                in_step_loads=self._in_step_loads,
             )
             log.info(
                 "prefixcache: connector %s, namespace %s/%s %s%s; KV cache groups: %s",
@@ -169,6 +173,10 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
         check_layer_scales(self.link.namespace.kv_scale, self._layer_scales())
         assert self._worker is not None
         self._worker.paged = PagedCache(layers, self.link.layout.dtype.torch)
+        device = layers[0].keys.device
+        if self._in_step_loads and layer_by_layer(self.settings.layer_loads, device):
+            self._worker.layers = LayerLoads(self._worker.paged, self.layer_names, self._worker.mark_invalid)
+            log.info("prefixcache worker: in-step loads copied layer by layer on %s", device)
         if self.groups.has_state:
             self._worker.states = StatePages.of(
                 kv_caches, self._kv_cache_config, self.groups.state_names, self.groups.state_groups
@@ -214,7 +222,9 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 self._worker.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # in-step loads finish in start_load_kv; a parked (asynchronous) one is not in the forward
+        # In-step loads copied layer by layer (layers.py); a parked (asynchronous) one is not in the forward.
+        if self._worker is not None:
+            self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -222,8 +232,11 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return  # whole blocks are copied out after the forward, in wait_for_save
 
     def wait_for_save(self) -> None:
+        if self._worker is None:
+            return
+        self._worker.finish_layers()  # the forward is over: every layer's loaded blocks are in place
         meta = self._connector_metadata
-        if self._worker is not None and isinstance(meta, PrefixCacheMetadata) and (meta.saves or meta.state_saves):
+        if isinstance(meta, PrefixCacheMetadata) and (meta.saves or meta.state_saves):
             with self.stats.engine_thread():
                 self._worker.save(meta)
 

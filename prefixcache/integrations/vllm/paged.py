@@ -110,6 +110,15 @@ class PagedLayer:
         return cls(keys, values, group)
 
 
+@dataclass(frozen=True)
+class LoadPlan:
+    """A load of canonical blocks into vLLM's cache, ready to copy layer by layer (`PagedCache.load_layer`)."""
+
+    source: torch.Tensor  # the blocks `[n, layers, 2, H, N, D]` in vLLM's element type (on its device unless by layer)
+    groups: dict[int, tuple[torch.Tensor, torch.Tensor | None]]  # KV group -> (vLLM block ids, source rows or all)
+    copies: int  # layer-blocks the load copies (a sliding layer outside its window copies none)
+
+
 class PagedCache:
     """vLLM's layers in model order, with copies to and from canonical cache blocks."""
 
@@ -139,7 +148,17 @@ class PagedCache:
         """Group g's vLLM block block_ids[g][i] <- canonical block blocks[i] (`[n, layers, 2, H, N, D]`,
         any device), for the layers of group g; null positions are skipped. Returns the blocks'
         layer-copies made (a sliding-window layer outside its window makes none)."""
-        source = blocks.to(self.device, non_blocking=True)
+        plan = self.plan_load(blocks, block_ids)
+        for number in range(len(self.layers)):
+            self.load_layer(plan, number)
+        return plan.copies
+
+    def plan_load(self, blocks: torch.Tensor, block_ids: GroupBlockIds, by_layer: bool = False) -> LoadPlan:
+        """`load`'s checks and indexes; the copies are `load_layer`'s, one layer at a time.
+        `by_layer` False: the blocks move to vLLM's device now, in one transfer (queued, not
+        awaited, on CUDA); True: they stay where they are and each layer's part moves with its
+        copy, so on CUDA one layer's host->device transfer can overlap another's compute."""
+        source = blocks if by_layer else blocks.to(self.device, non_blocking=True)
         if source.dtype != self.layers[0].keys.dtype:  # fp8 held as uint8: same bytes, never converted
             if source.dtype.itemsize != self.layers[0].keys.dtype.itemsize:
                 raise ValueError(f"blocks of {source.dtype} cannot be viewed as vLLM's {self.layers[0].keys.dtype}")
@@ -152,19 +171,22 @@ class PagedCache:
                 raise ValueError(f"group {group}: {len(ids)} block ids for {len(source)} blocks")
             kept = [i for i, block in enumerate(ids) if block != NULL_BLOCK]
             if kept:
-                rows = None if len(kept) == len(ids) else self._index(kept)
+                rows = None if len(kept) == len(ids) else torch.tensor(kept, dtype=torch.long, device=source.device)
                 plans[group] = (self._index([ids[i] for i in kept]), rows)
-        copies = 0
-        for number, layer in enumerate(self.layers):
-            plan = plans.get(layer.group)
-            if plan is None:
-                continue
-            index, rows = plan
-            part = source[:, number] if rows is None else source.index_select(0, rows)[:, number]
-            layer.keys.index_copy_(0, index, part[:, 0])
-            layer.values.index_copy_(0, index, part[:, 1])
-            copies += len(index)
-        return copies
+        copies = sum(len(plans[layer.group][0]) for layer in self.layers if layer.group in plans)
+        return LoadPlan(source, plans, copies)
+
+    def load_layer(self, plan: LoadPlan, number: int) -> None:
+        """Layer `number`'s part of a planned load (nothing when its group has no block to load)."""
+        layer = self.layers[number]
+        group = plan.groups.get(layer.group)
+        if group is None:
+            return
+        index, rows = group
+        part = plan.source[:, number] if rows is None else plan.source.index_select(0, rows)[:, number]
+        part = part.to(self.device, non_blocking=True)  # a plan made `by_layer` moves here
+        layer.keys.index_copy_(0, index, part[:, 0])
+        layer.values.index_copy_(0, index, part[:, 1])
 
     def gather(self, block_ids: GroupBlockIds) -> torch.Tensor:
         """Canonical blocks `[n, layers, 2, H, N, D]` (on CPU, in `self.dtype`): layer l of block i is

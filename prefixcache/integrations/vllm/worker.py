@@ -50,6 +50,7 @@ from ...client.api import CacheClient, Hit
 from ...client.link import CacheLink, service_level
 from ...errors import PrefixCacheError
 from . import states
+from .layers import LayerLoads
 from .link import LOGGER
 from .metadata import LoadOp, PrefixCacheMetadata, SaveOp, StateSaveOp
 from .paged import PagedCache, StatePages
@@ -68,6 +69,7 @@ class WorkerSide:
         self.tp_rank = tp_rank
         self.paged: PagedCache | None = None
         self.states: StatePages | None = None
+        self.layers: LayerLoads | None = None  # in-step loads copied layer by layer (layers.py)
         # asynchronous loads, and the leases of in-step ones (a Release never runs inside a step)
         self._loads: queue.Queue[LoadOp | tuple[Hit, CacheLink] | None] = queue.Queue()
         self._loaded: set[str] = set()  # requests whose load ended since vLLM last asked
@@ -84,14 +86,29 @@ class WorkerSide:
 
     # -- loads ------------------------------------------------------------------------------
     def load(self, meta: PrefixCacheMetadata) -> None:
-        """The step's loads (start_load_kv): in-step ones now, the others on the loader thread."""
+        """The step's loads (start_load_kv): in-step ones now (with `layers`, read now and copied
+        into vLLM's cache layer by layer behind the forward), the others on the loader thread."""
         for op in meta.loads:
             if op.in_step:
-                if not self._load_counted(op):
-                    with self._loaded_lock:
-                        self._invalid_blocks.update(op.block_ids[0])
+                if not self._load_counted(op, by_layer=self.layers is not None):
+                    self.mark_invalid(set(op.block_ids[0]))
             else:
                 self._loads.put(op)
+        if self.layers is not None:
+            self.layers.start()
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        if self.layers is not None:
+            self.layers.wait(layer_name)
+
+    def finish_layers(self) -> None:
+        """After the forward: every layer-by-layer copy of the step has landed."""
+        if self.layers is not None:
+            self.layers.finish()
+
+    def mark_invalid(self, block_ids: set[int]) -> None:
+        with self._loaded_lock:
+            self._invalid_blocks.update(block_ids)
 
     def _load_loop(self) -> None:
         with torch.inference_mode():  # as vLLM's own forward: tensors mapped there are inference tensors
@@ -102,14 +119,15 @@ class WorkerSide:
                     else:
                         self._release(*item)
 
-    def _load_counted(self, op: LoadOp, report: bool = False) -> bool:
+    def _load_counted(self, op: LoadOp, report: bool = False, by_layer: bool = False) -> bool:
         """Copy one load, count it and release its leases; `report`: an asynchronous load, told
         to vLLM through `finished_loads` (else in-step: the Releases are left to the loader
-        thread, so a slow service never holds up the step). False when it failed."""
+        thread, so a slow service never holds up the step); `by_layer`: read it and leave the
+        copies to `layers`. False when it failed."""
         started = time.perf_counter()
         failed = True
         try:
-            copies = self._load_one(op)
+            copies = self._load_one(op, by_layer)
             failed = False
         except (PrefixCacheError, RuntimeError, ValueError) as error:
             self.stats.add(load_failures=1)
@@ -143,7 +161,7 @@ class WorkerSide:
             )
         return not failed
 
-    def _load_one(self, op: LoadOp) -> int:
+    def _load_one(self, op: LoadOp, by_layer: bool = False) -> int:
         if self.paged is None:
             raise PrefixCacheError("vLLM's KV caches were never registered")
         attached = self.link.client()
@@ -158,7 +176,7 @@ class WorkerSide:
                 if hit.blocks < end:
                     raise PrefixCacheError(f"rank {self.tp_rank} holds {hit.blocks} of the {end} blocks rank 0 holds")
                 self._load_state(op, end)
-                return self._copy(client, hit, op, end)
+                return self._copy(client, hit, op, end, by_layer)
             finally:
                 self._release(hit)
         if op.host_segment and attachment.shared_memory and attachment.host_segment != op.host_segment:
@@ -167,7 +185,7 @@ class WorkerSide:
         if end > hit.blocks:
             raise PrefixCacheError(f"load of blocks {op.first_block}..{end} beyond the {hit.blocks} leased")
         self._load_state(op, end)
-        return self._copy(client, hit, op, end)
+        return self._copy(client, hit, op, end, by_layer)
 
     def _load_state(self, op: LoadOp, end: int) -> None:
         """A model with state layers: the state at the load's end into each state group's block there."""
@@ -192,7 +210,7 @@ class WorkerSide:
         self.states.load(block, dict(op.state_block_ids))
         self.stats.add(loaded_states=1)
 
-    def _copy(self, client: CacheClient, hit: Hit, op: LoadOp, end: int) -> int:
+    def _copy(self, client: CacheClient, hit: Hit, op: LoadOp, end: int, by_layer: bool = False) -> int:
         assert self.paged is not None
         try:  # mapped memory when the client has every block of the range mapped, else the stream
             blocks = client.read(hit, blocks=slice(op.first_block, end))
@@ -200,7 +218,13 @@ class WorkerSide:
             if service_level(error):  # an unreachable or restarted service, not an expired lease
                 self.link.failed(error, client)
             raise
-        return self.paged.load(blocks, op.block_ids)
+        if not by_layer:
+            return self.paged.load(blocks, op.block_ids)
+        assert self.layers is not None
+        plan = self.paged.plan_load(blocks, op.block_ids, by_layer=True)
+        self.layers.add(plan, op.block_ids[0])  # in-step loads: one KV cache group
+        self.stats.add(layered_loads=1)
+        return plan.copies
 
     def _release(self, hit: Hit, link: CacheLink | None = None) -> None:
         (link or self.link).release(hit)  # never raises; a service-level failure drops the client
@@ -319,6 +343,8 @@ class WorkerSide:
         return False
 
     def close(self) -> None:
+        if self.layers is not None:
+            self.layers.close()
         self.flush(5.0)
         totals = self.stats.totals
         log.info("prefixcache worker totals: %s", ", ".join(f"{k}={v:.6g}" for k, v in sorted(totals.items())))
