@@ -248,7 +248,16 @@ async def drive(urls: list[str], chats: list[list[list[dict]]], config: Config, 
 # --- servers --------------------------------------------------------------------------------
 
 
-def serve(model: Path, work: Path, name: str, config: Config, cache: str | None, pythonpath: str, core: int | None):
+def serve(
+    model: Path,
+    work: Path,
+    name: str,
+    config: Config,
+    cache: str | None,
+    pythonpath: str,
+    core: int | None,
+    connector_extra: dict,
+):
     """One vLLM OpenAI server; `core`: the CPU its processes (API server and engine) and OpenMP
     threads are bound to (None: vLLM's own binding, which puts every server of a fleet on the same
     cores, where they spin against each other's barriers: two servers on two cores are then each
@@ -264,7 +273,7 @@ def serve(model: Path, work: Path, name: str, config: Config, cache: str | None,
         "--enable-prefix-caching" if config.apc else "--no-enable-prefix-caching",
     ]  # fmt: skip
     if cache is not None:
-        extra = {"cache": cache}
+        extra = {"cache": cache, **connector_extra}
         command += [
             "--kv-transfer-config",
             json.dumps(
@@ -424,7 +433,7 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
         for i in range(config.servers):
             cores = os.cpu_count() or 1
             core = i % cores if args.bind_cores and config.servers > 1 else None
-            process, url = serve(model, work, f"{tag}-{i}", config, addresses[i], pythonpath, core)
+            process, url = serve(model, work, f"{tag}-{i}", config, addresses[i], pythonpath, core, args.connector)
             servers.append(process)
             urls.append(url)
         deadline = time.monotonic() + READY_S
@@ -564,6 +573,12 @@ def main() -> None:
         default=10,
         help="each server's KV cache in config 6 (the default model: 5k tokens; 8 MiB is under --max-model-len)",
     )
+    parser.add_argument(
+        "--connector",
+        type=json.loads,
+        default={},
+        help="more kv_connector_extra_config for every connector, as JSON (e.g. '{\"lookup_grace_s\": 0}')",
+    )
     parser.add_argument("--before-root", default="", help="the checkout whose connector configs 4b and 5b run")
     parser.add_argument(
         "--rounds", type=int, default=1, help="play the configurations this many times, A B A B; rows pool the rounds"
@@ -592,6 +607,8 @@ def main() -> None:
     before = {"4b", "5b"} & set(args.configs.split(","))
     if before and not (Path(args.before_root) / "prefixcache" / "integrations" / "vllm").is_dir():
         parser.error(f"--before-root: configs {sorted(before)} need a checkout with prefixcache/integrations/vllm")
+    if not isinstance(args.connector, dict):
+        parser.error(f"--connector: must be a JSON object of kv_connector_extra_config keys, got {args.connector!r}")
     for name in ("rounds", "conversations", "turns", "users", "max_tokens", "kv_mib", "pressure_mib"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
