@@ -69,7 +69,7 @@ def main() -> None:
         for prompt in prompts:
             writer.store(prompt[: cached * BLOCK], torch.zeros((cached, *layout.block_shape), dtype=torch.bfloat16))
         scheduler = SchedulerSide(ConnectorLink(settings, namespace, "scheduler"), StatsBox(), BLOCK)
-        scheduler._engine_busy = True  # as while vLLM steps other requests
+        scheduler._step_tokens = 8  # as while vLLM steps other requests (a decode step)
         params = SamplingParams(max_tokens=1)
         started, pending, answered, hits = [], [], [], 0
         first_ask: dict[str, list[float]] = {"without grace": [], "with grace": []}  # 1: answered at once

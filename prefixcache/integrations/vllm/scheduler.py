@@ -128,8 +128,7 @@ class SchedulerSide:
         self.settings = link.settings
         self._requests: dict[str, _Request] = {}
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="prefixcache-lookup")
-        self._engine_busy = False  # vLLM's last step computed something (a wait would stall it)
-        self._step_tokens = 0  # ... that many tokens
+        self._step_tokens = 0  # vLLM's last step computed this many tokens (> 0: a wait would stall it)
         self._last_build = time.perf_counter()  # build_connector_meta's last call: one per step
         self._last_step_s = 0.0  # from the call before it to that one
         self._grace_left = self.settings.lookup_grace_s  # this step's Lookup waits left (`_grace`)
@@ -214,7 +213,7 @@ class SchedulerSide:
         assert pending is not None
         if not pending.done():
             remaining = state.deadline - time.monotonic()
-            if remaining > 0 and self._engine_busy:
+            if remaining > 0 and self._step_tokens > 0:
                 self._grace(pending, remaining)
                 if not pending.done():
                     if self._worth_a_step(usable - num_computed_tokens):
@@ -424,7 +423,7 @@ class SchedulerSide:
         block_bytes = self.link.layout.block_bytes
         load_s = sum(MAPPED_LOAD.seconds(op.blocks * block_bytes) for op in meta.loads)
         tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
-        self._engine_busy, self._step_tokens = tokens > 0, tokens
+        self._step_tokens = tokens
         now = time.perf_counter()
         self._last_step_s, self._last_build = now - self._last_build, now
         self._grace_left = self.settings.lookup_grace_s
