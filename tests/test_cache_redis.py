@@ -157,6 +157,10 @@ def test_a_block_whose_write_through_was_dropped_is_spilled_on_eviction(
     private_redis: RedisServer, prefix: str
 ) -> None:
     with redis_cache(private_redis.url, prefix, host_slots=4) as (cache, ns):
+        # The writer's first act is a PING; one answered before the kill but read after it would
+        # bring the tier up again between the poll and the store. An op queued behind it settles that.
+        cache.remote_link.tier.delete(ns, b"\0" * 16)
+        assert cache.remote_link.tier.wait_idle(5)
         private_redis.kill()
         assert poll(lambda: hit_blocks(cache, ns, tokens_for(9, 1)) == 0 and remote_down(cache)(), 3)
         a = tokens_for(1, 4)
