@@ -21,6 +21,8 @@ import logging
 import math
 import pickle
 import re
+import sys
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -29,9 +31,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from prefixcache.client.api import Hit
 from prefixcache.client.hit_policy import (
+    HIT_ODDS_WEIGHT,
     UNTIMED_LOADS,
     Decision,
     Estimates,
+    HitOdds,
     PrefillMeter,
     ReadPath,
     Verdict,
@@ -459,3 +463,53 @@ def test_a_lookup_is_worth_a_wait_only_when_its_most_could_repay_it() -> None:
     assert not worth_waiting(200, PREFILL, 11e-3)
     assert not worth_waiting(0, PREFILL, 0.0)
     assert worth_waiting(1, PREFILL, 0.0)
+
+
+def test_the_odds_of_a_hit_discount_what_a_lookup_could_bring() -> None:
+    """At even odds the same 200 tokens (10 ms) are worth a 4 ms wait, not a 6 ms one."""
+    assert worth_waiting(200, PREFILL, 4e-3, odds=0.5)
+    assert not worth_waiting(200, PREFILL, 6e-3, odds=0.5)
+    assert not worth_waiting(200, PREFILL, 0.0, odds=0.0)
+
+
+def test_hit_odds_fall_with_misses_and_rise_again_with_hits() -> None:
+    odds = HitOdds()
+    assert odds.value == 1.0  # wait for Lookups until their answers show otherwise
+    for _ in range(32):
+        odds.observe(False)
+    assert odds.value == pytest.approx((1 - HIT_ODDS_WEIGHT) ** 32)
+    low = odds.value
+    odds.observe(True)
+    assert odds.value == pytest.approx(low + HIT_ODDS_WEIGHT * (1 - low))
+    for weight, prior in ((0.0, 1.0), (1.5, 1.0), (0.5, -0.1), (0.5, 1.1)):
+        with pytest.raises(ValueError, match="hit odds"):
+            HitOdds(weight, prior)
+
+
+def test_hit_odds_lose_no_answer_to_threads_counting_at_once() -> None:
+    """Answers arrive on Lookup threads and on the scheduler's: 8 threads x 4,000 misses, then as
+    many hits, five times over, with the interpreter switching threads every microsecond; not
+    one update is lost (one would move the value by ~1e-4 of itself)."""
+    weight, n = 1e-4, 32_000
+    odds = HitOdds(weight)
+
+    def count(hit: bool, start: threading.Barrier) -> None:
+        start.wait()
+        for _ in range(n // 8):
+            odds.observe(hit)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        expected, decay = 1.0, (1 - weight) ** n
+        for hit in (False, True) * 5:
+            start = threading.Barrier(8)
+            threads = [threading.Thread(target=count, args=(hit, start)) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            expected = 1 - (1 - expected) * decay if hit else expected * decay
+            assert odds.value == pytest.approx(expected, rel=1e-9)
+    finally:
+        sys.setswitchinterval(interval)

@@ -17,7 +17,8 @@ Owns:
 - `choose`: the pure decision on the client's `Hit` as the Lookup returned it and a set of
   `Estimates`; it returns a small `Decision` (how many blocks to load, by which path).
 - `worth_waiting`: before the answer, whether a Lookup in flight is worth delaying its request
-  (vLLM's scheduler: a step) at all, from the most it could save.
+  (vLLM's scheduler: a grace wait, a step) at all, from the most it could save and how often
+  Lookups bring something (`HitOdds`).
 - The priors: `PREFILL_PRIOR`; `MAPPED_PRIOR`, `STREAM_PRIOR`, `INSTALL_PRIOR` for an engine that
   times its own reads and installs (the reference worker learns each from there,
   services/worker/hit_policy.py); `UNTIMED_LOADS` (`MAPPED_LOAD`,
@@ -33,13 +34,14 @@ Invariants:
   computes at least one token).
 - A partial load only ever uses the mapped path: a stream read moves the whole lease anyway.
 - No I/O, no metrics; `PrefillMeter` is not thread-safe (one owner: the worker's inference
-  thread, vLLM's scheduler thread).
+  thread, vLLM's scheduler thread); `HitOdds` is (answers arrive on Lookup threads).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +56,7 @@ HIT_POLICIES = ("always", "auto")
 
 PREFILL_PRIOR = TransferEstimate(latency_s=5e-3, bytes_per_s=5e3)  # "bytes" are tokens: 5 ms + 5k tokens/s
 MAX_STEP_S = 60.0  # a longer gap between two steps is not a step (the engine waited)
+HIT_ODDS_WEIGHT = 1 / 16  # each answer's weight in `HitOdds`: about the last 16 Lookups count
 
 
 class Verdict(enum.Enum):
@@ -146,11 +149,36 @@ def choose(
     return Decision(verdict, count, path, load, recompute)
 
 
-def worth_waiting(tokens: int, prefill: TransferEstimate, wait_s: float) -> bool:
+def worth_waiting(tokens: int, prefill: TransferEstimate, wait_s: float, odds: float = 1.0) -> bool:
     """Delay a request by `wait_s` for its Lookup in flight? Only when recomputing the `tokens`
-    the Lookup could bring at most (the usable prompt beyond what the engine holds) takes longer
-    than the wait: a smaller hit saves less than the wait costs, and a miss saves nothing."""
-    return tokens > 0 and tokens / prefill.bytes_per_s > wait_s
+    the Lookup could bring at most (the usable prompt beyond what the engine holds), discounted
+    by the odds that it brings anything (`HitOdds`), takes longer than the wait: a smaller hit
+    saves less than the wait costs, and a miss saves nothing."""
+    return tokens > 0 and odds * tokens / prefill.bytes_per_s > wait_s
+
+
+class HitOdds:
+    """How often a Lookup brings something: the share of recent answers that reached beyond what
+    the engine already held, an exponentially weighted mean (`weight` per answer) starting at 1
+    (wait for Lookups until their answers show otherwise). An engine whose Lookups keep missing
+    (a workload without reuse) thus stops delaying requests for them; the Lookups still run
+    and every answer is counted, also one nobody waited for, so a few hits restore the waits."""
+
+    def __init__(self, weight: float = HIT_ODDS_WEIGHT, prior: float = 1.0) -> None:
+        if not 0 < weight <= 1 or not 0 <= prior <= 1:
+            raise ValueError(f"hit odds need 0 < weight <= 1 and 0 <= prior <= 1, got {weight}, {prior}")
+        self._weight = weight
+        self._value = prior
+        self._lock = threading.Lock()
+
+    def observe(self, hit: bool) -> None:
+        """One Lookup answered: it brought something (`hit`) or nothing."""
+        with self._lock:
+            self._value += self._weight * (float(hit) - self._value)
+
+    @property
+    def value(self) -> float:
+        return self._value
 
 
 class PrefillMeter:

@@ -232,6 +232,101 @@ def test_a_lookup_is_awaited_only_when_a_hit_could_repay_the_step(tmp_path: Path
         service.stop()
 
 
+def test_lookups_that_keep_missing_are_not_waited_for_until_they_hit_again(tmp_path: Path) -> None:
+    """hit_policy auto, while vLLM steps others: every Lookup that brings nothing lowers the hit
+    odds (`HitOdds`), until a Lookup in flight is worth neither a grace wait nor a step and its
+    request prefills at once (a workload without reuse stops paying for its Lookups). Those
+    Lookups still answer and count, so a hit makes the next Lookup worth both again."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from prefixcache.client.api import CacheClient
+    from prefixcache.config import KVLayout, Namespace
+    from prefixcache.integrations.vllm.config import ConnectorSettings
+    from prefixcache.integrations.vllm.link import ConnectorLink
+    from prefixcache.integrations.vllm.scheduler import SchedulerSide
+    from prefixcache.integrations.vllm.stats import StatsBox
+
+    block, cached = 32, 8
+    layout = KVLayout(layers=2, kv_heads=2, head_dim=64, block_size=block, dtype="bfloat16")
+    namespace = Namespace("odds", "r1", layout)
+    rng = random.Random(13)
+    stored = _tokens(rng, cached * block + 5)
+    service = CacheService(tmp_path / "service", extra_args=["--block-size", str(block)]).start()
+    proxy = SlowProxy(service.port, latency_s=0.1, bytes_per_s=1e9).start()  # every Lookup in flight when asked
+    try:
+        writer = CacheClient(service.address)
+        writer.attach(namespace.model, layout, namespace.revision)
+        kv = torch.zeros((cached, *layout.block_shape), dtype=torch.bfloat16)
+        assert writer.store(stored[: cached * block], kv).stored == cached
+        writer.close()
+        # Prefill at the prior, 5 ms + 100 tokens/s: the 256 cached tokens are worth 2.56 s at
+        # even odds, a decode step of 8 tokens costs 85 ms, the grace 25 ms (a quarter of a step).
+        settings = ConnectorSettings.parse(
+            {
+                "cache": f"127.0.0.1:{proxy.port}",
+                "lookup_timeout_s": 10.0,
+                "lookup_grace_s": 0.025,
+                "prefill_tokens_per_s": 100,
+            }
+        )
+        scheduler = SchedulerSide(ConnectorLink(settings, namespace, "scheduler"), StatsBox(), block)
+        totals = scheduler.stats.totals
+        numbers = iter(range(1_000))
+
+        def step(tokens: int) -> None:
+            time.sleep(0.1)  # stands in for one of vLLM's steps...
+            scheduler.prefill.idle()  # ...whose cost stays the prior's (not timed from the sleep)
+            scheduler.build(_decode_step(tokens))
+
+        def arrives(prompt: list[int]) -> Request:
+            request = Request(f"r{next(numbers)}", prompt, SamplingParams(max_tokens=1), None)
+            scheduler.started(request)
+            return request
+
+        def waited_for(prompt: list[int]) -> None:
+            """Asked while vLLM steps others: grace waits, skipped steps, then the hit."""
+            graces, deferrals = totals.get("lookup_grace_waits", 0), totals.get("lookup_deferrals", 0)
+            request = arrives(prompt)
+            while (answer := scheduler.match(request, 0))[0] is None:
+                step(8)
+            assert answer[0] == cached * block
+            assert totals.get("lookup_grace_waits") > graces and totals.get("lookup_deferrals", 0) > deferrals
+            scheduler.finished(request)
+
+        try:
+            step(8)
+            waited_for(stored)  # odds 1
+
+            step(0)  # vLLM idle: 80 requests whose Lookups find nothing are answered in full
+            misses = [arrives(_tokens(rng, cached * block + 5)) for _ in range(80)]
+            for request in misses:
+                assert scheduler.match(request, 0) == (0, False)
+                scheduler.finished(request)
+            assert scheduler.hit_odds.value < 0.006  # (15/16)^80: 2.56 s x 0.006 < the grace
+
+            step(8)  # neither the grace nor a step is worth it at these odds: it prefills now
+            graces = totals.get("lookup_grace_waits")
+            request = arrives(stored)
+            started = time.perf_counter()
+            assert scheduler.match(request, 0) == (0, False)
+            assert time.perf_counter() - started < 0.02
+            assert totals.get("lookup_grace_waits") == graces and totals.get("lookups_not_awaited") == 1
+            odds = scheduler.hit_odds.value
+            assert poll(lambda: scheduler.hit_odds.value > odds, 5)  # its answer, a hit, still counts
+            scheduler.finished(request)
+
+            step(8)  # after one hit (odds 0.068: 174 ms to gain), both are worth it again
+            waited_for(stored)
+            assert totals.get("lookups_not_awaited") == 1
+        finally:
+            scheduler.close()
+    finally:
+        proxy.stop()
+        service.stop()
+
+
 def _prefill_step(request, block_ids: tuple[list[int], ...], computed: int):
     """vLLM's SchedulerOutput of the step that prefills `request` from `computed` tokens on."""
     from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput

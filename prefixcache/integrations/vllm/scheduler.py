@@ -5,7 +5,8 @@ Per request: `started` (vLLM's on_new_request) sends the Lookup, with a lease, t
 thread pool as the request arrives; `match` (get_num_new_matched_tokens) answers None ("ask
 again next step") while it is in flight and vLLM is running other requests (after a grace of
 at most `lookup_grace_s` per step, so a Lookup that is about to answer does not cost its
-request a whole step) if a hit could repay that step (`worth_waiting`: else the request
+request a whole step) if a hit could repay that wait and that step (`worth_waiting`, with the
+odds that a Lookup brings anything, `HitOdds`, learned from every answer: else the request
 prefills now without it), waits for it when vLLM is idle (nothing to stall), and gives up at
 `lookup_timeout_s` (the request then prefills in full). With the answer it offers the cached tokens beyond vLLM's own prefix cache,
 copied within the step when that is cheap (`(n, False)`: the blocks are in this host's mapped
@@ -49,7 +50,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...client.api import Attachment, CacheClient, Hit
-from ...client.hit_policy import MAPPED_LOAD, UNTIMED_LOADS, PrefillMeter, choose, worth_waiting
+from ...client.hit_policy import MAPPED_LOAD, UNTIMED_LOADS, HitOdds, PrefillMeter, choose, worth_waiting
 from ...client.link import CacheLink
 from ...errors import InvalidArgument, PrefixCacheError
 from ...kinds import TierKind
@@ -132,6 +133,7 @@ class SchedulerSide:
         self._last_build = time.perf_counter()  # build_connector_meta's last call: one per step
         self._last_step_s = 0.0  # from the call before it to that one
         self._grace_left = self.settings.lookup_grace_s  # this step's Lookup waits left (`_grace`)
+        self.hit_odds = HitOdds()  # how often an answer reaches beyond vLLM's own prefix
         prior = UNTIMED_LOADS.prefill
         if self.settings.prefill_tokens_per_s:
             prior = TransferEstimate(prior.latency_s, self.settings.prefill_tokens_per_s)
@@ -205,7 +207,7 @@ class SchedulerSide:
         state.local_tokens, state.external_tokens = num_computed_tokens, 0
         usable = self._usable(request)
         if usable <= num_computed_tokens or not self.loads or state.load_failed:
-            self._go_ahead(state)
+            self._go_ahead(state, counted=False)
             return 0, False  # nothing to gain
         if state.pending is None:  # answered before and dropped (vLLM asks again): ask anew
             self.started(request)
@@ -214,7 +216,7 @@ class SchedulerSide:
         if not pending.done():
             remaining = state.deadline - time.monotonic()
             if remaining > 0 and self._step_tokens > 0:
-                self._grace(pending, remaining)
+                self._grace(pending, remaining, usable - num_computed_tokens)
                 if not pending.done():
                     if self._worth_a_step(usable - num_computed_tokens):
                         self.stats.add(lookup_deferrals=1)
@@ -262,6 +264,7 @@ class SchedulerSide:
             state.asked_again = True
             self.started(request)
             return self.match(request, num_computed_tokens)
+        self.hit_odds.observe(min(hit.hit_tokens, usable) > num_computed_tokens)
         state.cached_blocks = hit.hit_tokens // self.block_size
         state.saved_blocks = max(state.saved_blocks, state.cached_blocks)
         reach = min(hit.hit_tokens, usable)
@@ -281,14 +284,15 @@ class SchedulerSide:
         self.stats.add(offered_tokens=external, in_step_loads=int(state.in_step))
         return external, not state.in_step
 
-    def _grace(self, pending: Future[Answer | None], remaining: float) -> None:
+    def _grace(self, pending: Future[Answer | None], remaining: float, tokens: int) -> None:
         """Wait a little for a Lookup in flight while vLLM has others running: answering None
         costs the request a whole step (vLLM skips it until the next), which is long when that
         step prefills others, whereas a Lookup on loopback takes about a millisecond. The
         waits of one step add up to at most `lookup_grace_s`, and to at most a quarter of the
-        last step's length, so running requests' steps grow by that at worst."""
+        last step's length, so running requests' steps grow by that at worst; and only when the
+        `tokens` the Lookup could bring, at the odds that it brings any, could repay the wait."""
         grace = min(self._grace_left, GRACE_SHARE * self._last_step_s, remaining)
-        if grace <= 0:
+        if grace <= 0 or not self._worth(tokens, grace):
             return
         waited = time.perf_counter()
         try:
@@ -301,32 +305,40 @@ class SchedulerSide:
         self.stats.add(lookup_grace_waits=1, lookup_grace_seconds=spent)
 
     def _worth_a_step(self, tokens: int) -> bool:
-        """Is the Lookup in flight worth skipping its request this step (the hit rule's
-        `worth_waiting`)? The wait is the next step, estimated as one like the last (its scheduled
-        tokens at vLLM's measured cost); the `always` policy waits for every hit."""
+        """Is the Lookup in flight worth skipping its request this step? The wait is the next
+        step, estimated as one like the last (its scheduled tokens at vLLM's measured cost)."""
+        return self._worth(tokens, self.prefill.estimate().seconds(self._step_tokens))
+
+    def _worth(self, tokens: int, wait_s: float) -> bool:
+        """The hit rule's `worth_waiting` at vLLM's measured prefill cost and the odds of a hit;
+        the `always` policy waits for every hit."""
         if self.settings.hit_policy == "always":
             return True
-        estimate = self.prefill.estimate()
-        return worth_waiting(tokens, estimate, estimate.seconds(self._step_tokens))
+        return worth_waiting(tokens, self.prefill.estimate(), wait_s, self.hit_odds.value)
 
-    def _go_ahead(self, state: _Request) -> None:
-        """The request goes ahead without the cache: forget its Lookup; its saves start after
-        vLLM's own prefix, which the cache holds (this engine saved it, or loaded it from there),
-        so those blocks are not copied out again. Where the cache has lost some of them, the
-        service indexes nothing of the save (it extends only a cached prefix)."""
-        self._abandon(state)
+    def _go_ahead(self, state: _Request, counted: bool = True) -> None:
+        """The request goes ahead without the cache: forget its Lookup (`counted`: its answer
+        still counts in the hit odds); its saves start after vLLM's own prefix, which the cache
+        holds (this engine saved it, or loaded it from there), so those blocks are not copied out
+        again. Where the cache has lost some of them, the service indexes nothing of the save (it
+        extends only a cached prefix)."""
+        self._abandon(state, state.local_tokens if counted else None)
         state.saved_blocks = max(state.saved_blocks, state.local_tokens // self.block_size)
 
-    def _abandon(self, state: _Request) -> None:
-        """Forget the Lookup in flight; its lease, if any, is released when it answers."""
+    def _abandon(self, state: _Request, beyond: int | None = None) -> None:
+        """Forget the Lookup in flight; its lease, if any, is released when it answers, and the
+        answer counts in the hit odds (`beyond`: as a hit when it reaches past that many tokens)."""
         pending, state.pending = state.pending, None
         if pending is not None:
-            pending.add_done_callback(self._release_answer)
+            usable = self._usable(state.request)
+            pending.add_done_callback(lambda done: self._release_answer(done, beyond, usable))
 
-    def _release_answer(self, pending: Future[Answer | None]) -> None:
+    def _release_answer(self, pending: Future[Answer | None], beyond: int | None, usable: int) -> None:
         answer = None if pending.cancelled() or pending.exception() else pending.result()
         if answer is None:
             return
+        if beyond is not None:
+            self.hit_odds.observe(min(answer.hit.hit_tokens, usable) > beyond)
         self._release_state(answer.state)
         if answer.hit.lease_id:
             attached = self.link.client()

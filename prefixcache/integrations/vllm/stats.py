@@ -85,7 +85,10 @@ _DESCRIPTIONS = {
     "lookup_grace_waits": "Times the scheduler waited briefly for a Lookup in flight instead of skipping its request a step",
     "lookup_grace_seconds": "Seconds of those waits (on vLLM's scheduler thread)",
     "lookup_deferrals": "Steps a request was skipped while its Lookup was in flight (vLLM asked again next step)",
-    "lookups_not_awaited": "Requests that prefilled without their Lookup's answer: no hit could have repaid a step's wait",
+    "lookups_not_awaited": (
+        "Requests that prefilled without their Lookup's answer: no hit could have repaid a step's wait "
+        "(at the odds of a hit, which recent misses lower)"
+    ),
 }
 
 
