@@ -235,8 +235,9 @@ def test_a_lookup_is_awaited_only_when_a_hit_could_repay_the_step(tmp_path: Path
 def test_lookups_that_keep_missing_are_not_waited_for_until_they_hit_again(tmp_path: Path) -> None:
     """hit_policy auto, while vLLM steps others: every Lookup that brings nothing lowers the hit
     odds (`HitOdds`), until a Lookup in flight is worth neither a grace wait nor a step and its
-    request prefills at once (a workload without reuse stops paying for its Lookups). Those
-    Lookups still answer and count, so a hit makes the next Lookup worth both again."""
+    request prefills at once, also when vLLM is idle (a workload without reuse stops paying for
+    its Lookups). Those Lookups still answer and count, so hits make Lookups worth waiting for
+    again."""
     import torch
     from vllm import SamplingParams
     from vllm.v1.request import Request
@@ -299,27 +300,31 @@ def test_lookups_that_keep_missing_are_not_waited_for_until_they_hit_again(tmp_p
             step(8)
             waited_for(stored)  # odds 1
 
-            step(0)  # vLLM idle: 80 requests whose Lookups find nothing are answered in full
+            step(0)  # vLLM idle: 80 requests whose Lookups find nothing (the last few not awaited)
             misses = [arrives(_tokens(rng, cached * block + 5)) for _ in range(80)]
             for request in misses:
                 assert scheduler.match(request, 0) == (0, False)
                 scheduler.finished(request)
-            assert scheduler.hit_odds.value < 0.006  # (15/16)^80: 2.56 s x 0.006 < the grace
+            assert poll(lambda: scheduler.hit_odds.value < 0.006, 5)  # (15/16)^80: 2.56 s x 0.006 < a grace
 
-            step(8)  # neither the grace nor a step is worth it at these odds: it prefills now
-            graces = totals.get("lookup_grace_waits")
-            request = arrives(stored)
-            started = time.perf_counter()
-            assert scheduler.match(request, 0) == (0, False)
-            assert time.perf_counter() - started < 0.02
-            assert totals.get("lookup_grace_waits") == graces and totals.get("lookups_not_awaited") == 1
-            odds = scheduler.hit_odds.value
-            assert poll(lambda: scheduler.hit_odds.value > odds, 5)  # its answer, a hit, still counts
-            scheduler.finished(request)
+            graces, not_awaited = totals.get("lookup_grace_waits"), totals.get("lookups_not_awaited", 0)
+            odds, went_ahead = scheduler.hit_odds.value, []
+            for tokens in (8, 0):  # stepping others, then idle (0.1 s on: before the first answer can be back)
+                step(tokens)
+                request = arrives(stored)
+                started = time.perf_counter()
+                assert scheduler.match(request, 0) == (0, False)  # the odds repay no wait: it prefills now
+                assert time.perf_counter() - started < 0.02
+                went_ahead.append(request)
+            assert totals.get("lookup_grace_waits") == graces and totals.get("lookups_not_awaited") == not_awaited + 2
+            assert poll(lambda: scheduler.hit_odds.value > odds + 0.1, 5)  # their answers, hits, still count
+            for request in went_ahead:
+                scheduler.finished(request)
 
-            step(8)  # after one hit (odds 0.068: 174 ms to gain), both are worth it again
+            step(8)  # after two hits (odds 0.13: 320 ms to gain), both waits are worth it again
+            not_awaited = totals.get("lookups_not_awaited")
             waited_for(stored)
-            assert totals.get("lookups_not_awaited") == 1
+            assert totals.get("lookups_not_awaited") == not_awaited
         finally:
             scheduler.close()
     finally:

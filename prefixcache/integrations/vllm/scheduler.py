@@ -7,7 +7,8 @@ again next step") while it is in flight and vLLM is running other requests (afte
 at most `lookup_grace_s` per step, so a Lookup that is about to answer does not cost its
 request a whole step) if a hit could repay that wait and that step (`worth_waiting`, with the
 odds that a Lookup brings anything, `HitOdds`, learned from every answer: else the request
-prefills now without it), waits for it when vLLM is idle (nothing to stall), and gives up at
+prefills now without it), waits for it when vLLM is idle (nothing to stall; unless at those
+odds a hit would not repay even a grace's wait), and gives up at
 `lookup_timeout_s` (the request then prefills in full). With the answer it offers the cached tokens beyond vLLM's own prefix cache,
 copied within the step when that is cheap (`(n, False)`: the blocks are in this host's mapped
 memory and the copy is estimated shorter than a step's fixed cost, so the request prefills its
@@ -214,16 +215,20 @@ class SchedulerSide:
         pending = state.pending
         assert pending is not None
         if not pending.done():
-            remaining = state.deadline - time.monotonic()
+            remaining, gain = state.deadline - time.monotonic(), usable - num_computed_tokens
             if remaining > 0 and self._step_tokens > 0:
-                self._grace(pending, remaining, usable - num_computed_tokens)
+                self._grace(pending, remaining, gain)
                 if not pending.done():
-                    if self._worth_a_step(usable - num_computed_tokens):
+                    if self._worth_a_step(gain):
                         self.stats.add(lookup_deferrals=1)
                         return None, False  # vLLM steps its running requests; ask again next step
                     self._go_ahead(state)
                     self.stats.add(lookups_not_awaited=1)
                     return 0, False  # no hit could repay the step it would cost: prefill now
+            elif remaining > 0 and not self._worth(gain, self.settings.lookup_grace_s):
+                self._go_ahead(state)
+                self.stats.add(lookups_not_awaited=1)
+                return 0, False  # vLLM is idle, but the odds do not repay even a grace's wait
             if remaining > 0:
                 waited = time.perf_counter()
                 try:
