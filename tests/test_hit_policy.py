@@ -473,14 +473,23 @@ def test_the_odds_of_a_hit_discount_what_a_lookup_could_bring() -> None:
 
 
 def test_hit_odds_fall_with_misses_and_rise_again_with_hits() -> None:
+    """A mean with the prior as one answer until there are 16 answers, then each weighs 1/16."""
     odds = HitOdds()
     assert odds.value == 1.0  # wait for Lookups until their answers show otherwise
-    for _ in range(32):
+    odds.observe(False)
+    assert odds.value == pytest.approx(1 / 2)
+    for _ in range(2):
         odds.observe(False)
-    assert odds.value == pytest.approx((1 - HIT_ODDS_WEIGHT) ** 32)
+    assert odds.value == pytest.approx(1 / 4)  # a fresh engine learns within a few answers
+    for _ in range(12):
+        odds.observe(False)
+    assert odds.value == pytest.approx(1 / 16)
+    for _ in range(16):
+        odds.observe(False)
+    assert odds.value == pytest.approx((1 - HIT_ODDS_WEIGHT) ** 16 / 16)
     low = odds.value
     odds.observe(True)
-    assert odds.value == pytest.approx(low + HIT_ODDS_WEIGHT * (1 - low))
+    assert odds.value == pytest.approx(low + HIT_ODDS_WEIGHT * (1 - low))  # one hit: about 1/16
     for weight, prior in ((0.0, 1.0), (1.5, 1.0), (0.5, -0.1), (0.5, 1.1)):
         with pytest.raises(ValueError, match="hit odds"):
             HitOdds(weight, prior)
@@ -488,10 +497,10 @@ def test_hit_odds_fall_with_misses_and_rise_again_with_hits() -> None:
 
 def test_hit_odds_lose_no_answer_to_threads_counting_at_once() -> None:
     """Answers arrive on Lookup threads and on the scheduler's: 8 threads x 4,000 misses, then as
-    many hits, five times over, with the interpreter switching threads every microsecond; not
-    one update is lost (one would move the value by ~1e-4 of itself)."""
+    many hits, five times over, with the interpreter switching threads every microsecond, end
+    where the same answers one after another do (a lost update moves the value by ~1e-4 of it)."""
     weight, n = 1e-4, 32_000
-    odds = HitOdds(weight)
+    odds, alone = HitOdds(weight), HitOdds(weight)
 
     def count(hit: bool, start: threading.Barrier) -> None:
         start.wait()
@@ -501,7 +510,6 @@ def test_hit_odds_lose_no_answer_to_threads_counting_at_once() -> None:
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:
-        expected, decay = 1.0, (1 - weight) ** n
         for hit in (False, True) * 5:
             start = threading.Barrier(8)
             threads = [threading.Thread(target=count, args=(hit, start)) for _ in range(8)]
@@ -509,7 +517,8 @@ def test_hit_odds_lose_no_answer_to_threads_counting_at_once() -> None:
                 thread.start()
             for thread in threads:
                 thread.join()
-            expected = 1 - (1 - expected) * decay if hit else expected * decay
-            assert odds.value == pytest.approx(expected, rel=1e-9)
+            for _ in range(n):
+                alone.observe(hit)
+            assert odds.value == pytest.approx(alone.value, rel=1e-9)
     finally:
         sys.setswitchinterval(interval)

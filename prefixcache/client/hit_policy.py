@@ -159,22 +159,26 @@ def worth_waiting(tokens: int, prefill: TransferEstimate, wait_s: float, odds: f
 
 class HitOdds:
     """How often a Lookup brings something: the share of recent answers that reached beyond what
-    the engine already held, an exponentially weighted mean (`weight` per answer) starting at 1
-    (wait for Lookups until their answers show otherwise). An engine whose Lookups keep missing
-    (a workload without reuse) thus stops delaying requests for them; the Lookups still run
-    and every answer is counted, also one nobody waited for, so a few hits restore the waits."""
+    the engine already held. The prior (1: wait for Lookups until their answers show otherwise)
+    counts as one answer and the mean runs over every answer until there are 1/`weight` of them,
+    so a fresh engine learns within a few answers; from there each answer weighs `weight` (an
+    exponentially weighted mean over about the last 1/`weight`). An engine whose Lookups keep
+    missing (a workload without reuse) thus stops delaying requests for them; the Lookups still
+    run and every answer is counted, also one nobody waited for, so a few hits restore the waits."""
 
     def __init__(self, weight: float = HIT_ODDS_WEIGHT, prior: float = 1.0) -> None:
         if not 0 < weight <= 1 or not 0 <= prior <= 1:
             raise ValueError(f"hit odds need 0 < weight <= 1 and 0 <= prior <= 1, got {weight}, {prior}")
         self._weight = weight
         self._value = prior
+        self._answers = 0
         self._lock = threading.Lock()
 
     def observe(self, hit: bool) -> None:
         """One Lookup answered: it brought something (`hit`) or nothing."""
         with self._lock:
-            self._value += self._weight * (float(hit) - self._value)
+            self._answers += 1
+            self._value += max(self._weight, 1 / (self._answers + 1)) * (float(hit) - self._value)
 
     @property
     def value(self) -> float:
