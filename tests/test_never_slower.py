@@ -357,16 +357,26 @@ def _why_not_taken(before: dict, after: dict, service) -> str:
 
 
 def test_longer_prefixes_over_a_fast_redis_are_still_taken(e2e) -> None:
+    """Each of four 16-block prefixes held in Redis over a direct link is loaded, all but at most
+    one: the worker decides on timings it measured, and on a loaded 2-core box one read that was
+    preempted can make one load look slower than a 5 ms prefill (seen in CI twice). A declined
+    hit is recomputed whole, never loaded in part, and the output is the same either way."""
     redis_server, _proxy, service, cached, reference = e2e
     _restart_onto(service, redis_server.url, cached)
     before = worker_metrics(cached)
+    loaded = []
     for index in range(4):
         tokens = e2e_prompt(1, index, LONG_PREFIX_BLOCKS, suffix=2)
         hit = cached.client.complete(tokens, max_tokens=8)
-        assert hit.cached_tokens == LONG_PREFIX_BLOCKS * BS, _why_not_taken(before, worker_metrics(cached), service)
+        assert hit.cached_tokens in (0, LONG_PREFIX_BLOCKS * BS)
+        loaded.append(hit.cached_tokens > 0)
         assert hit.text == reference.client.complete(tokens, max_tokens=8).text
     after = worker_metrics(cached)
-    assert (
-        metric(after, "prefixcache_worker_hit_decisions_total", decision="taken")
-        - metric(before, "prefixcache_worker_hit_decisions_total", decision="taken")
-    ) == 4
+    assert sum(loaded) >= 3, _why_not_taken(before, after, service)
+
+    def decided(decision: str) -> float:
+        return metric(after, "prefixcache_worker_hit_decisions_total", decision=decision) - metric(
+            before, "prefixcache_worker_hit_decisions_total", decision=decision
+        )
+
+    assert (decided("taken"), decided("recompute")) == (sum(loaded), 4 - sum(loaded))
