@@ -222,13 +222,9 @@ class SchedulerSide:
                     if self._worth_a_step(gain):
                         self.stats.add(lookup_deferrals=1)
                         return None, False  # vLLM steps its running requests; ask again next step
-                    self._go_ahead(state)
-                    self.stats.add(lookups_not_awaited=1)
-                    return 0, False  # no hit could repay the step it would cost: prefill now
+                    return self._not_awaited(state)  # no hit could repay the step it would cost
             elif remaining > 0 and not self._worth(gain, self.settings.lookup_grace_s):
-                self._go_ahead(state)
-                self.stats.add(lookups_not_awaited=1)
-                return 0, False  # vLLM is idle, but the odds do not repay even a grace's wait
+                return self._not_awaited(state)  # vLLM is idle, but the odds do not repay even a grace's wait
             if remaining > 0:
                 waited = time.perf_counter()
                 try:
@@ -320,6 +316,12 @@ class SchedulerSide:
         if self.settings.hit_policy == "always":
             return True
         return worth_waiting(tokens, self.prefill.estimate(), wait_s, self.hit_odds.value)
+
+    def _not_awaited(self, state: _Request) -> tuple[int, bool]:
+        """The request prefills now, without the answer of its Lookup in flight."""
+        self._go_ahead(state)
+        self.stats.add(lookups_not_awaited=1)
+        return 0, False
 
     def _go_ahead(self, state: _Request, counted: bool = True) -> None:
         """The request goes ahead without the cache: forget its Lookup (`counted`: its answer
