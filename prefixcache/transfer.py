@@ -15,6 +15,9 @@ Invariants:
 - The fit is least squares over exponentially decayed samples (recent ones count most); when
   the samples' sizes are too alike to separate latency from bandwidth, the prior's bandwidth
   is kept and the rest of the time is latency.
+- With `clip`, no sample counts as slower than `clip` x the estimate it arrived to: one transfer
+  that was preempted (a busy host) moves the estimate by a bounded step, while a path that
+  really slowed down is still followed, a bounded step per sample.
 - Not thread-safe: each meter has one owner, who serialises calls (the Redis tier under its
   lock, the worker on its inference thread).
 - A `ProbeBudget` belongs to one lookup; `grant` never allows more blocks than planned, and
@@ -70,10 +73,14 @@ class TransferMeter:
         alpha: float = 0.2,
         stale_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        clip: float | None = None,
     ) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if clip is not None and not clip > 1.0:
+            raise ValueError(f"clip must be > 1 (or None), got {clip}")
         self.prior = prior
+        self._clip = clip
         self._keep = 1.0 - alpha
         self._stale_s = stale_s
         self._clock = clock
@@ -94,6 +101,10 @@ class TransferMeter:
         now = self._clock()
         if now - self._last > self._stale_s:
             self._reset()
+        if self._clip is not None and self._samples:
+            expected = self.estimate().seconds(nbytes)
+            if expected > 0:
+                seconds = min(seconds, self._clip * expected)
         self._last = now
         keep = self._keep
         self._w = self._w * keep + 1.0

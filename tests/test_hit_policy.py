@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from prefixcache.client.api import Hit
 from prefixcache.client.hit_policy import (
+    HIT_ODDS_HIT_WEIGHT,
     HIT_ODDS_WEIGHT,
     UNTIMED_LOADS,
     Decision,
@@ -316,6 +317,38 @@ def test_meter_follows_a_link_that_slows_down():
     assert got.bytes_per_s == pytest.approx(4e6, rel=0.05)
 
 
+def test_a_clipped_meter_moves_a_bounded_step_for_one_preempted_transfer():
+    """One transfer 50x slower than the rest (preempted on a busy host), of any of the sizes seen:
+    unclipped it multiplies the estimate (up to ~33x here, enough to turn the next hits into
+    recomputes); clipped at 2x the fit moves by under 1.8x at every size."""
+    sizes = [64 << 10, 1 << 20, 256 << 10, 512 << 10]
+    worst = {None: 0.0, 2.0: 0.0}
+    for clip in worst:
+        for slow in sizes:
+            meter = TransferMeter(TransferEstimate(0.0005, 1e9), clip=clip)
+            for i in range(20):
+                meter.observe(sizes[i % 4], 0.0001 + sizes[i % 4] / 1e9)
+            steady = {size: meter.estimate().seconds(size) for size in sizes}
+            meter.observe(slow, 50 * steady[slow])
+            worst[clip] = max(worst[clip], *(meter.estimate().seconds(size) / steady[size] for size in sizes))
+    assert worst[None] > 10
+    assert 1.0 < worst[2.0] < 1.8
+
+
+def test_a_clipped_meter_still_follows_a_link_that_slows_down():
+    meter = TransferMeter(TransferEstimate(0.0005, 1e9), alpha=0.2, clip=2.0)
+    sizes = [0, 1 << 20, 64 << 10, 512 << 10]
+    for i in range(20):
+        meter.observe(sizes[i % 4], 0.0002 + sizes[i % 4] / 1e9)
+    for i in range(80):  # 100x slower for good: followed a bounded step per sample
+        meter.observe(sizes[i % 4], 0.02 + sizes[i % 4] / 4e6)
+    got = meter.estimate()
+    assert got.latency_s == pytest.approx(0.02, rel=0.05)
+    assert got.bytes_per_s == pytest.approx(4e6, rel=0.05)
+    with pytest.raises(ValueError, match="clip"):
+        TransferMeter(TransferEstimate(0.0005, 1e9), clip=1.0)
+
+
 def test_meter_goes_back_to_the_prior_when_stale():
     clock = ManualClock()
     prior = TransferEstimate(0.0005, 1e9)
@@ -473,7 +506,8 @@ def test_the_odds_of_a_hit_discount_what_a_lookup_could_bring() -> None:
 
 
 def test_hit_odds_fall_with_misses_and_rise_again_with_hits() -> None:
-    """A mean with the prior as one answer until there are 16 answers, then each weighs 1/16."""
+    """A mean with the prior as one answer until there are 16 answers, then each miss weighs 1/16
+    and each hit 1/4: after a run of misses one hit lifts the odds to about a quarter."""
     odds = HitOdds()
     assert odds.value == 1.0  # wait for Lookups until their answers show otherwise
     odds.observe(False)
@@ -489,10 +523,22 @@ def test_hit_odds_fall_with_misses_and_rise_again_with_hits() -> None:
     assert odds.value == pytest.approx((1 - HIT_ODDS_WEIGHT) ** 16 / 16)
     low = odds.value
     odds.observe(True)
-    assert odds.value == pytest.approx(low + HIT_ODDS_WEIGHT * (1 - low))  # one hit: about 1/16
-    for weight, prior in ((0.0, 1.0), (1.5, 1.0), (0.5, -0.1), (0.5, 1.1)):
+    assert odds.value == pytest.approx(low + HIT_ODDS_HIT_WEIGHT * (1 - low))  # one hit: about 1/4
+    assert odds.value > 0.25
+    even = HitOdds(hit_weight=HIT_ODDS_WEIGHT)  # hits weighing as misses: one hit, about 1/16
+    for _ in range(31):  # as many misses as above
+        even.observe(False)
+    even.observe(True)
+    assert even.value == pytest.approx(low + HIT_ODDS_WEIGHT * (1 - low))
+    for weight, prior, hit_weight in (
+        (0.0, 1.0, None),
+        (1.5, 1.0, None),
+        (0.5, -0.1, None),
+        (0.5, 1.1, None),
+        (0.5, 1.0, 0.0),
+    ):
         with pytest.raises(ValueError, match="hit odds"):
-            HitOdds(weight, prior)
+            HitOdds(weight, prior, hit_weight)
 
 
 def test_hit_odds_lose_no_answer_to_threads_counting_at_once() -> None:
@@ -500,7 +546,7 @@ def test_hit_odds_lose_no_answer_to_threads_counting_at_once() -> None:
     many hits, five times over, with the interpreter switching threads every microsecond, end
     where the same answers one after another do (a lost update moves the value by ~1e-4 of it)."""
     weight, n = 1e-4, 32_000
-    odds, alone = HitOdds(weight), HitOdds(weight)
+    odds, alone = HitOdds(weight, hit_weight=weight), HitOdds(weight, hit_weight=weight)
 
     def count(hit: bool, start: threading.Barrier) -> None:
         start.wait()

@@ -56,7 +56,8 @@ HIT_POLICIES = ("always", "auto")
 
 PREFILL_PRIOR = TransferEstimate(latency_s=5e-3, bytes_per_s=5e3)  # "bytes" are tokens: 5 ms + 5k tokens/s
 MAX_STEP_S = 60.0  # a longer gap between two steps is not a step (the engine waited)
-HIT_ODDS_WEIGHT = 1 / 16  # each answer's weight in `HitOdds`: about the last 16 Lookups count
+HIT_ODDS_WEIGHT = 1 / 16  # each miss's weight in `HitOdds`: about the last 16 Lookups count
+HIT_ODDS_HIT_WEIGHT = 1 / 4  # a hit's: an unawaited hit costs a whole prefill, a needless wait a grace or a step
 
 
 class Verdict(enum.Enum):
@@ -158,18 +159,26 @@ def worth_waiting(tokens: int, prefill: TransferEstimate, wait_s: float, odds: f
 
 
 class HitOdds:
-    """How often a Lookup brings something: the share of recent answers that reached beyond what
-    the engine already held. The prior (1: wait for Lookups until their answers show otherwise)
-    counts as one answer and the mean runs over every answer until there are 1/`weight` of them,
-    so a fresh engine learns within a few answers; from there each answer weighs `weight` (an
-    exponentially weighted mean over about the last 1/`weight`). An engine whose Lookups keep
-    missing (a workload without reuse) thus stops delaying requests for them; the Lookups still
-    run and every answer is counted, also one nobody waited for, so a few hits restore the waits."""
+    """How often a Lookup brings something: the weighted share of recent answers that reached
+    beyond what the engine already held. The prior (1: wait for Lookups until their answers show
+    otherwise) counts as one answer and the mean runs over every answer until there are
+    1/`weight` of them, so a fresh engine learns within a few answers; from there each miss
+    weighs `weight` (an exponentially weighted mean over about the last 1/`weight`) and each hit
+    `hit_weight`. Hits weigh more because the errors cost unlike amounts: a hit the engine did
+    not wait for is a whole prefill recomputed, a wait for a miss at most a grace or a step; so
+    after a run of misses one hit makes Lookups worth waiting for at once (a regime change, e.g.
+    the second turns of conversations after their first turns, loses fewer hits). An engine whose
+    Lookups keep missing (a workload without reuse) thus stops delaying requests for them; the
+    Lookups still run and every answer is counted, also one nobody waited for."""
 
-    def __init__(self, weight: float = HIT_ODDS_WEIGHT, prior: float = 1.0) -> None:
-        if not 0 < weight <= 1 or not 0 <= prior <= 1:
-            raise ValueError(f"hit odds need 0 < weight <= 1 and 0 <= prior <= 1, got {weight}, {prior}")
-        self._weight = weight
+    def __init__(self, weight: float = HIT_ODDS_WEIGHT, prior: float = 1.0, hit_weight: float | None = None) -> None:
+        """`hit_weight` None: `HIT_ODDS_HIT_WEIGHT`, or `weight` where that is larger."""
+        hit_weight = max(weight, HIT_ODDS_HIT_WEIGHT) if hit_weight is None else hit_weight
+        if not 0 < weight <= 1 or not 0 < hit_weight <= 1 or not 0 <= prior <= 1:
+            raise ValueError(
+                f"hit odds need 0 < weight, hit_weight <= 1 and 0 <= prior <= 1, got {weight}, {hit_weight}, {prior}"
+            )
+        self._weights = (weight, hit_weight)
         self._value = prior
         self._answers = 0
         self._lock = threading.Lock()
@@ -178,7 +187,7 @@ class HitOdds:
         """One Lookup answered: it brought something (`hit`) or nothing."""
         with self._lock:
             self._answers += 1
-            self._value += max(self._weight, 1 / (self._answers + 1)) * (float(hit) - self._value)
+            self._value += max(self._weights[hit], 1 / (self._answers + 1)) * (float(hit) - self._value)
 
     @property
     def value(self) -> float:

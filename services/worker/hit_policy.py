@@ -4,7 +4,8 @@ exported as Prometheus metrics.
 
 Every term of the rule is learned online from this worker's own reads, installs and prefills,
 starting from the shared priors: the mapped and stream reads and the install as `TransferMeter`s
-(latency + size / rate), the prefill cost as a `PrefillMeter` (calibrated at start-up by timing two
+(latency + size / rate; a read counts as at most `READ_CLIP` times its estimate, so one read
+preempted on a busy host cannot turn the next hits into recomputes), the prefill cost as a `PrefillMeter` (calibrated at start-up by timing two
 real prefills, then fed each request's). The prefill cost also travels with each Lookup
 (`recompute_s_per_token`), so the service applies the same rule to blocks it would have to fetch
 from Redis first.
@@ -45,6 +46,7 @@ from prefixcache.transfer import TransferEstimate, TransferMeter
 log = logging.getLogger(__name__)
 
 STALE_S = 600.0  # without samples this long, an estimate goes back to its prior
+READ_CLIP = 2.0  # a read or install counts as at most this many times its estimate (`TransferMeter`'s clip)
 CALIBRATION_TOKENS = (64, 512)
 
 
@@ -100,10 +102,10 @@ class HitPolicy:
         self.always_take = always_take
         self._prefill = PrefillMeter(PREFILL_PRIOR, stale_s=STALE_S, clock=clock, logger=log)
         self._paths = {
-            ReadPath.MAPPED: TransferMeter(MAPPED_PRIOR, stale_s=STALE_S, clock=clock),
-            ReadPath.STREAM: TransferMeter(STREAM_PRIOR, stale_s=STALE_S, clock=clock),
+            ReadPath.MAPPED: TransferMeter(MAPPED_PRIOR, stale_s=STALE_S, clock=clock, clip=READ_CLIP),
+            ReadPath.STREAM: TransferMeter(STREAM_PRIOR, stale_s=STALE_S, clock=clock, clip=READ_CLIP),
         }
-        self._install = TransferMeter(INSTALL_PRIOR, stale_s=STALE_S, clock=clock)
+        self._install = TransferMeter(INSTALL_PRIOR, stale_s=STALE_S, clock=clock, clip=READ_CLIP)
         self.metrics = _Metrics(registry)
         self._publish()
 

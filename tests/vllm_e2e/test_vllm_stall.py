@@ -321,7 +321,7 @@ def test_lookups_that_keep_missing_are_not_waited_for_until_they_hit_again(tmp_p
             for request in went_ahead:
                 scheduler.finished(request)
 
-            step(8)  # after two hits (odds 0.13: 320 ms to gain), both waits are worth it again
+            step(8)  # after two hits (odds ~0.44: 1.1 s to gain), both waits are worth it again
             not_awaited = totals.get("lookups_not_awaited")
             waited_for(stored)
             assert totals.get("lookups_not_awaited") == not_awaited
