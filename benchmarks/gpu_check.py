@@ -19,7 +19,11 @@ well within 8 minutes (about a minute on an H100/H200):
 6. the vLLM connector's layer-by-layer loads (prefixcache/integrations/vllm/layers.py; where
    vLLM is importable): a 32-layer "forward" (a matmul per layer, reading that layer's loaded
    blocks) after a whole in-step load vs with the copies on a side stream, each layer waited
-   for; the loaded bytes must equal the source, and the times are reported.
+   for; the loaded bytes must equal the source, and the times are reported;
+7. the connector's saves off the step (paged.py `HostCopy`): with a "forward" queued on the
+   stream, `gather_later` must return before it has run (vs `gather`, which waits for it and
+   the copy), and the saved bytes must be the blocks as they were when the save was queued,
+   though a later kernel on the same stream overwrote them (a block vLLM reused).
 
 Prints a table (and JSON); exits 1 if any check fails.
 """
@@ -255,6 +259,53 @@ def check_layer_loads(rows: list) -> None:
     )
 
 
+def check_saves_off_the_step(rows: list) -> None:
+    try:
+        from prefixcache.integrations.vllm.paged import KVPacking, PagedCache, PagedLayer
+    except ImportError as error:
+        rows.append(("saves off the step", True, f"not checked: {error}"[:120]))
+        return
+    heads, tokens, dim, blocks = LAYOUT.kv_heads, LAYOUT.block_size, LAYOUT.head_dim, 256
+    tensors = [
+        random_bits(blocks + 1)[:, 0, 0].reshape(blocks + 1, heads, tokens, dim).repeat(1, 1, 1, 2).cuda()
+        for _ in range(LAYOUT.layers)
+    ]
+    cache = PagedCache([PagedLayer.of(t, KVPacking.CONTENT_SPLIT, dim) for t in tensors])
+    ids = ((*range(1, blocks + 1),),)
+    expected = cache.gather(ids)
+    weight = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+
+    def forward() -> None:  # ~tens of ms queued ahead of the save, as a step's forward is
+        x = weight
+        for _ in range(8):
+            x = x @ weight
+
+    forward()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    forward()
+    pending = cache.gather_later(ids)
+    queued_ms = 1000 * (time.perf_counter() - started)
+    for tensor in tensors:
+        tensor.zero_()  # the next forward reuses the blocks
+    got = pending.wait()
+    waited_ms = 1000 * (time.perf_counter() - started)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    forward()
+    cache.gather(ids)
+    sync_ms = 1000 * (time.perf_counter() - started)
+    ok = exact(got, expected) and bool(got.is_pinned()) and queued_ms < sync_ms / 4
+    rows.append(
+        (
+            "saves off the step",
+            ok,
+            f"{blocks} blocks of {LAYOUT.block_bytes >> 20} MiB behind a queued forward: gather_later returns "
+            f"in {queued_ms:.2f} ms (copy done {waited_ms:.1f} ms), gather {sync_ms:.1f} ms; exact after overwrite",
+        )
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json-out", default=None)
@@ -265,7 +316,7 @@ def main() -> int:
     started = time.monotonic()
     torch.manual_seed(0)
     rows: list[tuple[str, bool, str]] = []
-    for check in (check_device_tier, check_host_to_gpu, check_ipc, check_layer_loads):
+    for check in (check_device_tier, check_host_to_gpu, check_ipc, check_layer_loads, check_saves_off_the_step):
         try:
             check(rows)
         except (RuntimeError, OSError, AssertionError) as error:  # report and go on to the next check

@@ -185,6 +185,22 @@ def test_a_loaded_block_is_what_the_backend_reads_and_gathers_back_bit_exact(pac
     assert torch.equal(cache.gather(((2, 5),)), blocks.flip(0))
 
 
+def test_a_save_copies_its_blocks_out_before_vllm_can_reuse_them() -> None:
+    """What `gather_later` hands the save thread is a copy of the blocks as they were when the
+    step queued the save, never a view of vLLM's tensors: a block vLLM frees and reuses after
+    that step does not change it (on CUDA the copy is ordered on vLLM's stream; here it is
+    made at once)."""
+    layout = KVLayout(layers=LAYERS, kv_heads=H, head_dim=D, block_size=N, dtype="bfloat16")
+    tensors = _paged(KVPacking.TOKEN_STACKED, False)
+    cache = PagedCache([PagedLayer.of(t, KVPacking.TOKEN_STACKED, D) for t in tensors])
+    blocks = torch.randn(2, *layout.block_shape).to(torch.bfloat16)
+    cache.load(blocks, ((5, 2),))
+    copy = cache.gather_later(((5, 2),))
+    for tensor in tensors:
+        tensor.fill_(7)  # the next steps reuse both blocks
+    assert torch.equal(copy.wait(), blocks)
+
+
 def test_hybrid_groups_load_only_the_blocks_vllm_allocated_and_gather_per_group() -> None:
     # Layer 0 in a sliding-window group (vLLM's null block 0 before the window), layer 1 full.
     layout = KVLayout(layers=2, kv_heads=H, head_dim=D, block_size=N, dtype="bfloat16")

@@ -30,6 +30,12 @@ vLLM puts its null block (id 0) where a group needs no KV, e.g. a sliding-window
 the window of the hit point; a load skips those positions, so sliding layers move only their
 window, and a gather never meets one (the scheduler saves blocks while vLLM still holds them).
 
+Copies out (`gather_later`, `StatePages.gather_later`) return a `HostCopy`: on CUDA the
+blocks are gathered on vLLM's stream (ordered after the forward that wrote them and before any
+later forward that could reuse them) and copied to pinned host memory on a side stream, so the
+step only queues them; the caller waits for the copy off the step. On CPU the copy is made at
+once (a thread of its own would take the same cores).
+
 Invariants: nothing here allocates a second paged cache (views alias vLLM's tensors); bytes
 are copied, never converted (a dtype that differs only in name, e.g. fp8 stored as uint8, is
 reinterpreted with `view`).
@@ -38,6 +44,7 @@ reinterpreted with `view`).
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -108,6 +115,40 @@ class PagedLayer:
         keys = tensor.as_strided(shape, strides, tensor.storage_offset())
         values = tensor.as_strided(shape, strides, tensor.storage_offset() + half)
         return cls(keys, values, group)
+
+
+@functools.cache
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream that copies saved blocks to host memory, one per CUDA device."""
+    return torch.cuda.Stream(device)
+
+
+class HostCopy:
+    """A tensor on its way to host memory. On CUDA the copy runs on a side stream behind what
+    vLLM's stream has queued so far, into pinned memory, so the step that asked for it does not
+    wait for it; `wait` (off the step) returns the tensor once complete. Elsewhere the tensor is
+    on the host already and `wait` returns it at once."""
+
+    def __init__(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """`dtype`: the bytes viewed as this element type (fp8 held by vLLM as uint8)."""
+        self._done: torch.cuda.Event | None = None
+        if tensor.device.type != "cuda":
+            host = tensor.cpu()
+        else:
+            stream = _copy_stream(tensor.device)
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            with torch.cuda.stream(stream):
+                host.copy_(tensor, non_blocking=True)
+                tensor.record_stream(stream)  # its memory is not reused before the copy is done
+                self._done = torch.cuda.Event()
+                self._done.record(stream)
+        self._host = host if dtype is None else host.view(dtype)
+
+    def wait(self) -> torch.Tensor:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host
 
 
 @dataclass(frozen=True)
@@ -191,6 +232,10 @@ class PagedCache:
     def gather(self, block_ids: GroupBlockIds) -> torch.Tensor:
         """Canonical blocks `[n, layers, 2, H, N, D]` (on CPU, in `self.dtype`): layer l of block i is
         read from block_ids[group of l][i]. Every id must be a real block (ValueError on a null)."""
+        return self.gather_later(block_ids).wait()
+
+    def gather_later(self, block_ids: GroupBlockIds) -> HostCopy:
+        """`gather`, with the copy to host memory left running on CUDA (`HostCopy`)."""
         indexes: dict[int, torch.Tensor] = {}
         for group in self._groups:  # a state group's ids are not KV (StatePages)
             if NULL_BLOCK in block_ids[group]:
@@ -204,7 +249,7 @@ class PagedCache:
             index = indexes[layer.group]
             torch.index_select(layer.keys, 0, index, out=out[:, number, 0])
             torch.index_select(layer.values, 0, index, out=out[:, number, 1])
-        return out.cpu().view(self.dtype)  # uint8-held fp8 -> the namespace's float8 type, same bytes
+        return HostCopy(out, self.dtype)  # uint8-held fp8 -> the namespace's float8 type, same bytes
 
 
 class StatePages:
@@ -256,10 +301,14 @@ class StatePages:
 
     def gather(self, block_ids: Mapping[int, int]) -> torch.Tensor:
         """`[1, layers, page_bytes]` uint8 (on CPU): state layer l's page at block_ids[its group]."""
+        return self.gather_later(block_ids).wait()
+
+    def gather_later(self, block_ids: Mapping[int, int]) -> HostCopy:
+        """`gather`, with the copy to host memory left running on CUDA (`HostCopy`)."""
         out = torch.empty((1, len(self.pages), self.pages[0].shape[1]), dtype=torch.uint8, device=self.pages[0].device)
         for number, (page, group) in enumerate(zip(self.pages, self.groups, strict=True)):
             out[0, number] = page[block_ids[group]]
-        return out.cpu()
+        return HostCopy(out)
 
     def load(self, block: torch.Tensor, block_ids: Mapping[int, int]) -> None:
         """State layer l's page at block_ids[its group] <- block `[1, layers, ...]` (its bytes, any dtype)."""

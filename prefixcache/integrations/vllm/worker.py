@@ -8,8 +8,9 @@ them to a loader thread and returns; vLLM keeps the loading requests parked
 others meanwhile, and `finished_loads` reports each request once its copy is done or failed
 (vLLM then recomputes it). Saves copy the
 blocks out of vLLM's cache in `wait_for_save` (after the forward wrote them, before the
-scheduler can free them) and hand the copy to one background thread that stores it, so a slow
-service never stalls a step.
+scheduler can free them; on CUDA the step only queues that copy, paged.py `HostCopy`) and hand
+the copy to one background thread that waits for it and stores it, so neither the copy to host
+memory nor a slow service stalls a step.
 
 Tensor parallelism: each rank stores and loads its own shard of every block under its own
 namespace (`tp=<rank>/<size>`). The scheduler's Lookup and lease are rank 0's; every other rank
@@ -53,7 +54,7 @@ from . import states
 from .layers import LayerLoads
 from .link import LOGGER
 from .metadata import LoadOp, PrefixCacheMetadata, SaveOp, StateSaveOp
-from .paged import PagedCache, StatePages
+from .paged import HostCopy, PagedCache, StatePages
 from .stats import StatsBox
 
 log = logging.getLogger(LOGGER)
@@ -76,7 +77,8 @@ class WorkerSide:
         self._load_failed: set[str] = set()
         self._invalid_blocks: set[int] = set()  # in-step loads that failed, for vLLM to recompute
         self._loaded_lock = threading.Lock()
-        self._queue: queue.Queue[tuple[SaveOp | StateSaveOp, torch.Tensor] | None] = queue.Queue()
+        # (save, its copy out of vLLM's cache, its blocks in the queue's bound)
+        self._queue: queue.Queue[tuple[SaveOp | StateSaveOp, HostCopy, int] | None] = queue.Queue()
         self._queued_blocks = 0
         self._queued_lock = threading.Lock()
         self._loader = threading.Thread(target=self._load_loop, name="prefixcache-load", daemon=True)
@@ -253,20 +255,17 @@ class WorkerSide:
                     continue
                 self._queued_blocks += op.blocks
             started = time.perf_counter()
-            kv = self.paged.gather(op.block_ids)
+            copy = self.paged.gather_later(op.block_ids)
             self.stats.add(save_seconds=time.perf_counter() - started)
-            self._queue.put((op, kv))
+            self._queue.put((op, copy, op.blocks))
         if self.states is not None and self.state_link is not None:
-            layout = self.state_link.layout
-            shape = (1, layout.layers, 2, layout.kv_heads, layout.block_size, layout.head_dim)
             for state_op in meta.state_saves:
                 with self._queued_lock:
                     if self._queued_blocks + 1 > SAVE_QUEUE_BLOCKS:
                         self.stats.add(saves_dropped=1)
                         continue
                     self._queued_blocks += 1
-                pages = self.states.gather(dict(state_op.block_ids))
-                self._queue.put((state_op, pages.view(layout.dtype.torch).reshape(shape)))
+                self._queue.put((state_op, self.states.gather_later(dict(state_op.block_ids)), 1))
 
     def _save_loop(self) -> None:
         # vLLM runs the model (and so the first attach, which maps shared memory) under inference
@@ -276,16 +275,17 @@ class WorkerSide:
 
     def _save_items(self) -> None:
         while (item := self._queue.get()) is not None:
-            op, kv = item
+            op, copy, blocks = item
             try:
                 with self.stats.background():
+                    kv = copy.wait()  # CUDA: the copy out, queued in the step, completes here
                     if isinstance(op, StateSaveOp):
                         self._store_state(op, kv)
                     else:
                         self._store(op, kv)
             finally:
                 with self._queued_lock:
-                    self._queued_blocks -= len(kv)
+                    self._queued_blocks -= blocks
                 self._queue.task_done()
         self._queue.task_done()
 
@@ -317,8 +317,13 @@ class WorkerSide:
             save_seconds=time.perf_counter() - started,
         )
 
-    def _store_state(self, op: StateSaveOp, kv: torch.Tensor) -> None:
+    def _store_state(self, op: StateSaveOp, pages: torch.Tensor) -> None:
+        """Store one state block: the pages `[1, layers, page_bytes]` as the state namespace's block."""
         assert self.state_link is not None
+        layout = self.state_link.layout
+        kv = pages.view(layout.dtype.torch).reshape(
+            1, layout.layers, 2, layout.kv_heads, layout.block_size, layout.head_dim
+        )
         tokens = states.state_tokens(op.tokens, self.link.layout.block_size)
         try:
             answer = self.state_link.call(lambda client, _: client.store(tokens, kv, cache_salt=op.cache_salt))
