@@ -265,14 +265,12 @@ def check_saves_off_the_step(rows: list) -> None:
     except ImportError as error:
         rows.append(("saves off the step", True, f"not checked: {error}"[:120]))
         return
-    heads, tokens, dim, blocks = LAYOUT.kv_heads, LAYOUT.block_size, LAYOUT.head_dim, 256
-    tensors = [
-        random_bits(blocks + 1)[:, 0, 0].reshape(blocks + 1, heads, tokens, dim).repeat(1, 1, 1, 2).cuda()
-        for _ in range(LAYOUT.layers)
-    ]
+    dim, blocks = LAYOUT.head_dim, 256
+    source = random_bits(blocks + 1)  # canonical blocks; vLLM's layer l holds [keys | values] per token
+    tensors = [torch.cat((source[:, i, 0], source[:, i, 1]), dim=-1).cuda() for i in range(LAYOUT.layers)]
     cache = PagedCache([PagedLayer.of(t, KVPacking.CONTENT_SPLIT, dim) for t in tensors])
     ids = ((*range(1, blocks + 1),),)
-    expected = cache.gather(ids)
+    expected = source[1:]
     weight = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
 
     def forward() -> None:  # ~tens of ms queued ahead of the save, as a step's forward is
