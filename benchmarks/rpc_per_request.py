@@ -5,14 +5,18 @@
 Starts `prefixcache serve` as its own process, attaches like a worker (same host: the host tier
 mapped), stores a shared prefix, then replays the worker's per-request sequence N times:
 Lookup (with a lease) -> read the hit through shared memory -> store the new suffix blocks ->
-Release. Two ways to store, in alternating quarters of the run (A B A B, so load drifts hit
-both alike):
+Release. Three ways, in alternating sixths of the run (A B C A B C, so load drifts hit all
+alike):
 - two calls: Reserve + write the mapped slots + Commit, each timed (the client before issue 31);
 - one call: `CacheClient.store`, whose Commit also reserves the next store's slots
-  (`reserve_next`): a store that finds that spare writes and commits, one RPC.
+  (`reserve_next`): a store that finds that spare writes and commits, one RPC;
+- returned: as one call, but the lease goes back with the next request's Lookup
+  (`lookup(release=...)`, what the vLLM connector does with leases vLLM did not need) instead
+  of a Release: two RPCs per request.
 It prints the wall time of each stage, mean and p50, and the service's CPU per request in each
 mode (from /proc). Only Lookup and the read sit before the first token: the store and the
-Release run after the response has streamed. Layout: Llama-3-8B-shaped.
+Release run after the response has streamed. Layout: Llama-3-8B-shaped (`--small`: the vLLM
+fleet benchmark's 4-layer model, 64 KiB blocks of 32 tokens, where the RPCs are the cost).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from prefixcache.config import KVLayout  # noqa: E402
 from prefixcache.rpc import cache_pb2 as pb  # noqa: E402
 
 LAYOUT = KVLayout(layers=32, kv_heads=8, head_dim=128, block_size=16, dtype="float16")
+SMALL = KVLayout(layers=4, kv_heads=2, head_dim=64, block_size=32, dtype="bfloat16")  # vllm_fleet_bench's model
 
 
 def main() -> None:
@@ -44,34 +49,42 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--prompt-tokens", type=int, default=2048, help="shared, cached prefix")
     parser.add_argument("--suffix", type=int, default=256, help="new tokens per request (stored after it)")
+    parser.add_argument("--small", action="store_true", help="vllm_fleet_bench's 4-layer model (64 KiB blocks)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
-    size = LAYOUT.block_size
+    layout = SMALL if args.small else LAYOUT
+    size = layout.block_size
     suffix_blocks = args.suffix // size
     process, address = start_service("--host-capacity", "4GiB", "--block-size", str(size))
     try:
         client = CacheClient(address, timeout_s=30)
-        client.attach("bench-model", LAYOUT, same_host=True)
+        client.attach("bench-model", layout, same_host=True)
         prefix = list(range(args.prompt_tokens))
-        client.store(prefix, torch.zeros((args.prompt_tokens // size, *LAYOUT.block_shape), dtype=torch.float16))
-        kv = torch.ones((suffix_blocks, *LAYOUT.block_shape), dtype=torch.float16)
+        dtype = layout.dtype.torch
+        client.store(prefix, torch.zeros((args.prompt_tokens // size, *layout.block_shape), dtype=dtype))
+        kv = torch.ones((suffix_blocks, *layout.block_shape), dtype=dtype)
         ns_id = client.attachment.namespace_id
         modes: dict[str, dict[str, list[float]]] = {
             "two_calls": {name: [] for name in ("lookup", "read", "reserve", "write", "commit", "release")},
             "one_call": {name: [] for name in ("lookup", "read", "store", "release")},
+            "returned": {name: [] for name in ("lookup", "read", "store")},
         }
         cpu = {mode: 0.0 for mode in modes}
-        quarter = max(1, args.requests // 4)
+        sixth = max(1, args.requests // (2 * len(modes)))
+        returning: list = []  # the "returned" mode's lease, waiting for that mode's next Lookup
         for request in range(args.requests):
-            mode = "two_calls" if (request // quarter) % 2 == 0 else "one_call"
+            mode = list(modes)[(request // sixth) % len(modes)]
+            if mode != "returned" and returning:
+                client.release(returning.pop())  # leaving the mode: not timed
             tokens = prefix + [100_000 + request * args.suffix + i for i in range(args.suffix)]
             cpu_before = _cpu_s(process.pid)
             t0 = time.perf_counter()
-            hit = client.lookup(tokens, take_lease=True)
+            hit = client.lookup(tokens, take_lease=True, release=returning if mode == "returned" else ())
+            returning = []
             t1 = time.perf_counter()
             client.read(hit)
             t2 = time.perf_counter()
-            if mode == "one_call":
+            if mode != "two_calls":
                 client.store(tokens, kv, start_block=hit.blocks)
                 marks = [t0, t1, t2, time.perf_counter()]
             else:  # CacheClient._store_shared before it kept a spare reservation, step by step
@@ -88,11 +101,16 @@ def main() -> None:
                     )
                 )
                 marks = [t0, t1, t2, t3, t4, time.perf_counter()]
-            client.release(hit)
-            marks.append(time.perf_counter())
+            if mode == "returned":
+                returning = [hit]  # goes back with this mode's next Lookup
+            else:
+                client.release(hit)
+                marks.append(time.perf_counter())
             cpu[mode] += _cpu_s(process.pid) - cpu_before
             for name, start, end in zip(modes[mode], marks, marks[1:]):
                 modes[mode][name].append((end - start) * 1e3)
+        if returning:
+            client.release(returning.pop())
         report: dict = {
             mode: {name: {"mean_ms": statistics.fmean(v), "p50_ms": statistics.median(v)} for name, v in stages.items()}
             for mode, stages in modes.items()

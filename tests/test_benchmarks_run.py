@@ -206,11 +206,12 @@ def test_redis_frame_bench(tmp_path: Path, keyed: bool) -> None:
 
 
 def test_rpc_per_request(tmp_path: Path) -> None:
-    report = run_json("rpc_per_request.py", tmp_path, "--requests", "4", "--prompt-tokens", "64", "--suffix", "32")
+    report = run_json("rpc_per_request.py", tmp_path, "--requests", "6", "--prompt-tokens", "64", "--suffix", "32")
     assert report.pop("shared_memory") is True
-    assert list(report.pop("service_cpu_ms_per_request")) == ["two_calls", "one_call"]
+    assert list(report.pop("service_cpu_ms_per_request")) == ["two_calls", "one_call", "returned"]
     assert list(report["two_calls"]) == ["lookup", "read", "reserve", "write", "commit", "release"]
     assert list(report["one_call"]) == ["lookup", "read", "store", "release"]
+    assert list(report["returned"]) == ["lookup", "read", "store"]  # the lease went back with a Lookup
     for stages in report.values():
         for stage in stages.values():
             assert_positive(stage, "mean_ms", "p50_ms")

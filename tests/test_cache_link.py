@@ -21,11 +21,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from prefixcache.client.link import CacheLink, service_level
+from prefixcache.client.link import CacheLink, LeaseReturns, service_level
 from prefixcache.config import Namespace
 from prefixcache.errors import InvalidArgument, PrefixCacheError, UnknownNamespace
 from prefixcache_services.cache_server.server import CacheServer
 from tests.support.core import ManualClock
+from tests.support.poll import poll
 from tests.support.service import layout_of, prompt, random_kv, running_servers
 
 pytestmark = pytest.mark.process
@@ -148,6 +149,53 @@ def test_releasing_never_raises(servers, caplog) -> None:
     server.shutdown(0)
     link.release(leased[0])  # the service is gone: the lease dies with it, nothing raised
     assert link.up is False
+
+
+def test_returned_leases_ride_on_the_next_lookup_or_go_by_themselves(servers, caplog) -> None:
+    """A lease handed to `LeaseReturns` goes back with the next Lookup through the same client
+    (no Release of its own), or, with no Lookup within the hold, by a Release from its thread;
+    `close` releases what is left; a failed Lookup's carried leases are released by the caller."""
+    server = servers(lease_ttl_s=30)
+    link = _link(server, ManualClock(), caplog)
+    tokens = prompt(2)[: 2 * LAYOUT.block_size]
+    _stored(link, tokens)
+
+    def leased() -> int:
+        answer = link.call(lambda client, _: client.stats())
+        assert answer is not None
+        return answer[0].snapshot.active_leases
+
+    def lookup(release: list) -> tuple:
+        answer = link.call(lambda client, _: (client.lookup(tokens + [1], release=release), client))
+        assert answer is not None
+        return answer[0]
+
+    returns = LeaseReturns(link, hold_s=60.0)
+    try:
+        first, client = lookup([])
+        returns.add(first, client)
+        assert leased() == 1 and returns.take(object()) == []  # another client's Lookup carries nothing
+        carried = returns.take(client)
+        assert carried == [first] and returns.take(client) == []
+        second, _ = lookup(carried)
+        assert leased() == 1  # only the new lease: the first went back with the Lookup
+        returns.add(second, client)
+    finally:
+        returns.close()
+    assert leased() == 0  # closing released what was waiting
+    quick = LeaseReturns(link, hold_s=0.2)
+    try:
+        third, client = lookup([])
+        quick.add(third, client)
+        assert leased() == 1
+        assert poll(lambda: leased() == 0, 5)  # no Lookup came: released by itself after the hold
+        fourth, client = lookup([])
+        quick.add(fourth, client)
+        carried = quick.take(client)
+        server.shutdown(0)
+        quick.release(carried, client)  # what a failed Lookup's caller does: never raises
+    finally:
+        quick.close()
 
 
 def test_a_dropped_client_still_serves_the_call_in_flight(servers, caplog) -> None:

@@ -309,6 +309,34 @@ def test_lease_blocks_eviction_until_released(start):
     assert client.lookup(first, take_lease=False).hit_tokens == 4 * BLOCK  # leaf-first: the tail went
 
 
+def test_a_lookup_releases_the_leases_it_carries_and_skips_those_already_gone(start):
+    layout = layout_of()
+    server = start(host_capacity=8 * layout.block_bytes)  # exactly 8 slots
+    client = start.client(server)
+    client.attach("model", layout)
+    first, second = prompt(8, start=0), prompt(4, start=50_000)
+    assert client.store(first, random_kv(8, layout, seed=3)).stored == 8
+    held, gone = client.lookup(first), client.lookup(first)
+    assert client.release(gone)
+    assert client.stats().snapshot.active_leases == 1
+    assert client.store(second, random_kv(4, layout, seed=4)).stored == 0  # every slot is leased
+    stub = stub_for(server)
+    ns_id = client.attachment.namespace_id
+    reply = stub.Lookup(
+        pb.LookupRequest(namespace_id=ns_id, tokens=second, release_lease_ids=[held.lease_id, gone.lease_id, 12345])
+    )
+    assert (reply.leases_released, reply.lease_id) == (1, 0)  # released first; the other two were unknown
+    assert client.stats().snapshot.active_leases == 0
+    assert client.release(held) is False  # already released
+    assert client.store(second, random_kv(4, layout, seed=4)).stored == 4
+    again = client.lookup(second)
+    assert client.lookup(first, take_lease=False, release=[again]).hit_tokens == 4 * BLOCK  # the client's way
+    assert client.stats().snapshot.active_leases == 0
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Lookup(pb.LookupRequest(namespace_id=ns_id, tokens=second, release_lease_ids=[0]))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "release_lease_ids" in error.value.details()
+
+
 def test_lease_expires_and_frees_its_blocks(start):
     layout = layout_of()
     server = start(host_capacity=8 * layout.block_bytes, lease_ttl_s=0.3, expire_interval_s=0.05)

@@ -299,18 +299,22 @@ class CacheClient:
         timeout_s: float | None = None,
         recompute_s_per_token: float | None = None,
         namespace_id: str | None = None,
+        release: Sequence[Hit] = (),
     ) -> Hit:
         """Longest cached prefix of `tokens`; with a lease its blocks stay put until `release`.
 
         `recompute_s_per_token` (1 / this worker's prefill rate) lets the service skip Redis
         blocks that would arrive slower than recomputing them (`Hit.remote_blocks_declined`).
         `namespace_id` (default: the attached one) lets an operator tool look up, e.g. to warm,
-        any namespace its token may act on.
+        any namespace its token may act on. `release`: earlier hits whose leases the service
+        releases first, as `release` would, without a call of their own (a lease already gone is
+        skipped). If the Lookup fails they may not have been: release them as usual.
         """
         request = pb.LookupRequest(
             namespace_id=namespace_id or self.attachment.namespace_id,
             tokens=_token_list(tokens),
             take_lease=take_lease,
+            release_lease_ids=[hit.lease_id for hit in release if hit.lease_id],
         )
         if cache_salt is not None:
             request.cache_salt = cache_salt

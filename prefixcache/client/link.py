@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 # Re-attach backoff while the service is down: 1-2 s (a longer cap kept workers off a recovered
 # service past the chaos soak's recovery window).
 RETRY = Backoff(2.0, 2.0)
+RELEASE_HOLD_S = 0.5  # a lease to hand back waits this long for a Lookup to carry it (`LeaseReturns`)
 T = TypeVar("T")
 
 
@@ -218,3 +219,66 @@ class CacheLink:
             if self._client is not None:
                 self._client.close()
             self._client, self._attachment = None, None
+
+
+class LeaseReturns:
+    """Leases an engine no longer needs, handed back with its next Lookup (`take`, then
+    `CacheClient.lookup(release=...)`: one call fewer per lease) or, when no Lookup comes within
+    `hold_s`, released on a thread of its own, so an idle engine pins nothing for long. Each lease
+    goes back to the client it came from (a re-attached link's old leases are released on the old
+    client, which fails harmlessly where the service forgot them). Thread-safe."""
+
+    def __init__(self, link: CacheLink, hold_s: float | None = None, name: str = "prefixcache-returns") -> None:
+        """`hold_s`: default `RELEASE_HOLD_S`."""
+        self._link = link
+        self._hold_s = RELEASE_HOLD_S if hold_s is None else hold_s
+        self._waiting: list[tuple[float, CacheClient, Hit]] = []  # (due, client, hit), oldest first
+        self._changed = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def add(self, hit: Hit, client: CacheClient) -> None:
+        """Hand `hit`'s lease back to `client`'s service with the next Lookup, or by itself."""
+        if not hit.lease_id:
+            return
+        with self._changed:
+            if not self._closed:
+                self._waiting.append((time.monotonic() + self._hold_s, client, hit))
+                self._changed.notify()
+                return
+        self._link.release(hit, client)  # closed: no thread left to do it
+
+    def take(self, client: CacheClient) -> list[Hit]:
+        """The leases waiting to go back through `client`: the caller's Lookup carries them and, if
+        that Lookup fails, the caller releases them (`release`)."""
+        with self._changed:
+            taken = [hit for _, owner, hit in self._waiting if owner is client]
+            if taken:
+                self._waiting = [entry for entry in self._waiting if entry[1] is not client]
+            return taken
+
+    def release(self, hits: list[Hit], client: CacheClient) -> None:
+        """Release now, each by itself (never raises)."""
+        for hit in hits:
+            self._link.release(hit, client)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._closed and (not self._waiting or self._waiting[0][0] > time.monotonic()):
+                    self._changed.wait(self._waiting[0][0] - time.monotonic() if self._waiting else None)
+                closed, now = self._closed, time.monotonic()
+                due = [entry for entry in self._waiting if closed or entry[0] <= now]
+                self._waiting = self._waiting[len(due) :]  # due first: the list is in order of due time
+            for _, client, hit in due:
+                self._link.release(hit, client)
+            if closed:
+                return
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Release every waiting lease now and stop the thread."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify()
+        self._thread.join(timeout_s)

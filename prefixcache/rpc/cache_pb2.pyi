@@ -136,23 +136,25 @@ class AttachResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., host_segment: _Optional[_Union[SharedMemorySegment, _Mapping]] = ..., device_pool: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., lease_ttl_seconds: _Optional[float] = ..., max_prompt_tokens: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "tokens", "cache_salt", "take_lease", "recompute_seconds_per_token", "block_size")
+    __slots__ = ("namespace_id", "tokens", "cache_salt", "take_lease", "recompute_seconds_per_token", "block_size", "release_lease_ids")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TAKE_LEASE_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     take_lease: bool
     recompute_seconds_per_token: float
     block_size: int
-    def __init__(self, namespace_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., take_lease: _Optional[bool] = ..., recompute_seconds_per_token: _Optional[float] = ..., block_size: _Optional[int] = ...) -> None: ...
+    release_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., take_lease: _Optional[bool] = ..., recompute_seconds_per_token: _Optional[float] = ..., block_size: _Optional[int] = ..., release_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("namespace_id", "prompt_tokens", "hit_tokens", "tiers", "slots", "miss_reason", "lease_id", "lease_ttl_seconds", "remote_blocks_declined")
+    __slots__ = ("namespace_id", "prompt_tokens", "hit_tokens", "tiers", "slots", "miss_reason", "lease_id", "lease_ttl_seconds", "remote_blocks_declined", "leases_released")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +164,7 @@ class LookupResponse(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_BLOCKS_DECLINED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_RELEASED_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     prompt_tokens: int
     hit_tokens: int
@@ -171,7 +174,8 @@ class LookupResponse(_message.Message):
     lease_id: int
     lease_ttl_seconds: float
     remote_blocks_declined: int
-    def __init__(self, namespace_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., slots: _Optional[_Iterable[int]] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., lease_id: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., remote_blocks_declined: _Optional[int] = ...) -> None: ...
+    leases_released: int
+    def __init__(self, namespace_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., slots: _Optional[_Iterable[int]] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., lease_id: _Optional[int] = ..., lease_ttl_seconds: _Optional[float] = ..., remote_blocks_declined: _Optional[int] = ..., leases_released: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("lease_id", "max_chunk_bytes")

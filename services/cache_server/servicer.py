@@ -18,7 +18,7 @@ import torch
 from google.protobuf.message import Message
 
 from prefixcache import wire
-from prefixcache.errors import InvalidArgument, PrefixCacheError, ResourceExhausted
+from prefixcache.errors import InvalidArgument, PrefixCacheError, ResourceExhausted, UnknownLease
 from prefixcache.kinds import TierKind
 from prefixcache.leases import Lease
 from prefixcache.rpc import cache_pb2 as pb
@@ -208,6 +208,7 @@ class PrefixCacheServicer:
         principal = self._begin(request, context)
         ns_id = convert.namespace_id(request.namespace_id)
         salt = convert.salt(request)
+        released = self._release_all(principal, request.release_lease_ids)
         result = self._backend.lookup(
             principal,
             ns_id,
@@ -217,7 +218,22 @@ class PrefixCacheServicer:
             convert.recompute_cost(request),
             request.block_size,
         )
-        return convert.lookup_response(result, self._backend.remaining_s(result.lease_expires_at))
+        response = convert.lookup_response(result, self._backend.remaining_s(result.lease_expires_at))
+        response.leases_released = released
+        return response
+
+    def _release_all(self, principal: Principal, lease_ids: Iterable[int]) -> int:
+        """Release each lease (a Lookup's `release_lease_ids`); one already gone (expired, released,
+        or another tenant's) is skipped. Returns how many were released."""
+        ids = [convert.positive_id(lease_id, "release_lease_ids") for lease_id in lease_ids]
+        released = 0
+        for lease_id in ids:
+            try:
+                self._backend.release(principal, lease_id)
+            except UnknownLease:
+                continue
+            released += 1
+        return released
 
     def Fetch(self, request: pb.FetchRequest, context) -> Iterator[bytes]:
         with self._streams.watching(context) as watched:

@@ -349,3 +349,52 @@ def _prefill_step(request, block_ids: tuple[list[int], ...], computed: int):
         finished_req_ids=set(),
         free_encoder_mm_hashes=[],
     )
+
+
+def test_leases_vllm_did_not_need_go_back_with_the_next_lookup(tmp_path: Path, monkeypatch) -> None:
+    """A request whose hit vLLM holds itself (sticky routing: its earlier turns ran here) needs
+    no lease: the scheduler hands it back with the next request's Lookup, not by a Release of its
+    own (one RPC fewer per request); closing hands back what is left."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from prefixcache.client import link as client_link
+    from prefixcache.client.api import CacheClient
+    from prefixcache.config import KVLayout, Namespace
+    from prefixcache.integrations.vllm.config import ConnectorSettings
+    from prefixcache.integrations.vllm.link import ConnectorLink
+    from prefixcache.integrations.vllm.scheduler import SchedulerSide
+    from prefixcache.integrations.vllm.stats import StatsBox
+
+    monkeypatch.setattr(client_link, "RELEASE_HOLD_S", 60.0)  # no Release of its own during the test
+    block, cached = 32, 8
+    layout = KVLayout(layers=2, kv_heads=2, head_dim=64, block_size=block, dtype="bfloat16")
+    namespace = Namespace("returns", "r1", layout)
+    stored = _tokens(random.Random(17), cached * block + 5)
+    service = CacheService(tmp_path / "service", extra_args=["--block-size", str(block)]).start()
+    observer = CacheClient(service.address)
+    try:
+        observer.attach(namespace.model, layout, namespace.revision)
+        kv = torch.zeros((cached, *layout.block_shape), dtype=torch.bfloat16)
+        assert observer.store(stored[: cached * block], kv).stored == cached
+
+        def leases() -> int:
+            return observer.stats().snapshot.active_leases
+
+        settings = ConnectorSettings.parse({"cache": service.address, "lookup_timeout_s": 10.0})
+        scheduler = SchedulerSide(ConnectorLink(settings, namespace, "scheduler"), StatsBox(), block)
+        try:
+            for number in range(3):
+                request = Request(f"held-{number}", stored, SamplingParams(max_tokens=1), None)
+                scheduler.started(request)
+                assert poll(lambda: leases() == 1, 5)  # this one's lease; the one before went back with it
+                assert scheduler.match(request, cached * block) == (0, False)  # vLLM holds the whole hit
+                scheduler.finished(request)
+            assert leases() == 1  # waiting for the next Lookup
+        finally:
+            scheduler.close()
+        assert leases() == 0
+    finally:
+        observer.close()
+        service.stop()

@@ -23,8 +23,10 @@ Invariants:
 - External tokens are a whole number of vLLM blocks, never reach the prompt's last token
   (vLLM must compute >= 1 token) and never exceed the leased hit.
 - A lease is either handed to the worker in a `LoadOp` (the worker releases it) or released
-  here, by a lookup thread (no RPC on vLLM's thread); re-asking about a request first releases the previous lease (the call is side-effect
-  free as vLLM requires).
+  here, never by an RPC on vLLM's thread: a lease of the KV namespace goes back with the next
+  Lookup (`LeaseReturns`; by a Release of its own when none comes within half a second), a
+  state lease by a Release on a lookup thread; re-asking about a request first releases the
+  previous lease (the call is side-effect free as vLLM requires).
 - Saves start at the block the cache already holds for this prompt (the hit's end) and follow
   each other in prompt order, so the service's "commit after a cached prefix" rule holds; the
   service verifies tokens itself.
@@ -52,7 +54,7 @@ import numpy as np
 
 from ...client.api import Attachment, CacheClient, Hit
 from ...client.hit_policy import MAPPED_LOAD, UNTIMED_LOADS, HitOdds, PrefillMeter, choose, worth_waiting
-from ...client.link import CacheLink
+from ...client.link import CacheLink, LeaseReturns
 from ...errors import InvalidArgument, PrefixCacheError
 from ...kinds import TierKind
 from ...retention import StoreHints, store_hints
@@ -130,6 +132,7 @@ class SchedulerSide:
         self.settings = link.settings
         self._requests: dict[str, _Request] = {}
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="prefixcache-lookup")
+        self._returns = LeaseReturns(link)  # leases not needed, handed back with the next Lookup
         self._step_tokens = 0  # vLLM's last step computed this many tokens (> 0: a wait would stall it)
         self._last_build = time.perf_counter()  # build_connector_meta's last call: one per step
         self._last_step_s = 0.0  # from the call before it to that one
@@ -175,15 +178,7 @@ class SchedulerSide:
         recompute = None if self.settings.hit_policy == "always" else self.prefill.s_per_token
         self.stats.add(lookups=1)
         try:
-            answer = self.link.call(
-                lambda client, _: client.lookup(
-                    prompt,
-                    cache_salt=salt,
-                    take_lease=True,
-                    timeout_s=self.settings.lookup_timeout_s,
-                    recompute_s_per_token=recompute,
-                )
-            )
+            answer = self.link.call(lambda client, _: self._lookup_returning(client, prompt, salt, recompute))
         except PrefixCacheError:
             return None  # the link dropped a client that failed as a service
         if answer is None:
@@ -201,6 +196,24 @@ class SchedulerSide:
             self.stats.add(state_misses=1)
             return Answer(hit, attachment)
         return Answer(hit, attachment, blocks, state)
+
+    def _lookup_returning(
+        self, client: CacheClient, prompt: list[int], salt: str | None, recompute: float | None
+    ) -> Hit:
+        """The Lookup, carrying the leases waiting to go back to its service (`LeaseReturns`)."""
+        returns = self._returns.take(client)
+        try:
+            return client.lookup(
+                prompt,
+                cache_salt=salt,
+                take_lease=True,
+                timeout_s=self.settings.lookup_timeout_s,
+                recompute_s_per_token=recompute,
+                release=returns,
+            )
+        except PrefixCacheError:
+            self._returns.release(returns, client)  # the failed Lookup may not have carried them
+            raise
 
     def match(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._requests.get(request.request_id) or self.started(request)
@@ -553,8 +566,12 @@ class SchedulerSide:
         state.hit, state.state, state.load_pending = None, None, False
 
     def _release(self, client: CacheClient | None, hit: Hit, link: CacheLink | None = None) -> None:
-        """Release a lease on a lookup thread: the RPC never runs on vLLM's scheduler thread."""
+        """Release a lease off vLLM's scheduler thread: the KV namespace's go back with the next
+        Lookup (`LeaseReturns`), the state namespace's by a Release on a lookup thread."""
         if client is None or not hit.lease_id:
+            return
+        if link is None or link is self.link:
+            self._returns.add(hit, client)
             return
         try:
             self._lookups.submit(self._release_now, client, hit, link or self.link)
@@ -566,6 +583,7 @@ class SchedulerSide:
             link.release(hit, client)  # never raises; a service-level failure drops the client
 
     def close(self) -> None:
+        self._returns.close()
         self._lookups.shutdown(wait=False, cancel_futures=True)
 
 
