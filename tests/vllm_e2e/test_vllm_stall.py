@@ -387,8 +387,9 @@ def test_leases_vllm_did_not_need_go_back_with_the_next_lookup(tmp_path: Path, m
         try:
             for number in range(3):
                 request = Request(f"held-{number}", stored, SamplingParams(max_tokens=1), None)
-                scheduler.started(request)
-                assert poll(lambda: leases() == 1, 5)  # this one's lease; the one before went back with it
+                pending = scheduler.started(request).pending
+                assert pending is not None and pending.result(5) is not None  # answered, with its lease
+                assert leases() == 1  # this one's; the one before went back with this Lookup
                 assert scheduler.match(request, cached * block) == (0, False)  # vLLM holds the whole hit
                 scheduler.finished(request)
             assert leases() == 1  # waiting for the next Lookup
