@@ -166,8 +166,9 @@ class HitOdds:
     weighs `weight` (an exponentially weighted mean over about the last 1/`weight`) and each hit
     `hit_weight`. Hits weigh more because the errors cost unlike amounts: a hit the engine did
     not wait for is a whole prefill recomputed, a wait for a miss at most a grace or a step; so
-    after a run of misses one hit makes Lookups worth waiting for at once (a regime change, e.g.
-    the second turns of conversations after their first turns, loses fewer hits). An engine whose
+    after a run of misses one hit makes Lookups worth waiting for at once (meant for a regime
+    change, e.g. conversations' second turns after their first: a slow machine lost 5 of 97 hits
+    there with even weights, a faster one none either way, docs/benchmarks.md). An engine whose
     Lookups keep missing (a workload without reuse) thus stops delaying requests for them; the
     Lookups still run and every answer is counted, also one nobody waited for."""
 

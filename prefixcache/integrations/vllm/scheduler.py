@@ -574,9 +574,9 @@ class SchedulerSide:
             self._returns.add(hit, client)
             return
         try:
-            self._lookups.submit(self._release_now, client, hit, link or self.link)
+            self._lookups.submit(self._release_now, client, hit, link)
         except RuntimeError:  # the pool is shut down (vLLM is stopping): release here
-            self._release_now(client, hit, link or self.link)
+            self._release_now(client, hit, link)
 
     def _release_now(self, client: CacheClient, hit: Hit, link: CacheLink) -> None:
         with self.stats.background():
