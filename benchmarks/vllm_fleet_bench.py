@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/vllm_fleet_bench.py [--configs 1,2,3,3s,4,5]
         [--kv-pressure] [--before-root DIR] [--rounds 1] [--conversations 8] [--turns 3] [--users 3]
-        [--layers 4 --hidden 512] [--json-out FILE]
+        [--min-turns 0] [--spill 2] [--layers 4 --hidden 512] [--json-out FILE]
 
 Every configuration replays the SAME schedule: `--conversations` synthetic chats behind one
 shared system prompt (each turn resends every earlier turn plus a new user message; the
@@ -10,7 +10,11 @@ assistant turns are fixed text, so the prompts do not depend on what the model s
 `--users` concurrent users, each taking the next conversation and playing its turns in order
 (`--by-turn`: the next turn of any conversation, all first turns before any second turn, so
 every conversation stays live and a server's own cache must hold them all between turns);
-greedy, streaming. Configurations (fresh servers, services and Redis for each):
+greedy, streaming. `--min-turns N` gives each conversation between N and `--turns` turns, drawn
+at random, as real chats vary, so a server that keeps its conversations (sticky routing) can be
+left with the long ones while the other idles. Each server is first warmed with `--users`
+prompts of a first turn's length that share nothing with the schedule. Configurations (fresh
+servers, services and Redis for each):
 
   1   one server, no prefix caching          2   one server, vLLM APC
   3   two servers, APC, round-robin per request (one global counter)
@@ -19,11 +23,16 @@ greedy, streaming. Configurations (fresh servers, services and Redis for each):
   3h  as 3s, the server chosen by a hash of the conversation id (a load balancer's hash or
       consistent-hash affinity): no server knows how many live conversations the other has
   3l  two servers, APC, each request to the server with the fewest requests in flight
+  3a  two servers, APC, affinity with bounded load: a conversation starts on the server with the
+      fewest requests in flight and stays there unless it has `--spill` more in flight than the
+      other, when it moves there (and stays) -- the affinity a load balancer offers beside a cache
   4   two servers round-robin, APC + prefixcache on one service (host tier, --block-size 32)
   5   two servers round-robin, APC + prefixcache on two services sharing one redis-server
-  6   (`--kv-pressure`) 3s, 4 and 4l again with a KV cache of `--pressure-mib` per server, so vLLM evicts
+  6   (`--kv-pressure`) 3s, 4 and 4l (and 4a, 4r when chosen) again with a KV cache of
+      `--pressure-mib` per server, so vLLM evicts
 
   4l  as 4, routed as 3l: a free choice of server on every request, the cache service's point
+  4a  as 4, routed as 3a: sticky while it is balanced, and a move costs a load, not a prefill
   4r  as 4, behind `prefixcache route` (Match on the service, each server's queue, the
       conversation's previous server on a tie), which every request goes through
   4b, 5b (`--before-root DIR`) 4 and 5 with the vLLM servers on PYTHONPATH=DIR: another
@@ -36,7 +45,9 @@ its own prefix cache and the connector's tokens, the connector's own are the ser
 `vllm:prefixcache_external_tokens` delta; vLLM's own share is the difference. With `--rounds N`
 every configuration is played N times, round by round, every other round in the reverse order
 (A B, B A, A B: the order alone moved pooled figures by 5-10% when every round ran A B), and
-its row pools the rounds' requests; each round's TTFT p50 is printed too, and the JSON holds every request. The
+its row pools the rounds' requests; each round's TTFT p50 is printed too, and the TTFT
+percentiles without each round's opening burst (the first --users requests, sent at once to
+fresh servers: in short rounds they alone make p99), and the JSON holds every request. The
 machine is shared and noisy: compare ratios within one run.
 """
 
@@ -67,7 +78,9 @@ BLOCK = 32  # vLLM's CPU attention backend wants multiples of 32
 VOCAB = 512
 SEED = 20261203
 READY_S = 600.0
-ALL_CONFIGS = ("1", "2", "3", "3s", "3h", "3l", "4", "4l", "4r", "5", "4b", "5b")
+WARM_SETTLE_S = 2.0  # after the warm-up: its background work (the connector's saves) done
+MAX_MODEL_LEN = 4096  # each server's --max-model-len: its KV cache must hold at least this many tokens
+ALL_CONFIGS = ("1", "2", "3", "3s", "3h", "3l", "3a", "4", "4l", "4a", "4r", "5", "4b", "5b")
 TITLES = {
     "1": "one server, no prefix caching",
     "2": "one server, vLLM APC",
@@ -75,6 +88,8 @@ TITLES = {
     "3s": "two servers, APC, sticky by conversation",
     "3h": "two servers, APC, sticky by a hash of the conversation",
     "3l": "two servers, APC, least requests in flight",
+    "3a": "two servers, APC, sticky unless the server is --spill requests busier",
+    "4a": "sticky unless --spill busier, APC + prefixcache (host tier)",
     "4l": "least requests in flight, APC + prefixcache (host tier)",
     "4r": "prefixcache route in front, APC + prefixcache (host tier)",
     "4": "round-robin, APC + prefixcache (host tier)",
@@ -90,7 +105,8 @@ class Config:
     servers: int
     apc: bool
     routing: (
-        str  # "rr" | "sticky" | "least" (fewest requests in flight, ties round-robin) | "router" (prefixcache route)
+        str  # "rr" | "sticky" | "hash" | "least" (fewest requests in flight, ties round-robin)
+        # | "affinity" (the conversation's server unless it has --spill more in flight) | "router" (prefixcache route)
     )
     cache: str | None  # None | "host" | "redis"
     kv_mib: int  # each vLLM server's KV cache (--kv-cache-memory-bytes)
@@ -105,7 +121,9 @@ def configs(args: argparse.Namespace) -> list[Config]:
         "3s": Config("3s", 2, True, "sticky", None, kv),
         "3h": Config("3h", 2, True, "hash", None, kv),
         "3l": Config("3l", 2, True, "least", None, kv),
+        "3a": Config("3a", 2, True, "affinity", None, kv),
         "4l": Config("4l", 2, True, "least", "host", kv),
+        "4a": Config("4a", 2, True, "affinity", "host", kv),
         "4r": Config("4r", 2, True, "router", "host", kv),
         "4": Config("4", 2, True, "rr", "host", kv),
         "5": Config("5", 2, True, "rr", "redis", kv),
@@ -119,6 +137,8 @@ def configs(args: argparse.Namespace) -> list[Config]:
             Config("6/4", 2, True, "rr", "host", args.pressure_mib),
             Config("6/4l", 2, True, "least", "host", args.pressure_mib),
         ]
+        if "4a" in args.configs.split(","):
+            chosen.append(Config("6/4a", 2, True, "affinity", "host", args.pressure_mib))
         if "4r" in args.configs.split(","):
             chosen.append(Config("6/4r", 2, True, "router", "host", args.pressure_mib))
     return chosen
@@ -138,7 +158,9 @@ def schedule(args: argparse.Namespace) -> tuple[list[list[list[dict]]], list[str
     for _ in range(args.conversations):
         history: list[dict] = [{"role": "system", "content": system}]
         turns = []
-        for _turn in range(args.turns):
+        uneven = 0 < args.min_turns < args.turns  # (drawn only then: the even schedule stays as it was)
+        count = rng.randint(args.min_turns, args.turns) if uneven else args.turns
+        for _turn in range(count):
             history.append({"role": "user", "content": _text(rng, rng.randrange(60, 160))})
             turns.append(list(history))
             history.append({"role": "assistant", "content": _text(rng, rng.randrange(40, 120))})
@@ -207,6 +229,7 @@ async def drive(urls: list[str], chats: list[list[list[dict]]], config: Config, 
     done = {(c, t): asyncio.Event() for c, t in queue}
     counter = 0
     in_flight = [0] * len(urls)
+    homes: dict[int, int] = {}  # affinity: each conversation's server
     results: list[Result] = []
 
     def route(number: int) -> int:
@@ -220,8 +243,14 @@ async def drive(urls: list[str], chats: list[list[list[dict]]], config: Config, 
             return 0  # the one URL: the router chooses
         order = [(counter + i) % len(urls) for i in range(len(urls))]  # round-robin breaks ties
         counter += 1
+        least = min(order, key=lambda i: in_flight[i])
         if config.routing == "least":
-            return min(order, key=lambda i: in_flight[i])
+            return least
+        if config.routing == "affinity":
+            home = homes.get(number)
+            if home is None or in_flight[home] - in_flight[least] >= args.spill:
+                homes[number] = least
+            return homes[number]
         return order[0]
 
     async def user(session) -> None:
@@ -269,7 +298,7 @@ def serve(
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", "--dtype", "bfloat16",
-        "--block-size", str(BLOCK), "--enforce-eager", "--max-model-len", "4096", "--max-num-seqs", "8",
+        "--block-size", str(BLOCK), "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
         "--seed", "0", "--enable-prompt-tokens-details", "--kv-cache-memory-bytes", str(config.kv_mib << 20),
         "--enable-prefix-caching" if config.apc else "--no-enable-prefix-caching",
     ]  # fmt: skip
@@ -388,9 +417,11 @@ class Run:
     cpu: dict[str, float]  # CPU seconds of the vLLM servers' and the services' processes
 
 
-def pooled(config: Config, runs: list[Run]) -> dict:
+def pooled(config: Config, runs: list[Run], users: int) -> dict:
     """A configuration's rounds as one row: requests pooled (percentiles over all of them),
-    throughput over the summed wall time, counters summed; each round's TTFT p50 alongside."""
+    throughput over the summed wall time, counters summed; each round's TTFT p50 alongside, and
+    the TTFT percentiles without each round's opening burst (its first `users` requests, sent at
+    once to servers that have served only the warm-up: they set p99 when rounds are short)."""
     connector: dict[str, float] = {}
     cpu: dict[str, float] = {}
     for run in runs:
@@ -402,6 +433,9 @@ def pooled(config: Config, runs: list[Run]) -> dict:
     row["round_ttft_p50_ms"] = [
         pct([r.ttft_s * 1000 for r in run.results if r.error is None and r.ttft_s is not None], 50) for run in runs
     ]
+    later = [r for run in runs for r in sorted(run.results, key=lambda r: r.at_s)[users:]]
+    ttft = [r.ttft_s * 1000 for r in later if r.error is None and r.ttft_s is not None]
+    row["ttft_after_opening_ms"] = {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99)}
     return row
 
 
@@ -410,6 +444,7 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
 
     from tests.support.redis_server import RedisServer
     from tests.vllm_e2e.test_vllm_serve_replay import _ready as ready  # the test's own probe
+    from tests.vllm_e2e.test_vllm_serve_replay import _text
 
     services: list[subprocess.Popen] = []
     servers: list[subprocess.Popen] = []
@@ -443,10 +478,15 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"config {config.name}: a vLLM server never came up; see {work}/{tag}-*.log")
                 time.sleep(1.0)
-        # Warm each server (first-request kernels) with a prompt that shares nothing with the schedule.
-        warm = [[{"role": "user", "content": "warm up " * 40}]]
+        # Warm each server as the schedule will load it: --users prompts at once, each of a first
+        # turn's length, sharing nothing with the schedule (its own words), so first-use costs
+        # (kernels for long prefills, buffers, the connector's first large saves) are paid here.
+        rng = random.Random(SEED + 1)
+        words = args.system_words + 160
+        warm = [[[{"role": "user", "content": _text(rng, words)}]] for _ in range(args.users)]
         for i in range(config.servers):
-            asyncio.run(drive([urls[i]], [warm], Config("warm", 1, False, "rr", None, 0), args))
+            asyncio.run(drive([urls[i]], warm, Config("warm", 1, False, "rr", None, 0), args))
+        time.sleep(WARM_SETTLE_S)  # the warm-up's saves finish before the schedule starts, not during it
         targets = urls
         if config.routing == "router":
             process, router_url = start_router(model, urls, addresses)
@@ -513,7 +553,8 @@ def breakdown(rows: list[dict]) -> str:
     and the connector's own counters (configurations with it): its hooks' time on vLLM's threads,
     its threads' CPU, load and save times (wall, including waits for the cores)."""
     lines = [
-        "| config | CPU ms per request: vLLM servers / services (and router) | connector on vLLM's threads: CPU / waits ms/req "
+        "| config | CPU ms per request: vLLM servers / services (and router) "
+        "| connector on vLLM's threads: CPU / grace waits / idle waits ms/req "
         "| connector threads CPU ms/req | lookups: steps deferred / not awaited | hits (in-step) | misses "
         "| load ms per hit | save ms per request (wall) | load failures |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -527,7 +568,7 @@ def breakdown(rows: list[dict]) -> str:
             continue
         lines.append(
             f"| {r['config']} | {processes} | {1000 * c.get('engine_thread_cpu_seconds', 0.0) / n:.2f} / "
-            f"{1000 * c.get('lookup_grace_seconds', 0.0) / n:.2f} "
+            f"{1000 * c.get('lookup_grace_seconds', 0.0) / n:.2f} / {1000 * c.get('lookup_idle_seconds', 0.0) / n:.2f} "
             f"| {1000 * c.get('background_cpu_seconds', 0.0) / n:.2f} "
             f"| {c['lookups']:.0f}: {c.get('lookup_deferrals', 0.0):.0f} / {c.get('lookups_not_awaited', 0.0):.0f} "
             f"| {hits:.0f} ({c.get('in_step_loads', 0.0):.0f}) "
@@ -566,7 +607,11 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", default=",".join(ALL_CONFIGS), help="comma list of " + ",".join(ALL_CONFIGS))
-    parser.add_argument("--kv-pressure", action="store_true", help="also run 3s, 4 and 4l with a small vLLM KV cache")
+    parser.add_argument(
+        "--kv-pressure",
+        action="store_true",
+        help="also run 3s, 4 and 4l (and 4a, 4r when chosen) with a small vLLM KV cache",
+    )
     parser.add_argument("--kv-mib", type=int, default=2048, help="each server's KV cache in configs 1-5")
     parser.add_argument(
         "--pressure-mib",
@@ -589,6 +634,12 @@ def main() -> None:
     )
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument(
+        "--min-turns", type=int, default=0, help="each conversation's turns drawn from [N, --turns] (0: all --turns)"
+    )
+    parser.add_argument(
+        "--spill", type=int, default=2, help="3a/4a: move a conversation when its server has this many more in flight"
+    )
     parser.add_argument("--users", type=int, default=3)
     parser.add_argument(
         "--no-bind-cores",
@@ -613,11 +664,22 @@ def main() -> None:
         parser.error(f"--before-root: configs {sorted(before)} need a checkout with prefixcache/integrations/vllm")
     if not isinstance(args.connector, dict):
         parser.error(f"--connector: must be a JSON object of kv_connector_extra_config keys, got {args.connector!r}")
-    for name in ("rounds", "conversations", "turns", "users", "max_tokens", "kv_mib", "pressure_mib"):
+    if args.min_turns < 0 or args.min_turns > args.turns:
+        parser.error(f"--min-turns must be between 0 and --turns ({args.turns}), got {args.min_turns}")
+    for name in ("rounds", "conversations", "turns", "users", "max_tokens", "kv_mib", "pressure_mib", "spill"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    from vllm_ttft_bench import build_model, kv_bytes_per_token
 
-    from vllm_ttft_bench import build_model
+    token_bytes = kv_bytes_per_token(args.layers, args.hidden)
+    for name in ("kv_mib", "pressure_mib")[: 1 + args.kv_pressure]:  # vLLM refuses a smaller cache
+        if (getattr(args, name) << 20) < MAX_MODEL_LEN * token_bytes:
+            need = -(-MAX_MODEL_LEN * token_bytes // (1 << 20))
+            parser.error(
+                f"--{name.replace('_', '-')}: {getattr(args, name)} MiB holds "
+                f"{(getattr(args, name) << 20) // token_bytes} tokens of a {args.layers}-layer model, under "
+                f"--max-model-len {MAX_MODEL_LEN}: give at least {need}"
+            )
 
     from tests.vllm_e2e.test_vllm_serve_replay import _tokenizer
 
@@ -642,10 +704,17 @@ def main() -> None:
                     f"({time.monotonic() - started:.0f} s incl. start-up)",
                     flush=True,
                 )
-        rows = [pooled(config, runs[config.name]) for config in chosen]
+        rows = [pooled(config, runs[config.name], args.users) for config in chosen]
     print(table(rows))
     print()
     print(breakdown(rows))
+    print()
+    for row in rows:
+        later = row["ttft_after_opening_ms"]
+        print(
+            f"{row['config']}: TTFT p50 / p90 / p99 without each round's opening burst "
+            f"{later['p50']:.0f} / {later['p90']:.0f} / {later['p99']:.0f} ms"
+        )
     if args.rounds > 1:
         print()
         for row in rows:

@@ -72,6 +72,12 @@ SEED = 20261201
 GEMMA3_WINDOW = 512  # Gemma 3 1B's local window; every sixth layer is global
 
 
+def kv_bytes_per_token(layers: int, hidden: int) -> int:
+    """KV bytes one token takes in vLLM's cache for `build_model`'s Llama geometry (bfloat16 K and V,
+    head_dim 64, its KV heads)."""
+    return layers * 2 * max(1, hidden // 256) * 64 * 2
+
+
 def build_model(directory: Path, layers: int, hidden: int, vocab: int, arch: str = "llama") -> None:
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM

@@ -306,6 +306,8 @@ def test_lookups_that_keep_missing_are_not_waited_for_until_they_hit_again(tmp_p
                 assert scheduler.match(request, 0) == (0, False)
                 scheduler.finished(request)
             assert poll(lambda: scheduler.hit_odds.value < 0.006, 5)  # ~0.002: 2.56 s x 0.006 < a grace
+            idle = totals.get("lookup_idle_waits", 0)  # the first of them waited, ~0.1 s (the proxy)
+            assert 1 <= idle < 80 and totals.get("lookup_idle_seconds") >= 0.05
 
             graces, not_awaited = totals.get("lookup_grace_waits"), totals.get("lookups_not_awaited", 0)
             odds, went_ahead = scheduler.hit_odds.value, []
@@ -317,6 +319,7 @@ def test_lookups_that_keep_missing_are_not_waited_for_until_they_hit_again(tmp_p
                 assert time.perf_counter() - started < 0.02
                 went_ahead.append(request)
             assert totals.get("lookup_grace_waits") == graces and totals.get("lookups_not_awaited") == not_awaited + 2
+            assert totals.get("lookup_idle_waits") == idle  # nor an idle wait
             assert poll(lambda: scheduler.hit_odds.value > odds + 0.1, 5)  # their answers, hits, still count
             for request in went_ahead:
                 scheduler.finished(request)

@@ -477,3 +477,13 @@ def test_layer_by_layer_where_it_pays() -> None:
     assert layer_by_layer("auto", torch.device("cuda", 0)) and not layer_by_layer("auto", torch.device("cpu"))
     assert layer_by_layer("on", torch.device("cpu")) and not layer_by_layer("off", torch.device("cuda", 0))
     assert ConnectorSettings.parse({"cache": "h:1"}).layer_loads == "auto"
+
+
+def test_every_connector_counter_is_described_and_named_in_the_docs() -> None:
+    """Each counter the connector exports has a help text, and docs/vllm.md "Metrics" names it."""
+    from prefixcache.integrations.vllm.stats import _DESCRIPTIONS, FIELDS
+
+    assert set(_DESCRIPTIONS) == set(FIELDS)
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
+    metrics = docs[docs.index("## Metrics") :].split("\n## ", 1)[0]
+    assert [name for name in FIELDS if f"`_{name}`" not in metrics and f"prefixcache_{name}`" not in metrics] == []

@@ -238,13 +238,15 @@ class SchedulerSide:
                     return self._not_awaited(state)  # no hit could repay the step it would cost
             elif remaining > 0 and not self._worth(gain, self.settings.lookup_grace_s):
                 return self._not_awaited(state)  # vLLM is idle, but the odds do not repay even a grace's wait
-            if remaining > 0:
+            if remaining > 0 and not pending.done():
                 waited = time.perf_counter()
                 try:
-                    pending.result(timeout=remaining)  # vLLM is idle: waiting stalls nobody
+                    pending.result(timeout=remaining)  # vLLM is idle: waiting stalls nobody...
                 except TimeoutError:
                     pass
-                self.prefill.exclude(time.perf_counter() - waited)
+                spent = time.perf_counter() - waited
+                self.prefill.exclude(spent)
+                self.stats.add(lookup_idle_waits=1, lookup_idle_seconds=spent)  # ...but adds to its TTFT
             if not pending.done():
                 self._go_ahead(state)
                 self.stats.add(lookup_errors=1)

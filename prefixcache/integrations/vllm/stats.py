@@ -56,6 +56,8 @@ FIELDS = (
     "lookup_grace_seconds",
     "lookup_deferrals",
     "lookups_not_awaited",
+    "lookup_idle_waits",
+    "lookup_idle_seconds",
 )
 _DESCRIPTIONS = {
     "lookups": "Lookups the scheduler sent to prefixcache",
@@ -85,6 +87,8 @@ _DESCRIPTIONS = {
     "lookup_grace_waits": "Times the scheduler waited briefly for a Lookup in flight instead of skipping its request a step",
     "lookup_grace_seconds": "Seconds of those waits (on vLLM's scheduler thread)",
     "lookup_deferrals": "Steps a request was skipped while its Lookup was in flight (vLLM asked again next step)",
+    "lookup_idle_waits": "Times the scheduler waited for a Lookup's answer while vLLM was idle (stalls no one)",
+    "lookup_idle_seconds": "Seconds of those waits: each adds to its request's time to first token",
     "lookups_not_awaited": (
         "Requests that prefilled without their Lookup's answer: no hit could have repaid a step's wait "
         "(at the odds of a hit, which recent misses lower)"
