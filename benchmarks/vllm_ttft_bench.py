@@ -72,10 +72,17 @@ SEED = 20261201
 GEMMA3_WINDOW = 512  # Gemma 3 1B's local window; every sixth layer is global
 
 
+HEAD_DIM = 64  # build_model's attention heads: hidden // HEAD_DIM of them
+
+
+def kv_heads(hidden: int) -> int:
+    """`build_model`'s KV heads for a hidden size."""
+    return max(1, hidden // 256)
+
+
 def kv_bytes_per_token(layers: int, hidden: int) -> int:
-    """KV bytes one token takes in vLLM's cache for `build_model`'s Llama geometry (bfloat16 K and V,
-    head_dim 64, its KV heads)."""
-    return layers * 2 * max(1, hidden // 256) * 64 * 2
+    """KV bytes one token takes in vLLM's cache for `build_model`'s Llama geometry (bfloat16 K and V)."""
+    return layers * 2 * kv_heads(hidden) * HEAD_DIM * 2
 
 
 def build_model(directory: Path, layers: int, hidden: int, vocab: int, arch: str = "llama") -> None:
@@ -88,15 +95,15 @@ def build_model(directory: Path, layers: int, hidden: int, vocab: int, arch: str
         hidden_size=hidden,
         intermediate_size=hidden * 11 // 4,
         num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 256),
+        num_attention_heads=hidden // HEAD_DIM,
+        num_key_value_heads=kv_heads(hidden),
         max_position_embeddings=8192,
         torch_dtype="bfloat16",
         tie_word_embeddings=False,
     )
     if arch == "gemma3":
         kinds = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)]
-        config = Gemma3TextConfig(**geometry, head_dim=64, sliding_window=GEMMA3_WINDOW, layer_types=kinds)
+        config = Gemma3TextConfig(**geometry, head_dim=HEAD_DIM, sliding_window=GEMMA3_WINDOW, layer_types=kinds)
         model = Gemma3ForCausalLM(config).to(torch.bfloat16)
     else:
         model = LlamaForCausalLM(LlamaConfig(**geometry)).to(torch.bfloat16)
