@@ -37,6 +37,8 @@ servers, services and Redis for each):
       conversation's previous server on a tie), which every request goes through
   4b, 5b (`--before-root DIR`) 4 and 5 with the vLLM servers on PYTHONPATH=DIR: another
       checkout's connector (a "before"), in the same run; the services always run from this tree
+  4c, 4p  as 4 with the connector's `kv_role` kv_consumer (Lookups and loads, no saves) and
+      kv_producer (saves, no Lookups): where the connector's cost per request comes from
 
 Reported per configuration: TTFT p50/p90/p99, inter-token latency p50/p99 (gaps between
 streamed chunks), requests/s and prompt tokens/s over the configuration's wall time, and the
@@ -80,7 +82,7 @@ SEED = 20261203
 READY_S = 600.0
 WARM_SETTLE_S = 2.0  # after the warm-up: its background work (the connector's saves) done
 MAX_MODEL_LEN = 4096  # each server's --max-model-len: its KV cache must hold at least this many tokens
-ALL_CONFIGS = ("1", "2", "3", "3s", "3h", "3l", "3a", "4", "4l", "4a", "4r", "5", "4b", "5b")
+ALL_CONFIGS = ("1", "2", "3", "3s", "3h", "3l", "3a", "4", "4l", "4a", "4r", "4c", "4p", "5", "4b", "5b")
 TITLES = {
     "1": "one server, no prefix caching",
     "2": "one server, vLLM APC",
@@ -93,6 +95,8 @@ TITLES = {
     "4l": "least requests in flight, APC + prefixcache (host tier)",
     "4r": "prefixcache route in front, APC + prefixcache (host tier)",
     "4": "round-robin, APC + prefixcache (host tier)",
+    "4c": "round-robin, APC + prefixcache (host tier), kv_consumer: loads only",
+    "4p": "round-robin, APC + prefixcache (host tier), kv_producer: saves only",
     "5": "round-robin, APC + prefixcache (2 services, one Redis)",
     "4b": "round-robin, APC + prefixcache (host tier), the --before-root connector",
     "5b": "round-robin, APC + prefixcache (2 services, one Redis), the --before-root connector",
@@ -110,6 +114,7 @@ class Config:
     )
     cache: str | None  # None | "host" | "redis"
     kv_mib: int  # each vLLM server's KV cache (--kv-cache-memory-bytes)
+    role: str = "kv_both"  # the connector's kv_role
 
 
 def configs(args: argparse.Namespace) -> list[Config]:
@@ -126,6 +131,8 @@ def configs(args: argparse.Namespace) -> list[Config]:
         "4a": Config("4a", 2, True, "affinity", "host", kv),
         "4r": Config("4r", 2, True, "router", "host", kv),
         "4": Config("4", 2, True, "rr", "host", kv),
+        "4c": Config("4c", 2, True, "rr", "host", kv, "kv_consumer"),
+        "4p": Config("4p", 2, True, "rr", "host", kv, "kv_producer"),
         "5": Config("5", 2, True, "rr", "redis", kv),
         "4b": Config("4b", 2, True, "rr", "host", kv),
         "5b": Config("5b", 2, True, "rr", "redis", kv),
@@ -310,7 +317,7 @@ def serve(
                 {
                     "kv_connector": "PrefixCacheConnector",
                     "kv_connector_module_path": "prefixcache.integrations.vllm",
-                    "kv_role": "kv_both",
+                    "kv_role": config.role,
                     "kv_connector_extra_config": extra,
                 }
             ),

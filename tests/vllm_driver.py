@@ -3,6 +3,7 @@
     python tests/vllm_driver.py SPEC.json OUT.json
 
 SPEC: {"model": DIR, "apc": bool, "connector": {kv_connector_extra_config} | null,
+"kv_role": "kv_both" (default) | "kv_producer" | "kv_consumer",
 "kv_cache_dtype": "auto" | "fp8" | ..., "block_size": int (32), "tensor_parallel_size": int (1),
 "max_model_len": int, "steps": [...]} with steps
 - {"generate": NAME, "prompts": [[token ids]...], "salts": [str|null...]?, "max_tokens": n,
@@ -94,7 +95,7 @@ def main(spec_path: str, out_path: str) -> None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="PrefixCacheConnector",
             kv_connector_module_path="prefixcache.integrations.vllm",
-            kv_role="kv_both",
+            kv_role=spec.get("kv_role", "kv_both"),
             kv_connector_extra_config=spec["connector"],
         )
     started = time.monotonic()

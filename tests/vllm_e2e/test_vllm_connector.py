@@ -3,17 +3,18 @@
 One module-scoped scenario runs eight engines (vLLM takes tens of seconds to start, so each
 engine performs several checks; tests/vllm_driver.py) and the tests assert on what they
 report:
-- A (connector -> service s1, vLLM prefix caching off) serves multi-turn conversations and
-  saves their prompts' blocks; s1 writes them through to Redis.
+- A (connector -> service s1, vLLM prefix caching off, `kv_role` kv_producer: saves only)
+  serves multi-turn conversations and saves their prompts' blocks; s1 writes them through to
+  Redis.
 - REF (no connector, prefix caching off) and APC (no connector, prefix caching on, warmed
   with A's prompts) give the reference outputs and vLLM's own prefix-cache baseline.
 - B1 (fresh, connector -> s1, prefix caching off): loads A's prefixes from s1's host tier
   (shared memory); then s1 is SIGKILLed while B1 serves a batch, restarted, and B1 hits again;
   last, s1 restarts with 1 ms leases, so every scheduled load fails after scheduling and vLLM
   must recompute the blocks the connector reports (get_block_ids_with_load_errors).
-- B2 (fresh, connector -> s2, a second service over the same Redis, prefix caching on): loads
-  A's prefixes through Redis; after every Redis value is corrupted, prompts only Redis holds
-  are misses with reference outputs.
+- B2 (fresh, connector -> s2, a second service over the same Redis, prefix caching on,
+  `kv_role` kv_consumer: loads only): loads A's prefixes through Redis; after every Redis value
+  is corrupted, prompts only Redis holds are misses with reference outputs.
 - fp8 KV (`kv_cache_dtype="fp8"`, stored byte for byte): FA (connector -> s3, a third service
   over the same Redis keyspace) looks up a prompt whose bf16 blocks A wrote to Redis and must
   miss, then serves and saves more of A's prompts as fp8; FB (fresh, -> s3) loads them; FR (no
@@ -208,7 +209,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
     model = _model(workdir / "model")
     rng = random.Random(7)
     system = _tokens(rng, 70)
-    convs = _conversations(rng, 8, system)  # 0-3 for B1, 4-7 for B2 (both save: keep them apart)
+    convs = _conversations(rng, 8, system)  # 0-3 for B1, 4-7 for B2 (B1 saves: keep them apart)
     own = [_conversations(rng, 1, _tokens(rng, 50))[0] for _ in range(3)]  # own system prompts
     prompts = {
         "a": [turn for conv in convs for turn in conv[:2]] + [conv[0] for conv in own],
@@ -259,6 +260,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
             [_gen("a", prompts["a"]), _gen("s_a", prompts["s_a"], salts=["tenant-1"])],
             {"cache": s1.address, **connector},
             apc=False,
+            kv_role="kv_producer",
         )
         ref = _start(workdir, "REF", model, [_gen(k, prompts[k]) for k in order], None, apc=False)
         apc = _start(
@@ -300,6 +302,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
             [_gen("b2", prompts["b2"]), {"barrier": "corrupt"}, _gen("e", prompts["e"])],
             {"cache": s2.address, **connector, "layer_loads": "on"},  # layers.py's CPU pipeline, end to end
             apc=True,
+            kv_role="kv_consumer",
         )
         engines += [b1, b2]
         if FP8_KV:
@@ -399,6 +402,17 @@ def test_through_redis_a_second_service_serves_what_the_first_saved(scenario: di
     # B2 copies in-step loads layer by layer (layer_loads: on), each before its layer's attention:
     # its outputs are checked against a vLLM without the connector below.
     assert b["metrics"].get("layered_loads", 0) == b["metrics"].get("in_step_loads") > 0
+
+
+def test_kv_role_a_producer_only_saves_and_a_consumer_only_loads(scenario: dict) -> None:
+    a = scenario["A"]["steps"]["a"]["metrics"]
+    assert a.get("saved_blocks", 0) > 0
+    assert a.get("lookups", 0) == 0 and a.get("hits", 0) == 0  # kv_producer: not one Lookup
+    b2 = scenario["B2"]["steps"]["e"]["metrics"]  # cumulative: the b2 and e steps
+    assert b2.get("lookups", 0) >= len(scenario["prompts"]["b2"]) and b2.get("loaded_tokens", 0) > 0
+    totals = scenario["totals"]["B2"]  # the worker's shutdown line
+    assert totals.get("loaded_blocks", 0) > 0 and totals.get("saved_blocks", 0) == 0  # kv_consumer: nothing saved
+    assert b2.get("saved_blocks", 0) == 0
 
 
 def test_outputs_equal_a_vllm_without_the_connector_and_no_worse_than_apc(scenario: dict) -> None:

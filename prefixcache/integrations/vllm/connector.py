@@ -16,6 +16,8 @@ Invariants:
   failed load makes vLLM recompute, never fail the request, and `requires_kv_delivery` is
   False (a dropped save is a future miss). Loads are copied within the step when cheap,
   asynchronously otherwise (scheduler.py, worker.py).
+- vLLM's `kv_role` holds: a `kv_producer` sends no Lookup and loads nothing, a `kv_consumer`
+  saves nothing.
 """
 
 from __future__ import annotations
@@ -120,9 +122,9 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
             # MLA on CPU: vLLM's reference backend (CPU_MLA) cannot prefill on top of cached KV (vLLM
             # turns prefix caching off for it), and on its AMX backend (AMX_MLA) loaded prefixes
             # changed the first token of 4 of 4 prompts where vLLM's own prefix caching changed 1
-            # (docs/vllm.md): until that is explained, both save and load nothing.
-            loads = not (self.groups.latent and _platform_is_cpu())
-            if not loads:
+            # (docs/vllm.md): until that is explained, both backends only save.
+            cpu_mla = self.groups.latent and _platform_is_cpu()
+            if cpu_mla:
                 log.warning(
                     "prefixcache: %s on vLLM's CPU MLA backend, which cannot prefill on top of cached KV "
                     "exactly (vLLM's CPU_MLA; AMX_MLA not shown exact): the connector saves blocks (for MLA "
@@ -133,14 +135,16 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 self.link,
                 self.stats,
                 self.block_size,
-                loads,
+                transfer.is_kv_consumer and not cpu_mla,  # kv_role: a producer only saves...
                 self.state_link,
                 self.groups.state_groups,
                 in_step_loads=self._in_step_loads,
+                saves=transfer.is_kv_producer,  # ...and a consumer only loads
             )
             log.info(
-                "prefixcache: connector %s, namespace %s/%s %s%s; KV cache groups: %s",
+                "prefixcache: connector %s, kv_role %s, namespace %s/%s %s%s; KV cache groups: %s",
                 describe(self.settings),
+                transfer.kv_role,
                 namespace.model,
                 namespace.revision,
                 namespace.layout,

@@ -118,8 +118,10 @@ class SchedulerSide:
         state_link: ConnectorLink | None = None,
         state_groups: tuple[int, ...] = (),
         in_step_loads: bool = True,
+        saves: bool = True,
     ) -> None:
-        """`loads` False: save only (the engine cannot prefill on top of loaded KV; see connector.py).
+        """`loads` False: save only (vLLM's kv_role kv_producer, or an engine that cannot prefill on
+        top of loaded KV; see connector.py); `saves` False: load only (kv_role kv_consumer).
         `in_step_loads` False: every load is asynchronous (see `_load_in_step`).
         `state_link`, `state_groups`: the state namespace and KV cache groups of a model with state layers."""
         self.link = link
@@ -129,6 +131,7 @@ class SchedulerSide:
         self.stats = stats
         self.block_size = block_size
         self.loads = loads
+        self.saves = saves
         self.settings = link.settings
         self._requests: dict[str, _Request] = {}
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="prefixcache-lookup")
@@ -498,7 +501,7 @@ class SchedulerSide:
 
     def _plan_saves(self, state: _Request, req_id: str, computed_after_step: int, meta: PrefixCacheMetadata) -> None:
         """Save the prompt blocks this step completes, from where the cache's copy of the prompt ends."""
-        if state.saves_stopped or state.saved_blocks < 0:
+        if not self.saves or state.saves_stopped or state.saved_blocks < 0:
             return
         bs = self.block_size
         prompt = state.request.prompt_token_ids or ()
@@ -522,7 +525,7 @@ class SchedulerSide:
     def _plan_state_saves(self, scheduler_output: SchedulerOutput, meta: PrefixCacheMetadata) -> None:
         """Save the states vLLM committed this step at the prompts' block boundaries: they are
         written by this step's forward and the worker copies them out right after it."""
-        if self.state_link is None:
+        if self.state_link is None or not self.saves:
             return
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         offloads: dict[str, list[tuple[int, int, int]]] = getattr(block_state, "boundary_state_offloads", None) or {}
