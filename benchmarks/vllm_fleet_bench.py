@@ -570,14 +570,14 @@ def breakdown(rows: list[dict]) -> str:
         c, cpu, n = r.get("connector") or {}, r.get("cpu") or {}, max(r["requests"], 1)
         hits = c.get("hits", 0.0)
         processes = f"{1000 * cpu.get('servers_s', 0.0) / n:.0f} / {1000 * cpu.get('services_s', 0.0) / n:.0f}"
-        if not c.get("lookups"):
+        if not c:  # no connector
             lines.append(f"| {r['config']} | {processes} | — | — | — | — | — | — | — | — |")
             continue
         lines.append(
             f"| {r['config']} | {processes} | {1000 * c.get('engine_thread_cpu_seconds', 0.0) / n:.2f} / "
             f"{1000 * c.get('lookup_grace_seconds', 0.0) / n:.2f} / {1000 * c.get('lookup_idle_seconds', 0.0) / n:.2f} "
             f"| {1000 * c.get('background_cpu_seconds', 0.0) / n:.2f} "
-            f"| {c['lookups']:.0f}: {c.get('lookup_deferrals', 0.0):.0f} / {c.get('lookups_not_awaited', 0.0):.0f} "
+            f"| {c.get('lookups', 0.0):.0f}: {c.get('lookup_deferrals', 0.0):.0f} / {c.get('lookups_not_awaited', 0.0):.0f} "
             f"| {hits:.0f} ({c.get('in_step_loads', 0.0):.0f}) "
             f"| {c.get('misses', 0.0):.0f} | {1000 * c.get('load_seconds', 0.0) / max(hits, 1):.2f} "
             f"| {1000 * c.get('save_seconds', 0.0) / n:.2f} | {c.get('load_failures', 0.0):.0f} |"
