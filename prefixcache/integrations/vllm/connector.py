@@ -62,10 +62,18 @@ def _model_class(vllm_config: VllmConfig) -> str:
     return str(architectures[0])
 
 
-def _platform_is_cpu() -> bool:
+def _reference_cpu_mla(vllm_config: VllmConfig) -> bool:
+    """Whether an MLA engine runs vLLM's reference CPU MLA backend (CPU_MLA), which cannot prefill
+    on top of cached KV (vLLM turns its own prefix caching off for it). vLLM picks it on a CPU
+    without AMX tiles or when asked for it; otherwise its AMX backend (AMX_MLA), which can."""
+    import torch
     from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    return bool(current_platform.is_cpu())
+    if not current_platform.is_cpu():
+        return False
+    chosen = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return not torch.cpu._is_amx_tile_supported() or chosen == AttentionBackendEnum.CPU_MLA
 
 
 def _tp_rank(role: KVConnectorRole) -> int:
@@ -119,16 +127,14 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
                 transfer.kv_load_failure_policy = "recompute"  # read by the scheduler right after this
-            # MLA on CPU: vLLM's reference backend (CPU_MLA) cannot prefill on top of cached KV (vLLM
-            # turns prefix caching off for it), and on its AMX backend (AMX_MLA) loaded prefixes
-            # changed the first token of 4 of 4 prompts where vLLM's own prefix caching changed 1
-            # (docs/vllm.md): until that is explained, both backends only save.
-            cpu_mla = self.groups.latent and _platform_is_cpu()
+            # MLA on vLLM's reference CPU backend (CPU_MLA) cannot prefill on top of cached KV: the
+            # connector only saves there. Its AMX backend (AMX_MLA) loads byte-exact (docs/vllm.md).
+            cpu_mla = self.groups.latent and _reference_cpu_mla(vllm_config)
             if cpu_mla:
                 log.warning(
-                    "prefixcache: %s on vLLM's CPU MLA backend, which cannot prefill on top of cached KV "
-                    "exactly (vLLM's CPU_MLA; AMX_MLA not shown exact): the connector saves blocks (for MLA "
-                    "engines on GPUs sharing this service) and loads none",
+                    "prefixcache: %s on vLLM's reference CPU MLA backend (CPU_MLA), which cannot prefill "
+                    "on top of cached KV: the connector saves blocks (for MLA engines elsewhere sharing "
+                    "this service) and loads none",
                     model_class,
                 )
             self._scheduler = SchedulerSide(
