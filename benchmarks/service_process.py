@@ -13,8 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 READY = "prefixcache serve: listening on "
 
 
-def start_service(*flags: str, grace: str = "2s", timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
-    """The running process and its `HOST:PORT`, once it printed its ready line."""
+def start_service(
+    *flags: str, grace: str = "2s", timeout_s: float = 120.0, cpus: set[int] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """The running process and its `HOST:PORT`, once it printed its ready line; `cpus`: the cores
+    it runs on (None: any)."""
     command = [
         sys.executable,
         "-m",
@@ -31,7 +34,12 @@ def start_service(*flags: str, grace: str = "2s", timeout_s: float = 120.0) -> t
         *flags,
     ]
     process = subprocess.Popen(
-        command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True
+        command,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
     )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -17,6 +17,8 @@ prompts of a first turn's length that share nothing with the schedule. Configura
 servers, services and Redis for each):
 
   1   one server, no prefix caching          2   one server, vLLM APC
+  2p  as 2 with prefixcache, the server on core 0 and its service on the other cores: the
+      connector's cost when the cache does not share the engine's core (2 is its baseline)
   3   two servers, APC, round-robin per request (one global counter)
   3s  two servers, APC, sticky by conversation (what operators deploy without a cache service),
       conversations dealt to the servers in turn as they start: every server gets every other one
@@ -49,8 +51,11 @@ every configuration is played N times, round by round, every other round in the 
 (A B, B A, A B: the order alone moved pooled figures by 5-10% when every round ran A B), and
 its row pools the rounds' requests; each round's TTFT p50 is printed too, and the TTFT
 percentiles without each round's opening burst (the first --users requests, sent at once to
-fresh servers: in short rounds they alone make p99), and the JSON holds every request. The
-machine is shared and noisy: compare ratios within one run.
+fresh servers: in short rounds they alone make p99), and the JSON holds every request. Where
+the time goes: each configuration's CPU per request by process (vLLM servers, services), the
+connector's counters, and the CPU per request of every thread by process and OS thread name
+(vLLM's model runner, scheduler and API server, the connector's `pfx-*` threads, the service's).
+The machine is shared and noisy: compare ratios within one run.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -82,10 +88,11 @@ SEED = 20261203
 READY_S = 600.0
 WARM_SETTLE_S = 2.0  # after the warm-up: its background work (the connector's saves) done
 MAX_MODEL_LEN = 4096  # each server's --max-model-len: its KV cache must hold at least this many tokens
-ALL_CONFIGS = ("1", "2", "3", "3s", "3h", "3l", "3a", "4", "4l", "4a", "4r", "4c", "4p", "5", "4b", "5b")
+ALL_CONFIGS = ("1", "2", "2p", "3", "3s", "3h", "3l", "3a", "4", "4l", "4a", "4r", "4c", "4p", "5", "4b", "5b")
 TITLES = {
     "1": "one server, no prefix caching",
     "2": "one server, vLLM APC",
+    "2p": "one server, APC + prefixcache (host tier), the service on a core of its own",
     "3": "two servers, APC, round-robin",
     "3s": "two servers, APC, sticky by conversation",
     "3h": "two servers, APC, sticky by a hash of the conversation",
@@ -122,6 +129,7 @@ def configs(args: argparse.Namespace) -> list[Config]:
     table = {
         "1": Config("1", 1, False, "rr", None, kv),
         "2": Config("2", 1, True, "rr", None, kv),
+        "2p": Config("2p", 1, True, "rr", "host", kv),
         "3": Config("3", 2, True, "rr", None, kv),
         "3s": Config("3s", 2, True, "sticky", None, kv),
         "3h": Config("3h", 2, True, "hash", None, kv),
@@ -402,6 +410,32 @@ def group_cpu_s(processes: list[subprocess.Popen]) -> float:
     return total
 
 
+def thread_cpu_s(servers: list[subprocess.Popen], services: list[subprocess.Popen]) -> dict[str, float]:
+    """CPU seconds so far of every live thread of the servers' groups and the services, summed by
+    process and OS thread name: `api/python` (a server's API process), `VLLM::Worker/pfx-save` (the
+    connector's threads name themselves, prefixcache/threads.py), `service/...`; numbered names
+    (`gloo_tcp_loop`, `ZMQbg/IO/0`) pooled without their numbers."""
+    leaders = {process.pid: "api" for process in servers} | {process.pid: "service" for process in services}
+    ticks = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid = int(stat.parent.name)
+            head, fields = stat.read_text().rsplit(")", 1)
+            group = int(fields.split()[2])
+            if pid not in leaders and group not in leaders:
+                continue
+            process = leaders.get(pid) or head.split("(", 1)[1]
+            for task in (stat.parent / "task").iterdir():
+                name, values = (task / "stat").read_text().split("(", 1)[1].rsplit(")", 1)
+                parts = values.split()
+                key = f"{process}/{re.sub(r'[-_/]?[0-9]+$', '', name)}"
+                totals[key] = totals.get(key, 0.0) + (int(parts[11]) + int(parts[12])) / ticks
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return totals
+
+
 def stop(processes: list[subprocess.Popen]) -> None:
     for process in processes:
         if process.poll() is None:
@@ -460,8 +494,12 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
     try:
         addresses: list[str | None] = [None] * config.servers
         flags = ["--host-capacity", "2GiB", "--block-size", str(BLOCK)]
+        cores = os.cpu_count() or 1
+        # a lone server on core 0 leaves the other cores to its service (2 against 2p: the
+        # connector's cost when the cache does not share the engine's core)
+        spare = set(range(1, cores)) if args.bind_cores and config.servers == 1 and cores > 1 else None
         if config.cache == "host":
-            process, address = start_service(*flags)
+            process, address = start_service(*flags, cpus=spare)
             services.append(process)
             addresses = [address] * config.servers
         elif config.cache == "redis":
@@ -474,8 +512,7 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
         pythonpath = args.before_root if config.name.endswith("b") else str(ROOT)
         urls = []
         for i in range(config.servers):
-            cores = os.cpu_count() or 1
-            core = i % cores if args.bind_cores and config.servers > 1 else None
+            core = i % cores if args.bind_cores and (config.servers > 1 or spare) else None
             process, url = serve(model, work, f"{tag}-{i}", config, addresses[i], pythonpath, core, args.connector)
             servers.append(process)
             urls.append(url)
@@ -501,8 +538,11 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
             targets = [router_url]
         before = counters(urls)
         cpu_before = group_cpu_s(servers), group_cpu_s(services)
+        threads_before = thread_cpu_s(servers, services)
         results, wall_s = asyncio.run(drive(targets, chats, config, args))
         cpu = {"servers_s": group_cpu_s(servers) - cpu_before[0], "services_s": group_cpu_s(services) - cpu_before[1]}
+        for name, seconds in thread_cpu_s(servers, services).items():
+            cpu[f"thread {name}"] = seconds - threads_before.get(name, 0.0)
         time.sleep(0.5)
         after = counters(urls)
         connector = {name: value - before.get(name, 0.0) for name, value in after.items()}
@@ -585,6 +625,21 @@ def breakdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def thread_table(rows: list[dict]) -> str:
+    """CPU ms per request by process and thread, one column per configuration: which of vLLM's
+    threads a connector makes busier, and what its own threads (`pfx-*`) and the service cost."""
+    names = sorted(
+        {k for r in rows for k, v in (r.get("cpu") or {}).items() if k.startswith("thread ") and v > 0},
+        key=lambda k: -max((r.get("cpu") or {}).get(k, 0.0) / max(r["requests"], 1) for r in rows),
+    )
+    lines = ["| process/thread | " + " | ".join(r["config"] for r in rows) + " |", "|---" * (len(rows) + 1) + "|"]
+    for name in names:
+        cells = [1000 * (r.get("cpu") or {}).get(name, 0.0) / max(r["requests"], 1) for r in rows]
+        if max(cells) >= 0.05:
+            lines.append(f"| {name.removeprefix('thread ')} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     """One line per configuration; each compared with sticky APC-only under the same KV cache
     (3s, or 6/3s for the pressure configurations)."""
@@ -652,7 +707,7 @@ def main() -> None:
         "--no-bind-cores",
         dest="bind_cores",
         action="store_false",
-        help="leave vLLM's own CPU binding (default: server i of a fleet on core i, as on separate hosts)",
+        help="leave vLLM's own CPU binding (default: server i of a fleet on core i, as on separate hosts; a lone server on core 0 and its service on the others)",
     )
     parser.add_argument(
         "--by-turn", action="store_true", help="play every conversation's turn 1, then every turn 2, ... (all live)"
@@ -715,6 +770,8 @@ def main() -> None:
     print(table(rows))
     print()
     print(breakdown(rows))
+    print()
+    print(thread_table(rows))
     print()
     for row in rows:
         later = row["ttft_after_opening_ms"]

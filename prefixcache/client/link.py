@@ -37,6 +37,7 @@ from typing import TypeVar
 from ..breaker import Backoff
 from ..config import KVLayout, Namespace
 from ..errors import InvalidArgument, PrefixCacheError, UnknownNamespace
+from ..threads import name_os_thread
 from .api import Attachment, CacheClient, Hit
 
 log = logging.getLogger(__name__)
@@ -264,6 +265,7 @@ class LeaseReturns:
             self._link.release(hit, client)
 
     def _run(self) -> None:
+        name_os_thread("pfx-returns")
         while True:
             with self._changed:
                 while not self._closed and (not self._waiting or self._waiting[0][0] > time.monotonic()):

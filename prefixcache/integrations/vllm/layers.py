@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ...threads import name_os_thread
 from .link import LOGGER
 from .paged import LoadPlan, PagedCache
 
@@ -135,6 +136,7 @@ class LayerLoads:
             return False
 
     def _copy_steps(self) -> None:
+        name_os_thread("pfx-layers")
         # vLLM runs its forward under inference mode; the views written here alias its tensors.
         with torch.inference_mode():
             while (step := self._steps.get()) is not None:

@@ -58,6 +58,7 @@ from ...client.link import CacheLink, LeaseReturns
 from ...errors import InvalidArgument, PrefixCacheError
 from ...kinds import TierKind
 from ...retention import StoreHints, store_hints
+from ...threads import name_os_thread
 from ...transfer import TransferEstimate
 from . import states
 from .link import LOGGER, ConnectorLink
@@ -134,7 +135,12 @@ class SchedulerSide:
         self.saves = saves
         self.settings = link.settings
         self._requests: dict[str, _Request] = {}
-        self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="prefixcache-lookup")
+        self._lookups = ThreadPoolExecutor(
+            LOOKUP_THREADS,
+            thread_name_prefix="prefixcache-lookup",
+            initializer=name_os_thread,
+            initargs=("pfx-lookup",),
+        )
         self._returns = LeaseReturns(link)  # leases not needed, handed back with the next Lookup
         self._step_tokens = 0  # vLLM's last step computed this many tokens (> 0: a wait would stall it)
         self._last_build = time.perf_counter()  # build_connector_meta's last call: one per step

@@ -50,6 +50,7 @@ import torch
 from ...client.api import CacheClient, Hit
 from ...client.link import CacheLink, service_level
 from ...errors import PrefixCacheError
+from ...threads import name_os_thread
 from . import states
 from .layers import LayerLoads
 from .link import LOGGER
@@ -113,6 +114,7 @@ class WorkerSide:
             self._invalid_blocks.update(block_ids)
 
     def _load_loop(self) -> None:
+        name_os_thread("pfx-load")
         with torch.inference_mode():  # as vLLM's own forward: tensors mapped there are inference tensors
             while (item := self._loads.get()) is not None:
                 with self.stats.background():
@@ -268,6 +270,7 @@ class WorkerSide:
                 self._queue.put((state_op, self.states.gather_later(dict(state_op.block_ids)), 1))
 
     def _save_loop(self) -> None:
+        name_os_thread("pfx-save")
         # vLLM runs the model (and so the first attach, which maps shared memory) under inference
         # mode; tensors made there may only be written in inference mode.
         with torch.inference_mode():
