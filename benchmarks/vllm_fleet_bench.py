@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/vllm_fleet_bench.py [--configs 1,2,3,3s,4,5]
         [--kv-pressure] [--before-root DIR] [--rounds 1] [--conversations 8] [--turns 3] [--users 3]
-        [--min-turns 0] [--spill 2] [--layers 4 --hidden 512] [--json-out FILE]
+        [--min-turns 0] [--spill 2] [--think-ms 0] [--layers 4 --hidden 512] [--json-out FILE]
 
 Every configuration replays the SAME schedule: `--conversations` synthetic chats behind one
 shared system prompt (each turn resends every earlier turn plus a new user message; the
@@ -10,7 +10,8 @@ assistant turns are fixed text, so the prompts do not depend on what the model s
 `--users` concurrent users, each taking the next conversation and playing its turns in order
 (`--by-turn`: the next turn of any conversation, all first turns before any second turn, so
 every conversation stays live and a server's own cache must hold them all between turns);
-greedy, streaming. `--min-turns N` gives each conversation between N and `--turns` turns, drawn
+greedy, streaming. Users send each request the moment they may (a closed loop), or after a pause
+(`--think-ms`: exponential, its mean in ms, drawn per turn so every configuration gets the same). `--min-turns N` gives each conversation between N and `--turns` turns, drawn
 at random, as real chats vary, so a server that keeps its conversations (sticky routing) can be
 left with the long ones while the other idles. Each server is first warmed with `--users`
 prompts of a first turn's length that share nothing with the schedule. Configurations (fresh
@@ -273,6 +274,8 @@ async def drive(urls: list[str], chats: list[list[list[dict]]], config: Config, 
             number, turn = queue.pop(0)
             if turn:
                 await done[number, turn - 1].wait()  # its previous turn's answer first
+            if args.think_ms > 0:  # the user reads, then writes: the same pause in every configuration
+                await asyncio.sleep(random.Random(f"{number}/{turn}").expovariate(1000 / args.think_ms))
             server = route(number)
             in_flight[server] += 1
             try:
@@ -703,6 +706,13 @@ def main() -> None:
         "--spill", type=int, default=2, help="3a/4a: move a conversation when its server has this many more in flight"
     )
     parser.add_argument("--users", type=int, default=3)
+    parser.add_argument(
+        "--think-ms",
+        type=float,
+        default=0.0,
+        help="mean pause (exponential, the same per turn in every configuration) before each request "
+        "(0: none, a closed loop: then least-in-flight routing herds users onto the server that just freed them)",
+    )
     parser.add_argument(
         "--no-bind-cores",
         dest="bind_cores",
