@@ -10,10 +10,11 @@ assistant turns are fixed text, so the prompts do not depend on what the model s
 `--users` concurrent users, each taking the next conversation and playing its turns in order
 (`--by-turn`: the next turn of any conversation, all first turns before any second turn, so
 every conversation stays live and a server's own cache must hold them all between turns);
-greedy, streaming. Users send each request the moment they may (a closed loop), or after a pause
-(`--think-ms`: exponential, its mean in ms, drawn per turn so every configuration gets the same). `--min-turns N` gives each conversation between N and `--turns` turns, drawn
-at random, as real chats vary, so a server that keeps its conversations (sticky routing) can be
-left with the long ones while the other idles. Each server is first warmed with `--users`
+greedy, streaming. Users send each request the moment they may (a closed loop), or after a
+pause (`--think-ms`: exponential, its mean in ms, drawn per turn so every configuration gets the
+same). `--min-turns N` gives each conversation between N and `--turns` turns, drawn at random,
+as real chats vary, so a server that keeps its conversations (sticky routing) can be left with
+the long ones while the other idles. Each server is first warmed with `--users`
 prompts of a first turn's length that share nothing with the schedule. Configurations (fresh
 servers, services and Redis for each):
 
@@ -717,7 +718,8 @@ def main() -> None:
         "--no-bind-cores",
         dest="bind_cores",
         action="store_false",
-        help="leave vLLM's own CPU binding (default: server i of a fleet on core i, as on separate hosts; a lone server on core 0 and its service on the others)",
+        help="leave vLLM's own CPU binding (default: server i of a fleet on core i, as on separate hosts; "
+        "a lone server on core 0 and its service on the others)",
     )
     parser.add_argument(
         "--by-turn", action="store_true", help="play every conversation's turn 1, then every turn 2, ... (all live)"
