@@ -128,7 +128,7 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
             if transfer.kv_load_failure_policy != "recompute":
                 transfer.kv_load_failure_policy = "recompute"  # read by the scheduler right after this
             # MLA on vLLM's reference CPU backend (CPU_MLA) cannot prefill on top of cached KV: the
-            # connector only saves there. Its AMX backend (AMX_MLA) loads byte-exact (docs/vllm.md).
+            # connector only saves there. Its AMX backend (AMX_MLA) loads exactly (docs/vllm.md).
             cpu_mla = self.groups.latent and _reference_cpu_mla(vllm_config)
             if cpu_mla:
                 log.warning(
