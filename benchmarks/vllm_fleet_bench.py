@@ -76,6 +76,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -398,20 +399,33 @@ def counters(urls: list[str]) -> dict[str, float]:
     return totals
 
 
-def group_cpu_s(processes: list[subprocess.Popen]) -> float:
-    """CPU seconds (user + system) used so far by these processes and every live process in their
-    groups (a vLLM server, started in a session of its own: its API process and its engine core)."""
+def _stat(path: Path) -> tuple[str, list[str]]:
+    """A /proc stat file's command name and the fields after it (state first)."""
+    head, fields = path.read_text().rsplit(")", 1)
+    return head.split("(", 1)[1], fields.split()
+
+
+def _cpu_s(fields: list[str]) -> float:
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _members(processes: list[subprocess.Popen]) -> Iterator[tuple[Path, int, str, list[str]]]:
+    """(/proc directory, pid, name, stat fields) of these processes and every live process in their
+    groups (a vLLM server, started in a session of its own: its API process, engine core, workers)."""
     groups = {process.pid for process in processes}
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for path in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            name, fields = _stat(path)
         except OSError:
             continue  # gone meanwhile
-        if int(stat.parent.name) in groups or int(fields[2]) in groups:  # pid or pgrp
-            total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
-    return total
+        pid = int(path.parent.name)
+        if pid in groups or int(fields[2]) in groups:  # pid or pgrp
+            yield path.parent, pid, name, fields
+
+
+def group_cpu_s(processes: list[subprocess.Popen]) -> float:
+    """CPU seconds (user + system) used so far by these processes and their groups (`_members`)."""
+    return sum(_cpu_s(fields) for _, _, _, fields in _members(processes))
 
 
 def thread_cpu_s(servers: list[subprocess.Popen], services: list[subprocess.Popen]) -> dict[str, float]:
@@ -420,22 +434,15 @@ def thread_cpu_s(servers: list[subprocess.Popen], services: list[subprocess.Pope
     connector's threads name themselves, prefixcache/threads.py), `service/...`; numbered names
     (`gloo_tcp_loop`, `ZMQbg/IO/0`) pooled without their numbers."""
     leaders = {process.pid: "api" for process in servers} | {process.pid: "service" for process in services}
-    ticks = os.sysconf("SC_CLK_TCK")
     totals: dict[str, float] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for directory, pid, name, _ in _members(servers + services):
+        process = leaders.get(pid, name)
         try:
-            pid = int(stat.parent.name)
-            head, fields = stat.read_text().rsplit(")", 1)
-            group = int(fields.split()[2])
-            if pid not in leaders and group not in leaders:
-                continue
-            process = leaders.get(pid) or head.split("(", 1)[1]
-            for task in (stat.parent / "task").iterdir():
-                name, values = (task / "stat").read_text().split("(", 1)[1].rsplit(")", 1)
-                parts = values.split()
-                key = f"{process}/{re.sub(r'[-_/]?[0-9]+$', '', name)}"
-                totals[key] = totals.get(key, 0.0) + (int(parts[11]) + int(parts[12])) / ticks
-        except (OSError, ValueError, IndexError):
+            for task in (directory / "task").iterdir():
+                thread, fields = _stat(task / "stat")
+                key = f"{process}/{re.sub(r'[-_/]?[0-9]+$', '', thread)}"
+                totals[key] = totals.get(key, 0.0) + _cpu_s(fields)
+        except OSError:
             continue  # gone meanwhile
     return totals
 

@@ -129,8 +129,8 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 transfer.kv_load_failure_policy = "recompute"  # read by the scheduler right after this
             # MLA on vLLM's reference CPU backend (CPU_MLA) cannot prefill on top of cached KV: the
             # connector only saves there. Its AMX backend (AMX_MLA) loads exactly (docs/vllm.md).
-            cpu_mla = self.groups.latent and _reference_cpu_mla(vllm_config)
-            if cpu_mla:
+            reference_mla = self.groups.latent and _reference_cpu_mla(vllm_config)
+            if reference_mla:
                 log.warning(
                     "prefixcache: %s on vLLM's reference CPU MLA backend (CPU_MLA), which cannot prefill "
                     "on top of cached KV: the connector saves blocks (for MLA engines elsewhere sharing "
@@ -141,7 +141,7 @@ class PrefixCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 self.link,
                 self.stats,
                 self.block_size,
-                transfer.is_kv_consumer and not cpu_mla,  # kv_role: a producer only saves...
+                transfer.is_kv_consumer and not reference_mla,  # kv_role: a producer only saves...
                 self.state_link,
                 self.groups.state_groups,
                 in_step_loads=self._in_step_loads,
