@@ -53,6 +53,7 @@ LEFT_OUT = {
     "vllm_ttft_bench.py": "needs vLLM (the .venv-vllm environment), not installed by the test extras",
     "vllm_scheduler_cost.py": "needs vLLM (the .venv-vllm environment), not installed by the test extras",
     "vllm_fleet_bench.py": "needs vLLM (the .venv-vllm environment), not installed by the test extras",
+    "vllm_copy_cost.py": "needs vLLM's package to import the connector; run by tests/vllm_e2e/test_vllm_units.py",
 }
 
 

@@ -13,11 +13,13 @@ engine's log.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -26,7 +28,7 @@ import torch
 
 from prefixcache.client import CacheClient
 from prefixcache.config import KVLayout
-from prefixcache.errors import InvalidArgument
+from prefixcache.errors import InvalidArgument, UnknownLease
 from prefixcache.kinds import MissReason
 from tests.support.poll import poll
 from tests.support.service import random_kv, same_bytes
@@ -152,6 +154,56 @@ def test_engines_of_three_block_sizes_share_one_service_and_its_redis(services) 
         assert listed[c16.attachment.namespace_id].engine_block_sizes == (16, 32, 48)
     finally:
         for client in (c16, c32, c48, far32):
+            client.close()
+
+
+def _pieces(client: CacheClient, hit, blocks: slice | None = None) -> list[tuple[int, torch.Tensor]]:
+    got: list[tuple[int, torch.Tensor]] = []
+    client.read_into(hit, lambda first, kv: got.append((first, kv.clone())), blocks=blocks)
+    return got
+
+
+def test_read_into_hands_mapped_runs_as_views_of_the_service_and_anything_else_as_one_read(services) -> None:
+    """The connector's one-copy load (worker.py `_copy` on CPU): mapped runs reach the sink as
+    views of the service's memory; a split or streamed hit as `read`'s tensor; and a lease that
+    ended while the sink copied is an error after the sink ran, never bytes silently kept."""
+    first, _, _ = services
+    c16, c32, c48 = attach(first, 16), attach(first, 32), attach(first, 48, same_host=False)
+    try:
+        prompt = tokens(200, 40000)
+        stored = random_kv(12, layout(16), seed=11)
+        assert c16.store(prompt, stored).stored == 12
+        mapped = c16._pools.host
+        assert mapped is not None
+        hit = c16.lookup(prompt)
+        try:
+            views: list[torch.Tensor] = []
+            c16.read_into(hit, lambda first, kv: views.append(kv), blocks=slice(3, 11))
+            assert views and all(
+                view.untyped_storage().data_ptr() == mapped.data.untyped_storage().data_ptr() for view in views
+            ), "a mapped run is handed over without a copy"
+            pieces = _pieces(c16, hit, blocks=slice(3, 11))
+            assert sum(len(kv) for _, kv in pieces) == 8
+            assert same_bytes(torch.cat([kv for _, kv in pieces]), stored[3:11])
+            sizes = [len(kv) for _, kv in pieces]
+            assert [start for start, _ in pieces] == [sum(sizes[:i]) for i in range(len(pieces))]
+            expired = dataclasses.replace(hit, lease_deadline=time.monotonic() - 1)
+            ran: list[int] = []
+            with pytest.raises(UnknownLease):
+                c16.read_into(expired, lambda first, kv: ran.append(len(kv)))
+            assert sum(ran) == 12, "the sink ran, and the error says its bytes are not to be kept"
+        finally:
+            c16.release(hit)
+        for client, block in ((c32, 32), (c48, 48)):  # split into service blocks; over the stream
+            hit = client.lookup(prompt)
+            try:
+                pieces = _pieces(client, hit, blocks=slice(1, 3))
+                assert [(start, len(kv)) for start, kv in pieces] == [(0, 2)]
+                assert same_bytes(pieces[0][1], as_engine_blocks(stored, block)[1:3])
+            finally:
+                client.release(hit)
+    finally:
+        for client in (c16, c32, c48):
             client.close()
 
 

@@ -373,9 +373,7 @@ class CacheClient:
                 parts = target.view(count, *layout.block_shape[:3], k, stored.block_size, layout.head_dim)
                 for j in range(k):
                     self._pools.gather(part[j::k], parts[:, :, :, :, j])
-            self._pools.check_current()  # slots of a restarted service's new segment: not these bytes
-            if hit.lease_deadline is None or time.monotonic() >= hit.lease_deadline:
-                raise UnknownLease(hit.lease_id)  # the slots may have been reused while we copied
+            self._check_read(hit.lease_id, hit.lease_deadline)
             return target
         if k == 1 and count == hit.blocks:
             return self._fetch(hit, target, timeout_s)
@@ -383,6 +381,39 @@ class CacheClient:
         if k > 1:
             return _join_blocks(whole[first:end], k, target)
         return whole[start:stop] if out is None else out.copy_(whole[start:stop])  # a view: no copy
+
+    def read_into(
+        self,
+        hit: Hit,
+        sink: Callable[[int, torch.Tensor], None],
+        blocks: slice | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """`read`, handing the blocks to `sink(i, kv)` instead of one tensor: `kv` `[n, *block_shape]`
+        holds blocks i..i+n of the range. Where the range is mapped (and the hit's blocks are the
+        engine's), each run of slots is a view of the service's memory, valid only during the call:
+        the sink's copy is the only one. Else one piece, `read`'s tensor.
+
+        Raises UnknownLease after the sink ran if the lease may have ended while it copied (or the
+        service's memory was replaced): whatever it wrote from these views is not to be kept."""
+        start, stop, step = (blocks or slice(None)).indices(hit.blocks)
+        if step != 1:
+            raise InvalidArgument("blocks", f"must be a contiguous range, got step {step}")
+        part = hit.locations if stop - start == len(hit.locations) else hit.locations[start:stop]
+        if hit.split != 1 or stop <= start or not self._pools.covers(part):
+            sink(0, self.read(hit, timeout_s=timeout_s, blocks=blocks))
+            return
+        if hit.lease_id is None:
+            raise InvalidArgument("hit", "reading blocks needs a lease: lookup(..., take_lease=True)")
+        for first, view in self._pools.pieces(part):
+            sink(first, view)
+        self._check_read(hit.lease_id, hit.lease_deadline)
+
+    def _check_read(self, lease_id: int, deadline: float | None) -> None:
+        """After a copy out of mapped memory: were those still the lease's bytes throughout?"""
+        self._pools.check_current()  # slots of a restarted service's new segment: not these bytes
+        if deadline is None or time.monotonic() >= deadline:
+            raise UnknownLease(lease_id)  # the slots may have been reused while we copied
 
     def _fetch(self, hit: Hit, out: torch.Tensor, timeout_s: float | None) -> torch.Tensor:
         target = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=out.dtype)

@@ -138,10 +138,16 @@ class LocalPools:
     def covers(self, locations: BlockLocations) -> bool:
         return bool(self.pools) and all(int(t) in self.pools for t in np.unique(locations.tiers).tolist())
 
+    def pieces(self, locations: BlockLocations) -> Iterator[tuple[int, torch.Tensor]]:
+        """(i, view): the blocks at locations[i : i + len(view)], one view of mapped slots per run
+        (every tier must be mapped). The views alias the service's memory: no copy."""
+        for start, end, tier, first in runs(locations.tiers, locations.slots, self._per_chunk):
+            yield start, self.pools[tier].run(first, end - start)
+
     def gather(self, locations: BlockLocations, out: torch.Tensor) -> None:
         """out[i] <- the block at locations[i] (every tier must be mapped)."""
-        for start, end, tier, first in runs(locations.tiers, locations.slots, self._per_chunk):
-            out[start:end].copy_(self.pools[tier].run(first, end - start))
+        for start, view in self.pieces(locations):
+            out[start : start + len(view)].copy_(view)
 
     def scatter(self, slots: tuple[int, ...] | list[int], kv: torch.Tensor) -> None:
         """host slot slots[i] <- kv[i]."""

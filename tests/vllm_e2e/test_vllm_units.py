@@ -3,6 +3,10 @@ and the paged-KV views checked against the very reinterpretations vLLM's backend
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -183,6 +187,27 @@ def test_a_loaded_block_is_what_the_backend_reads_and_gathers_back_bit_exact(pac
         untouched = [b for b in range(BLOCKS) if b not in (5, 2)]
         assert not keys[untouched].any() and not values[untouched].any()
     assert torch.equal(cache.gather(((2, 5),)), blocks.flip(0))
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "dtype", "copy_type"),
+    [(8, torch.bfloat16, torch.int64), (6, torch.bfloat16, torch.int32), (3, torch.bfloat16, torch.bfloat16)],
+)
+@pytest.mark.parametrize("packing", [KVPacking.TOKEN_STACKED, KVPacking.CONTENT_SPLIT])
+def test_copies_move_the_same_bytes_as_the_widest_elements_the_rows_allow(head_dim, dtype, copy_type, packing) -> None:
+    """A 16-byte row moves as int64, a 12-byte one as int32, a 6-byte one as itself; the bytes
+    that land and come back are the same in every case (and blocks handed over as a strided view
+    still land)."""
+    layout = KVLayout(layers=LAYERS, kv_heads=H, head_dim=head_dim, block_size=N, dtype="bfloat16")
+    tensors = [torch.zeros(BLOCKS, H, N, 2 * head_dim, dtype=dtype) for _ in range(LAYERS)]
+    cache = PagedCache([PagedLayer.of(t, packing, head_dim) for t in tensors])
+    assert cache._copy_type == copy_type
+    blocks = torch.randn(3, *layout.block_shape).to(dtype)
+    assert cache.load(blocks, ((4, 1, 6),)) == 3 * LAYERS
+    assert torch.equal(cache.gather(((4, 1, 6),)), blocks)
+    strided = torch.randn(3, *layout.block_shape[:-1], 2 * head_dim).to(dtype)[..., :head_dim]
+    cache.load(strided, ((2, 3, 5),))
+    assert torch.equal(cache.gather(((2, 3, 5),)), strided)
 
 
 def test_a_save_copies_its_blocks_out_before_vllm_can_reuse_them() -> None:
@@ -487,3 +512,33 @@ def test_every_connector_counter_is_described_and_named_in_the_docs() -> None:
     docs = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
     metrics = docs[docs.index("## Metrics") :].split("\n## ", 1)[0]
     assert [name for name in FIELDS if f"`_{name}`" not in metrics and f"prefixcache_{name}`" not in metrics] == []
+
+
+def test_the_copy_benchmark_runs_and_its_loads_put_the_stored_blocks_in_place(tmp_path: Path) -> None:
+    """benchmarks/vllm_copy_cost.py, small: it asserts each round that the loads put the stored
+    bytes in vLLM's blocks, and reports every copy it times."""
+    out = tmp_path / "copy.json"
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "vllm_copy_cost.py"),
+            "--blocks",
+            "4",
+            "--layers",
+            "2",
+            "--rounds",
+            "2",
+            "--json-out",
+            str(out),
+        ],
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    summary = json.loads(out.read_text())
+    assert set(summary["rows"]) == {"load, staged", "load, direct", "save: gather", "save: store"}
+    assert all(row["p50_us"] > 0 for row in summary["rows"].values())
+    assert summary["direct_over_staged"] > 0

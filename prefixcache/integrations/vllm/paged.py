@@ -151,11 +151,33 @@ class HostCopy:
         return self._host
 
 
+# Integer types a load may view the bytes as, widest first: `index_copy_` moves elements, and
+# 8-byte ones load a bf16 cache's blocks in 0.84x the time of 2-byte ones on one CPU core (48
+# blocks of 12 layers: 2.05 vs 2.43 ms; `index_select`, the gathers, gains nothing).
+_WIDE_TYPES = (torch.int64, torch.int32, torch.int16)
+
+
+def _widest(tensors: Sequence[torch.Tensor]) -> torch.dtype | None:
+    """The widest of `_WIDE_TYPES` every tensor can be viewed as (None: keep their own)."""
+    for dtype in _WIDE_TYPES:
+        if dtype.itemsize <= tensors[0].dtype.itemsize:
+            return None
+        try:
+            for tensor in tensors:
+                tensor.view(dtype)
+        except RuntimeError:  # a row or an offset not a multiple of its size
+            continue
+        return dtype
+    return None
+
+
 @dataclass(frozen=True)
 class LoadPlan:
     """A load of canonical blocks into vLLM's cache, ready to copy layer by layer (`PagedCache.load_layer`)."""
 
-    source: torch.Tensor  # the blocks `[n, layers, 2, H, N, D]` in vLLM's element type (on its device unless by layer)
+    source: (
+        torch.Tensor
+    )  # the blocks `[n, layers, 2, H, N, D']` as the cache's copy type (on its device unless by layer)
     groups: dict[int, tuple[torch.Tensor, torch.Tensor | None]]  # KV group -> (vLLM block ids, source rows or all)
     copies: int  # layer-blocks the load copies (a sliding layer outside its window copies none)
 
@@ -177,6 +199,9 @@ class PagedCache:
                 f"vLLM's paged cache holds {paged} elements, the namespace's "
                 f"{self.dtype} is another size; bytes cannot be reinterpreted",
             )
+        # Loads move the same bytes as wider elements where every layer's views allow it.
+        self._copy_type = _widest([view for layer in layers for view in (layer.keys, layer.values)]) or paged
+        self._copy_views = [(layer.keys.view(self._copy_type), layer.values.view(self._copy_type)) for layer in layers]
 
     @property
     def device(self) -> torch.device:
@@ -204,6 +229,11 @@ class PagedCache:
             if source.dtype.itemsize != self.layers[0].keys.dtype.itemsize:
                 raise ValueError(f"blocks of {source.dtype} cannot be viewed as vLLM's {self.layers[0].keys.dtype}")
             source = source.view(self.layers[0].keys.dtype)
+        if source.dtype != self._copy_type:
+            try:
+                source = source.view(self._copy_type)
+            except RuntimeError:  # not contiguous in its rows: copied as its own elements
+                pass
         plans: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for group, ids in enumerate(block_ids):
             if group not in self._groups:
@@ -226,8 +256,9 @@ class PagedCache:
         index, rows = group
         part = plan.source[:, number] if rows is None else plan.source.index_select(0, rows)[:, number]
         part = part.to(self.device, non_blocking=True)  # a plan made `by_layer` moves here
-        layer.keys.index_copy_(0, index, part[:, 0])
-        layer.values.index_copy_(0, index, part[:, 1])
+        keys, values = self._copy_views[number] if part.dtype == self._copy_type else (layer.keys, layer.values)
+        keys.index_copy_(0, index, part[:, 0])
+        values.index_copy_(0, index, part[:, 1])
 
     def gather(self, block_ids: GroupBlockIds) -> torch.Tensor:
         """Canonical blocks `[n, layers, 2, H, N, D]` (on CPU, in `self.dtype`): layer l of block i is
@@ -245,7 +276,7 @@ class PagedCache:
         out = torch.empty(
             (len(block_ids[0]), len(self.layers), 2, *first.shape[1:]), dtype=first.dtype, device=self.device
         )
-        for number, layer in enumerate(self.layers):
+        for number, layer in enumerate(self.layers):  # index_select: no faster on wider elements
             index = indexes[layer.group]
             torch.index_select(layer.keys, 0, index, out=out[:, number, 0])
             torch.index_select(layer.values, 0, index, out=out[:, number, 1])

@@ -23,7 +23,8 @@ scheduler names (`StateSaveOp`) are copied out with the step's blocks and stored
 namespace (states.py).
 
 Data paths (chosen per load):
-- co-located (the service's host tier mapped here, the slots all in it): shared memory ->
+- co-located (the service's host tier mapped here, the slots all in it): on CPU each run of
+  mapped slots straight into vLLM's blocks (`read_into`, one copy); on CUDA shared memory ->
   staging tensor -> vLLM's blocks; gRPC carries only the Release.
 - otherwise: the lease's blocks over the Fetch stream, then into vLLM's blocks.
 Saves go through `CacheClient.store`: Reserve + copy into shared memory + Commit when mapped,
@@ -215,17 +216,31 @@ class WorkerSide:
         self.stats.add(loaded_states=1)
 
     def _copy(self, client: CacheClient, hit: Hit, op: LoadOp, end: int, by_layer: bool = False) -> int:
-        assert self.paged is not None
+        """Copy blocks op.first_block..end of the lease into vLLM's; the layer-blocks copied."""
+        paged = self.paged
+        assert paged is not None
+        copies = 0
+
+        def load(first: int, blocks: torch.Tensor) -> None:
+            nonlocal copies
+            copies += paged.load(blocks, tuple(ids[first : first + len(blocks)] for ids in op.block_ids))
+
         try:  # mapped memory when the client has every block of the range mapped, else the stream
+            if paged.device.type == "cpu" and not by_layer:
+                # Straight from the mapped slots into vLLM's blocks: one copy, not two (on CUDA a
+                # copy from the mapping would run after the lease's checks, so it is staged).
+                client.read_into(hit, load, blocks=slice(op.first_block, end))
+                return copies
             blocks = client.read(hit, blocks=slice(op.first_block, end))
         except PrefixCacheError as error:
             if service_level(error):  # an unreachable or restarted service, not an expired lease
                 self.link.failed(error, client)
             raise
         if not by_layer:
-            return self.paged.load(blocks, op.block_ids)
+            load(0, blocks)
+            return copies
         assert self.layers is not None
-        plan = self.paged.plan_load(blocks, op.block_ids, by_layer=True)
+        plan = paged.plan_load(blocks, op.block_ids, by_layer=True)
         self.layers.add(plan, op.block_ids[0])  # in-step loads: one KV cache group
         self.stats.add(layered_loads=1)
         return plan.copies
