@@ -1558,7 +1558,7 @@ static PyMethodDef core_methods[] = {
     {"resp_set", (PyCFunction)(void (*)(void))core_resp_set, METH_FASTCALL,
      "resp_set(sock, keys, values, ttls_ms, timeout_s, deadline_s=None) -> None, or the first error reply's text"},
     {"resp_getex", (PyCFunction)(void (*)(void))core_resp_getex, METH_FASTCALL,
-     "resp_getex(sock, keys, ttl_ms, timeout_s, max_value=None, deadline_s=None) -> (values, [(position, error reply text)])"},
+     "resp_getex(sock, keys, ttl_ms, timeout_s, max_value=None, deadline_s=None, reset=False) -> (values, [(position, error reply text)])"},
     {NULL, NULL, 0, NULL},
 };
 

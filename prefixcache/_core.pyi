@@ -92,6 +92,7 @@ def resp_getex(
     timeout_s: float | None,
     max_value: int | None = None,
     deadline_s: float | None = None,
+    reset: bool = False,
     /,
 ) -> tuple[list[bytearray | None], list[tuple[int, bytes]]]: ...
 

@@ -4,11 +4,13 @@
  *   pipeline: the command bytes built here, every value sent from the caller's buffers (a value is
  *   one buffer or a tuple of its parts, e.g. a frame's header and the payload in a host slot; a
  *   small part is joined into the command bytes), then every reply read.
- * - resp_getex(sock, keys, ttl_ms, timeout_s, max_value, deadline_s): `GETEX key PX ttl` (plain
- *   `GET` when ttl_ms is None) for each key in one pipeline, each bulk reply read straight into a
- *   bytearray of its exact size, once its length line says it is at most max_value (a longer one
- *   is a fault before anything is allocated: Redis, or whatever answers in its place, must never
- *   size our allocations).
+ * - resp_getex(sock, keys, ttl_ms, timeout_s, max_value, deadline_s, reset): each key read and its
+ *   TTL refreshed in one pipeline: `GET key` + `PEXPIRE key ttl GT` (the TTL only ever lengthened,
+ *   so a key another instance gave a longer one, a pin or a retention hint, keeps it; Redis >= 7),
+ *   `GETEX key PX ttl` with `reset` (sets it, for a Redis without GT), plain `GET` when ttl_ms is
+ *   None. Each bulk reply is read straight into a bytearray of its exact size, once its length line
+ *   says it is at most max_value (a longer one is a fault before anything is allocated: Redis, or
+ *   whatever answers in its place, must never size our allocations).
  * - deadline_s (resp_set, resp_getex, RespWriter.run's each batch): the whole exchange ends by
  *   then, beyond timeout_s for each wait, so a peer dripping bytes cannot hold it.
  *
@@ -27,7 +29,8 @@
  * server), OSError (errno) or ValueError (a reply of a kind the command cannot return, or bytes
  * after the last reply; args (text, position of the reply at fault or -1)); a deadline raises
  * TimeoutError("deadline: ..."); the caller must then drop the connection. Error replies are data:
- * resp_set returns the first one's text, resp_getex each one's with the key's position.
+ * resp_set returns the first one's text, resp_getex each one's with the key's position (a
+ * refresh's with the key's position + the number of keys).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -663,12 +666,34 @@ done:
 
 /* ---- GETEX ------------------------------------------------------------------------------- */
 
+/* Append (position, the error reply's text, cut to ERROR_TEXT) to `errors`; 0, or -3 with the
+ * exception set. Called without the GIL. */
+static int
+append_error(Link *link, PyObject *errors, Py_ssize_t position, const char *line, size_t length)
+{
+    int failed = 0;
+    link_acquire(link);
+    size_t kept = length - 1 < ERROR_TEXT ? length - 1 : ERROR_TEXT;
+    PyObject *error = Py_BuildValue("(ny#)", position, line + 1, (Py_ssize_t)kept);
+    if (error == NULL || PyList_Append(errors, error) < 0) {
+        failed = -3;
+    }
+    Py_XDECREF(error);
+    link_release(link);
+    return failed;
+}
+
 PyObject *
 core_resp_getex(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 4 || nargs > 6) {
+    if (nargs < 4 || nargs > 7) {
         PyErr_SetString(PyExc_TypeError,
-                        "resp_getex(sock, keys, ttl_ms, timeout_s, max_value=None, deadline_s=None) takes 4 to 6 arguments");
+                        "resp_getex(sock, keys, ttl_ms, timeout_s, max_value=None, deadline_s=None, reset=False) "
+                        "takes 4 to 7 arguments");
+        return NULL;
+    }
+    int reset = 0;
+    if (nargs > 6 && (reset = PyObject_IsTrue(args[6])) < 0) {
         return NULL;
     }
     Link link;
@@ -714,7 +739,7 @@ core_resp_getex(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (key_of(keys, i, &key, &key_length) < 0) {
             goto done;
         }
-        command_bytes += HEADER_ROOM + (size_t)key_length;
+        command_bytes += 2 * (HEADER_ROOM + (size_t)key_length); /* GET and PEXPIRE both name it */
         PyList_SET_ITEM(values, i, Py_NewRef(Py_None));
     }
     command = PyMem_RawMalloc(command_bytes);
@@ -722,18 +747,29 @@ core_resp_getex(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_NoMemory();
         goto done;
     }
-    char px[64];
-    size_t px_length = args[2] == Py_None ? 0 : (size_t)sprintf(px, "$2\r\nPX\r\n$%d\r\n%lld\r\n",
-                                                                   snprintf(NULL, 0, "%lld", ttl), ttl);
+    /* The refresh: GETEX's `PX ttl` (reset), or PEXPIRE's `ttl GT` after a plain GET (extend). */
+    int refresh = args[2] != Py_None;
+    int extend = refresh && !reset;
+    char tail[64];
+    size_t tail_length = 0;
+    if (refresh) {
+        int digits = snprintf(NULL, 0, "%lld", ttl);
+        tail_length = (size_t)(extend ? sprintf(tail, "$%d\r\n%lld\r\n$2\r\nGT\r\n", digits, ttl)
+                                      : sprintf(tail, "$2\r\nPX\r\n$%d\r\n%lld\r\n", digits, ttl));
+    }
     char *at = command;
     for (Py_ssize_t i = 0; i < count; i++) {
         const char *key = NULL;
         Py_ssize_t key_length = 0;
         (void)key_of(keys, i, &key, &key_length); /* checked above */
-        at += sprintf(at, px_length ? "*4\r\n$5\r\nGETEX\r\n" : "*2\r\n$3\r\nGET\r\n");
+        at += sprintf(at, refresh && !extend ? "*4\r\n$5\r\nGETEX\r\n" : "*2\r\n$3\r\nGET\r\n");
         at = put_bulk(at, key, (size_t)key_length);
-        memcpy(at, px, px_length);
-        at += px_length;
+        if (extend) {
+            at += sprintf(at, "*4\r\n$7\r\nPEXPIRE\r\n");
+            at = put_bulk(at, key, (size_t)key_length);
+        }
+        memcpy(at, tail, tail_length);
+        at += tail_length;
     }
     struct iovec iov = {.iov_base = command, .iov_len = (size_t)(at - command)};
 
@@ -781,18 +817,22 @@ core_resp_getex(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                     }
                 }
             } else if (length == 1 && line[0] == '_') {
-                continue; /* RESP3's null, for a connection that said HELLO 3 */
+                /* RESP3's null, for a connection that said HELLO 3 */
             } else if (length && line[0] == '-') {
-                link_acquire(&link);
-                size_t kept = length - 1 < ERROR_TEXT ? length - 1 : ERROR_TEXT;
-                PyObject *error = Py_BuildValue("(ny#)", i, line + 1, (Py_ssize_t)kept);
-                if (error == NULL || PyList_Append(errors, error) < 0) {
-                    failed = -3;
-                }
-                Py_XDECREF(error);
-                link_release(&link);
+                failed = append_error(&link, errors, i, line, length);
             } else {
-                failed = link_bad_line(&link, "a GETEX answered neither a bulk string nor an error", line, length);
+                failed = link_bad_line(&link, "a GET answered neither a bulk string nor an error", line, length);
+            }
+            if (failed || !extend) {
+                continue;
+            }
+            /* PEXPIRE's answer: 1 (lengthened), 0 (missing, or already longer), or an error */
+            if (reader_line(reader, &line, &length) < 0) {
+                failed = -1;
+            } else if (length && line[0] == '-') {
+                failed = append_error(&link, errors, count + i, line, length);
+            } else if (!(length >= 2 && line[0] == ':')) {
+                failed = link_bad_line(&link, "a PEXPIRE answered neither an integer nor an error", line, length);
             }
         }
         if (!failed && reader->start != reader->end) {

@@ -506,8 +506,8 @@ class PrefixCache:
     def _hold_pin_keys(self, pins: Iterable[Lease], now: float) -> None:
         """Redis keeps pinned blocks while pinned: each key's TTL becomes the pin's time left plus
         the Redis TTL (a pin without a TTL: the Redis TTL, renewed by `expire` four times per Redis
-        TTL), so a GETEX of another instance, which resets a key to the Redis TTL, cannot outlast
-        a renewal. Locked."""
+        TTL). Another instance's read only lengthens a TTL (`PEXPIRE ... GT`); on a Redis before
+        7.0 it resets it to the Redis TTL (GETEX), which cannot outlast a renewal. Locked."""
         link = self.remote_link
         if link is None:
             return

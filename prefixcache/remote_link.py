@@ -151,7 +151,7 @@ class RemoteLink:
                 self._verify.observe(nbytes, seconds)
 
     def fetched(self, node: int, now: float) -> None:
-        """`node` was just admitted from Redis, whose GETEX refreshed the key's TTL."""
+        """`node` was just admitted from Redis, whose read refreshed the key's TTL (to at least ttl_s)."""
         self._until[node] = now + self.ttl_s
 
     def believed(self, path: np.ndarray, now: float) -> int:

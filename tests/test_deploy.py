@@ -655,6 +655,7 @@ def test_redis_conf_runs_the_tier_as_the_acl_user_and_evicts_when_full(tmp_path:
             admin.config_set("maxmemory", "4mb")
             for i in range(64):  # 16 MiB into a 4 MiB Redis: never an OOM error
                 user.psetex(f"pfx:ns:{i}", 60_000, os.urandom(256 << 10))
+                user.pexpire(f"pfx:ns:{i}", 120_000, gt=True)  # a hit's TTL refresh, pins, hints
         assert 0 < admin.dbsize() < 64 and admin.info("stats")["evicted_keys"] > 0
 
 

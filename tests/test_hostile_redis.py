@@ -37,9 +37,9 @@ DRIP_S = 0.025  # under the 50 ms per-read timeout: each read returns in time, t
 
 
 class HostileRedis:
-    """Speaks enough RESP to pass for Redis (CLIENT SETNAME, PING, PSETEX, UNLINK answered as Redis
-    would), and answers every GET/GETEX as `mode` says: "huge" announces a terabyte, "drip" sends
-    a reply one byte every DRIP_S; `mode` "drip-writes" drips the PSETEX replies instead."""
+    """Speaks enough RESP to pass for Redis (CLIENT SETNAME, PING, PSETEX, UNLINK, PEXPIRE answered
+    as Redis would), and answers every GET/GETEX as `mode` says: "huge" announces a terabyte, "drip"
+    sends a reply one byte every DRIP_S; `mode` "drip-writes" drips the PSETEX replies instead."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
@@ -77,7 +77,7 @@ class HostileRedis:
                     _drip(conn, b"+" + b"O" * 1000 + b"\r\n", self._stopping)  # 25 s for one reply
                 elif name == b"PING":
                     conn.sendall(b"+PONG\r\n")
-                elif name == b"UNLINK":
+                elif name in (b"UNLINK", b"PEXPIRE"):
                     conn.sendall(b":1\r\n")
                 else:
                     conn.sendall(b"+OK\r\n")

@@ -6,6 +6,7 @@ Redis use a private server. Waiting is always a bounded poll.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import random
 import time
@@ -89,6 +90,56 @@ def test_a_hit_lengthens_the_ttl(tier: RedisTier, redis_server: RedisServer) -> 
         assert raw.pttl(key) > 590_000
         tier.fetch(NS, [block_hash(1)])  # the default TTL from the options (3600 s)
         assert raw.pttl(key) > 3_590_000
+
+
+def _pttl(server, key: str) -> int:
+    """A key's PTTL as Redis holds it: a standalone server, or the cluster node owning the key."""
+    if hasattr(server, "nodes"):
+        with connect(server.url, RedisOptions(url=server.url)) as cluster:
+            return int(cluster.pttl(key))
+    with server.client() as raw:
+        return int(raw.pttl(key))
+
+
+@pytest.mark.parametrize("shape", ["standalone", "cluster"])
+def test_another_instances_hit_lengthens_a_ttl_but_never_shortens_one(shape, request) -> None:
+    """Two instances share one Redis. One keeps a block an hour (a retention hint, a pin); the
+    other, whose TTL is a minute, reads it: the hour stands (`PEXPIRE ... GT`, where GETEX PX
+    cut it to a minute). A key with less left than the reader's TTL is still lengthened to it."""
+    server = request.getfixturevalue("redis_server" if shape == "standalone" else "redis_cluster")
+    hinted = fast_options(server.url, ttl_s=3600, socket_timeout_s=0.5)
+    with (
+        RedisTier(hinted) as keeper,
+        RedisTier(dataclasses.replace(hinted, ttl_s=60)) as reader,
+    ):
+        assert poll(lambda: keeper.is_up() and reader.is_up(), 10)
+        assert keeper.submit(NS, block_hash(1), frame_for(1)) and keeper.submit(
+            NS, block_hash(2), frame_for(2), ttl_s=2
+        )
+        assert keeper.wait_idle(5)
+        for _ in range(3):
+            assert reader.fetch(NS, [block_hash(1), block_hash(2)]) == [frame_for(1), frame_for(2)]
+        assert _pttl(server, keeper.key(NS, block_hash(1))) > 3_500_000, "the longer TTL was kept"
+        assert 50_000 < _pttl(server, keeper.key(NS, block_hash(2))) <= 60_000, "the shorter one was lengthened"
+        assert reader.stats().read_errors == 0
+
+
+def test_a_redis_that_refuses_pexpire_gt_is_read_with_getex(private_redis: RedisServer, caplog) -> None:
+    """Where `PEXPIRE ... GT` is refused (a Redis before 7.0; here an ACL without PEXPIRE), the
+    tier logs it once and refreshes with GETEX from then on: reads never fail over a refresh."""
+    with private_redis.client() as raw:
+        raw.execute_command("ACL", "SETUSER", "nopexpire", "on", ">pw", "~*", "+@all", "-pexpire")
+    with RedisTier(fast_options(private_redis.url, ttl_s=60, username="nopexpire", password="pw")) as tier:
+        assert poll(tier.is_up, 5)
+        assert tier.submit(NS, block_hash(1), frame_for(1), ttl_s=3600) and tier.wait_idle(5)
+        with caplog.at_level("WARNING", logger="prefixcache.tiers.redis_reader"):
+            for _ in range(3):
+                assert tier.fetch(NS, [block_hash(1)]) == [frame_for(1)]
+        refusals = [r for r in caplog.records if "PEXPIRE ... GT refused" in r.getMessage()]
+        assert len(refusals) == 1, "logged once, then GETEX"
+        assert 50_000 < _pttl(private_redis, tier.key(NS, block_hash(1))) <= 60_000, "GETEX sets the TTL"
+        stats = tier.stats()
+        assert (stats.read_errors, stats.hits) == (0, 3)
 
 
 def test_fetch_in_byte_bounded_round_trips_keeps_order(tier: RedisTier) -> None:
@@ -364,8 +415,8 @@ def test_tier_started_before_redis_starts_fast_and_picks_it_up(tmp_path: Path) -
 
 
 def test_a_read_only_replica_keeps_serving_reads_and_refuses_writes(private_redis: RedisServer) -> None:
-    """A replica answers READONLY to GETEX and SET: the tier reads with GET (no TTL refresh) and
-    only the write side goes down (issue 15.5)."""
+    """A replica answers READONLY to the TTL refresh (PEXPIRE) and SET: the tier reads with GET
+    alone and only the write side goes down (issue 15.5)."""
     with RedisTier(fast_options(private_redis.url, breaker_failures=2)) as tier:
         assert tier.submit(NS, block_hash(1), b"x") and tier.wait_idle(5)
         with private_redis.client() as raw:
@@ -392,7 +443,7 @@ def test_a_refused_connection_fails_open(private_redis: RedisServer) -> None:
 
 
 def test_out_of_memory_drops_writes_but_keeps_serving_reads(private_redis: RedisServer) -> None:
-    """OOM refuses SET but not GETEX (not a denyoom command): hits continue, spills fail, counted,
+    """OOM refuses SET but not GET or PEXPIRE (not denyoom commands): hits continue, spills fail, counted,
     and once the write side is down (its own breaker) writes are dropped at submit, reads not."""
     with RedisTier(fast_options(private_redis.url)) as tier:
         assert tier.submit(NS, block_hash(1), b"x") and tier.wait_idle(5)

@@ -16,7 +16,7 @@ import redis
 
 from prefixcache.native import core
 from prefixcache.tiers.redis_options import RedisOptions, connect
-from prefixcache.tiers.resp import RespPipeline
+from prefixcache.tiers.resp import RefreshRefused, RespPipeline
 from tests.support.redis_server import RedisServer, make_tls_files
 
 pytestmark = pytest.mark.redis
@@ -42,7 +42,12 @@ def test_set_then_getex_returns_every_value_whole_and_slides_the_ttl(client) -> 
     got = pipe.getex(keys[::-1] + ["t:missing"], 120_000)
     assert [bytes(v) for v in got[:-1]] == values[::-1] and got[-1] is None
     assert all(isinstance(v, memoryview) for v in got[:-1])
-    assert 60_000 < client.pttl(keys[0]) <= 120_000  # GETEX PX applied
+    assert 60_000 < client.pttl(keys[0]) <= 120_000  # PEXPIRE ... GT lengthened it
+    assert [bytes(v) for v in pipe.getex(keys[:1], 1000)] == values[:1]
+    assert client.pttl(keys[0]) > 60_000  # ... and a shorter refresh leaves it
+    assert [bytes(v) for v in pipe.getex(keys[:1], 1000, reset=True)] == values[:1]
+    assert 0 < client.pttl(keys[0]) <= 1000  # GETEX PX sets it, shorter too
+    assert not client.exists("t:missing")  # PEXPIRE never creates a key
     assert client.get(keys[-1]) == values[-1]  # what redis-py reads back is what was written
     for _ in range(3):  # the pooled connection stays in step across calls
         assert [bytes(v) for v in pipe.getex(keys[:3], 1000)] == values[:3]
@@ -61,7 +66,29 @@ def test_a_foreign_type_is_a_miss_and_an_error_reply_raises_on_a_connection_kept
     assert [c._sock for c in client.connection_pool._available_connections] == [sock]
     assert [bytes(v) for v in pipe.getex(["t:ok", "t:a"], 1000)] == [b"fine", b"1"]
     with pytest.raises(redis.exceptions.ResponseError, match="invalid expire time"):
-        pipe.getex(["t:ok"], -5)  # an error reply other than WRONGTYPE raises
+        pipe.getex(["t:ok"], -5, reset=True)  # an error reply other than WRONGTYPE raises
+    assert [bytes(v) for v in pipe.getex(["t:ok"], 1000)] == [b"fine"]  # in step after it
+
+
+def test_a_refused_refresh_raises_refresh_refused_after_reading_every_reply(redis_server: RedisServer) -> None:
+    """The reads were answered; the TTL refresh was refused (here an ACL without PEXPIRE): a
+    `RefreshRefused` naming Redis's error, on a connection left in step."""
+    with redis_server.client() as admin:
+        admin.execute_command("ACL", "SETUSER", "t-nopexpire", "on", ">pw", "~*", "+@all", "-pexpire")
+        admin.set("t:r", b"v")
+    c = redis.Redis.from_url(redis_server.url, username="t-nopexpire", password="pw")
+    try:
+        pipe = RespPipeline(c)
+        with pytest.raises(RefreshRefused, match="NOPERM"):
+            pipe.getex(["t:r", "t:none"], 1000)
+        assert [None if v is None else bytes(v) for v in pipe.getex(["t:r", "t:none"], 1000, reset=True)] == [
+            b"v",
+            None,
+        ]
+    finally:
+        c.close()
+        with redis_server.client() as admin:
+            admin.execute_command("ACL", "DELUSER", "t-nopexpire")
 
 
 def test_a_resp3_connection_reads_its_nulls_as_misses(redis_server: RedisServer) -> None:
@@ -201,10 +228,38 @@ def test_replies_redis_never_sends_raise_and_name_the_fault(reply, close, error,
     peer = _Peer(reply, close)
     try:
         with pytest.raises(error, match=match):
-            core.resp_getex(peer.ours.fileno(), [b"k"], 1000, 0.3)
+            core.resp_getex(peer.ours.fileno(), [b"k"], 1000, 0.3, None, None, True)
     finally:
         peer.finish()
     assert bytes(peer.received) == b"*4\r\n$5\r\nGETEX\r\n$1\r\nk\r\n$2\r\nPX\r\n$4\r\n1000\r\n"
+
+
+@pytest.mark.parametrize(
+    ("reply", "values", "errors", "match"),
+    [
+        (b"$1\r\nv\r\n:1\r\n", [b"v"], [], None),
+        (b"$-1\r\n:0\r\n", [None], [], None),
+        (b"$1\r\nv\r\n-NOPERM no pexpire\r\n", [b"v"], [(1, b"NOPERM no pexpire")], None),
+        (b"$1\r\nv\r\n+OK\r\n", None, None, "a PEXPIRE answered neither an integer nor an error"),
+        (b"$1\r\nv\r\n:1\r\n:1\r\n", None, None, "more reply bytes than commands"),
+    ],
+)
+def test_a_read_with_its_refresh_sends_get_and_pexpire_gt_and_reads_both_replies(reply, values, errors, match) -> None:
+    """Each key: `GET key` + `PEXPIRE key ttl GT`; PEXPIRE's error comes back at the key's
+    position + the number of keys, and anything but an integer or an error is a fault."""
+    peer = _Peer(reply)
+    try:
+        if match is None:
+            got, refused = core.resp_getex(peer.ours.fileno(), [b"k"], 1000, 0.3)
+            assert [None if v is None else bytes(v) for v in got] == values and refused == errors
+        else:
+            with pytest.raises(ValueError, match=match):
+                core.resp_getex(peer.ours.fileno(), [b"k"], 1000, 0.3)
+    finally:
+        peer.finish()
+    assert bytes(peer.received) == (
+        b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n*4\r\n$7\r\nPEXPIRE\r\n$1\r\nk\r\n$4\r\n1000\r\n$2\r\nGT\r\n"
+    )
 
 
 def test_a_set_reply_other_than_ok_or_an_error_is_a_fault() -> None:
@@ -239,7 +294,7 @@ def test_bad_arguments_name_the_argument() -> None:
 def test_a_value_longer_than_max_value_is_refused_from_its_length_line() -> None:
     """Issue 33: a reply announcing a terabyte was allocated (MemoryError). With max_value the
     length line alone is the fault, naming the reply's position; nothing is allocated."""
-    peer = _Peer(b"$-1\r\n$1099511627776\r\n")
+    peer = _Peer(b"$-1\r\n:0\r\n$1099511627776\r\n")  # a miss (and its PEXPIRE), then the terabyte
     try:
         with pytest.raises(ValueError, match="longer than the largest value expected") as caught:
             core.resp_getex(peer.ours.fileno(), [b"a", b"k"], 1000, 0.3, 4096, None)

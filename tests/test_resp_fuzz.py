@@ -1,7 +1,8 @@
 """Fuzz of the compiled RESP reply reader (prefixcache/_resp.c), which parses bytes from the network.
 
 Random and mutated reply streams (bit flips, truncations, inserted and repeated bytes, lengths
-made huge or negative, stray RESP types) are fed to `resp_getex` and `resp_set` through a socket
+made huge or negative, stray RESP types) are fed to `resp_getex` (GET + PEXPIRE ... GT, and
+GETEX) and `resp_set` through a socket
 pair whose peer then hangs up. Each call must either return what the stream says (checked for
 the unmutated streams) or raise one of the faults the module documents (ValueError,
 TimeoutError, ConnectionError, OSError), never crash, hang past its deadline or allocate beyond
@@ -25,10 +26,18 @@ MAX_VALUE = 1 << 16
 CASES = 6000
 
 
-def _reply(rng: random.Random, count: int) -> tuple[bytes, list[bytes | None], list[int]]:
-    """A well-formed GETEX pipeline reply: the bytes, the values it holds, the error positions."""
+def _reply(rng: random.Random, count: int, extend: bool) -> tuple[bytes, list[bytes | None], list[int]]:
+    """A well-formed read pipeline reply (with `extend`, each GET's followed by its PEXPIRE's: an
+    integer, or an error at the key's position + count): the bytes, the values, the error positions."""
     out, values, errors = bytearray(), [], []
+    refresh_errors = []
     for i in range(count):
+        if extend and i:
+            if rng.random() < 0.1:
+                out += b"-NOPERM this user has no permissions to run the 'pexpire' command\r\n"
+                refresh_errors.append(count + i - 1)
+            else:
+                out += rng.choice((b":1\r\n", b":0\r\n"))
         kind = rng.random()
         if kind < 0.6:
             value = rng.randbytes(rng.choice((0, 1, 7, 100, 4096, MAX_VALUE)))
@@ -41,7 +50,9 @@ def _reply(rng: random.Random, count: int) -> tuple[bytes, list[bytes | None], l
             out += b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n"
             values.append(None)
             errors.append(i)
-    return bytes(out), values, errors
+    if extend:
+        out += b":1\r\n"
+    return bytes(out), values, sorted(errors + refresh_errors, key=lambda p: (p % count if p >= count else p, p))
 
 
 def _mutate(rng: random.Random, data: bytes) -> bytes:
@@ -85,7 +96,8 @@ def test_random_and_mutated_getex_replies_return_or_raise_a_documented_fault() -
     slowest = 0.0
     for case in range(CASES):
         count = rng.randint(1, 6)
-        data, values, errors = _reply(rng, count)
+        extend = case % 2 == 0  # GET + PEXPIRE ... GT; else GETEX (`reset`)
+        data, values, errors = _reply(rng, count, extend)
         mutated = case % 5 != 0  # every fifth stream as sent, to check what comes back
         if mutated:
             data = _mutate(rng, data) if rng.random() < 0.9 else rng.randbytes(rng.randint(0, 200))
@@ -93,7 +105,7 @@ def test_random_and_mutated_getex_replies_return_or_raise_a_documented_fault() -
         start = time.monotonic()
         try:
             got, got_errors = core.resp_getex(
-                ours.fileno(), [b"k%d" % i for i in range(count)], 1000, 0.5, MAX_VALUE, 1.0
+                ours.fileno(), [b"k%d" % i for i in range(count)], 1000, 0.5, MAX_VALUE, 1.0, not extend
             )
         except FAULTS:
             outcomes["fault"] += 1

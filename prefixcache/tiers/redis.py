@@ -4,9 +4,11 @@ Key `<prefix>:<namespace id>:<block hash hex>`, value one codec frame. The tier
 never looks inside a frame; the cache verifies each with `codec.decode_block`
 and reports failures back (`record_integrity_failure`, `delete`). Writes are
 single-key `PSETEX key ttl frame` (SET with PX, the value last so Redis can keep
-its read buffer as the value; atomic, always with a TTL); a hit refreshes the
-TTL with `GETEX key PX ttl` (sliding TTL). Nothing needs two keys in one slot,
-so Redis Cluster spreads blocks by hash.
+its read buffer as the value; atomic, always with a TTL); a hit is `GET key` and
+refreshes the TTL with `PEXPIRE key ttl GT` in the same pipeline (sliding TTL that only ever
+lengthens: a key another instance gave longer, for a pin or a retention hint, keeps it; on a
+Redis before 7.0, which refuses GT, `GETEX key PX ttl`, which sets it). Nothing needs two keys
+in one slot, so Redis Cluster spreads blocks by hash.
 
 `RedisTier` is the facade the rest of the code uses; the work is done by three parts, each its
 own module: `RedisLink` (redis_link.py: the clients, both breakers, the counters and the link
@@ -36,7 +38,7 @@ Invariants:
   side does I/O. The write breaker counts only writes Redis refused while the link
   works (OOM under `maxmemory-policy noeviction`, READONLY from a replica,
   `WRITE_REFUSALS`): it stops writes, never reads, which go on while they work (then
-  with GET instead of GETEX, as the TTL refresh is a write Redis may refuse too).
+  without the TTL refresh, itself a write Redis may refuse too).
   `stats()` says which side is down (`state`/`reads_up`, `write_state`/`writes_up`).
 - Logs carry the error kind (exception type and Redis error code) and a key's
   prefix, namespace and hash prefix, never the exception text: redis-py puts the
@@ -125,7 +127,7 @@ class RedisTier:
         verify: TransferEstimate | None = None,
         max_frame_bytes: int | None = None,
     ) -> list[bytes | memoryview | None]:
-        """Frames for `hashes` (None = miss) by pipelined GETEX, which also refreshes each hit's TTL.
+        """Frames for `hashes` (None = miss) by pipelined GET, each hit's TTL refreshed to at least `ttl_s`.
 
         One round trip, or, when the expected frame size `frame_bytes` is given, round
         trips of at most `max_fetch_bytes` of replies (4 MiB: on loopback, 64 KiB values 64

@@ -52,7 +52,8 @@ class RedisLink:
         name = f"redis tier {redact_url(options.url)}"
         self.breaker = CircuitBreaker(name, options.breaker_failures, backoff, clock, rng)
         self.write_breaker = CircuitBreaker(f"{name} writes", options.breaker_failures, backoff, clock, rng)
-        self.plain_get = False  # GETEX was refused as a write: read with GET until writes work
+        self.plain_get = False  # the TTL refresh was refused as a write: read with GET until writes work
+        self.extend_ttl = True  # refresh with PEXPIRE ... GT (Redis >= 7); False: GETEX PX, which resets
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.counters = RedisCounters()
@@ -90,7 +91,7 @@ class RedisLink:
         return self.breaker.is_up() and self.write_breaker.is_up()
 
     def wrote(self) -> None:
-        """A write went through: the link works, Redis takes writes (and GETEX again)."""
+        """A write went through: the link works, Redis takes writes (and TTL refreshes again)."""
         self.breaker.record_success()
         self.write_breaker.record_success()
         self.plain_get = False

@@ -59,7 +59,7 @@ class RedisOptions:
     url: str
     key_prefix: str = "pfx"
     ttl_s: float = 3600.0
-    socket_timeout_s: float = 0.05  # reads (GETEX); a cache miss beats a slow hit
+    socket_timeout_s: float = 0.05  # reads (GET + TTL refresh); a cache miss beats a slow hit
     connect_timeout_s: float = 0.2
     write_timeout_s: float = 0.5  # background writer only
     # Whole exchanges: a read round trip, a write batch. The timeouts above bound each wait on the

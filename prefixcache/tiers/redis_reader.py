@@ -1,4 +1,4 @@
-"""The Redis tier's reads: pipelined GETEX round trips on the caller's thread, within a probe's
+"""The Redis tier's reads: pipelined GET + TTL refresh round trips on the caller's thread, within a probe's
 budget, each one a sample of the link; a fault counts against the link breaker.
 
 Part of `RedisTier` (tiers/redis.py, whose docstring states the guarantees). It never probes:
@@ -21,13 +21,13 @@ from ..transfer import ProbeBudget, TransferEstimate
 from .redis_link import REDIS_ERRORS, WRITE_REFUSALS, RedisLink, error_kind, redis_code
 from .redis_options import RedisClient
 from .redis_writer import RedisWriter
-from .resp import ExchangeDeadline, OversizedReply, RespPipeline
+from .resp import ExchangeDeadline, OversizedReply, RefreshRefused, RespPipeline
 
 log = logging.getLogger(__name__)
 
 
 class MalformedReply(redis.exceptions.RedisError):
-    """Redis answered something a GETEX/SET cannot return."""
+    """Redis answered something a GET/SET cannot return."""
 
 
 class RedisReader:
@@ -102,22 +102,19 @@ class RedisReader:
     def _round_trip(
         self, client: RedisClient, namespace_id: str, hashes: Sequence[bytes], ttl_ms: int, most: int | None
     ) -> list[bytes | memoryview | None] | None:
-        """One pipelined GETEX per hash; None after a fault (recorded in the breaker)."""
+        """One pipelined read (and TTL refresh) per hash; None after a fault (recorded in the breaker)."""
         link = self._link
         start = time.perf_counter()
         try:
-            try:
-                frames = self._read_frames(client, namespace_id, hashes, ttl_ms, link.plain_get, most)
-            except redis.exceptions.ResponseError as exc:
-                if link.plain_get or redis_code(exc) not in WRITE_REFUSALS:
-                    raise
-                link.plain_get = True  # the TTL refresh is a write Redis refuses now: read without it
-                log.warning(
-                    "%s: GETEX refused (%s); reading with GET, without refreshing TTLs, until writes work again",
-                    link.breaker.name,
-                    error_kind(exc),
-                )
-                frames = self._read_frames(client, namespace_id, hashes, ttl_ms, True, most)
+            while True:  # each refusal turns a refresh off for good (at most two): then again
+                try:
+                    frames = self._read_frames(
+                        client, namespace_id, hashes, None if link.plain_get else ttl_ms, not link.extend_ttl, most
+                    )
+                    break
+                except redis.exceptions.ResponseError as exc:
+                    if not self._refresh_refused(exc):
+                        raise
         except (*REDIS_ERRORS, MemoryError) as exc:  # MemoryError: a read we could not hold is a failed read
             if isinstance(exc, redis.exceptions.TimeoutError):
                 link.observe(0, time.perf_counter() - start)  # at least this slow
@@ -135,31 +132,62 @@ class RedisReader:
         link.breaker.record_success()
         return frames
 
+    def _refresh_refused(self, exc: redis.exceptions.ResponseError) -> bool:
+        """Whether a read's error was its TTL refresh refused, now turned off (read again)."""
+        link = self._link
+        if not link.plain_get and redis_code(exc) in WRITE_REFUSALS:
+            link.plain_get = True  # the TTL refresh is a write Redis refuses now: read without it
+            log.warning(
+                "%s: TTL refresh refused (%s); reading with GET, without refreshing TTLs, until writes work again",
+                link.breaker.name,
+                error_kind(exc),
+            )
+            return True
+        if isinstance(exc, RefreshRefused) and link.extend_ttl:
+            link.extend_ttl = False  # a Redis before 7.0 knows no GT
+            log.warning(
+                "%s: PEXPIRE ... GT refused (%s; Redis >= 7 takes it); refreshing TTLs with GETEX, which "
+                "also shortens a longer TTL another instance set (a pin, a retention hint)",
+                link.breaker.name,
+                exc,
+            )
+            return True
+        return False
+
     def _read_frames(
         self,
         client: RedisClient,
         namespace_id: str,
         hashes: Sequence[bytes],
-        ttl_ms: int,
-        plain: bool,
+        ttl_ms: int | None,
+        reset: bool,
         most: int | None = None,
     ) -> list[bytes | memoryview | None]:
-        """Pipelined GETEX (GET when `plain`: Redis refuses the TTL refresh as a write): read in
-        place by the compiled core for a standalone client (tiers/resp.py), else through redis-py
-        (which allocates what Redis announces: a value longer than `most` is refused after it)."""
+        """Pipelined GET, each key's TTL refreshed to at least `ttl_ms` by `PEXPIRE ... GT`
+        (`reset`: GETEX, which sets it; None: no refresh), read in place by the compiled core for
+        a standalone client (tiers/resp.py), else through redis-py (which allocates what Redis
+        announces: a value longer than `most` is refused after it)."""
         keys = [self._link.key(namespace_id, block_hash) for block_hash in hashes]
         if isinstance(client, redis.Redis):
             pipeline = RespPipeline(client, self._link.options.read_deadline_s)
             with self._io_wait():
-                return cast(list[bytes | memoryview | None], pipeline.getex(keys, None if plain else ttl_ms, most))
+                return cast(list[bytes | memoryview | None], pipeline.getex(keys, ttl_ms, most, reset))
+        extend = ttl_ms is not None and not reset
         pipe = client.pipeline(transaction=False)
         for key in keys:
-            if plain:
+            if ttl_ms is None or extend:
                 pipe.get(key)
             else:
                 pipe.getex(key, px=ttl_ms)
+            if extend:
+                pipe.pexpire(key, ttl_ms, gt=True)
         with self._io_wait():
             replies = pipe.execute(raise_on_error=False)
+        if extend:
+            for reply in replies[1::2]:
+                if isinstance(reply, redis.exceptions.ResponseError):
+                    raise RefreshRefused(str(reply))
+            replies = replies[0::2]
         frames = _frames_from(replies, len(keys))
         for position, frame in enumerate(frames):
             if most is not None and frame is not None and len(frame) > most:
@@ -177,7 +205,7 @@ class RedisReader:
 
 
 def _frames_from(replies: object, expected: int) -> list[bytes | memoryview | None]:
-    """GETEX replies as frames; a wrong-typed key is a miss, anything else unexpected a fault."""
+    """GET replies as frames; a wrong-typed key is a miss, anything else unexpected a fault."""
     if not isinstance(replies, list) or len(replies) != expected:
         raise MalformedReply(f"expected {expected} replies, got {type(replies).__name__}")
     frames: list[bytes | memoryview | None] = []

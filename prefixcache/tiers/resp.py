@@ -1,4 +1,4 @@
-"""Pipelined GETEX and PSETEX (SET with PX) of block frames over RESP, run by the compiled core (prefixcache/_resp.c).
+"""Pipelined reads (GET with a TTL refresh) and PSETEX (SET with PX) of block frames over RESP, run by the compiled core (prefixcache/_resp.c).
 
 Why not redis-py's pipeline for the data path: for a large bulk reply it copies the bytes three
 times (socket reads into its chunk buffer, that into hiredis's growing buffer, that into a new
@@ -47,6 +47,10 @@ class ExchangeDeadline(redis.exceptions.TimeoutError):
     """The whole exchange ran past its deadline (bytes may have kept coming, too slowly)."""
 
 
+class RefreshRefused(redis.exceptions.ResponseError):
+    """Redis answered a key's TTL refresh (`PEXPIRE ... GT`) with an error; the reads were fine."""
+
+
 class OversizedReply(redis.exceptions.InvalidResponse):
     """A reply announced a value longer than the caller can use; `position` is its key's index."""
 
@@ -56,23 +60,29 @@ class OversizedReply(redis.exceptions.InvalidResponse):
 
 
 class RespPipeline:
-    """GETEX/SET pipelines over the connections of one standalone redis-py client. `deadline_s`
+    """Read and SET pipelines over the connections of one standalone redis-py client. `deadline_s`
     (None: none) bounds each whole exchange, beyond the socket's timeout for each wait."""
 
     def __init__(self, client: redis.Redis, deadline_s: float | None = None) -> None:
         self._pool = client.connection_pool
         self._deadline_s = deadline_s
 
-    def getex(self, keys: list[str], ttl_ms: int | None, max_value: int | None = None) -> list[memoryview | None]:
-        """`GETEX key PX ttl_ms` (plain `GET` when `ttl_ms` is None) for each key in one round trip;
-        None for a missing key, or for a key holding another type (WRONGTYPE: a foreign value our
-        next SET replaces). A value announced longer than `max_value` raises OversizedReply."""
+    def getex(
+        self, keys: list[str], ttl_ms: int | None, max_value: int | None = None, reset: bool = False
+    ) -> list[memoryview | None]:
+        """Each key read, and its TTL refreshed to at least `ttl_ms`, in one round trip: `GET` +
+        `PEXPIRE key ttl_ms GT` (`reset`: `GETEX key PX ttl_ms`, which also shortens a longer
+        one; plain `GET` when `ttl_ms` is None). None for a missing key, or for a key holding
+        another type (WRONGTYPE: a foreign value our next SET replaces). A value announced longer
+        than `max_value` raises OversizedReply; a refused refresh RefreshRefused."""
         raw = [key.encode() for key in keys]
         deadline = self._deadline_s
         values, errors = self._exchange(
-            lambda fd, timeout: core.resp_getex(fd, raw, ttl_ms, timeout, max_value, deadline)
+            lambda fd, timeout: core.resp_getex(fd, raw, ttl_ms, timeout, max_value, deadline, reset)
         )
-        for _, text in errors:
+        for position, text in errors:
+            if position >= len(raw):
+                raise RefreshRefused(text.decode("utf-8", "replace"))
             if not text.startswith(b"WRONGTYPE"):
                 raise _error_reply(text)
         return [None if value is None else memoryview(value) for value in values]
