@@ -106,7 +106,7 @@ class RedisReader:
         link = self._link
         start = time.perf_counter()
         try:
-            while True:  # each refusal turns a refresh off for good (at most two): then again
+            while True:  # a refusal turns one way of refreshing off (at most two): read again
                 try:
                     frames = self._read_frames(
                         client, namespace_id, hashes, None if link.plain_get else ttl_ms, not link.extend_ttl, most
@@ -149,7 +149,7 @@ class RedisReader:
                 "%s: PEXPIRE ... GT refused (%s; Redis >= 7 takes it); refreshing TTLs with GETEX, which "
                 "also shortens a longer TTL another instance set (a pin, a retention hint)",
                 link.breaker.name,
-                exc,
+                error_kind(exc),
             )
             return True
         return False

@@ -175,9 +175,7 @@ def _widest(tensors: Sequence[torch.Tensor]) -> torch.dtype | None:
 class LoadPlan:
     """A load of canonical blocks into vLLM's cache, ready to copy layer by layer (`PagedCache.load_layer`)."""
 
-    source: (
-        torch.Tensor
-    )  # the blocks `[n, layers, 2, H, N, D']` as the cache's copy type (on its device unless by layer)
+    source: torch.Tensor  # blocks `[n, layers, 2, H, N, D]`, as the copy type (on vLLM's device unless by layer)
     groups: dict[int, tuple[torch.Tensor, torch.Tensor | None]]  # KV group -> (vLLM block ids, source rows or all)
     copies: int  # layer-blocks the load copies (a sliding layer outside its window copies none)
 
