@@ -183,6 +183,14 @@ def _join_blocks(stored: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tenso
     return out
 
 
+def _block_range(hit: Hit, blocks: slice | None) -> tuple[int, int]:
+    """(start, stop) of a read's range of the hit's blocks (all of them when None)."""
+    start, stop, step = (blocks or slice(None)).indices(hit.blocks)
+    if step != 1:
+        raise InvalidArgument("blocks", f"must be a contiguous range, got step {step}")
+    return start, stop
+
+
 def _token_list(tokens: TokenInput) -> list[int]:
     if isinstance(tokens, (np.ndarray, torch.Tensor)):
         return list(tokens.reshape(-1).tolist())
@@ -350,9 +358,7 @@ class CacheClient:
         stored = self.attachment.stored_layout or self.attachment.layout
         k = hit.split
         layout = stored if k == 1 else stored.with_block_size(stored.block_size * k)
-        start, stop, step = (blocks or slice(None)).indices(hit.blocks)
-        if step != 1:
-            raise InvalidArgument("blocks", f"must be a contiguous range, got step {step}")
+        start, stop = _block_range(hit, blocks)
         count = max(0, stop - start)
         shape = (count, *layout.block_shape)
         if out is not None and (
@@ -396,9 +402,7 @@ class CacheClient:
 
         Raises UnknownLease after the sink ran if the lease may have ended while it copied (or the
         service's memory was replaced): whatever it wrote from these views is not to be kept."""
-        start, stop, step = (blocks or slice(None)).indices(hit.blocks)
-        if step != 1:
-            raise InvalidArgument("blocks", f"must be a contiguous range, got step {step}")
+        start, stop = _block_range(hit, blocks)
         part = hit.locations if stop - start == len(hit.locations) else hit.locations[start:stop]
         if hit.split != 1 or stop <= start or not self._pools.covers(part):
             sink(0, self.read(hit, timeout_s=timeout_s, blocks=blocks))

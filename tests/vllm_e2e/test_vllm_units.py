@@ -197,7 +197,7 @@ def test_a_loaded_block_is_what_the_backend_reads_and_gathers_back_bit_exact(pac
 def test_copies_move_the_same_bytes_as_the_widest_elements_the_rows_allow(head_dim, dtype, copy_type, packing) -> None:
     """A 16-byte row moves as int64, a 12-byte one as int32, a 6-byte one as itself; the bytes
     that land and come back are the same in every case (and blocks handed over as a strided view
-    still land)."""
+    still land, widened or, when their rows are not contiguous, as their own elements)."""
     layout = KVLayout(layers=LAYERS, kv_heads=H, head_dim=head_dim, block_size=N, dtype="bfloat16")
     tensors = [torch.zeros(BLOCKS, H, N, 2 * head_dim, dtype=dtype) for _ in range(LAYERS)]
     cache = PagedCache([PagedLayer.of(t, packing, head_dim) for t in tensors])
@@ -208,6 +208,9 @@ def test_copies_move_the_same_bytes_as_the_widest_elements_the_rows_allow(head_d
     strided = torch.randn(3, *layout.block_shape[:-1], 2 * head_dim).to(dtype)[..., :head_dim]
     cache.load(strided, ((2, 3, 5),))
     assert torch.equal(cache.gather(((2, 3, 5),)), strided)
+    interleaved = torch.randn(3, *layout.block_shape, 2).to(dtype)[..., 0]  # rows of stride 2: not widened
+    cache.load(interleaved, ((7, 8, 2),))
+    assert torch.equal(cache.gather(((7, 8, 2),)), interleaved)
 
 
 def test_a_save_copies_its_blocks_out_before_vllm_can_reuse_them() -> None:
