@@ -5,15 +5,17 @@
 Starts `prefixcache serve` as its own process, attaches like a worker (same host: the host tier
 mapped), stores a shared prefix, then replays the worker's per-request sequence N times:
 Lookup (with a lease) -> read the hit through shared memory -> store the new suffix blocks ->
-Release. Three ways, in alternating sixths of the run (A B C A B C, so load drifts hit all
-alike):
+Release. Each way in turn, so that load drifts hit all alike:
 - two calls: Reserve + write the mapped slots + Commit, each timed (the client before issue 31);
 - one call: `CacheClient.store`, whose Commit also reserves the next store's slots
   (`reserve_next`): a store that finds that spare writes and commits, one RPC;
 - returned: as one call, but the lease goes back with the next request's Lookup
   (`lookup(release=...)`, what the vLLM connector does with leases vLLM did not need) instead
-  of a Release: two RPCs per request.
-It prints the wall time of each stage, mean and p50, and the service's CPU per request in each
+  of a Release: two RPCs per request;
+- socket: as returned, over the service's same-host control socket instead of gRPC (what a
+  same-host client does by default; the first three modes use `control_socket=False`).
+Four ways, then, in alternating eighths (A B C D A B C D).
+It prints the wall time of each stage, mean and p50, and the service's and the client's CPU per request in each
 mode (from /proc). Only Lookup and the read sit before the first token: the store and the
 Release run after the response has streamed. Layout: Llama-3-8B-shaped (`--small`: the vLLM
 fleet benchmark's 4-layer model, 64 KiB blocks of 32 tokens, where the RPCs are the cost).
@@ -57,8 +59,12 @@ def main() -> None:
     suffix_blocks = args.suffix // size
     process, address = start_service("--host-capacity", "4GiB", "--block-size", str(size))
     try:
-        client = CacheClient(address, timeout_s=30)
-        client.attach("bench-model", layout, same_host=True)
+        grpc_client = CacheClient(address, timeout_s=30, control_socket=False)
+        socket_client = CacheClient(address, timeout_s=30)
+        grpc_client.attach("bench-model", layout, same_host=True)
+        socket_client.attach("bench-model", layout, same_host=True)
+        assert socket_client._control is not None, "the service announced no control socket"
+        client = grpc_client
         prefix = list(range(args.prompt_tokens))
         dtype = layout.dtype.torch
         client.store(prefix, torch.zeros((args.prompt_tokens // size, *layout.block_shape), dtype=dtype))
@@ -68,18 +74,22 @@ def main() -> None:
             "two_calls": {name: [] for name in ("lookup", "read", "reserve", "write", "commit", "release")},
             "one_call": {name: [] for name in ("lookup", "read", "store", "release")},
             "returned": {name: [] for name in ("lookup", "read", "store")},
+            "socket": {name: [] for name in ("lookup", "read", "store")},
         }
         cpu = {mode: 0.0 for mode in modes}
-        sixth = max(1, args.requests // (2 * len(modes)))
-        returning: list = []  # the "returned" mode's lease, waiting for that mode's next Lookup
+        client_cpu = {mode: 0.0 for mode in modes}  # this process: the caller's side of the calls and copies
+        share = max(1, args.requests // (2 * len(modes)))
+        returning: list = []  # a lease waiting for its mode's next Lookup
+        returning_mode = ""
         for request in range(args.requests):
-            mode = list(modes)[(request // sixth) % len(modes)]
-            if mode != "returned" and returning:
+            mode = list(modes)[(request // share) % len(modes)]
+            if returning and mode != returning_mode:
                 client.release(returning.pop())  # leaving the mode: not timed
+            client = socket_client if mode == "socket" else grpc_client
             tokens = prefix + [100_000 + request * args.suffix + i for i in range(args.suffix)]
-            cpu_before = _cpu_s(process.pid)
+            cpu_before, client_before = _cpu_s(process.pid), time.process_time()
             t0 = time.perf_counter()
-            hit = client.lookup(tokens, take_lease=True, release=returning if mode == "returned" else ())
+            hit = client.lookup(tokens, take_lease=True, release=returning)
             returning = []
             t1 = time.perf_counter()
             client.read(hit)
@@ -101,12 +111,13 @@ def main() -> None:
                     )
                 )
                 marks = [t0, t1, t2, t3, t4, time.perf_counter()]
-            if mode == "returned":
-                returning = [hit]  # goes back with this mode's next Lookup
+            if mode in ("returned", "socket"):
+                returning, returning_mode = [hit], mode  # goes back with this mode's next Lookup
             else:
                 client.release(hit)
                 marks.append(time.perf_counter())
             cpu[mode] += _cpu_s(process.pid) - cpu_before
+            client_cpu[mode] += time.process_time() - client_before
             for name, start, end in zip(modes[mode], marks, marks[1:]):
                 modes[mode][name].append((end - start) * 1e3)
         if returning:
@@ -118,8 +129,12 @@ def main() -> None:
         report["service_cpu_ms_per_request"] = {
             mode: 1e3 * cpu[mode] / max(1, len(stages["lookup"])) for mode, stages in modes.items()
         }
-        report["shared_memory"] = client.attachment.shared_memory
-        client.close()
+        report["client_cpu_ms_per_request"] = {
+            mode: 1e3 * client_cpu[mode] / max(1, len(stages["lookup"])) for mode, stages in modes.items()
+        }
+        report["shared_memory"] = grpc_client.attachment.shared_memory
+        grpc_client.close()
+        socket_client.close()
     finally:
         process.terminate()
         process.wait(30)
@@ -128,6 +143,7 @@ def main() -> None:
         for name in modes[mode]:
             print(f"  {name:<22}{report[mode][name]['mean_ms']:>10.3f}{report[mode][name]['p50_ms']:>10.3f}")
         print(f"  {'service CPU / request':<22}{report['service_cpu_ms_per_request'][mode]:>10.3f}")
+        print(f"  {'client CPU / request':<22}{report['client_cpu_ms_per_request'][mode]:>10.3f}")
     print(json.dumps(report, indent=2))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))

@@ -209,10 +209,13 @@ def test_redis_frame_bench(tmp_path: Path, keyed: bool) -> None:
 def test_rpc_per_request(tmp_path: Path) -> None:
     report = run_json("rpc_per_request.py", tmp_path, "--requests", "6", "--prompt-tokens", "64", "--suffix", "32")
     assert report.pop("shared_memory") is True
-    assert list(report.pop("service_cpu_ms_per_request")) == ["two_calls", "one_call", "returned"]
+    modes = ["two_calls", "one_call", "returned", "socket"]
+    assert list(report.pop("service_cpu_ms_per_request")) == modes
+    assert list(report.pop("client_cpu_ms_per_request")) == modes
     assert list(report["two_calls"]) == ["lookup", "read", "reserve", "write", "commit", "release"]
     assert list(report["one_call"]) == ["lookup", "read", "store", "release"]
     assert list(report["returned"]) == ["lookup", "read", "store"]  # the lease went back with a Lookup
+    assert list(report["socket"]) == ["lookup", "read", "store"]  # the same over the control socket
     for stages in report.values():
         for stage in stages.values():
             assert_positive(stage, "mean_ms", "p50_ms")

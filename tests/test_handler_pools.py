@@ -206,7 +206,9 @@ def test_a_lookup_waiting_on_redis_does_not_hold_up_local_hits(private_redis):
         "--redis-timeout-ms",
         "5000",
     ) as server:
-        with CacheClient(server.address, timeout_s=20) as client, CacheClient(server.address, timeout_s=20) as other:
+        # Over gRPC, whose unary pool this is about (the control socket runs a thread per connection).
+        grpc_only = {"timeout_s": 20, "control_socket": False}
+        with CacheClient(server.address, **grpc_only) as client, CacheClient(server.address, **grpc_only) as other:
             client.attach("m", layout)
             other.attach("m", layout)
             local = prompt(4, start=10)

@@ -32,7 +32,7 @@ class _Via:
 @pytest.fixture(scope="module")
 def slow_worker(tmp_path_factory, request):
     workdir = tmp_path_factory.mktemp("store-path")
-    service = CacheService(workdir / "service").start()
+    service = CacheService(workdir / "service", extra_args=["--no-control-socket"]).start()  # calls via the proxy
     proxy = SlowProxy(service.port, latency_s=0.0, bytes_per_s=1e9).start()  # fast while the worker attaches
     worker = WorkerProcess(workdir / "worker", _Via(f"127.0.0.1:{proxy.port}"), ("--cache-deadline-ms", "10000"))
     try:

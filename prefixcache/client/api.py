@@ -47,6 +47,7 @@ from ..results import BlockLocations, CommitResult
 from ..retention import check_priority, check_retention
 from ..rpc import cache_pb2 as pb
 from ..rpc import cache_pb2_grpc as pb_grpc
+from .control_socket import ControlSocket
 from .dataplane import LocalPools, map_device_pool, map_host_segment
 from .errors import error_from_rpc, retry_after_s
 
@@ -55,6 +56,12 @@ TokenInput = Sequence[int] | np.ndarray | torch.Tensor  # token ids, as callers 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "prefixcache.v1.PrefixCache"
+_RESPONSES = {
+    "Lookup": pb.LookupResponse,
+    "Reserve": pb.ReserveResponse,
+    "Commit": pb.CommitResponse,
+    "Release": pb.ReleaseResponse,
+}  # the control socket's methods (control_frames.METHODS)
 LEASE_MARGIN_S = 0.05  # read from shared memory only this long before the lease ends
 RELEASE_ATTEMPTS = 5  # Release refused for load (older services) is retried after the hint
 MIN_STREAM_BYTES_PER_S = 100e6  # a Fetch/Store deadline grows with its size at this rate
@@ -207,8 +214,14 @@ class CacheClient:
         timeout_s: float = 5.0,
         tls: bool = False,
         tls_root_cert_file: str | None = None,
+        control_socket: bool = True,
     ) -> None:
+        """`control_socket` False: every call goes over gRPC, also where the service announces its
+        same-host control socket (client/control_socket.py)."""
         self.address = address
+        self._auth_token = auth_token
+        self._use_control = control_socket
+        self._control: ControlSocket | None = None
         self.timeout_s = timeout_s
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         options = [
@@ -245,6 +258,15 @@ class CacheClient:
             return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as error:
             raise error_from_rpc(error, self.address, lease_id) from None
+
+    def _unary(self, method: str, request: Any, timeout_s: float | None = None, lease_id: int | None = None) -> Any:
+        """A per-request call: over the control socket where the service announced one, else gRPC."""
+        control = self._control
+        if control is not None:
+            reply = control.call(method, request, _RESPONSES[method], timeout_s or self.timeout_s, lease_id)
+            if reply is not None:
+                return reply
+        return self._call(getattr(self._stub, method), request, timeout_s, lease_id)
 
     @property
     def attachment(self) -> Attachment:
@@ -285,6 +307,13 @@ class CacheClient:
         host = map_host_segment(reply.host_segment, stored) if reply.HasField("host_segment") else None
         device = map_device_pool(reply.device_pool, stored) if reply.HasField("device_pool") else None
         self._pools = LocalPools(host, device)
+        if self._control is not None:
+            self._control.close()
+        self._control = (
+            ControlSocket(reply.control_socket, self._auth_token, self.address)
+            if self._use_control and host is not None and reply.control_socket
+            else None
+        )
         self._attachment = Attachment(
             reply.namespace_id,
             engine,
@@ -332,7 +361,7 @@ class CacheClient:
         if namespace_id is None and self.attachment.split > 1:  # the hit in whole blocks of this engine
             request.block_size, split = self.attachment.layout.block_size, self.attachment.split
         sent = time.monotonic()
-        reply = self._call(self._stub.Lookup, request, timeout_s)
+        reply = self._unary("Lookup", request, timeout_s)
         locations = BlockLocations(wire.tier_kinds(reply.tiers), np.asarray(reply.slots, dtype=np.int64))
         lease = reply.lease_id or None
         return Hit(
@@ -458,6 +487,16 @@ class CacheClient:
         if not lease_id:
             return False
         request = pb.ReleaseRequest(lease_id=lease_id)
+        control = self._control
+        if control is not None:  # never refused for load there: no retry hints to follow
+            try:
+                if (
+                    control.call("Release", request, pb.ReleaseResponse, timeout_s or self.timeout_s, lease_id)
+                    is not None
+                ):
+                    return True
+            except UnknownLease:
+                return False
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         for attempt in range(RELEASE_ATTEMPTS):
             try:
@@ -535,7 +574,7 @@ class CacheClient:
             ask = pb.ReserveRequest(namespace_id=ns_id, block_count=len(kv))
             if spare is not None:  # too small: given back in the same call
                 ask.replaces = spare.reservation_id
-            reservation = self._call(self._stub.Reserve, ask, timeout_s)
+            reservation = self._unary("Reserve", ask, timeout_s)
         slots = list(reservation.slots)[: len(kv)]
         if not slots:
             return CommitResult(0, 0, len(kv))
@@ -554,7 +593,7 @@ class CacheClient:
         if retention_s is not None:
             request.retention_seconds = retention_s
         sent = time.monotonic()
-        reply = self._call(self._stub.Commit, request, timeout_s)
+        reply = self._unary("Commit", request, timeout_s)
         if reply.HasField("next") and reply.next.slots:
             # Used only while at least half its TTL is left: a store that finds it must still
             # write and commit before the service reclaims it.
@@ -741,6 +780,8 @@ class CacheClient:
 
     def close(self) -> None:
         self._pools.close()
+        if self._control is not None:
+            self._control.close()
         self._channel.close()
 
     def __enter__(self) -> CacheClient:

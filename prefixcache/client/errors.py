@@ -64,9 +64,16 @@ def retry_after_s(error: grpc.RpcError) -> float | None:
 
 
 def error_from_rpc(error: grpc.RpcError, address: str, lease_id: int | None = None) -> PrefixCacheError:
-    code, details = error.code(), error.details() or ""
+    return error_from_status(error.code(), error.details() or "", _field(error), address, lease_id)
+
+
+def error_from_status(
+    code: grpc.StatusCode, details: str, field: str | None, address: str, lease_id: int | None = None
+) -> PrefixCacheError:
+    """The typed error of a failure status, its details and the field it names (from gRPC's
+    trailing metadata or the control socket's error frame)."""
     if code is grpc.StatusCode.INVALID_ARGUMENT:
-        field = _field(error) or "request"
+        field = field or "request"
         return InvalidArgument(field, details.removeprefix(f"{field}: "))
     if code is grpc.StatusCode.NOT_FOUND:
         return UnknownLease(lease_id or 0)

@@ -119,6 +119,13 @@ def register(subparsers) -> None:
         help="name of the host tier's shared-memory segment in /dev/shm (default: prefixcache-HOST-PORT of the "
         "bound address); a dead owner's segment of that name is reclaimed, a live one's refused",
     )
+    add(
+        "--no-control-socket",
+        dest="control_socket",
+        action="store_false",
+        help="same-host engines make their per-request calls (Lookup, Reserve, Commit, Release) over "
+        "gRPC only, not over the socket beside the shared-memory segment (Linux; docs/client.md)",
+    )
     add("--max-prompt-tokens", type=int, default=1 << 20, help="longest prompt accepted (default %(default)s)")
     add("--max-leases", type=int, default=4096, help="leases held at once (default %(default)s)")
     events = parser.add_argument_group("KV events for routers (vLLM's KVEventBatch over ZMQ; docs/deploy.md)")
@@ -370,6 +377,7 @@ def options_from(args: argparse.Namespace) -> ServerOptions:
         grace_s=parse_duration(args.grace, "grace"),
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        control_socket=args.control_socket,
     )
 
 

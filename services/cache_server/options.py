@@ -48,6 +48,7 @@ class ServerOptions:
     expire_interval_s: float = 1.0
     kv_events_endpoint: str | None = None  # ZMQ PUB address of the KV events (kv_events.py); None: off
     kv_events_replay_endpoint: str | None = None  # ZMQ ROUTER address answering replay requests
+    control_socket: bool = True  # same-host calls without gRPC (control_socket.py; Linux only)
 
     def __post_init__(self) -> None:
         split_host_port(self.listen)

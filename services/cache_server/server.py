@@ -28,6 +28,7 @@ health checks and Release are exempt: pools.Admission).
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,10 +38,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from prefixcache import control_frames
 from prefixcache.tiers.shm import segment_name_for
 
 from .auth import AuthInterceptor
 from .backend import CacheBackend
+from .control_socket import ControlSocketServer
 from .kv_events import KvEventPublisher
 from .metrics import ServiceMetrics, disk_stats_of, remote_stats_of
 from .options import ServerOptions
@@ -55,7 +58,7 @@ from .pools import (
     TenantShares,
 )
 from .refusals import AttachRefusals
-from .servicer import SERVICE_NAME, Limits, PrefixCacheServicer, register
+from .servicer import SERVICE_NAME, Limits, PrefixCacheServicer, register, unary_handlers
 from .status import CallTracker
 
 log = logging.getLogger(__name__)
@@ -113,6 +116,7 @@ class CacheServer:
         self.health = health.HealthServicer()
         self._ticker = Ticker("prefixcache-expire", options.expire_interval_s, self.backend.expire)
         self.kv_events: KvEventPublisher | None = None
+        self.control: ControlSocketServer | None = None
         self._stopped = threading.Event()
         self._shutdown_lock = threading.Lock()
         self.port = 0
@@ -162,7 +166,9 @@ class CacheServer:
         servicer = PrefixCacheServicer(
             self.backend, options.authenticator, limits, self.streams, self.store_buffers, self.shares, self.refusals
         )
-        register(server, servicer, self.tracker, self.metrics.observe if self.metrics else _no_observer)
+        observe = self.metrics.observe if self.metrics else _no_observer
+        register(server, servicer, self.tracker, observe)
+        self._servicer, self._observe = servicer, observe
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
@@ -191,9 +197,9 @@ class CacheServer:
     def start(self) -> CacheServer:
         self.port = self._bind()
         # Named after the bound address, so a successor on it finds (and reclaims) a dead predecessor's segment.
-        self.backend.claim_segment(
-            self.options.backend.shm_name or segment_name_for(self.options.host, self.port), owner=self.address
-        )
+        segment = self.options.backend.shm_name or segment_name_for(self.options.host, self.port)
+        self.backend.claim_segment(segment, owner=self.address)
+        self._start_control_socket(segment)
         self._server.start()
         self._ticker.start()
         self._load_ticker.start()
@@ -216,6 +222,25 @@ class CacheServer:
         )
         return self
 
+    def _start_control_socket(self, segment: str) -> None:
+        """Listen beside the host tier's segment for same-host calls (control_socket.py), where
+        the platform has abstract Unix sockets; without it engines call over gRPC, as before."""
+        if not self.options.control_socket or not sys.platform.startswith("linux"):
+            return
+        handlers = unary_handlers(self._servicer, self.tracker, self._observe)
+        try:
+            self.control = ControlSocketServer(
+                control_frames.socket_name(segment),
+                handlers,
+                self.options.authenticator,
+                self.options.max_concurrent_rpcs,
+                on_denied=self.metrics.denied if self.metrics else None,
+            ).start()
+        except OSError as error:  # another process holds the name: engines keep gRPC
+            log.warning("no control socket for segment %s (%s); same-host calls go over gRPC", segment, error)
+            return
+        self._servicer.control_socket = self.control.name
+
     def shutdown(self, grace_s: float | None = None) -> None:
         """Drain and stop (idempotent); see the module docstring."""
         with self._shutdown_lock:
@@ -232,6 +257,8 @@ class CacheServer:
             # messages may still be on their way: let gRPC finish sending them within what
             # is left of the grace period (an open health Watch can hold it that long).
             self._server.stop(max(0.0, deadline - time.monotonic())).wait()
+            if self.control is not None:
+                self.control.close()
             copying = self.backend.copies_in_progress()
             if copying:  # unmapping now would pull the memory from under them (SIGSEGV)
                 log.info("%d handler(s) copying out of the host tier as the server stopped; waiting for them", copying)
@@ -290,6 +317,8 @@ def build_server(options: ServerOptions) -> CacheServer:
         return server.start()
     except BaseException:
         server._server.stop(0)
+        if server.control is not None:
+            server.control.close()
         server._stop_pools()
         server._ticker.stop()
         server._load_ticker.stop()

@@ -9,7 +9,7 @@ codes by status.py, which also wraps each method (timing, calls in flight).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -76,6 +76,9 @@ PROTO_FIELDS: dict[str, dict[str, str]] = {
 }
 
 
+UnaryHandler = tuple[Callable, Callable[[bytes], object], Callable]  # wrapped handler, parser, serializer
+
+
 @dataclass(frozen=True)
 class Limits:
     block_size: int
@@ -120,6 +123,7 @@ class PrefixCacheServicer:
         self._store_buffers = store_buffers  # what Store streams buffer at once
         self._shares = shares  # multi-tenant mode: each tenant's share of calls and stream threads
         self._refusals = refusals or AttachRefusals()
+        self.control_socket = ""  # announced to same-host callers once it listens (CacheServer.start)
 
     def _begin(self, request, context: grpc.ServicerContext, kind: str | None = "calls") -> Principal:
         """The caller, once the request parsed and the service is open; counted in its tenant's
@@ -178,6 +182,7 @@ class PrefixCacheServicer:
                 )
             )
             self._add_device_pool(response, ns_id)
+            response.control_socket = self.control_socket.lstrip("\0")
         return response
 
     def _add_device_pool(self, response: pb.AttachResponse, ns_id: str) -> None:
@@ -466,17 +471,28 @@ def _receive(requests: Iterator[wire.StorePart], out: np.ndarray, watched: Watch
     return offset
 
 
+def unary_handlers(
+    servicer: PrefixCacheServicer, tracker: status.CallTracker, observe: status.Observer
+) -> dict[str, UnaryHandler]:
+    """name -> (the wrapped handler, its request parser, its response serializer): what gRPC and
+    the control socket (control_socket.py) both run."""
+    return {
+        name: (
+            status.unary(name, getattr(servicer, name), tracker, observe, PROTO_FIELDS.get(name)),
+            status.parser(request),
+            response.SerializeToString,
+        )
+        for name, (request, response) in UNARY_METHODS.items()
+    }
+
+
 def register(
     server: grpc.Server, servicer: PrefixCacheServicer, tracker: status.CallTracker, observe: status.Observer
 ) -> None:
     """Add the service's handlers, with parsers that turn junk into INVALID_ARGUMENT."""
     handlers = {
-        name: grpc.unary_unary_rpc_method_handler(
-            status.unary(name, getattr(servicer, name), tracker, observe, PROTO_FIELDS.get(name)),
-            request_deserializer=status.parser(request),
-            response_serializer=response.SerializeToString,
-        )
-        for name, (request, response) in UNARY_METHODS.items()
+        name: grpc.unary_unary_rpc_method_handler(handler, request_deserializer=parse, response_serializer=serialize)
+        for name, (handler, parse, serialize) in unary_handlers(servicer, tracker, observe).items()
     }
     handlers["Fetch"] = grpc.unary_stream_rpc_method_handler(  # yields serialized FetchChunks (wire.py)
         status.streaming("Fetch", servicer.Fetch, tracker, observe, PROTO_FIELDS.get("Fetch")),

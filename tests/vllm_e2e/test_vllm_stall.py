@@ -25,6 +25,7 @@ from tests.support.worker_procs import CacheService
 from tests.vllm_e2e.test_vllm_connector import _gen, _model, _start, _tokens
 
 pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(900)]
+GRPC_ONLY = ["--no-control-socket"]  # every call through the proxy: no same-host socket around it
 
 
 def test_a_slow_service_never_stalls_running_requests(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -35,7 +36,7 @@ def test_a_slow_service_never_stalls_running_requests(tmp_path_factory: pytest.T
     phases = ("baseline", "in_time", "late")
     arriving = {phase: shared + _tokens(rng, 20) for phase in phases}
     running = {phase: _tokens(rng, 64) for phase in phases}
-    service = CacheService(workdir / "service", extra_args=["--block-size", "32"]).start()
+    service = CacheService(workdir / "service", extra_args=["--block-size", "32", *GRPC_ONLY]).start()
     proxy = SlowProxy(service.port, latency_s=0.0, bytes_per_s=1e9).start()
     connector = {"cache": f"127.0.0.1:{proxy.port}", "hit_policy": "always", "lookup_timeout_s": 1.0, "timeout_s": 10}
     steps: list[dict] = [_gen("warm", [shared])]
@@ -179,7 +180,7 @@ def test_a_lookup_is_awaited_only_when_a_hit_could_repay_the_step(tmp_path: Path
     layout = KVLayout(layers=2, kv_heads=2, head_dim=64, block_size=block, dtype="bfloat16")
     namespace = Namespace("worth", "r1", layout)
     prompt = _tokens(random.Random(12), cached * block + 5)
-    service = CacheService(tmp_path / "service", extra_args=["--block-size", str(block)]).start()
+    service = CacheService(tmp_path / "service", extra_args=["--block-size", str(block), *GRPC_ONLY]).start()
     proxy = SlowProxy(service.port, latency_s=0.1, bytes_per_s=1e9).start()  # every Lookup in flight when asked
     try:
         writer = CacheClient(service.address)
@@ -254,7 +255,7 @@ def test_lookups_that_keep_missing_are_not_waited_for_until_they_hit_again(tmp_p
     namespace = Namespace("odds", "r1", layout)
     rng = random.Random(13)
     stored = _tokens(rng, cached * block + 5)
-    service = CacheService(tmp_path / "service", extra_args=["--block-size", str(block)]).start()
+    service = CacheService(tmp_path / "service", extra_args=["--block-size", str(block), *GRPC_ONLY]).start()
     proxy = SlowProxy(service.port, latency_s=0.1, bytes_per_s=1e9).start()  # every Lookup in flight when asked
     try:
         writer = CacheClient(service.address)

@@ -73,7 +73,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(LOGGER)
 
 PREFILL_STALE_S = 120.0  # older step timings give way to the prior again
-LOOKUP_THREADS = 4  # Lookups in flight at once (gRPC waits without the GIL)
+LOOKUP_THREADS = 4  # Lookups in flight at once (a call waits without the GIL)
 GRACE_SHARE = 0.25  # a step's Lookup waits stay under this share of the last step's length
 
 

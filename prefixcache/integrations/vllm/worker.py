@@ -25,7 +25,8 @@ namespace (states.py).
 Data paths (chosen per load):
 - co-located (the service's host tier mapped here, the slots all in it): on CPU each run of
   mapped slots straight into vLLM's blocks (`read_into`, one copy); on CUDA shared memory ->
-  staging tensor -> vLLM's blocks; gRPC carries only the Release.
+  staging tensor -> vLLM's blocks; only the Release goes to the service (over its control
+  socket, client/control_socket.py).
 - otherwise: the lease's blocks over the Fetch stream, then into vLLM's blocks.
 Saves go through `CacheClient.store`: Reserve + copy into shared memory + Commit when mapped,
 else the Store stream.
