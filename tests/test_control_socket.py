@@ -35,6 +35,14 @@ def _rpcs(server, method: str) -> float:
     return server.metrics.registry.get_sample_value("prefixcache_rpcs_total", {"method": method, "code": "OK"}) or 0
 
 
+def _stored(client, blocks: int) -> list[int]:
+    """Attach `client` and store a prompt of `blocks` blocks; returns its tokens."""
+    client.attach("model", layout_of())
+    tokens = prompt(blocks)
+    client.store(tokens, random_kv(blocks, layout_of(), seed=blocks))
+    return tokens
+
+
 def _raw(server) -> socket.socket:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.settimeout(5)
@@ -92,9 +100,7 @@ def test_errors_over_the_socket_are_grpcs_typed_errors_naming_the_field(start):
 def test_junk_and_stalled_peers_lose_only_their_own_connection(start):
     server = start()
     client = start.client(server)
-    client.attach("model", layout_of())
-    tokens = prompt(3)
-    client.store(tokens, random_kv(3, layout_of(), seed=4))
+    tokens = _stored(client, 3)
     stalled = _raw(server)
     stalled.sendall(control_frames.HEADER.pack(10, control_frames.HELLO)[:3])  # half a header, then nothing
     peers = []
@@ -156,9 +162,7 @@ def test_beyond_the_connection_bound_a_client_calls_over_grpc(start):
     control_frames.send(held, control_frames.HELLO, b"")
     assert control_frames.receive(held)[0] == 0
     client = start.client(server)
-    client.attach("model", layout_of())
-    tokens = prompt(2)
-    client.store(tokens, random_kv(2, layout_of(), seed=5))
+    tokens = _stored(client, 2)
     hit = client.lookup(tokens)
     assert hit.blocks == 2 and client.release(hit)
     assert server.control.connections == 1  # the held one: the client's were closed at once
@@ -220,10 +224,8 @@ except OSError:  # closed before the HELLO went out
 def test_a_service_without_the_socket_keeps_grpc(start):
     server = start(control_socket=False)
     client = start.client(server)
-    client.attach("model", layout_of())
+    tokens = _stored(client, 2)
     assert server.control is None and client._control is None
-    tokens = prompt(2)
-    client.store(tokens, random_kv(2, layout_of(), seed=7))
     hit = client.lookup(tokens)
     assert hit.blocks == 2 and client.release(hit)
 
@@ -231,9 +233,7 @@ def test_a_service_without_the_socket_keeps_grpc(start):
 def test_a_drained_or_stopped_service_answers_unavailable_over_the_socket(start):
     server = start()
     client = start.client(server)
-    client.attach("model", layout_of())
-    tokens = prompt(2)
-    client.store(tokens, random_kv(2, layout_of(), seed=8))
+    tokens = _stored(client, 2)
     client.lookup(tokens, take_lease=False)
     server.backend.begin_drain()  # what shutdown does first
     with pytest.raises(CacheUnavailable):

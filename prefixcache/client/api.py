@@ -490,13 +490,11 @@ class CacheClient:
         control = self._control
         if control is not None:  # never refused for load there: no retry hints to follow
             try:
-                if (
-                    control.call("Release", request, pb.ReleaseResponse, timeout_s or self.timeout_s, lease_id)
-                    is not None
-                ):
-                    return True
+                reply = control.call("Release", request, pb.ReleaseResponse, timeout_s or self.timeout_s, lease_id)
             except UnknownLease:
                 return False
+            if reply is not None:
+                return True
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         for attempt in range(RELEASE_ATTEMPTS):
             try:
