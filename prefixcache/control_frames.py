@@ -4,8 +4,9 @@ A same-host engine's per-request calls (Lookup, Reserve, Commit, Release) carry 
 slot numbers, never KV bytes (those move through the mapped host tier), and gRPC Python's
 per-call machinery costs the service and the engine more CPU than the calls' own work
 (docs/benchmarks.md, "The same-host control socket"). So the service also listens on a Unix
-socket in Linux's abstract namespace, named after its shared-memory segment, and announces it
-in `AttachResponse.control_socket` to callers that may map that segment. A connection carries
+socket beside its shared-memory segment (`/dev/shm/SEGMENT.sock`: wherever an engine can map
+the segment, a container sharing that /dev/shm included, it can reach the socket), and
+announces it in `AttachResponse.control_socket` to callers that may map that segment. A connection carries
 one call at a time, each a request frame answered by a response frame:
 
     request:  u32 body length | u8 method (an index into METHODS) | body: the request message
@@ -24,6 +25,8 @@ from __future__ import annotations
 import socket
 import struct
 
+from .tiers.shm import SHM_DIR, control_socket_path
+
 METHODS = ("Lookup", "Reserve", "Commit", "Release")  # index = the method byte
 HELLO = 255
 OK = 0
@@ -35,9 +38,9 @@ class FrameError(ConnectionError):
     """The peer closed the connection or sent a frame this end cannot take; the connection is done."""
 
 
-def socket_name(segment: str) -> str:
-    """The abstract socket beside the host tier's shared-memory segment `segment`."""
-    return f"\0{segment}.control"
+def socket_path(segment: str) -> str:
+    """The control socket beside the host tier's shared-memory segment `segment`."""
+    return str(control_socket_path(SHM_DIR / segment))
 
 
 def send(sock: socket.socket, code: int, body: bytes) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import subprocess
 import threading
 import time
@@ -15,10 +16,14 @@ import time
 import pytest
 
 from prefixcache import control_frames
-from prefixcache.client import CacheUnavailable, Unauthenticated
+from prefixcache.client import CacheClient, CacheUnavailable, Unauthenticated
+from prefixcache.config import CacheConfig
 from prefixcache.errors import InvalidArgument, UnknownLease
 from prefixcache.rpc import cache_pb2 as pb
 from prefixcache_services.cache_server.auth import Authenticator, parse_credentials
+from prefixcache_services.cache_server.backend import BackendOptions
+from prefixcache_services.cache_server.options import ServerOptions
+from prefixcache_services.cache_server.server import build_server
 from tests.support.poll import poll
 from tests.support.service import layout_of, prompt, random_kv, running_servers, same_bytes
 
@@ -46,7 +51,7 @@ def _stored(client, blocks: int) -> list[int]:
 def _raw(server) -> socket.socket:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.settimeout(5)
-    conn.connect(server.control.name)
+    conn.connect(server.control.path)
     return conn
 
 
@@ -202,21 +207,22 @@ SYSTEM_PYTHON = "/usr/bin/python3"  # one that another user may run (a venv unde
     os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK), reason="needs root and /usr/bin/python3"
 )
 def test_a_process_of_another_user_is_not_served(start):
-    """An abstract socket has no file mode: the service checks its peer's user itself, as the
-    0600 segment's boundary (SECURITY.md)."""
+    """The socket is the 0600 segment's boundary (SECURITY.md): its file mode refuses another
+    user's connect, and the service checks each peer's user too (SO_PEERCRED)."""
     server = start()
+    assert stat.S_IMODE(os.stat(server.control.path).st_mode) == 0o600
     peer = f"""
 import socket, struct
 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 conn.settimeout(5)
-conn.connect({server.control.name!r})
 try:
+    conn.connect({server.control.path!r})
     conn.sendall(struct.pack("<IB", 0, {control_frames.HELLO}))
-    print(repr(conn.recv(16) or "closed"))
-except OSError:  # closed before the HELLO went out
-    print(repr("closed"))
+    print(repr(conn.recv(16) or "refused"))
+except OSError:  # the connect (file mode), or the HELLO after the service closed it
+    print(repr("refused"))
 """
-    for user, answer in ((65534, "'closed'"), (0, repr(control_frames.HEADER.pack(0, control_frames.OK)))):
+    for user, answer in ((65534, "'refused'"), (0, repr(control_frames.HEADER.pack(0, control_frames.OK)))):
         result = subprocess.run([SYSTEM_PYTHON, "-c", peer], user=user, capture_output=True, text=True, timeout=30)
         assert result.stdout.strip() == answer, (user, result.stderr)
 
@@ -228,6 +234,44 @@ def test_a_service_without_the_socket_keeps_grpc(start):
     assert server.control is None and client._control is None
     hit = client.lookup(tokens)
     assert hit.blocks == 2 and client.release(hit)
+
+
+def test_a_dead_services_socket_file_is_replaced_and_any_other_file_left_alone():
+    """The socket sits beside the segment; a killed service leaves it behind. The next service
+    on that segment name binds anew; a file that is no socket of this user stays, and the
+    service serves over gRPC alone. A stopped service removes its own."""
+    name = f"pfx-test-control-{os.getpid()}"
+    path = control_frames.socket_path(name)
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(path)  # bound, never listening, closed without unlink: what a kill leaves
+    dead.close()
+    backend = BackendOptions(cache=CacheConfig(host_capacity=1 << 22), block_size=16, shm_name=name)
+    server = build_server(ServerOptions(backend=backend, listen="127.0.0.1:0"))
+    try:
+        assert server.control is not None and server.control.path == path
+        with CacheClient(server.address) as client:
+            tokens = _stored(client, 2)
+            assert client._control is not None and client._control.path == path
+            hit = client.lookup(tokens)
+            assert hit.blocks == 2 and server.control.connections == 1 and client.release(hit)
+    finally:
+        server.shutdown(0)
+    assert not os.path.exists(path)  # unlinked on the way out
+    with open(path, "w") as squatter:
+        squatter.write("not a socket")
+    try:
+        server = build_server(ServerOptions(backend=backend, listen="127.0.0.1:0"))
+        try:
+            assert server.control is None
+            with CacheClient(server.address) as client:
+                tokens = _stored(client, 2)
+                assert client._control is None and client.lookup(tokens).blocks == 2
+        finally:
+            server.shutdown(0)
+        with open(path) as left:
+            assert left.read() == "not a socket"
+    finally:
+        os.unlink(path)
 
 
 def test_a_drained_or_stopped_service_answers_unavailable_over_the_socket(start):

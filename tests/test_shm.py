@@ -225,6 +225,7 @@ def test_a_service_killed_with_its_group_is_reclaimed_by_the_next_on_its_address
     mapping[:8] = b"kept KV!"
     first.kill_group()
     assert _segments(private_shm)[name]["alive"] is False  # what SIGKILL of the group leaves
+    dead_socket = os.stat(private_shm.dir / f"{name}.sock").st_ino  # its control socket, left too
     used_with_the_dead_one = private_shm.used()
     assert used_with_the_dead_one >= 32 * MiB
 
@@ -234,6 +235,7 @@ def test_a_service_killed_with_its_group_is_reclaimed_by_the_next_on_its_address
         assert list(segments) == [name], segments  # the same name, no second one beside it
         assert segments[name]["pid"] == second.pid and segments[name]["alive"] is True
         assert "reclaimed shared memory" in second.stderr()
+        assert os.stat(private_shm.dir / f"{name}.sock").st_ino != dead_socket  # removed, bound anew
         # The old pages live on while mapped (the mapping still works, no SIGBUS) and go with it.
         assert mapping[:8] == b"kept KV!"
         mapping[8:16] = b"writable"
@@ -242,7 +244,7 @@ def test_a_service_killed_with_its_group_is_reclaimed_by_the_next_on_its_address
         assert poll(lambda: private_shm.used() < used_with_the_dead_one + 2 * MiB, 10)  # the dead one's freed
     finally:
         second.stop()
-    assert os.listdir(private_shm.dir) == []  # SIGTERM unlinks its own
+    assert os.listdir(private_shm.dir) == []  # SIGTERM unlinks its own segment and socket
 
 
 def test_a_live_services_segment_is_never_taken_by_a_second_instance(private_shm, tmp_path) -> None:
@@ -286,9 +288,11 @@ def test_shm_clean_removes_only_dead_owners_segments(private_shm, tmp_path, caps
 
         code, _, err = _shm_cli(capsys, "clean", live_name, "--dir", str(private_shm.dir))
         assert code == 2 and "running service" in err
+        assert (private_shm.dir / "pfx-dead.sock").is_socket()  # the dead one's control socket
         code, out, _ = _shm_cli(capsys, "clean", "--dir", str(private_shm.dir))
         assert code == 0 and "removed pfx-dead" in out, out
-        assert sorted(os.listdir(private_shm.dir)) == sorted([live_name, "not-ours"])
+        # ...goes with its segment; the live one's stays, as does another program's file.
+        assert sorted(os.listdir(private_shm.dir)) == sorted([live_name, f"{live_name}.sock", "not-ours"])
         assert live.process.poll() is None
     finally:
         live.stop()

@@ -34,8 +34,8 @@ _METHOD = {name: index for index, name in enumerate(METHODS)}
 
 
 class ControlSocket:
-    def __init__(self, name: str, auth_token: str | None, address: str) -> None:
-        self.name = name  # without the abstract namespace's leading NUL, as AttachResponse carries it
+    def __init__(self, path: str, auth_token: str | None, address: str) -> None:
+        self.path = path
         self._token = (auth_token or "").encode()
         self._address = address  # the gRPC address, for errors
         self._idle: list[tuple[socket.socket, float]] = []  # (connection, monotonic time it was put back)
@@ -96,7 +96,7 @@ class ControlSocket:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.settimeout(timeout_s)
-            conn.connect(f"\0{self.name}")
+            conn.connect(self.path)
             send(conn, HELLO, self._token)
             code, _ = receive(conn, limit=4096)
         except (OSError, FrameError):

@@ -21,6 +21,9 @@ Invariants:
   keeps reading and writing its pages until it unmaps them, and the tmpfs frees them then.
   A live segment is never unlinked by anyone but its owner. An owner that exits without
   closing it (but is not killed) unlinks the name at exit; a killed owner's stays until then.
+- The service's control socket is a file beside its segment (`control_socket_path`). Whoever
+  removes a dead owner's segment removes that owner's socket file first, under the segment's
+  lock, so a successor's socket is never the one removed.
 - This module imports no torch: `prefixcache shm list|clean` and test janitors stay fast.
 """
 
@@ -241,6 +244,8 @@ def remove_if_dead(path: Path) -> OwnerRecord | None:
             )
         try:
             if os.stat(path).st_ino == os.fstat(fd).st_ino:  # still the file we locked, not a successor's
+                with contextlib.suppress(FileExistsError):  # under the lock: no successor bound it yet
+                    remove_dead_socket(control_socket_path(path))
                 os.unlink(path)
         except FileNotFoundError:
             pass
@@ -252,6 +257,25 @@ def remove_if_dead(path: Path) -> OwnerRecord | None:
         return record
     finally:
         os.close(fd)
+
+
+def control_socket_path(segment: Path) -> Path:
+    """The service's control socket beside its segment (services/cache_server/control_socket.py)."""
+    return segment.with_name(f"{segment.name}.sock")
+
+
+def remove_dead_socket(path: Path) -> None:
+    """Unlink the socket file this user left at `path`: a dead service's, when the caller knows
+    that no live service owns the segment it sits beside. Any other file there raises
+    FileExistsError and stays."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not statmod.S_ISSOCK(info.st_mode) or info.st_uid != os.geteuid():
+        raise FileExistsError(errno.EEXIST, "not this user's socket; left in place", str(path))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _reserve(fd: int, total: int, path: Path) -> None:

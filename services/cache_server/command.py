@@ -124,7 +124,7 @@ def register(subparsers) -> None:
         dest="control_socket",
         action="store_false",
         help="same-host engines make their per-request calls (Lookup, Reserve, Commit, Release) over "
-        "gRPC only, not over the socket beside the shared-memory segment (Linux; docs/client.md)",
+        "gRPC only, not over the socket beside the shared-memory segment (docs/client.md)",
     )
     add("--max-prompt-tokens", type=int, default=1 << 20, help="longest prompt accepted (default %(default)s)")
     add("--max-leases", type=int, default=4096, help="leases held at once (default %(default)s)")

@@ -6,29 +6,35 @@ status wrapper that maps typed errors, times the call and counts it in flight fo
 with `LocalCall` standing in for gRPC's context: the connection's bearer token as metadata, an
 abort that answers the status, callbacks run when the call ends (tenant shares).
 
-Only processes of the service's Unix user (or root) are served: the same boundary as the
-0600 shared-memory segment (SECURITY.md), which an abstract socket, having no file mode, must
-check itself (SO_PEERCRED); others are closed at once and call over gRPC. One thread per
-connection, one call at a time on each. Connections are bounded by
+The socket is a file beside the segment (control_frames.socket_path), mode 0600 like the
+segment: only processes of the service's Unix user (or root) can connect, the segment's
+boundary (SECURITY.md); the service also checks each peer's user (SO_PEERCRED), which covers
+the moment between bind and chmod. The service claims the segment first, so no live service
+owns that name: a socket file left there by a killed predecessor is removed and bound anew; any
+other file there (a regular file, another user's) is left alone and the service runs without
+the socket. It unlinks its socket when it stops. One thread per connection, one call at a time
+on each. Connections are bounded by
 `max_connections` (beyond it a new one is closed at once, and the client uses gRPC), which also
 bounds the calls held, as --max-concurrent-rpcs does on gRPC. A peer that sends nothing for
-`idle_timeout_s` is disconnected (clients reconnect on their next call). The socket lives in
-Linux's abstract namespace: nothing on disk to go stale after a kill, freed with the process.
+`idle_timeout_s` is disconnected (clients reconnect on their next call).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import struct
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 
 from prefixcache import control_frames
 from prefixcache.control_frames import FrameError
+from prefixcache.tiers.shm import remove_dead_socket
 
 from .auth import Authenticator, Unauthenticated
 from .servicer import UnaryHandler
@@ -84,14 +90,14 @@ def _same_user(conn: socket.socket) -> bool:
 class ControlSocketServer:
     def __init__(
         self,
-        name: str,
+        path: str,
         handlers: dict[str, UnaryHandler],
         authenticator: Authenticator,
         max_connections: int,
         idle_timeout_s: float = 300.0,
         on_denied: Callable[[str], None] | None = None,
     ) -> None:
-        self.name = name
+        self.path = path
         self._handlers = [handlers[method] for method in control_frames.METHODS]
         self._auth = authenticator
         self._max_connections = max_connections
@@ -100,9 +106,12 @@ class ControlSocketServer:
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        remove_dead_socket(Path(path))  # a killed predecessor's (the caller owns the segment)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._listener.bind(name)  # OSError (in use) when a live service holds the name
+            self._listener.bind(path)
+            os.chmod(path, 0o600)
+            self._inode = os.stat(path).st_ino  # what `close` unlinks: this socket, never a successor's
             self._listener.listen(64)
             self._listener.settimeout(ACCEPT_POLL_S)
         except OSError:
@@ -191,6 +200,9 @@ class ControlSocketServer:
         except OSError:
             pass
         self._listener.close()
+        with contextlib.suppress(OSError):
+            if os.lstat(self.path).st_ino == self._inode:
+                os.unlink(self.path)
         with self._lock:
             connections = list(self._connections)
         for conn in connections:

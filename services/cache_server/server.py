@@ -224,22 +224,22 @@ class CacheServer:
 
     def _start_control_socket(self, segment: str) -> None:
         """Listen beside the host tier's segment for same-host calls (control_socket.py), where
-        the platform has abstract Unix sockets; without it engines call over gRPC, as before."""
+        the platform has Unix sockets; without it engines call over gRPC, as before."""
         if not self.options.control_socket or not sys.platform.startswith("linux"):
             return
         handlers = unary_handlers(self._servicer, self.tracker, self._observe)
         try:
             self.control = ControlSocketServer(
-                control_frames.socket_name(segment),
+                control_frames.socket_path(segment),
                 handlers,
                 self.options.authenticator,
                 self.options.max_concurrent_rpcs,
                 on_denied=self.metrics.denied if self.metrics else None,
             ).start()
-        except OSError as error:  # another process holds the name: engines keep gRPC
+        except OSError as error:  # e.g. another user's file at that path: engines keep gRPC
             log.warning("no control socket for segment %s (%s); same-host calls go over gRPC", segment, error)
             return
-        self._servicer.control_socket = self.control.name
+        self._servicer.control_socket = self.control.path
 
     def shutdown(self, grace_s: float | None = None) -> None:
         """Drain and stop (idempotent); see the module docstring."""

@@ -182,7 +182,7 @@ class PrefixCacheServicer:
                 )
             )
             self._add_device_pool(response, ns_id)
-            response.control_socket = self.control_socket.lstrip("\0")
+            response.control_socket = self.control_socket
         return response
 
     def _add_device_pool(self, response: pb.AttachResponse, ns_id: str) -> None:
