@@ -17,6 +17,7 @@ import pytest
 
 from prefixcache import control_frames
 from prefixcache.client import CacheClient, CacheUnavailable, Unauthenticated
+from prefixcache.client.control_socket import ControlSocket
 from prefixcache.config import CacheConfig
 from prefixcache.errors import InvalidArgument, UnknownLease
 from prefixcache.rpc import cache_pb2 as pb
@@ -272,6 +273,25 @@ def test_a_dead_services_socket_file_is_replaced_and_any_other_file_left_alone()
             assert left.read() == "not a socket"
     finally:
         os.unlink(path)
+
+
+def test_an_unresponsive_service_costs_one_deadline_not_two(tmp_path):
+    """A socket whose service takes connections but never answers (hung): CacheUnavailable at
+    the call's deadline, not None (which would spend a second deadline on gRPC)."""
+    hung = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hung.bind(str(tmp_path / "hung.sock"))
+    hung.listen(8)  # connections queue in the kernel; nobody accepts or answers
+    control = ControlSocket(str(tmp_path / "hung.sock"), None, "127.0.0.1:1")
+    try:
+        started = time.monotonic()
+        with pytest.raises(CacheUnavailable, match="DEADLINE_EXCEEDED"):
+            control.call("Lookup", pb.LookupRequest(namespace_id="n", tokens=[1]), pb.LookupResponse, 0.3)
+        assert 0.25 < time.monotonic() - started < 2.0
+        hung.close()  # ...while a socket nobody listens on is only unreachable: gRPC's turn
+        assert control.call("Release", pb.ReleaseRequest(lease_id=1), pb.ReleaseResponse, 0.3) is None
+    finally:
+        control.close()
+        hung.close()
 
 
 def test_a_drained_or_stopped_service_answers_unavailable_over_the_socket(start):

@@ -6,7 +6,9 @@ are kept for reuse, one per concurrent caller, each carrying one call at a time.
 
 Failure semantics, as on gRPC:
 - The socket cannot be reached, or refuses the connection (the service runs at its connection
-  bound): `call` answers None and the caller goes through gRPC.
+  bound): `call` answers None and the caller goes through gRPC. A service that takes the
+  connection but does not answer its HELLO within the call's deadline is unresponsive, not
+  unreachable: `CacheUnavailable`, so that a deadline is never spent twice.
 - A call that fails once sent (the connection broke, the deadline passed) raises
   `CacheUnavailable`: it may have run, so it is never retried here. Its connection is closed.
   One that a kept connection could not send (its service restarted: the socket refuses the
@@ -99,6 +101,9 @@ class ControlSocket:
             conn.connect(self.path)
             send(conn, HELLO, self._token)
             code, _ = receive(conn, limit=4096)
+        except TimeoutError as error:
+            conn.close()
+            raise self._unavailable("HELLO", error) from None
         except (OSError, FrameError):
             conn.close()
             return None

@@ -81,9 +81,11 @@ class LocalCall:
 
 
 def _same_user(conn: socket.socket) -> bool:
-    _pid, uid, _gid = PEER_CREDENTIALS.unpack(
-        conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEER_CREDENTIALS.size)
-    )
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEER_CREDENTIALS.size)
+    except OSError:  # the peer is already gone
+        return False
+    _pid, uid, _gid = PEER_CREDENTIALS.unpack(raw)
     return uid in (os.geteuid(), 0)
 
 
