@@ -6,8 +6,8 @@ per-call machinery costs the service and the engine more CPU than the calls' own
 (docs/benchmarks.md, "The same-host control socket"). So the service also listens on a Unix
 socket beside its shared-memory segment (`/dev/shm/SEGMENT.sock`: wherever an engine can map
 the segment, a container sharing that /dev/shm included, it can reach the socket), and
-announces it in `AttachResponse.control_socket` to callers that may map that segment. A connection carries
-one call at a time, each a request frame answered by a response frame:
+announces it in `AttachResponse.control_socket` to callers that may map that segment. A
+connection carries one call at a time, each a request frame answered by a response frame:
 
     request:  u32 body length | u8 method (an index into METHODS) | body: the request message
     response: u32 body length | u8 status | body: the response message (status 0, OK), or

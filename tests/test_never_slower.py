@@ -314,13 +314,23 @@ def test_short_prefixes_over_a_slow_redis_are_recomputed_as_fast_as_without_a_ca
     before, stats_before = worker_metrics(cached), service.client().stats().snapshot.remote
 
     ttft_cached, ttft_reference = [], []
+    fetched = 0  # prefixes the service fetched over the slow link all the same (see below)
     for pair in range(PAIRS):
         tokens = e2e_prompt(0, WARMUP + pair, SHORT_PREFIX_BLOCKS, suffix=1)
         order = (cached, reference) if pair % 2 == 0 else (reference, cached)
         for worker in order:
             seconds, cached_tokens = stream_ttft(worker, tokens)
             (ttft_cached if worker is cached else ttft_reference).append(seconds)
-            assert cached_tokens == 0, "over the slow link the prefix must be recomputed"
+            if worker is cached and cached_tokens:
+                fetched += 1
+                assert cached_tokens == SHORT_PREFIX_BLOCKS * BS  # a whole prefix, never a part of it
+            else:
+                assert cached_tokens == 0, "over the slow link the prefix must be recomputed"
+    # The link's estimate is refreshed by fresh samples (write-through included) and falls back
+    # to its prior once stale, so the service fetches again now and then to re-measure the link.
+    # On a slow machine (2026-12-06, AMD EPYC without AVX-512: 6 of 11 runs, main before the
+    # control socket) one of the twelve pairs did, the last; more than one would be a real regression.
+    assert fetched <= 1, f"{fetched} of {PAIRS} short prefixes were fetched over the slow link"
 
     after, stats_after = worker_metrics(cached), service.client().stats().snapshot.remote
     taken = metric(after, "prefixcache_worker_hit_decisions_total", decision="taken") - metric(
@@ -332,7 +342,7 @@ def test_short_prefixes_over_a_slow_redis_are_recomputed_as_fast_as_without_a_ca
     declined = metric(after, "prefixcache_worker_remote_blocks_declined_total") - metric(
         before, "prefixcache_worker_remote_blocks_declined_total"
     )
-    assert taken == 0 and misses == PAIRS
+    assert taken == fetched and misses == PAIRS - fetched
     assert declined >= PAIRS * SHORT_PREFIX_BLOCKS  # the service declined on the worker's budget ...
     assert stats_after["probe_blocks_declined"] - stats_before["probe_blocks_declined"] >= declined
     assert stats_after["link_latency_s"] >= E2E_LATENCY_S  # ... because it measured the link

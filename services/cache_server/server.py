@@ -7,11 +7,13 @@ Lifecycle:
    ticker (`cache.expire()` every `expire_interval_s`), then sets health to
    SERVING for "" and "prefixcache.v1.PrefixCache"; the latter (readiness) is NOT_SERVING
    while the service cannot take new work (`CacheServer.full`), "" (liveness) stays SERVING.
+   Beside the segment it listens on the control socket (control_socket.py: same-host engines'
+   Lookup, Reserve, Commit and Release, the same handlers without gRPC), unless told not to.
 2. `shutdown(grace_s)` (SIGTERM in `serve`): health NOT_SERVING, new calls get
    UNAVAILABLE, calls in flight (Fetch streams included) get up to the grace
-   period to finish, then the rest are cancelled, the server stops, the ticker
-   stops, and the cache closes: leases and reservations vanish with it and the
-   host tier's shared-memory segment is unlinked.
+   period to finish, then the rest are cancelled, the server and the control socket
+   stop (its file unlinked), the ticker stops, and the cache closes: leases and
+   reservations vanish with it and the host tier's shared-memory segment is unlinked.
 
 Shutdown bound: `shutdown` returns within the grace period plus `SHUTDOWN_BOUND_S`,
 plus the Redis write-queue drain when a Redis tier is configured (`RedisTier.close`).
