@@ -35,6 +35,7 @@ servers, services and Redis for each):
   6   (`--kv-pressure`) 3s, 4 and 4l (and 4a, 4r when chosen) again with a KV cache of
       `--pressure-mib` per server, so vLLM evicts
 
+  4s  as 4, routed as 3s: the connector's cost with sticky routing's batches (3s its baseline)
   4l  as 4, routed as 3l: a free choice of server on every request, the cache service's point
   4a  as 4, routed as 3a: sticky while it is balanced, and a move costs a load, not a prefill
   4r  as 4, behind `prefixcache route` (Match on the service, each server's queue, the
@@ -91,7 +92,7 @@ SEED = 20261203
 READY_S = 600.0
 WARM_SETTLE_S = 2.0  # after the warm-up: its background work (the connector's saves) done
 MAX_MODEL_LEN = 4096  # each server's --max-model-len: its KV cache must hold at least this many tokens
-ALL_CONFIGS = ("1", "2", "2p", "3", "3s", "3h", "3l", "3a", "4", "4l", "4a", "4r", "4c", "4p", "5", "4b", "5b")
+ALL_CONFIGS = ("1", "2", "2p", "3", "3s", "3h", "3l", "3a", "4", "4s", "4l", "4a", "4r", "4c", "4p", "5", "4b", "5b")
 TITLES = {
     "1": "one server, no prefix caching",
     "2": "one server, vLLM APC",
@@ -101,6 +102,7 @@ TITLES = {
     "3h": "two servers, APC, sticky by a hash of the conversation",
     "3l": "two servers, APC, least requests in flight",
     "3a": "two servers, APC, sticky unless the server is --spill requests busier",
+    "4s": "sticky by conversation, APC + prefixcache (host tier)",
     "4a": "sticky unless --spill busier, APC + prefixcache (host tier)",
     "4l": "least requests in flight, APC + prefixcache (host tier)",
     "4r": "prefixcache route in front, APC + prefixcache (host tier)",
@@ -138,6 +140,7 @@ def configs(args: argparse.Namespace) -> list[Config]:
         "3h": Config("3h", 2, True, "hash", None, kv),
         "3l": Config("3l", 2, True, "least", None, kv),
         "3a": Config("3a", 2, True, "affinity", None, kv),
+        "4s": Config("4s", 2, True, "sticky", "host", kv),
         "4l": Config("4l", 2, True, "least", "host", kv),
         "4a": Config("4a", 2, True, "affinity", "host", kv),
         "4r": Config("4r", 2, True, "router", "host", kv),
