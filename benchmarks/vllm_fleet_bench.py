@@ -32,7 +32,7 @@ servers, services and Redis for each):
       other, when it moves there (and stays) -- the affinity a load balancer offers beside a cache
   4   two servers round-robin, APC + prefixcache on one service (host tier, --block-size 32)
   5   two servers round-robin, APC + prefixcache on two services sharing one redis-server
-  6   (`--kv-pressure`) 3s, 4 and 4l (and 4a, 4r when chosen) again with a KV cache of
+  6   (`--kv-pressure`) 3s, 4 and 4l (and 4s, 4a, 4r when chosen) again with a KV cache of
       `--pressure-mib` per server, so vLLM evicts
 
   4s  as 4, routed as 3s: the connector's cost with sticky routing's batches (3s its baseline)
@@ -158,6 +158,8 @@ def configs(args: argparse.Namespace) -> list[Config]:
             Config("6/4", 2, True, "rr", "host", args.pressure_mib),
             Config("6/4l", 2, True, "least", "host", args.pressure_mib),
         ]
+        if "4s" in args.configs.split(","):
+            chosen.append(Config("6/4s", 2, True, "sticky", "host", args.pressure_mib))
         if "4a" in args.configs.split(","):
             chosen.append(Config("6/4a", 2, True, "affinity", "host", args.pressure_mib))
         if "4r" in args.configs.split(","):
@@ -686,7 +688,7 @@ def main() -> None:
     parser.add_argument(
         "--kv-pressure",
         action="store_true",
-        help="also run 3s, 4 and 4l (and 4a, 4r when chosen) with a small vLLM KV cache",
+        help="also run 3s, 4 and 4l (and 4s, 4a, 4r when chosen) with a small vLLM KV cache",
     )
     parser.add_argument("--kv-mib", type=int, default=2048, help="each server's KV cache in configs 1-5")
     parser.add_argument(
