@@ -78,7 +78,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,19 +151,12 @@ def configs(args: argparse.Namespace) -> list[Config]:
         "4b": Config("4b", 2, True, "rr", "host", kv),
         "5b": Config("5b", 2, True, "rr", "redis", kv),
     }
-    chosen = [table[name] for name in args.configs.split(",")]
+    names = args.configs.split(",")
+    chosen = [table[name] for name in names]
     if args.kv_pressure:
-        chosen += [
-            Config("6/3s", 2, True, "sticky", None, args.pressure_mib),
-            Config("6/4", 2, True, "rr", "host", args.pressure_mib),
-            Config("6/4l", 2, True, "least", "host", args.pressure_mib),
-        ]
-        if "4s" in args.configs.split(","):
-            chosen.append(Config("6/4s", 2, True, "sticky", "host", args.pressure_mib))
-        if "4a" in args.configs.split(","):
-            chosen.append(Config("6/4a", 2, True, "affinity", "host", args.pressure_mib))
-        if "4r" in args.configs.split(","):
-            chosen.append(Config("6/4r", 2, True, "router", "host", args.pressure_mib))
+        # 3s, 4 and 4l always; 4s, 4a and 4r when chosen: each as configured, with the small cache
+        pressured = ["3s", "4", "4l"] + [name for name in ("4s", "4a", "4r") if name in names]
+        chosen += [replace(table[name], name=f"6/{name}", kv_mib=args.pressure_mib) for name in pressured]
     return chosen
 
 
