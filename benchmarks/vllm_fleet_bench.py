@@ -40,7 +40,7 @@ servers, services and Redis for each):
   4a  as 4, routed as 3a: sticky while it is balanced, and a move costs a load, not a prefill
   4r  as 4, behind `prefixcache route` (Match on the service, each server's queue, the
       conversation's previous server on a tie), which every request goes through
-  4b, 5b (`--before-root DIR`) 4 and 5 with the vLLM servers on PYTHONPATH=DIR: another
+  4b, 4sb, 5b (`--before-root DIR`) 4, 4s and 5 with the vLLM servers on PYTHONPATH=DIR: another
       checkout's connector (a "before"), in the same run; the services always run from this tree
   4c, 4p  as 4 with the connector's `kv_role` kv_consumer (Lookups and loads, no saves) and
       kv_producer (saves, no Lookups): where the connector's cost per request comes from
@@ -92,7 +92,28 @@ SEED = 20261203
 READY_S = 600.0
 WARM_SETTLE_S = 2.0  # after the warm-up: its background work (the connector's saves) done
 MAX_MODEL_LEN = 4096  # each server's --max-model-len: its KV cache must hold at least this many tokens
-ALL_CONFIGS = ("1", "2", "2p", "3", "3s", "3h", "3l", "3a", "4", "4s", "4l", "4a", "4r", "4c", "4p", "5", "4b", "5b")
+ALL_CONFIGS = (
+    "1",
+    "2",
+    "2p",
+    "3",
+    "3s",
+    "3h",
+    "3l",
+    "3a",
+    "4",
+    "4s",
+    "4l",
+    "4a",
+    "4r",
+    "4c",
+    "4p",
+    "5",
+    "4b",
+    "4sb",
+    "5b",
+)
+BEFORE_CONFIGS = ("4b", "4sb", "5b")  # run on --before-root's connector
 TITLES = {
     "1": "one server, no prefix caching",
     "2": "one server, vLLM APC",
@@ -111,6 +132,7 @@ TITLES = {
     "4p": "round-robin, APC + prefixcache (host tier), kv_producer: saves only",
     "5": "round-robin, APC + prefixcache (2 services, one Redis)",
     "4b": "round-robin, APC + prefixcache (host tier), the --before-root connector",
+    "4sb": "sticky by conversation, APC + prefixcache (host tier), the --before-root connector",
     "5b": "round-robin, APC + prefixcache (2 services, one Redis), the --before-root connector",
 }
 
@@ -149,6 +171,7 @@ def configs(args: argparse.Namespace) -> list[Config]:
         "4p": Config("4p", 2, True, "rr", "host", kv, "kv_producer"),
         "5": Config("5", 2, True, "rr", "redis", kv),
         "4b": Config("4b", 2, True, "rr", "host", kv),
+        "4sb": Config("4sb", 2, True, "sticky", "host", kv),
         "5b": Config("5b", 2, True, "rr", "redis", kv),
     }
     names = args.configs.split(",")
@@ -518,7 +541,7 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
                 process, address = start_service(*flags, "--redis-url", redis.url)
                 services.append(process)
                 addresses[i] = address
-        pythonpath = args.before_root if config.name.endswith("b") else str(ROOT)
+        pythonpath = args.before_root if config.name in BEFORE_CONFIGS else str(ROOT)
         urls = []
         for i in range(config.servers):
             core = i % cores if args.bind_cores and (config.servers > 1 or spare) else None
@@ -611,7 +634,8 @@ def breakdown(rows: list[dict]) -> str:
     lines = [
         "| config | CPU ms per request: vLLM servers / services (and router) "
         "| connector on vLLM's threads: CPU / grace waits / idle waits ms/req "
-        "| connector threads CPU ms/req | lookups: steps deferred / not awaited | hits (in-step) | misses "
+        "| connector threads CPU ms/req | lookups sent (requests skipped by the presence table): steps deferred / not awaited "
+        "| hits (in-step) | misses "
         "| load ms per hit | save ms per request (wall) | load failures |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -626,7 +650,8 @@ def breakdown(rows: list[dict]) -> str:
             f"| {r['config']} | {processes} | {1000 * c.get('engine_thread_cpu_seconds', 0.0) / n:.2f} / "
             f"{1000 * c.get('lookup_grace_seconds', 0.0) / n:.2f} / {1000 * c.get('lookup_idle_seconds', 0.0) / n:.2f} "
             f"| {1000 * c.get('background_cpu_seconds', 0.0) / n:.2f} "
-            f"| {c.get('lookups', 0.0):.0f}: {c.get('lookup_deferrals', 0.0):.0f} / {c.get('lookups_not_awaited', 0.0):.0f} "
+            f"| {c.get('lookups', 0.0):.0f} ({c.get('lookups_skipped', 0.0):.0f}): "
+            f"{c.get('lookup_deferrals', 0.0):.0f} / {c.get('lookups_not_awaited', 0.0):.0f} "
             f"| {hits:.0f} ({c.get('in_step_loads', 0.0):.0f}) "
             f"| {c.get('misses', 0.0):.0f} | {1000 * c.get('load_seconds', 0.0) / max(hits, 1):.2f} "
             f"| {1000 * c.get('save_seconds', 0.0) / n:.2f} | {c.get('load_failures', 0.0):.0f} |"
@@ -738,7 +763,7 @@ def main() -> None:
     unknown = set(args.configs.split(",")) - set(ALL_CONFIGS)
     if unknown:
         parser.error(f"--configs: unknown {sorted(unknown)}; choose from {','.join(ALL_CONFIGS)}")
-    before = {"4b", "5b"} & set(args.configs.split(","))
+    before = set(BEFORE_CONFIGS) & set(args.configs.split(","))
     if before and not (Path(args.before_root) / "prefixcache" / "integrations" / "vllm").is_dir():
         parser.error(f"--before-root: configs {sorted(before)} need a checkout with prefixcache/integrations/vllm")
     if not isinstance(args.connector, dict):

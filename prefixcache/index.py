@@ -34,6 +34,7 @@ from .blockmap import BlockMap
 from .hashing import BlockHash
 from .kinds import MissReason
 from .native import core
+from .presence import PresenceTable
 from .touchlog import TouchLog
 
 ROOT = -1
@@ -100,6 +101,12 @@ class RadixIndex:
             self.tokens,
         )
         self._free_rows = array.array("i", range(capacity - 1, -1, -1))
+        self.presence: PresenceTable | None = None  # published to same-host engines (presence.py)
+
+    def publish(self, presence: PresenceTable) -> None:
+        """Keep `presence` (empty, sized for this capacity) holding exactly the indexed blocks."""
+        presence.add(self.map.words[0][self.live()])
+        self.presence = presence
 
     def __len__(self) -> int:
         return len(self.map)
@@ -205,6 +212,8 @@ class RadixIndex:
         self.core.add_chain(
             nodes, parent, namespace, tier, _rows(slots), np.ascontiguousarray(tokens, dtype=np.uint32), now
         )
+        if self.presence is not None:
+            self.presence.add(self.map.words[0][nodes])
         return nodes
 
     def remove(self, node: int) -> None:
@@ -213,6 +222,8 @@ class RadixIndex:
             raise RuntimeError(f"node {node} is not live")
         if self.children[node] or self.pins[node]:
             raise RuntimeError(f"node {node} has children or pins; cannot remove")
+        if self.presence is not None:
+            self.presence.discard(self.map.words[0][[node]])
         self.map.delete(node)
         parent = int(self.parent[node])
         if parent != ROOT:
@@ -229,6 +240,8 @@ class RadixIndex:
         if not rows.size:
             return
         self.core.remove_many(rows)  # raises, changing nothing (KeyError for a repeat)
+        if self.presence is not None:
+            self.presence.discard(self.map.words[0][rows])
         self.map.delete_many(rows)  # live rows are mapped: cannot fail now
         self._free_rows.frombytes(rows.astype(np.int32).tobytes())
 

@@ -28,11 +28,13 @@ from pathlib import Path
 
 import pytest
 
+from prefixcache.client import CacheClient
 from prefixcache.tiers.shm import SHM_DIR, list_segments, segment_name_for
 from prefixcache_services import cli
 from tests.support import lifetime
 from tests.support.poll import poll
 from tests.support.redis_server import free_port
+from tests.support.service import layout_of
 
 pytestmark = pytest.mark.process
 
@@ -223,16 +225,21 @@ def test_a_service_killed_with_its_group_is_reclaimed_by_the_next_on_its_address
     with path.open("r+b") as handle:  # a worker's mapping of the segment, kept across the kill
         mapping = mmap.mmap(handle.fileno(), 32 * MiB)
     mapping[:8] = b"kept KV!"
+    with CacheClient(f"127.0.0.1:{first.port}") as client:  # the first Attach builds the cache...
+        client.attach("model", layout_of(), same_host=False)
+    assert (private_shm.dir / f"{name}.held").exists()  # ...and its presence table (presence.py)
     first.kill_group()
     assert _segments(private_shm)[name]["alive"] is False  # what SIGKILL of the group leaves
+    assert _segments(private_shm)[f"{name}.held"]["alive"] is False
     dead_socket = os.stat(private_shm.dir / f"{name}.sock").st_ino  # its control socket, left too
-    used_with_the_dead_one = private_shm.used()
+    dead_table = os.stat(private_shm.dir / f"{name}.held").st_size  # reclaimed (unmapped) by the successor
+    used_with_the_dead_one = private_shm.used() - dead_table
     assert used_with_the_dead_one >= 32 * MiB
 
     second = Serve(private_shm, tmp_path / "second.log", "--host-capacity", "32MiB", port=first.port).wait_ready()
     try:
         segments = _segments(private_shm)
-        assert list(segments) == [name], segments  # the same name, no second one beside it
+        assert list(segments) == [name], segments  # the same name, no second one beside it, no dead table
         assert segments[name]["pid"] == second.pid and segments[name]["alive"] is True
         assert "reclaimed shared memory" in second.stderr()
         assert os.stat(private_shm.dir / f"{name}.sock").st_ino != dead_socket  # removed, bound anew

@@ -40,9 +40,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .. import wire
-from ..config import KVLayout
-from ..errors import InvalidArgument, UnknownLease
+from ..config import HashAlgorithm, KVLayout
+from ..errors import ConfigError, InvalidArgument, UnknownLease
+from ..hashing import Hasher
 from ..kinds import MissReason
+from ..presence import PresenceView
 from ..results import BlockLocations, CommitResult
 from ..retention import check_priority, check_retention
 from ..rpc import cache_pb2 as pb
@@ -245,6 +247,7 @@ class CacheClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._attachment: Attachment | None = None
         self._pools = LocalPools(None, None)
+        self._presence: PresenceView | None = None  # the service's indexed blocks (prefixcache/presence.py)
         # A reservation the last Commit asked for (`reserve_next`), for the next same-host store:
         # one call per store instead of Reserve + Commit. (reservation, monotonic time to stop using it)
         self._spare: tuple[pb.ReserveResponse, float] | None = None
@@ -314,6 +317,7 @@ class CacheClient:
             if self._use_control and host is not None and reply.control_socket
             else None
         )
+        self._presence = _map_presence(reply, stored.block_size) if host is not None else None
         self._attachment = Attachment(
             reply.namespace_id,
             engine,
@@ -328,6 +332,16 @@ class CacheClient:
         return self._attachment
 
     # -- lookups and reads ------------------------------------------------------------
+    def held_tokens(self, tokens: TokenInput) -> int | None:
+        """How many leading tokens of `tokens` the service's index holds, by the presence table it
+        publishes to same-host clients (prefixcache/presence.py): advice, read from shared memory
+        without a call, in whole blocks of the service's; None where it publishes none. Only a
+        Lookup says what is there; a Lookup for tokens beyond this count finds nothing."""
+        presence = self._presence
+        if presence is None:
+            return None
+        return presence.held_tokens(_token_list(tokens) if isinstance(tokens, torch.Tensor) else tokens)
+
     def lookup(
         self,
         tokens: TokenInput,
@@ -787,3 +801,16 @@ class CacheClient:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+def _map_presence(reply: pb.AttachResponse, block_size: int) -> PresenceView | None:
+    """The service's presence table (presence.py), where it publishes one that this client reads."""
+    if not reply.HasField("presence"):
+        return None
+    table = reply.presence
+    try:
+        hasher = Hasher(HashAlgorithm.parse(table.hash_algorithm))
+        return PresenceView(table.name, table.namespace_root, hasher, block_size)
+    except (OSError, ConfigError) as error:
+        log.info("prefixcache: presence table %r not read (%s); every prompt is looked up", table.name, error)
+        return None

@@ -143,6 +143,10 @@ class CacheLink:
             self._set_state(True, None)
             return client, attachment
 
+    def attached(self) -> CacheClient | None:
+        """The attached client, or None; never attaches (for a thread that must not wait)."""
+        return self._client
+
     def call(self, operation: Callable[[CacheClient, Attachment], T]) -> tuple[T, Attachment] | None:
         """`operation` on the attached client (None while unusable). An error that is not
         `service_level` is the caller's (raised, the link stays up). A service-level failure drops

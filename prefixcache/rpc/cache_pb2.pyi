@@ -118,7 +118,7 @@ class CudaIpcPool(_message.Message):
     def __init__(self, device_index: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., num_slots: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., slots_per_chunk: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("namespace_id", "layout", "host_segment", "device_pool", "lease_ttl_seconds", "max_prompt_tokens", "max_chunk_bytes", "control_socket")
+    __slots__ = ("namespace_id", "layout", "host_segment", "device_pool", "lease_ttl_seconds", "max_prompt_tokens", "max_chunk_bytes", "control_socket", "presence")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     HOST_SEGMENT_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class AttachResponse(_message.Message):
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     CONTROL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     layout: KVLayout
     host_segment: SharedMemorySegment
@@ -135,7 +136,18 @@ class AttachResponse(_message.Message):
     max_prompt_tokens: int
     max_chunk_bytes: int
     control_socket: str
-    def __init__(self, namespace_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., host_segment: _Optional[_Union[SharedMemorySegment, _Mapping]] = ..., device_pool: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., lease_ttl_seconds: _Optional[float] = ..., max_prompt_tokens: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., control_socket: _Optional[str] = ...) -> None: ...
+    presence: PresenceTable
+    def __init__(self, namespace_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., host_segment: _Optional[_Union[SharedMemorySegment, _Mapping]] = ..., device_pool: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., lease_ttl_seconds: _Optional[float] = ..., max_prompt_tokens: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., control_socket: _Optional[str] = ..., presence: _Optional[_Union[PresenceTable, _Mapping]] = ...) -> None: ...
+
+class PresenceTable(_message.Message):
+    __slots__ = ("name", "namespace_root", "hash_algorithm")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ROOT_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    namespace_root: bytes
+    hash_algorithm: str
+    def __init__(self, name: _Optional[str] = ..., namespace_root: _Optional[bytes] = ..., hash_algorithm: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace_id", "tokens", "cache_salt", "take_lease", "recompute_seconds_per_token", "block_size", "release_lease_ids")

@@ -23,7 +23,8 @@ Invariants:
   closing it (but is not killed) unlinks the name at exit; a killed owner's stays until then.
 - The service's control socket is a file beside its segment (`control_socket_path`). Whoever
   removes a dead owner's segment removes that owner's socket file first, under the segment's
-  lock, so a successor's socket is never the one removed.
+  lock, so a successor's socket is never the one removed; and its presence table
+  (`presence_path`, a segment with a lock of its own), if that one's owner is gone too.
 - This module imports no torch: `prefixcache shm list|clean` and test janitors stay fast.
 """
 
@@ -246,6 +247,8 @@ def remove_if_dead(path: Path) -> OwnerRecord | None:
             if os.stat(path).st_ino == os.fstat(fd).st_ino:  # still the file we locked, not a successor's
                 with contextlib.suppress(FileExistsError):  # under the lock: no successor bound it yet
                     remove_dead_socket(control_socket_path(path))
+                with contextlib.suppress(ConfigError):  # a live successor's stays (SegmentInUse)
+                    remove_if_dead(presence_path(path))
                 os.unlink(path)
         except FileNotFoundError:
             pass
@@ -262,6 +265,11 @@ def remove_if_dead(path: Path) -> OwnerRecord | None:
 def control_socket_path(segment: Path) -> Path:
     """The service's control socket beside its segment (services/cache_server/control_socket.py)."""
     return segment.with_name(f"{segment.name}.sock")
+
+
+def presence_path(segment: Path) -> Path:
+    """The service's presence table beside its segment (prefixcache/presence.py), a segment of its own."""
+    return segment.with_name(f"{segment.name}.held")
 
 
 def remove_dead_socket(path: Path) -> None:

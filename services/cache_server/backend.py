@@ -60,6 +60,7 @@ from prefixcache.errors import (
 from prefixcache.hashing import namespace_id
 from prefixcache.kinds import MissReason, TierKind
 from prefixcache.leases import Lease, Reservation
+from prefixcache.presence import PresenceTable, table_bytes
 from prefixcache.results import BlockLocation, CommitResult, LookupResult, PrefixMatch
 from prefixcache.retention import check_retention
 from prefixcache.stats import StatsSnapshot
@@ -67,7 +68,7 @@ from prefixcache.tiers.base import RemoteTier, ShareHandle
 from prefixcache.tiers.device import DeviceTier
 from prefixcache.tiers.disk import DiskOptions, DiskTier
 from prefixcache.tiers.host import HostTier
-from prefixcache.tiers.shm import OwnedSegment
+from prefixcache.tiers.shm import SHM_DIR, OwnedSegment, presence_path
 from prefixcache.wire import NamespaceInfo
 
 from .auth import Principal
@@ -149,6 +150,8 @@ class CacheBackend:
         self._fence = TierFence()
         self._closed = False
         self._segment: OwnedSegment | None = None  # reserved at start; the host tier maps it at the first Attach
+        self._owner = ""  # the segments' owner record (the listen address)
+        self._presence: OwnedSegment | None = None  # the index's blocks for same-host engines (presence.py)
 
     # -- lifecycle ----------------------------------------------------------
     @property
@@ -167,6 +170,7 @@ class CacheBackend:
         hold `host_capacity`, or a live service that owns `name`, stops the start with one line."""
         with self._create_lock:
             if self._segment is None and self._cache is None:
+                self._owner = owner
                 cache = self.options.cache
                 self._segment = OwnedSegment(name, cache.host_capacity, owner=owner, prefault=cache.host_prefault)
 
@@ -199,14 +203,17 @@ class CacheBackend:
                 host.unlink()
                 if cache.remote_link is not None:
                     cache.remote_link.close()  # the Redis write queue still drains
+                self._unpublish(cache, close=False)
                 return
             if cache is not None and not cache.close():
                 host = cache.tiers[TierKind.HOST]
                 assert isinstance(host, HostTier)
                 host.unlink()  # the name goes; the memory stays mapped for the Redis writer still sending from it
+                self._unpublish(cache, close=False)
                 return
             if cache is not None:
                 log.info("cache closed; host tier released")
+                self._unpublish(cache, close=True)
             if self._segment is not None:
                 self._segment.close()  # a no-op once the host tier closed it; else never attached
 
@@ -245,7 +252,45 @@ class CacheBackend:
             host.close()
             raise
         log.info("cache created for layout %s", layout)
-        return PrefixCache(config, layout, host, device=device, remote=remote, disk=disk)
+        cache = PrefixCache(config, layout, host, device=device, remote=remote, disk=disk)
+        if remote is None and disk is None:  # its index is all a Lookup can hit: publish it
+            self._publish_presence(cache, host.segment_name)
+        return cache
+
+    def _publish_presence(self, cache: PrefixCache, host_segment: str) -> None:
+        """Same-host engines skip Lookups for prompts whose next block the index lacks (presence.py).
+        A segment that cannot be made costs only that: engines then look up every prompt."""
+        capacity = cache.index.capacity
+        try:
+            name = presence_path(SHM_DIR / host_segment).name
+            segment = OwnedSegment(name, table_bytes(capacity), owner=self._owner)
+        except ConfigError as error:
+            log.warning("no presence table for same-host engines (%s); they look up every prompt", error)
+            return
+        cache.index.publish(PresenceTable(segment.buf, capacity))  # before any engine sees the cache
+        self._presence = segment
+
+    def _unpublish(self, cache: PrefixCache, close: bool) -> None:
+        """Remove the presence table's name; `close`: also unmap it (the cache is closed: nothing
+        writes to it any more)."""
+        segment = self._presence
+        if segment is None:
+            return
+        if not close:
+            segment.unlink()
+            return
+        table, cache.index.presence = cache.index.presence, None
+        if table is not None:
+            table.release()
+        segment.close()
+
+    def presence_of(self, ns_id: str) -> tuple[str, bytes, str] | None:
+        """How a same-host engine reads the index's presence table for namespace `ns_id`: the
+        table's shm name, the namespace's root hash and the hash algorithm (None: not published)."""
+        segment, cache = self._presence, self._require()
+        if segment is None:
+            return None
+        return segment.name, cache.namespaces.get(ns_id).root, cache.hasher.algorithm.value
 
     def _cache_for(self, layout: KVLayout) -> PrefixCache:
         with self._create_lock:

@@ -183,7 +183,14 @@ class PrefixCacheServicer:
             )
             self._add_device_pool(response, ns_id)
             response.control_socket = self.control_socket
+            self._add_presence(response, ns_id)
         return response
+
+    def _add_presence(self, response: pb.AttachResponse, ns_id: str) -> None:
+        presence = self._backend.presence_of(ns_id)
+        if presence is not None:
+            name, root, algorithm = presence
+            response.presence.CopyFrom(pb.PresenceTable(name=name, namespace_root=root, hash_algorithm=algorithm))
 
     def _add_device_pool(self, response: pb.AttachResponse, ns_id: str) -> None:
         shared = self._backend.share_handle(TierKind.DEVICE, ns_id)

@@ -271,6 +271,7 @@ def test_lookups_that_keep_missing_are_not_waited_for_until_they_hit_again(tmp_p
                 "lookup_timeout_s": 10.0,
                 "lookup_grace_s": 0.025,
                 "prefill_tokens_per_s": 100,
+                "presence_table": False,  # else the misses below send no Lookup at all (the next test)
             }
         )
         scheduler = SchedulerSide(ConnectorLink(settings, namespace, "scheduler"), StatsBox(), block)
@@ -333,6 +334,109 @@ def test_lookups_that_keep_missing_are_not_waited_for_until_they_hit_again(tmp_p
             scheduler.close()
     finally:
         proxy.stop()
+        service.stop()
+
+
+def test_prompts_the_service_holds_nothing_more_of_send_no_lookup_and_wait_for_none(tmp_path: Path) -> None:
+    """A same-host service without Redis publishes its indexed blocks (prefixcache/presence.py):
+    a prompt with no cached block sends no Lookup, one with nothing cached past vLLM's own prefix
+    is answered 0 at once (no grace, no deferral, whatever the odds), and its saves start where
+    the cache's copy ends, before vLLM's prefix where that is shorter. A prompt the cache holds
+    more of is looked up and hits as before; `presence_table: false` looks up every prompt."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from prefixcache.client.api import CacheClient
+    from prefixcache.config import KVLayout, Namespace
+    from prefixcache.integrations.vllm.config import ConnectorSettings
+    from prefixcache.integrations.vllm.link import ConnectorLink
+    from prefixcache.integrations.vllm.scheduler import SchedulerSide
+    from prefixcache.integrations.vllm.stats import StatsBox
+
+    block, cached = 32, 8
+    layout = KVLayout(layers=2, kv_heads=2, head_dim=64, block_size=block, dtype="bfloat16")
+    namespace = Namespace("presence", "r1", layout)
+    rng = random.Random(14)
+    stored = _tokens(rng, cached * block)
+    service = CacheService(tmp_path / "service", extra_args=["--block-size", str(block)]).start()
+    try:
+        writer = CacheClient(service.address)
+        writer.attach(namespace.model, layout, namespace.revision)
+        kv = torch.zeros((cached, *layout.block_shape), dtype=torch.bfloat16)
+        assert writer.store(stored, kv).stored == cached
+        writer.close()
+
+        def scheduler_of(presence: bool) -> SchedulerSide:
+            extra = {
+                "cache": service.address,
+                "hit_policy": "always",
+                "lookup_grace_s": 0.1,
+                "presence_table": presence,
+            }
+            scheduler = SchedulerSide(
+                ConnectorLink(ConnectorSettings.parse(extra), namespace, "scheduler"), StatsBox(), block
+            )
+            assert scheduler.link.client() is not None  # attached (the connector attaches at start)
+            scheduler.build(_decode_step())  # vLLM is stepping others: a Lookup in flight would be waited for
+            return scheduler
+
+        scheduler = scheduler_of(True)
+        totals = scheduler.stats.totals
+        try:
+            fresh = Request("fresh", _tokens(rng, cached * block + 5), SamplingParams(max_tokens=1), None)
+            scheduler.started(fresh)
+            started = time.perf_counter()
+            assert scheduler.match(fresh, 0) == (0, False)
+            assert time.perf_counter() - started < 0.05
+            assert totals.get("lookups", 0) == 0 and totals.get("lookups_skipped") == 1
+            scheduler.finished(fresh)
+
+            # vLLM holds the stored 8 blocks itself (sticky routing): nothing to wait for.
+            sticky = Request("sticky", stored + _tokens(rng, 40), SamplingParams(max_tokens=1), None)
+            scheduler.started(sticky)
+            started = time.perf_counter()
+            assert scheduler.match(sticky, cached * block) == (0, False)
+            assert time.perf_counter() - started < 0.05
+            assert totals.get("lookups_skipped") == 2 and totals.get("lookup_grace_waits", 0) == 0
+            scheduler.finished(sticky)
+
+            # The cache holds 5 blocks of a prompt whose 7 vLLM holds (it cached the reply it
+            # decoded): no Lookup is waited for, and the saves start at block 5, not 7.
+            turn = Request(
+                "turn", stored[: 5 * block] + _tokens(rng, 3 * block + 5), SamplingParams(max_tokens=1), None
+            )
+            scheduler.started(turn)
+            assert scheduler.match(turn, 7 * block) == (0, False)
+            assert totals.get("lookups_skipped") == 3
+            ids = (list(range(cached + 1)),)
+            scheduler.allocated(turn, ids, 0)
+            meta = scheduler.build(_prefill_step(turn, ids, 7 * block))
+            assert [(op.start_block, op.block_ids[0]) for op in meta.saves] == [(5, (5, 6, 7))]
+            scheduler.finished(turn)
+
+            # The cache holds more than vLLM: looked up, and hit.
+            behind = Request("behind", stored + _tokens(rng, 5), SamplingParams(max_tokens=1), None)
+            scheduler.started(behind)
+            while (answer := scheduler.match(behind, 2 * block))[0] is None:
+                scheduler.build(_decode_step())
+            assert answer[0] == (cached - 2) * block and totals.get("lookups_skipped") == 3
+            scheduler.finished(behind)
+            assert poll(lambda: totals.get("lookups", 0) >= 3, 5)  # sticky's, turn's and behind's
+        finally:
+            scheduler.close()
+
+        unread = scheduler_of(False)
+        try:
+            fresh = Request("fresh-2", _tokens(rng, cached * block + 5), SamplingParams(max_tokens=1), None)
+            unread.started(fresh)
+            while unread.match(fresh, 0)[0] is None:
+                unread.build(_decode_step())
+            assert unread.stats.totals.get("lookups") == 1 and unread.stats.totals.get("lookups_skipped", 0) == 0
+            unread.finished(fresh)
+        finally:
+            unread.close()
+    finally:
         service.stop()
 
 

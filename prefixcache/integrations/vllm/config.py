@@ -55,6 +55,7 @@ _KNOWN_KEYS = {
     "tls_root_cert_file",
     "prefill_tokens_per_s",
     "layer_loads",
+    "presence_table",
 }
 
 # vLLM's cache_dtype -> the cache's element type name ("auto" means the model's dtype).
@@ -77,6 +78,7 @@ class ConnectorSettings:
     tls_root_cert_file: str | None = None
     prefill_tokens_per_s: float = 0.0  # auto policy's prefill rate before the worker measured one
     layer_loads: str = "auto"  # in-step loads copied layer by layer behind the forward: auto (CUDA only), on, off
+    presence_table: bool = True  # skip Lookups a same-host service's presence table shows cannot hit (presence.py)
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -132,10 +134,11 @@ class ConnectorSettings:
                 if not isinstance(extra[key], str) or (key != "revision" and not extra[key]):
                     raise ConfigError(key, f"must be a non-empty string, got {extra[key]!r}")
                 values[key] = extra[key]
-        if "same_host" in extra:
-            if not isinstance(extra["same_host"], bool):
-                raise ConfigError("same_host", f"must be true or false, got {extra['same_host']!r}")
-            values["same_host"] = extra["same_host"]
+        for key in ("same_host", "presence_table"):
+            if key in extra:
+                if not isinstance(extra[key], bool):
+                    raise ConfigError(key, f"must be true or false, got {extra[key]!r}")
+                values[key] = extra[key]
         if "cache_salt" in values:
             validate_salt(values["cache_salt"])
         settings = cls(**values)

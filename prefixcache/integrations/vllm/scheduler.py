@@ -2,7 +2,10 @@
 
 Nothing here waits for the service on vLLM's scheduler thread while vLLM has work running.
 Per request: `started` (vLLM's on_new_request) sends the Lookup, with a lease, to a small
-thread pool as the request arrives; `match` (get_num_new_matched_tokens) answers None ("ask
+thread pool as the request arrives, unless the presence table of a same-host service
+(prefixcache/presence.py, read from shared memory) shows no block of the prompt cached; `match`
+answers 0 at once, without waiting for a Lookup, when that table shows nothing cached past vLLM's
+own prefix; `match` (get_num_new_matched_tokens) answers None ("ask
 again next step") while it is in flight and vLLM is running other requests (after a grace of
 at most `lookup_grace_s` per step, so a Lookup that is about to answer does not cost its
 request a whole step) if a hit could repay that wait and that step (`worth_waiting`, with the
@@ -90,6 +93,7 @@ class _Request:
     request: Request
     salt: str | None
     pending: Future[Answer | None] | None = None  # the Lookup in flight
+    held: int | None = None  # prompt tokens the service's index held as it was sent (None: unknown)
     deadline: float = 0.0  # time.monotonic() past which the request goes ahead without it
     hit: Hit | None = None
     attachment: Attachment | None = None
@@ -170,9 +174,22 @@ class SchedulerSide:
             state.hints = _hints(request)
             self._requests[request.request_id] = state
         if state.pending is None and self.loads and self._usable(request) > 0:
+            prompt = list(request.prompt_token_ids or ())
+            state.held = self._held(prompt, state.salt)
+            if state.held == 0:
+                return state  # no Lookup could find anything: none is sent
             state.deadline = time.monotonic() + self.settings.lookup_timeout_s
-            state.pending = self._lookups.submit(self._lookup, list(request.prompt_token_ids or ()), state.salt)
+            state.pending = self._lookups.submit(self._lookup, prompt, state.salt)
         return state
+
+    def _held(self, prompt: list[int], salt: str | None) -> int | None:
+        """Tokens of `prompt` whose blocks the service's index holds, in whole blocks of vLLM's, by
+        the presence table a same-host service publishes (prefixcache/presence.py: a read of shared
+        memory, no call); None where there is none to read (or `presence_table` is off), or for a
+        salted request (another namespace's hashes)."""
+        client = self.link.attached() if salt is None and self.settings.presence_table else None
+        held = client.held_tokens(prompt) if client is not None else None
+        return None if held is None else held // self.block_size * self.block_size
 
     def _usable(self, request: Request) -> int:
         """Prompt tokens the cache could provide: whole blocks, never the last token."""
@@ -234,6 +251,8 @@ class SchedulerSide:
             return 0, False  # nothing to gain
         if state.pending is None:  # answered before and dropped (vLLM asks again): ask anew
             self.started(request)
+        if state.held is not None and min(state.held, usable) <= num_computed_tokens:
+            return self._nothing_held(state)
         pending = state.pending
         assert pending is not None
         if not pending.done():
@@ -341,6 +360,17 @@ class SchedulerSide:
             return True
         return worth_waiting(tokens, self.prefill.estimate(), wait_s, self.hit_odds.value)
 
+    def _nothing_held(self, state: _Request) -> tuple[int, bool]:
+        """The service holds nothing past vLLM's own prefix (its presence table): the request
+        prefills now, its Lookup (if sent) is forgotten and not counted in the hit odds, and its
+        saves start where the cache's copy of the prompt ends, which may be before vLLM's prefix
+        (the previous turn's reply, say, which vLLM cached as it decoded and the cache never got)."""
+        held = state.held or 0
+        self._abandon(state)
+        state.saved_blocks = max(state.saved_blocks, held // self.block_size)
+        self.stats.add(lookups_skipped=1)
+        return 0, False
+
     def _not_awaited(self, state: _Request) -> tuple[int, bool]:
         """The request prefills now, without the answer of its Lookup in flight."""
         self._go_ahead(state)
@@ -350,11 +380,13 @@ class SchedulerSide:
     def _go_ahead(self, state: _Request, counted: bool = True) -> None:
         """The request goes ahead without the cache: forget its Lookup (`counted`: its answer
         still counts in the hit odds); its saves start after vLLM's own prefix, which the cache
-        holds (this engine saved it, or loaded it from there), so those blocks are not copied out
+        holds (this engine saved it, or loaded it from there), or after the cache's copy of the
+        prompt where its presence table shows a longer one, so those blocks are not copied out
         again. Where the cache has lost some of them, the service indexes nothing of the save (it
         extends only a cached prefix)."""
         self._abandon(state, state.local_tokens if counted else None)
-        state.saved_blocks = max(state.saved_blocks, state.local_tokens // self.block_size)
+        cached = state.local_tokens if state.held is None else max(state.held, state.local_tokens)
+        state.saved_blocks = max(state.saved_blocks, cached // self.block_size)
 
     def _abandon(self, state: _Request, beyond: int | None = None) -> None:
         """Forget the Lookup in flight; its lease, if any, is released when it answers, and the

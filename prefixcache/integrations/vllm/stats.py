@@ -56,6 +56,7 @@ FIELDS = (
     "lookup_grace_seconds",
     "lookup_deferrals",
     "lookups_not_awaited",
+    "lookups_skipped",
     "lookup_idle_waits",
     "lookup_idle_seconds",
 )
@@ -89,6 +90,10 @@ _DESCRIPTIONS = {
     "lookup_deferrals": "Steps a request was skipped while its Lookup was in flight (vLLM asked again next step)",
     "lookup_idle_waits": "Times the scheduler waited for a Lookup's answer while vLLM was idle (stalls no one)",
     "lookup_idle_seconds": "Seconds of those waits: each adds to its request's time to first token",
+    "lookups_skipped": (
+        "Requests that prefilled without a Lookup (or without waiting for one): the service's presence "
+        "table showed nothing cached past vLLM's own prefix"
+    ),
     "lookups_not_awaited": (
         "Requests that prefilled without their Lookup's answer: no hit could have repaid a step's wait "
         "(at the odds of a hit, which recent misses lower)"
