@@ -2,10 +2,10 @@
 
 Nothing here waits for the service on vLLM's scheduler thread while vLLM has work running.
 Per request: `started` (vLLM's on_new_request) sends the Lookup, with a lease, to a small
-thread pool as the request arrives, unless the presence table of a same-host service
-(prefixcache/presence.py, read from shared memory) shows no block of the prompt cached; `match`
-answers 0 at once, without waiting for a Lookup, when that table shows nothing cached past vLLM's
-own prefix; `match` (get_num_new_matched_tokens) answers None ("ask
+thread pool as the request arrives; where a same-host service publishes its presence table
+(prefixcache/presence.py, read from shared memory) it reads that instead, and `match` answers 0
+at once, sending no Lookup, when the table shows nothing cached past vLLM's own prefix (known
+only there), else sends the Lookup then; `match` (get_num_new_matched_tokens) answers None ("ask
 again next step") while it is in flight and vLLM is running other requests (after a grace of
 at most `lookup_grace_s` per step, so a Lookup that is about to answer does not cost its
 request a whole step) if a hit could repay that wait and that step (`worth_waiting`, with the
@@ -93,7 +93,8 @@ class _Request:
     request: Request
     salt: str | None
     pending: Future[Answer | None] | None = None  # the Lookup in flight
-    held: int | None = None  # prompt tokens the service's index held as it was sent (None: unknown)
+    held: int | None = None  # prompt tokens the service's index holds, by its presence table (None: unknown)
+    held_fresh: bool = False  # `held` was read as the request arrived and not yet used by `match`
     deadline: float = 0.0  # time.monotonic() past which the request goes ahead without it
     hit: Hit | None = None
     attachment: Attachment | None = None
@@ -165,7 +166,9 @@ class SchedulerSide:
 
     # -- on_new_request / get_num_new_matched_tokens --------------------------------------
     def started(self, request: Request) -> _Request:
-        """Send the request's Lookup in the background as it arrives (vLLM's on_new_request)."""
+        """Send the request's Lookup in the background as it arrives (vLLM's on_new_request); where
+        the service's presence table is read instead, `match` sends it, and only when the cache
+        holds more of the prompt than vLLM's own prefix cache (known only then)."""
         state = self._requests.get(request.request_id)
         if state is None:
             if not self._requests:
@@ -174,13 +177,15 @@ class SchedulerSide:
             state.hints = _hints(request)
             self._requests[request.request_id] = state
         if state.pending is None and self.loads and self._usable(request) > 0:
-            prompt = list(request.prompt_token_ids or ())
-            state.held = self._held(prompt, state.salt)
-            if state.held == 0:
-                return state  # no Lookup could find anything: none is sent
-            state.deadline = time.monotonic() + self.settings.lookup_timeout_s
-            state.pending = self._lookups.submit(self._lookup, prompt, state.salt)
+            state.held = self._held(list(request.prompt_token_ids or ()), state.salt)
+            state.held_fresh = state.held is not None
+            if state.held is None:
+                self._send(state)
         return state
+
+    def _send(self, state: _Request) -> None:
+        state.deadline = time.monotonic() + self.settings.lookup_timeout_s
+        state.pending = self._lookups.submit(self._lookup, list(state.request.prompt_token_ids or ()), state.salt)
 
     def _held(self, prompt: list[int], salt: str | None) -> int | None:
         """Tokens of `prompt` whose blocks the service's index holds, in whole blocks of vLLM's, by
@@ -249,10 +254,14 @@ class SchedulerSide:
         if usable <= num_computed_tokens or not self.loads or state.load_failed:
             self._go_ahead(state, counted=False)
             return 0, False  # nothing to gain
-        if state.pending is None:  # answered before and dropped (vLLM asks again): ask anew
+        if state.pending is None and not state.held_fresh:  # answered before and dropped: ask anew
             self.started(request)
-        if state.held is not None and min(state.held, usable) <= num_computed_tokens:
-            return self._nothing_held(state)
+        state.held_fresh = False
+        if state.held is not None:  # the presence table was read
+            if min(state.held, usable) <= num_computed_tokens:
+                return self._nothing_held(state)
+            if state.pending is None:
+                self._send(state)  # the cache holds more than vLLM: worth a Lookup
         pending = state.pending
         assert pending is not None
         if not pending.done():
@@ -362,8 +371,8 @@ class SchedulerSide:
 
     def _nothing_held(self, state: _Request) -> tuple[int, bool]:
         """The service holds nothing past vLLM's own prefix (its presence table): the request
-        prefills now, its Lookup (if sent) is forgotten and not counted in the hit odds, and its
-        saves start where the cache's copy of the prompt ends, which may be before vLLM's prefix
+        prefills now, without a Lookup (one still in flight, from an earlier ask, is forgotten
+        and not counted in the hit odds), and its saves start where the cache's copy of the prompt ends, which may be before vLLM's prefix
         (the previous turn's reply, say, which vLLM cached as it decoded and the cache never got)."""
         held = state.held or 0
         self._abandon(state)
