@@ -14,7 +14,13 @@ vLLM drives it, with vLLM's own `Request` objects:
 `lookup on the scheduler thread` is one Lookup RPC with a lease plus its Release, timed on the
 calling thread: what every request cost the scheduler before the Lookups moved off it (the
 connector up to 00e251e called it inside get_num_new_matched_tokens). Medians and p99 in
-microseconds; the ratio is the new per-request total over the old.
+microseconds; the ratio is the new per-request total over the old. These phases read no
+presence table (`presence_table: false`), as before it existed.
+
+Last, the requests of sticky routing: vLLM's own prefix cache holds all the service does (the
+1,536 tokens), with and without the service's presence table (prefixcache/presence.py): the
+scheduler-thread time from `on_new_request` to the answer 0, the asks it took (each one more is
+a step the request waited) and the Lookups sent.
 """
 
 from __future__ import annotations
@@ -60,7 +66,8 @@ def main() -> None:
     layout = KVLayout(layers=8, kv_heads=4, head_dim=64, block_size=BLOCK, dtype="bfloat16")
     service, address = start_service("--host-capacity", "2GiB", "--block-size", str(BLOCK))
     try:
-        settings = ConnectorSettings.parse({"cache": address, "hit_policy": "always", "lookup_timeout_s": 5.0})
+        base = {"cache": address, "hit_policy": "always", "lookup_timeout_s": 5.0}
+        settings = ConnectorSettings.parse(base | {"presence_table": False})
         namespace = Namespace("cost-bench", "r1", layout)
         prompts = [[(i * 7919 + j) % 30000 + 1 for j in range(args.tokens)] for i in range(args.requests)]
         writer = CacheClient(address)
@@ -108,6 +115,17 @@ def main() -> None:
             client.release(hit)
             rpc.append(time.perf_counter() - t)
         scheduler.close()
+        sticky: dict[str, dict[str, float]] = {}
+        for name, presence in (("Lookup", False), ("presence table", True)):
+            sticky[name] = _held_locally(
+                SchedulerSide(
+                    ConnectorLink(ConnectorSettings.parse(base | {"presence_table": presence}), namespace, "scheduler"),
+                    StatsBox(),
+                    BLOCK,
+                ),
+                [Request(f"sticky-{name}-{i}", p, params, None) for i, p in enumerate(prompts)],
+                cached * BLOCK,
+            )
     finally:
         service.terminate()
         service.wait(30)
@@ -127,6 +145,7 @@ def main() -> None:
         "answered_at_first_ask": {phase: statistics.fmean(v) for phase, v in first_ask.items()},
         "grace_wait_us_per_request": 1e6 * grace.get("lookup_grace_seconds", 0.0) / len(prompts),
         "new_over_old_per_request": new_total / statistics.median(rpc),
+        "held_by_vllm": sticky,
     }
     print("| scheduler-thread work | median us | p99 us |\n|---|---:|---:|")
     for name, (median, p99) in summary["us"].items():
@@ -142,8 +161,47 @@ def main() -> None:
         f"grace, {shares['with grace']:.0%} with lookup_grace_s {settings.lookup_grace_s * 1000:g} ms "
         f"({args.step_ms:g} ms steps), waiting {summary['grace_wait_us_per_request']:.0f} us a request"
     )
+    print(
+        "\n| vLLM holds all the service does | scheduler-thread us per request, median / p99 "
+        "| asks per request | Lookups sent |\n|---|---:|---:|---:|"
+    )
+    for name, row in sticky.items():
+        print(f"| {name} | {row['us_p50']:.1f} / {row['us_p99']:.1f} | {row['asks']:.2f} | {row['lookups']:.0f} |")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(summary, indent=2))
+
+
+def _held_locally(scheduler, requests: list, local: int) -> dict[str, float]:
+    """Each request from `on_new_request` to its answer while vLLM's own prefix is `local` tokens
+    and vLLM steps others (20 ms steps, 0.5 ms apart here): the scheduler-thread time per request
+    (its hooks and waits, not the steps between), its asks, and the Lookups sent."""
+    scheduler.link.client()  # attached, as the connector is at start
+    per_request, asks = [], 0
+    for request in requests:
+        scheduler._step_tokens, scheduler._last_step_s = 8, 0.02
+        spent, t = 0.0, time.perf_counter()
+        scheduler.started(request)
+        while True:
+            asks += 1
+            scheduler._grace_left = scheduler.settings.lookup_grace_s  # each ask in a step of its own
+            tokens, _ = scheduler.match(request, local)
+            spent += time.perf_counter() - t
+            if tokens is not None:
+                break
+            time.sleep(0.0005)  # the step the request waits
+            t = time.perf_counter()
+        assert tokens == 0, tokens
+        per_request.append(spent)
+        scheduler.finished(request)
+    time.sleep(0.2)  # the last Lookups answer (and count)
+    lookups = scheduler.stats.totals.get("lookups", 0)
+    scheduler.close()
+    return {
+        "us_p50": 1e6 * statistics.median(per_request),
+        "us_p99": 1e6 * _p(per_request, 0.99),
+        "asks": asks / len(requests),
+        "lookups": float(lookups),
+    }
 
 
 if __name__ == "__main__":
