@@ -134,7 +134,7 @@ def test_a_segment_that_is_not_a_table_is_refused_naming_it():
         segment.close()
 
 
-def test_no_table_where_a_lookup_can_hit_more_than_the_index(tmp_path):
+def test_no_table_where_a_lookup_can_hit_more_than_the_index(tmp_path, redis_server):
     """With Redis (other services' blocks) or a disk tier (spilled blocks), the index is not all a
     Lookup finds: no table, and clients look up every prompt."""
     layout = layout_of()
@@ -142,7 +142,7 @@ def test_no_table_where_a_lookup_can_hit_more_than_the_index(tmp_path):
         BackendOptions(
             cache=CacheConfig(host_capacity=16 * layout.block_bytes),
             block_size=BLOCK,
-            remote_factory=lambda _layout: RedisTier(RedisOptions(url="redis://127.0.0.1:6379/0")),
+            remote_factory=lambda _layout: RedisTier(RedisOptions(url=redis_server.url)),
         ),
         BackendOptions(
             cache=CacheConfig(host_capacity=16 * layout.block_bytes),

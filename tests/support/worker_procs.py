@@ -45,7 +45,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.tiers.shm import SHM_DIR, control_socket_path
+from prefixcache.tiers.shm import SHM_DIR, control_socket_path, presence_path
 from tests.support import lifetime
 from tests.support.redis_server import free_port
 
@@ -175,11 +175,12 @@ class CacheService:
         return self.process is not None and self.process.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL (a crash): the segment and control socket it would have unlinked are removed here."""
+        """SIGKILL (a crash): the segment, control socket and presence table it would have unlinked are removed here."""
         if self.process is not None:
             lifetime.kill(self.process)
         segment = SHM_DIR / self.shm_name
         control_socket_path(segment).unlink(missing_ok=True)
+        presence_path(segment).unlink(missing_ok=True)
         segment.unlink(missing_ok=True)
 
     def restart(self, timeout_s: float = SERVICE_READY_S) -> None:
