@@ -129,6 +129,8 @@ class PresenceView:
         fd = _posixshmem.shm_open("/" + segment_name.lstrip("/"), os.O_RDONLY, mode=0o600)
         try:
             size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                raise ConfigError("presence", f"shared memory {segment_name!r} is too short for a presence table")
             self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         finally:
             os.close(fd)

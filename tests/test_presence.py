@@ -127,11 +127,16 @@ def test_a_full_row_displaces_one_block_and_removal_clears_only_its_own(tmp_path
 
 def test_a_segment_that_is_not_a_table_is_refused_naming_it():
     segment = OwnedSegment(f"prefixcache-test-notheld-{os.getpid()}", 4096, directory=SHM_DIR)
+    empty = SHM_DIR / f"prefixcache-test-empty-{os.getpid()}"
+    empty.touch(mode=0o600)
     try:
         with pytest.raises(ConfigError, match="presence.*not a presence table"):
             PresenceView(segment.name, b"r" * 16, Hasher(), BLOCK)
+        with pytest.raises(ConfigError, match="presence.*too short"):
+            PresenceView(empty.name, b"r" * 16, Hasher(), BLOCK)
     finally:
         segment.close()
+        empty.unlink()
 
 
 def test_no_table_where_a_lookup_can_hit_more_than_the_index(tmp_path, redis_server):

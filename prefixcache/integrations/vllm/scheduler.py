@@ -372,8 +372,9 @@ class SchedulerSide:
     def _nothing_held(self, state: _Request) -> tuple[int, bool]:
         """The service holds nothing past vLLM's own prefix (its presence table): the request
         prefills now, without a Lookup (one still in flight, from an earlier ask, is forgotten
-        and not counted in the hit odds), and its saves start where the cache's copy of the prompt ends, which may be before vLLM's prefix
-        (the previous turn's reply, say, which vLLM cached as it decoded and the cache never got)."""
+        and not counted in the hit odds), and its saves start where the cache's copy of the
+        prompt ends, which may be before vLLM's prefix (the previous turn's reply, say, which
+        vLLM cached as it decoded it and the cache never got)."""
         held = state.held or 0
         self._abandon(state)
         state.saved_blocks = max(state.saved_blocks, held // self.block_size)
