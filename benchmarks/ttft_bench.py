@@ -27,8 +27,8 @@ separately with a plain `CacheClient` on the same namespace (Lookup RPC, shared-
 read, Release) and the engine's own load/compute split.
 
 A miss is measured too (`--miss-sizes`; `--sizes ""` runs only it): on a fresh prompt each
-repeat, the worker's miss path (`WorkerLink.lookup`, which misses, then the full prefill) against
-the full prefill alone, interleaved and alternating which goes first; the JSON's `misses` give
+repeat, the worker's miss path (`WorkerLink.lookup`: a read of the service's presence table,
+which holds none of the prompt, so no Lookup is sent; then the full prefill) against the full prefill alone, interleaved and alternating which goes first; the JSON's `misses` give
 the median of the paired TTFT ratios, of the paired differences and of the Lookup alone.
 
 The worker is built exactly as `prefixcache worker` builds it (`command.build_backend`):
@@ -180,7 +180,8 @@ def measure(backend, client: CacheClient, size: int, suffix: int, repeats: int) 
 
 def measure_miss(backend, size: int, repeats: int) -> dict:
     """A miss against the no-cache path on the same fresh prompt (nothing of it cached), paired
-    and interleaved: what a miss pays beyond the prefill is the Lookup (and the hit policy)."""
+    and interleaved: what a miss pays beyond the prefill is `WorkerLink.lookup` (the presence
+    table's read; a Lookup and the hit policy where the service publishes no table)."""
     rng = random.Random(size + 1)
     engine, link = backend.engine, backend.cache
     ratios, extra, lookups = [], [], []

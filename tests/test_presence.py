@@ -1,7 +1,8 @@
 """The presence table: the service's indexed blocks in shared memory, read by same-host clients
 (prefixcache/presence.py). It follows every store, eviction and flush of a real service; it is
 published only where the index is all a Lookup can hit; a client that cannot read it looks up
-as before. Real services (real gRPC, real shared memory) and real Redis."""
+as before; the reference worker sends no Lookup the table shows cannot hit. Real services
+(real gRPC, real shared memory) and real Redis."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import random
 
 import numpy as np
 import pytest
+import torch
+from prometheus_client import CollectorRegistry
 
 from prefixcache.config import CacheConfig
 from prefixcache.errors import ConfigError
@@ -23,6 +26,9 @@ from prefixcache_services.cache_server.auth import Authenticator
 from prefixcache_services.cache_server.backend import BackendOptions
 from prefixcache_services.cache_server.options import ServerOptions
 from prefixcache_services.cache_server.server import build_server
+from prefixcache_services.worker.cache_link import WorkerLink
+from prefixcache_services.worker.hit_policy import HitPolicy
+from prefixcache_services.worker.model import load_model
 from tests.support.service import BLOCK, layout_of, prompt, random_kv, running_servers
 
 pytestmark = pytest.mark.process
@@ -180,3 +186,38 @@ def test_a_client_off_the_host_or_of_a_stopped_service_reads_none(start):
     server.shutdown(0)
     assert not (SHM_DIR / name).exists()  # unlinked with the service
     assert local.held_tokens(prompt(2)) == 0  # the mapping stays readable (no crash) until re-attach
+
+
+def test_the_reference_worker_looks_up_only_prompts_the_table_shows_held(start):
+    """WorkerLink.lookup: a prompt of which the table shows no block costs no Lookup (the
+    request prefills in full, as after a miss); once stored, the same prompt is looked up and
+    hits; a salted prompt is looked up, the table being the unsalted namespace's."""
+    server = start()
+    stats = start.client(server)
+    registry = CollectorRegistry()
+    policy = HitPolicy(registry, always_take=True)
+    link = WorkerLink(server.address, load_model("tiny"), BLOCK, deadline_s=5.0, registry=registry, policy=policy)
+    try:
+        assert link.connect()
+        tokens, other = prompt(4), prompt(4, start=5000)
+
+        def lookups() -> tuple[int, float]:
+            return stats.stats().snapshot.lookups, registry.get_sample_value("prefixcache_worker_lookups_skipped_total")
+
+        assert link.lookup(tokens, None) == (None, None)
+        assert lookups() == (0, 1)
+        kv = random_kv(4, link.layout, seed=3)
+        link.store(tokens, kv, start_block=0, salt=None)
+        hit, prefix = link.lookup(tokens, None)
+        assert hit is not None and hit.blocks == 4 and prefix is not None
+        assert torch.equal(prefix.view(torch.uint8), kv[: len(prefix)].view(torch.uint8))
+        link.release(hit)
+        assert lookups() == (1, 1)
+        assert link.lookup(other, None) == (None, None)  # nothing of it held: skipped again
+        assert lookups() == (1, 2)
+        hit, prefix = link.lookup(other, "tenant-b")
+        assert hit is not None and hit.blocks == 0 and prefix is None
+        link.release(hit)
+        assert lookups() == (2, 2)
+    finally:
+        link.close()

@@ -14,11 +14,13 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.client import CacheClient
 from prefixcache_services import cli
@@ -83,9 +85,18 @@ def _assert_each_turn_hits_the_previous_turns_blocks(turns: list[dict]) -> int:
     return checked
 
 
+def _lookups_skipped(worker_url: str) -> float:
+    """The worker's prompts not looked up (the service's presence table held none of them)."""
+    with urllib.request.urlopen(f"{worker_url}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    return sum(sample.value for sample in families["prefixcache_worker_lookups_skipped"].samples)
+
+
 def test_ab_replay_hits_every_previous_turn_and_outputs_match(stack, tmp_path):
     _, address, cached_url, plain_url = stack
     out = tmp_path / "ab.json"
+    skipped_before = _lookups_skipped(cached_url)
     done = _replay(
         "--target",
         cached_url,
@@ -120,7 +131,13 @@ def test_ab_replay_hits_every_previous_turn_and_outputs_match(stack, tmp_path):
     assert base["cached_tokens_reported"] == base["ok"]  # the baseline worker reports 0, not nothing
     assert report["workload"]["max_tokens"] == 8 and report["workload"]["model"] == "prefixcache-tiny-llama"
     stats = report["service_stats"]["at_end"]
-    assert stats["lookups"] >= run["ok"] and stats["tokens_saved"] >= run["prefill_tokens_saved"]
+    assert stats["tokens_saved"] >= run["prefill_tokens_saved"]
+    # Every request was looked up, or not because the presence table showed none of it held
+    # (the first turns); every hit was looked up.
+    skipped = _lookups_skipped(cached_url) - skipped_before
+    lookups = report["service_stats"]["during_run"]["lookups"]
+    hits = sum(1 for turn in report["turns"] if turn["cached_tokens"])
+    assert skipped >= 1 and lookups + skipped == run["ok"] and lookups >= hits
 
 
 def test_cache_only_at_concurrency_8_verifies_every_hit(stack, tmp_path):

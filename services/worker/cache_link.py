@@ -7,6 +7,9 @@ client and re-attach). The hit policy (hit_policy.py) only decides how much of a
 (`observe`). What is the worker's own: its namespace (the loaded model, `--block-size`), every
 call's deadline (`--cache-deadline-ms`), the fallback counters, /health's `LinkState`.
 
+A prompt that the service's presence table (prefixcache/presence.py) shows holding no block of
+is not looked up: a miss then costs a read of shared memory, not a call.
+
 The cache can only make a request faster, never fail it: every call has a deadline; any cache
 failure (service down, slower than the deadline, invalid reply, expired lease) turns into
 "prefill in full" for that request and is counted as a fallback. A service-level failure (see
@@ -76,6 +79,11 @@ class WorkerLink:
             ["stage"],
             registry=registry,
         )
+        self.lookups_skipped = Counter(
+            "prefixcache_worker_lookups_skipped",
+            "Lookups not sent: the service's presence table held no block of the prompt",
+            registry=registry,
+        )
         self.policy = policy if policy is not None else HitPolicy(registry)  # load or recompute (hit_policy.py)
 
     @property
@@ -133,6 +141,8 @@ class WorkerLink:
         leading blocks the policy decided to load (None: none), `[n, *block_shape]`.
 
         The caller releases the hit (`release`) whatever happens, also after a failed read."""
+        if salt is None and self._holds_nothing(tokens):
+            return None, None
         budget = self.policy.recompute_s_per_token()
         hit = self._call(
             "lookup",
@@ -152,6 +162,17 @@ class WorkerLink:
         except PrefixCacheError as error:
             self._failed("read", error, attached[0])
             return hit, None
+
+    def _holds_nothing(self, tokens: list[int]) -> bool:
+        """The presence table shows no block of `tokens` held (False where there is no table:
+        a salted prompt's blocks hash apart, and a service with Redis or a disk tier
+        publishes none, since its Lookups also find blocks its index lacks)."""
+        client = self.link.attached()
+        held = client.held_tokens(tokens) if client is not None else None
+        if held is None or held >= self.layout.block_size:
+            return False
+        self.lookups_skipped.inc()
+        return True
 
     def _read(self, client: CacheClient, hit: Hit, decision: Decision) -> torch.Tensor:
         """The decided leading blocks, read by the decided path (and timed for the policy's
