@@ -4,13 +4,15 @@ A same-host store was Reserve + write the mapped slots + Commit. The Commit now 
 next store's slots (`reserve_next`) and the client keeps that spare reservation, so a worker
 storing request after request makes one call per store. Real servers on loopback; the calls
 are counted by the service's own metrics. The spare never evicts, a spare too small is given
-back in the Reserve that replaces it, and a Commit publishes only the slots it names.
+back in the Reserve that replaces it, and a Commit publishes only the slots it names. A writer
+that copies blocks straight into the spare's slots (the vLLM worker on CPU) commits them alone.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from prefixcache.errors import InvalidArgument
 from prefixcache.kinds import TierKind
 from prefixcache.rpc import cache_pb2 as pb
 from tests.support.service import BLOCK, layout_of, prompt, random_kv, rpc_code, running_servers, same_bytes, stub_for
@@ -45,11 +47,14 @@ def test_a_worker_storing_request_after_request_makes_one_call_per_store(start) 
             assert hit.hit_tokens == 4 * BLOCK and same_bytes(client.read(hit), kv)
         finally:
             client.release(hit)
-    # A smaller store uses the spare's first slots; the rest go back to the free list.
+    # A smaller store uses the spare's first slots; the rest go back to the free list, and the next
+    # spare is as large as the largest of the last stores (4), so a store of that size fits it.
     tokens, kv = prompt(2, start=900_000), random_kv(2, layout, seed=99)
     assert client.store(tokens, kv).stored == 2 and calls(server, "Reserve") == 1
     assert client.stats().snapshot.tiers[0].blocks == 10 * 4 + 2  # blocks only: the next spare holds none
-    assert server.backend.cache.placement.used(TierKind.HOST) == 10 * 4 + 2 + 2  # + the spare (the last size)
+    assert server.backend.cache.placement.used(TierKind.HOST) == 10 * 4 + 2 + 4  # + the spare
+    assert client.store(prompt(4, start=950_000), random_kv(4, layout, seed=98)).stored == 4
+    assert calls(server, "Reserve") == 1
 
 
 def test_a_spare_too_small_is_given_back_and_a_spare_never_evicts(start) -> None:
@@ -91,3 +96,38 @@ def test_a_commit_publishes_only_the_slots_it_names(start) -> None:
     assert (reply.stored, reply.rejected) == (3, 0) and not reply.HasField("next")
     assert client.lookup(tokens, take_lease=False).hit_tokens == 3 * BLOCK
     assert server.backend.cache.placement.used(TierKind.HOST) == 3  # the 2 slots left over are free again
+
+
+def test_a_store_written_in_place_is_one_commit_into_the_spare_reservation(start) -> None:
+    """`reserve_mapped` hands out the spare reservation without a call while it fits; the caller
+    writes its slots (`reserved_pieces`, e.g. straight out of vLLM's cache) and `commit_reserved`
+    publishes them: the bytes written, with one Commit and no Reserve."""
+    layout = layout_of()
+    server = start(host_capacity=64 * layout.block_bytes, metrics_port=0)
+    client = start.client(server)
+    client.attach("model", layout)
+    assert client.reserve_mapped(4) is None  # no Commit yet, so no spare
+    client.store(prompt(4, start=0), random_kv(4, layout, seed=0))  # its Commit reserves 4 for the next store
+    assert client.reserve_mapped(5) is None  # too small: left for a store that reserves anew
+    reservation = client.reserve_mapped(3)
+    assert reservation is not None and len(reservation.slots) == 3
+    assert client.reserve_mapped(1) is None  # taken
+    kv = random_kv(3, layout, seed=1)
+    for first, view in client.reserved_pieces(reservation):
+        view.copy_(kv[first : first + len(view)])
+    tokens = prompt(3, start=7000)
+    with pytest.raises(InvalidArgument) as error:
+        client.commit_reserved(reservation, tokens[: 2 * BLOCK])  # 3 blocks need 3 blocks of tokens
+    assert error.value.field == "start_block"
+    assert client.commit_reserved(reservation, tokens).stored == 3
+    assert (calls(server, "Reserve"), calls(server, "Commit")) == (1, 2)
+    hit = client.lookup(tokens)
+    try:
+        assert hit.hit_tokens == 3 * BLOCK and same_bytes(client.read(hit), kv)
+    finally:
+        client.release(hit)
+    assert client.reserve_mapped(3) is not None  # that Commit reserved the next store's 3
+    remote = start.client(server)
+    remote.attach("model", layout, same_host=False)
+    remote.store(prompt(2, start=9000), random_kv(2, layout, seed=2))
+    assert remote.reserve_mapped(1) is None  # nothing mapped: stores go by stream

@@ -5,7 +5,7 @@ This package may import grpc (it is not part of the core library); the core
 """
 
 from ..wire import ServiceStats
-from .api import Attachment, BlockInfo, CacheClient, Hit, InspectReport, MatchReport, PinInfo
+from .api import Attachment, BlockInfo, CacheClient, Hit, InspectReport, MatchReport, PinInfo, Reservation
 from .errors import CacheUnavailable, PermissionDenied, ServiceError, Unauthenticated
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "MatchReport",
     "PinInfo",
     "PermissionDenied",
+    "Reservation",
     "ServiceError",
     "ServiceStats",
     "Unauthenticated",

@@ -29,8 +29,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -68,6 +69,7 @@ LEASE_MARGIN_S = 0.05  # read from shared memory only this long before the lease
 RELEASE_ATTEMPTS = 5  # Release refused for load (older services) is retried after the hint
 MIN_STREAM_BYTES_PER_S = 100e6  # a Fetch/Store deadline grows with its size at this rate
 STORE_CHUNK_BYTES = 1 << 20  # data per Store message (the service may allow up to 4 MiB)
+RECENT_STORES = 8  # the spare reservation a Commit asks for fits the largest of this many stores
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,16 @@ class Hit:
         if not self.blocks:
             return 0
         return min(self.blocks, (self.prompt_tokens - 1) // (self.hit_tokens // self.blocks))
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Host-tier slots reserved for one store, in this client's mapping (`reserve_mapped`): the
+    caller writes block i into `slots[i]` (`reserved_pieces`), then `commit_reserved` publishes
+    them. One unused lapses on the service at its TTL."""
+
+    reservation_id: int
+    slots: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -252,6 +264,7 @@ class CacheClient:
         # one call per store instead of Reserve + Commit. (reservation, monotonic time to stop using it)
         self._spare: tuple[pb.ReserveResponse, float] | None = None
         self._spare_lock = threading.Lock()
+        self._recent_stores: deque[int] = deque(maxlen=RECENT_STORES)  # their sizes, for the next spare's
 
     # -- plumbing ---------------------------------------------------------------
     def _call(
@@ -579,11 +592,10 @@ class CacheClient:
     ) -> CommitResult:
         """Write the reserved slots, then Commit; the Commit reserves the next store's slots, so a
         store finding that spare reservation large enough makes one call, not two."""
-        ns_id = self.attachment.namespace_id
         spare = self._take_spare()
         reservation = spare if spare is not None and len(spare.slots) >= len(kv) else None
         if reservation is None:
-            ask = pb.ReserveRequest(namespace_id=ns_id, block_count=len(kv))
+            ask = pb.ReserveRequest(namespace_id=self.attachment.namespace_id, block_count=len(kv))
             if spare is not None:  # too small: given back in the same call
                 ask.replaces = spare.reservation_id
             reservation = self._unary("Reserve", ask, timeout_s)
@@ -592,13 +604,78 @@ class CacheClient:
             return CommitResult(0, 0, len(kv))
         self._pools.check_current()  # a restarted service's slots are not in this mapping
         self._pools.scatter(slots, kv[: len(slots)])
+        result = self._commit(
+            tokens, reservation.reservation_id, start_block, len(slots), salt, timeout_s, retention_s, len(kv)
+        )
+        return replace(result, rejected=result.rejected + len(kv) - len(slots))
+
+    def reserve_mapped(self, blocks: int) -> Reservation | None:
+        """`blocks` reserved slots of the mapped host tier, without a call: the spare reservation
+        the last shared-memory Commit asked for (`reserve_next`), while fresh and at least this
+        large. None otherwise, or where blocks are not written through a mapping (`store` then
+        reserves as it goes). For a caller that copies blocks straight into the slots, e.g. out of
+        an engine's paged cache, then commits them off its hot path (`commit_reserved`)."""
+        if blocks <= 0 or self._pools.host is None or self.attachment.split != 1:
+            return None
+        spare = self._take_spare(at_least=blocks)
+        if spare is None or not self._pools.current():
+            return None
+        return Reservation(spare.reservation_id, tuple(spare.slots[:blocks]))
+
+    def reserved_pieces(self, reservation: Reservation) -> Iterator[tuple[int, torch.Tensor]]:
+        """(i, view): views `[n, *block_shape]` of the slots for blocks i..i+n of `reservation`,
+        one per run of adjacent slots, to write into (they alias the service's memory)."""
+        return self._pools.host_pieces(reservation.slots)
+
+    def commit_reserved(
+        self,
+        reservation: Reservation,
+        tokens: TokenInput,
+        start_block: int = 0,
+        cache_salt: str | None = None,
+        timeout_s: float | None = None,
+        retention_s: float | None = None,
+    ) -> CommitResult:
+        """Publish the blocks written into `reservation`'s slots as blocks `start_block`.. of
+        `tokens`: `store`'s Commit (its result and rules), without the copy."""
+        token_list = _token_list(tokens)
+        blocks = len(reservation.slots)
+        if start_block < 0 or (start_block + blocks) * self.attachment.layout.block_size > len(token_list):
+            raise InvalidArgument(
+                "start_block",
+                f"blocks {start_block}..{start_block + blocks} exceed the "
+                f"{len(token_list) // self.attachment.layout.block_size} full blocks of the tokens",
+            )
+        check_retention(retention_s)
+        self._pools.check_current()  # written into a replaced segment: the service never saw them
+        return self._commit(
+            token_list, reservation.reservation_id, start_block, blocks, cache_salt, timeout_s, retention_s, blocks
+        )
+
+    def _commit(
+        self,
+        tokens: list[int],
+        reservation_id: int,
+        start_block: int,
+        blocks: int,
+        salt: str | None,
+        timeout_s: float | None,
+        retention_s: float | None,
+        size: int,
+    ) -> CommitResult:
+        """Commit the reservation's first `blocks` slots of a store of `size` blocks, reserving the
+        next store's: as many as the largest of the last few stores, so that a store no larger
+        finds them (the service grants a spare from free slots only, never by evicting)."""
+        with self._spare_lock:
+            self._recent_stores.append(size)
+            ask = max(self._recent_stores)
         request = pb.CommitRequest(
-            namespace_id=ns_id,
+            namespace_id=self.attachment.namespace_id,
             tokens=tokens,
-            reservation_id=reservation.reservation_id,
+            reservation_id=reservation_id,
             start_block=start_block,
-            block_count=len(slots),
-            reserve_next=len(kv),  # the next store is likely this one's size
+            block_count=blocks,
+            reserve_next=ask,
         )
         if salt is not None:
             request.cache_salt = salt
@@ -607,22 +684,24 @@ class CacheClient:
         sent = time.monotonic()
         reply = self._unary("Commit", request, timeout_s)
         if reply.HasField("next") and reply.next.slots:
+            # Touched here, off the next store's path (which may be an engine's step).
+            self._pools.prefault(reply.next.slots)
             # Used only while at least half its TTL is left: a store that finds it must still
             # write and commit before the service reclaims it.
             self._put_spare(reply.next, sent + reply.next.ttl_seconds / 2)
         return CommitResult(
-            reply.stored,
-            reply.deduplicated,
-            reply.rejected + len(kv) - len(slots),
-            reply.retention_seconds,
-            reply.retention_clamped,
+            reply.stored, reply.deduplicated, reply.rejected, reply.retention_seconds, reply.retention_clamped
         )
 
-    def _take_spare(self) -> pb.ReserveResponse | None:
+    def _take_spare(self, at_least: int = 0) -> pb.ReserveResponse | None:
         """The spare reservation while it is fresh (taken: one store uses it); a stale one is left
-        to expire on the service."""
+        to expire on the service. One of fewer than `at_least` slots stays for a store that
+        reserves anew (and gives it back in that call)."""
         with self._spare_lock:
-            spare, self._spare = self._spare, None
+            spare = self._spare
+            if spare is not None and len(spare[0].slots) < at_least:
+                return None
+            self._spare = None
         if spare is None or time.monotonic() >= spare[1]:
             return None
         return spare[0]

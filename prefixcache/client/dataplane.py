@@ -19,7 +19,8 @@ caller holds a lease (reads) or a reservation (writes) for every slot it names.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+import mmap
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -129,10 +130,14 @@ class LocalPools:
     def host(self) -> TensorPool | None:
         return self.pools.get(int(TierKind.HOST))
 
+    def current(self) -> bool:
+        """False when the mapped host segment is no longer the service's: a restarted service
+        (whose namespace ids are the same) hands out slots of its new segment."""
+        return self._host is None or self._host.current()
+
     def check_current(self) -> None:
-        """CacheUnavailable when the mapped host segment is no longer the service's: a restarted
-        service (whose namespace ids are the same) hands out slots of its new segment."""
-        if self._host is not None and not self._host.current():
+        """CacheUnavailable unless `current`."""
+        if not self.current():
             raise CacheUnavailable("the service's shared memory was replaced (it restarted); attach again")
 
     def covers(self, locations: BlockLocations) -> bool:
@@ -149,12 +154,25 @@ class LocalPools:
         for start, view in self.pieces(locations):
             out[start : start + len(view)].copy_(view)
 
-    def scatter(self, slots: tuple[int, ...] | list[int], kv: torch.Tensor) -> None:
-        """host slot slots[i] <- kv[i]."""
+    def host_pieces(self, slots: Sequence[int]) -> Iterator[tuple[int, torch.Tensor]]:
+        """(i, view): host slots slots[i : i + len(view)], one view of mapped slots per run (for
+        writes: the caller holds their reservation). The views alias the service's memory."""
         host = self.pools[int(TierKind.HOST)]
         tiers = np.full(len(slots), int(TierKind.HOST))
         for start, end, _tier, first in runs(tiers, np.asarray(slots), self._per_chunk):
-            host.run(first, end - start).copy_(kv[start:end])
+            yield start, host.run(first, end - start)
+
+    def prefault(self, slots: Sequence[int]) -> None:
+        """Write a zero into each page of host slots this process holds a reservation for, so the
+        store that fills them later does not pay this mapping's first-touch page faults (3.5 ms
+        per 9 MiB on a 2-core EPYC, against 0.3 ms for the copy itself into touched pages)."""
+        for _, view in self.host_pieces(slots):
+            view.view(torch.uint8).reshape(-1)[:: mmap.PAGESIZE].zero_()
+
+    def scatter(self, slots: Sequence[int], kv: torch.Tensor) -> None:
+        """host slot slots[i] <- kv[i]."""
+        for start, view in self.host_pieces(slots):
+            view.copy_(kv[start : start + len(view)])
 
     def close(self) -> None:
         host = self.pools.get(int(TierKind.HOST))

@@ -407,6 +407,9 @@ def test_through_redis_a_second_service_serves_what_the_first_saved(scenario: di
 def test_kv_role_a_producer_only_saves_and_a_consumer_only_loads(scenario: dict) -> None:
     a = scenario["A"]["steps"]["a"]["metrics"]
     assert a.get("saved_blocks", 0) > 0
+    # After the first save's Commit reserved the next one's slots, saves are copied straight
+    # into them (one copy; B1 loads these very blocks and its outputs are checked below).
+    assert a.get("saves_in_place", 0) > 0
     assert a.get("lookups", 0) == 0 and a.get("hits", 0) == 0  # kv_producer: not one Lookup
     b2 = scenario["B2"]["steps"]["e"]["metrics"]  # cumulative: the b2 and e steps
     assert b2.get("lookups", 0) >= len(scenario["prompts"]["b2"]) and b2.get("loaded_tokens", 0) > 0

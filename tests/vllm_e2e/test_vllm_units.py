@@ -519,7 +519,7 @@ def test_every_connector_counter_is_described_and_named_in_the_docs() -> None:
 
 def test_the_copy_benchmark_runs_and_its_loads_put_the_stored_blocks_in_place(tmp_path: Path) -> None:
     """benchmarks/vllm_copy_cost.py, small: it asserts each round that the loads put the stored
-    bytes in vLLM's blocks, and reports every copy it times."""
+    bytes in vLLM's blocks and that a save in place stores them, and reports every copy it times."""
     out = tmp_path / "copy.json"
     root = Path(__file__).resolve().parents[2]
     subprocess.run(
@@ -542,6 +542,13 @@ def test_the_copy_benchmark_runs_and_its_loads_put_the_stored_blocks_in_place(tm
         capture_output=True,
     )
     summary = json.loads(out.read_text())
-    assert set(summary["rows"]) == {"load, staged", "load, direct", "save: gather", "save: store"}
+    assert set(summary["rows"]) == {
+        "load, staged",
+        "load, direct",
+        "save: gather",
+        "save: store",
+        "save in place: gather",
+        "save in place: commit",
+    }
     assert all(row["p50_us"] > 0 for row in summary["rows"].values())
-    assert summary["direct_over_staged"] > 0
+    assert summary["direct_over_staged"] > 0 and summary["in_place_over_staged"] > 0

@@ -34,7 +34,8 @@ Copies out (`gather_later`, `StatePages.gather_later`) return a `HostCopy`: on C
 blocks are gathered on vLLM's stream (ordered after the forward that wrote them and before any
 later forward that could reuse them) and copied to pinned host memory on a side stream, so the
 step only queues them; the caller waits for the copy off the step. On CPU the copy is made at
-once (a thread of its own would take the same cores).
+once (a thread of its own would take the same cores), and `gather_into` makes it straight into
+a cache service's mapped slots where the worker holds a reservation for them.
 
 Invariants: nothing here allocates a second paged cache (views alias vLLM's tensors); bytes
 are copied, never converted (a dtype that differs only in name, e.g. fp8 stored as uint8, is
@@ -265,20 +266,28 @@ class PagedCache:
 
     def gather_later(self, block_ids: GroupBlockIds) -> HostCopy:
         """`gather`, with the copy to host memory left running on CUDA (`HostCopy`)."""
+        first = self.layers[0].keys
+        out = torch.empty(
+            (len(block_ids[0]), len(self.layers), 2, *first.shape[1:]), dtype=first.dtype, device=self.device
+        )
+        self.gather_into(block_ids, out)
+        return HostCopy(out, self.dtype)  # uint8-held fp8 -> the namespace's float8 type, same bytes
+
+    def gather_into(self, block_ids: GroupBlockIds, out: torch.Tensor) -> None:
+        """`gather` into `out` (`[n, layers, 2, H, N, D]` on vLLM's device, of its dtype or one of
+        the same size), e.g. a cache service's mapped slots: one copy from vLLM's blocks."""
         indexes: dict[int, torch.Tensor] = {}
         for group in self._groups:  # a state group's ids are not KV (StatePages)
             if NULL_BLOCK in block_ids[group]:
                 raise ValueError(f"group {group} no longer holds every block to gather")
             indexes[group] = self._index(block_ids[group])
-        first = self.layers[0].keys
-        out = torch.empty(
-            (len(block_ids[0]), len(self.layers), 2, *first.shape[1:]), dtype=first.dtype, device=self.device
-        )
+        paged = self.layers[0].keys.dtype
+        if out.dtype != paged:
+            out = out.view(paged)  # fp8 held by vLLM as uint8: same bytes
         for number, layer in enumerate(self.layers):  # index_select: no faster on wider elements
             index = indexes[layer.group]
             torch.index_select(layer.keys, 0, index, out=out[:, number, 0])
             torch.index_select(layer.values, 0, index, out=out[:, number, 1])
-        return HostCopy(out, self.dtype)  # uint8-held fp8 -> the namespace's float8 type, same bytes
 
 
 class StatePages:

@@ -10,7 +10,10 @@ others meanwhile, and `finished_loads` reports each request once its copy is don
 blocks out of vLLM's cache in `wait_for_save` (after the forward wrote them, before the
 scheduler can free them; on CUDA the step only queues that copy, paged.py `HostCopy`) and hand
 the copy to one background thread that waits for it and stores it, so neither the copy to host
-memory nor a slow service stalls a step.
+memory nor a slow service stalls a step. On CPU, where the client holds a spare reservation of
+the service's mapped slots large enough (each Commit asks for one as large as the largest of
+the last 8 stores), the step copies the blocks straight into those slots and the thread only
+commits them: one copy of the blocks instead of two.
 
 Tensor parallelism: each rank stores and loads its own shard of every block under its own
 namespace (`tp=<rank>/<size>`). The scheduler's Lookup and lease are rank 0's; every other rank
@@ -28,8 +31,8 @@ Data paths (chosen per load):
   staging tensor -> vLLM's blocks; only the Release goes to the service (over its control
   socket, client/control_socket.py).
 - otherwise: the lease's blocks over the Fetch stream, then into vLLM's blocks.
-Saves go through `CacheClient.store`: Reserve + copy into shared memory + Commit when mapped,
-else the Store stream.
+Saves go through `CacheClient.store` (Reserve + copy into shared memory + Commit when mapped,
+else the Store stream), or `reserve_mapped` + `commit_reserved` when copied in place.
 
 Invariants:
 - A load whose shared-memory segment differs from this worker's attachment (the service
@@ -46,12 +49,14 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
-from ...client.api import CacheClient, Hit
+from ...client.api import CacheClient, Hit, Reservation
 from ...client.link import CacheLink, service_level
 from ...errors import PrefixCacheError
+from ...results import CommitResult
 from ...threads import name_os_thread
 from . import states
 from .layers import LayerLoads
@@ -63,6 +68,15 @@ from .stats import StatsBox
 log = logging.getLogger(LOGGER)
 
 SAVE_QUEUE_BLOCKS = 4096  # blocks copied out and waiting for the service; more are dropped
+
+
+@dataclass(frozen=True)
+class Written:
+    """A save copied into slots the service reserved (`CacheClient.reserve_mapped`), to commit on
+    the client holding the reservation."""
+
+    client: CacheClient
+    reservation: Reservation
 
 
 class WorkerSide:
@@ -80,8 +94,8 @@ class WorkerSide:
         self._load_failed: set[str] = set()
         self._invalid_blocks: set[int] = set()  # in-step loads that failed, for vLLM to recompute
         self._loaded_lock = threading.Lock()
-        # (save, its copy out of vLLM's cache, its blocks in the queue's bound)
-        self._queue: queue.Queue[tuple[SaveOp | StateSaveOp, HostCopy, int] | None] = queue.Queue()
+        # (save, its copy out of vLLM's cache or the slots it was copied into, its blocks in the queue's bound)
+        self._queue: queue.Queue[tuple[SaveOp | StateSaveOp, HostCopy | Written, int] | None] = queue.Queue()
         self._queued_blocks = 0
         self._queued_lock = threading.Lock()
         self._loader = threading.Thread(target=self._load_loop, name="prefixcache-load", daemon=True)
@@ -273,7 +287,7 @@ class WorkerSide:
                     continue
                 self._queued_blocks += op.blocks
             started = time.perf_counter()
-            copy = self.paged.gather_later(op.block_ids)
+            copy = self._write_reserved(op) or self.paged.gather_later(op.block_ids)
             self.stats.add(save_seconds=time.perf_counter() - started)
             self._queue.put((op, copy, op.blocks))
         if self.states is not None and self.state_link is not None:
@@ -284,6 +298,24 @@ class WorkerSide:
                         continue
                     self._queued_blocks += 1
                 self._queue.put((state_op, self.states.gather_later(dict(state_op.block_ids)), 1))
+
+    def _write_reserved(self, op: SaveOp) -> Written | None:
+        """On CPU, copy the save's blocks straight into slots the service reserved in shared
+        memory (the spare reservation of the last Commit, when it fits): one copy, and the save
+        thread only commits. None where there is no such reservation (`gather_later` then)."""
+        assert self.paged is not None
+        client = self.link.attached() if self.paged.device.type == "cpu" else None
+        reservation = client.reserve_mapped(op.blocks) if client is not None else None
+        if client is None or reservation is None:
+            return None
+        try:
+            for first, view in client.reserved_pieces(reservation):
+                self.paged.gather_into(tuple(ids[first : first + len(view)] for ids in op.block_ids), view)
+        except (RuntimeError, ValueError) as error:  # the reservation lapses on the service
+            log.info("prefixcache worker: save for %s not copied into shared memory: %s", op.request_id, error)
+            return None
+        self.stats.add(saves_in_place=1)
+        return Written(client, reservation)
 
     def _save_loop(self) -> None:
         name_os_thread("pfx-save")
@@ -297,11 +329,13 @@ class WorkerSide:
             op, copy, blocks = item
             try:
                 with self.stats.background():
-                    kv = copy.wait()  # CUDA: the copy out, queued in the step, completes here
                     if isinstance(op, StateSaveOp):
-                        self._store_state(op, kv)
+                        assert isinstance(copy, HostCopy)  # a state is never written into slots
+                        self._store_state(op, copy.wait())
+                    elif isinstance(copy, Written):
+                        self._commit(op, copy)
                     else:
-                        self._store(op, kv)
+                        self._store(op, copy.wait())  # CUDA: the copy out, queued in the step, completes here
             finally:
                 with self._queued_lock:
                     self._queued_blocks -= blocks
@@ -328,7 +362,30 @@ class WorkerSide:
         if answer is None:
             self.stats.add(save_failures=1)
             return
-        result = answer[0]
+        self._saved(answer[0], started)
+
+    def _commit(self, op: SaveOp, written: Written) -> None:
+        """Publish blocks copied into reserved slots, on the client that holds the reservation
+        (another one, after a re-attach, does not know it: the save is then lost, not retried)."""
+        started = time.perf_counter()
+        try:
+            result = written.client.commit_reserved(
+                written.reservation,
+                list(op.tokens),
+                start_block=op.start_block,
+                cache_salt=op.cache_salt,
+                retention_s=op.retention_s,
+            )
+        except PrefixCacheError as error:
+            self.stats.add(save_failures=1)
+            if service_level(error):
+                self.link.failed(error, written.client)
+            else:
+                log.info("prefixcache worker: save for %s refused: %s", op.request_id, error)
+            return
+        self._saved(result, started)
+
+    def _saved(self, result: CommitResult, started: float) -> None:
         self.stats.add(
             saved_blocks=result.stored,
             save_deduplicated=result.deduplicated,
