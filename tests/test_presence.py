@@ -103,7 +103,7 @@ def test_the_table_follows_the_index_through_lru_churn(start):
         assert held == client.lookup(tokens, take_lease=False).hit_tokens
 
 
-def test_a_full_row_displaces_one_block_and_removal_clears_only_its_own(tmp_path):
+def test_a_full_row_displaces_one_block_and_removal_clears_only_its_own():
     segment = OwnedSegment(f"prefixcache-test-held-{os.getpid()}", table_bytes(16), directory=SHM_DIR)
     try:
         table = PresenceTable(segment.buf, 16)

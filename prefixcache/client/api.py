@@ -618,8 +618,10 @@ class CacheClient:
         if blocks <= 0 or self._pools.host is None or self.attachment.split != 1:
             return None
         spare = self._take_spare(at_least=blocks)
-        if spare is None or not self._pools.current():
+        if spare is None:
             return None
+        # Not checked against a restarted service here: writing this mapping's slots harms no one,
+        # and `commit_reserved` refuses to publish what a replaced segment holds.
         return Reservation(spare.reservation_id, tuple(spare.slots[:blocks]))
 
     def reserved_pieces(self, reservation: Reservation) -> Iterator[tuple[int, torch.Tensor]]:

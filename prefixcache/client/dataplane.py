@@ -158,6 +158,10 @@ class LocalPools:
         """(i, view): host slots slots[i : i + len(view)], one view of mapped slots per run (for
         writes: the caller holds their reservation). The views alias the service's memory."""
         host = self.pools[int(TierKind.HOST)]
+        first, last = slots[0], slots[-1]
+        if last - first == len(slots) - 1 and first // host.per_chunk == last // host.per_chunk:
+            yield 0, host.run(first, len(slots))  # one run, the common case: no numpy on the way
+            return
         tiers = np.full(len(slots), int(TierKind.HOST))
         for start, end, _tier, first in runs(tiers, np.asarray(slots), self._per_chunk):
             yield start, host.run(first, end - start)

@@ -177,7 +177,7 @@ class SchedulerSide:
             state.hints = _hints(request)
             self._requests[request.request_id] = state
         if state.pending is None and self.loads and self._usable(request) > 0:
-            state.held = self._held(list(request.prompt_token_ids or ()), state.salt)
+            state.held = self._held(request.prompt_token_ids or [], state.salt)  # read now: no copy
             state.held_fresh = state.held is not None
             if state.held is None:
                 self._send(state)
