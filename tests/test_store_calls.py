@@ -131,3 +131,18 @@ def test_a_store_written_in_place_is_one_commit_into_the_spare_reservation(start
     remote.attach("model", layout, same_host=False)
     remote.store(prompt(2, start=9000), random_kv(2, layout, seed=2))
     assert remote.reserve_mapped(1) is None  # nothing mapped: stores go by stream
+
+
+def test_slots_out_of_order_are_written_each_where_it_belongs(start) -> None:
+    """A reservation's slots in any order (4, 6, 5, 7 spans a run's width without being one)
+    land block i in slots[i]; an ascending run is one view."""
+    layout = layout_of()
+    server = start(host_capacity=64 * layout.block_bytes)
+    client = start.client(server)
+    client.attach("model", layout)
+    pools = client._pools  # the data plane under `store` and `reserved_pieces`
+    kv = random_kv(4, layout, seed=5)
+    pools.scatter((40, 42, 41, 43), kv)
+    assert same_bytes(pools.host.run(40, 4), kv[[0, 2, 1, 3]])
+    assert [(i, len(view)) for i, view in pools.host_pieces((44, 45, 46, 47))] == [(0, 4)]
+    assert [i for i, _ in pools.host_pieces((47, 46, 45, 44))] == [0, 1, 2, 3]

@@ -157,9 +157,11 @@ class LocalPools:
     def host_pieces(self, slots: Sequence[int]) -> Iterator[tuple[int, torch.Tensor]]:
         """(i, view): host slots slots[i : i + len(view)], one view of mapped slots per run (for
         writes: the caller holds their reservation). The views alias the service's memory."""
+        if not slots:
+            return
         host = self.pools[int(TierKind.HOST)]
         first, last = slots[0], slots[-1]
-        if last - first == len(slots) - 1 and first // host.per_chunk == last // host.per_chunk:
+        if first // host.per_chunk == last // host.per_chunk and tuple(slots) == tuple(range(first, last + 1)):
             yield 0, host.run(first, len(slots))  # one run, the common case: no numpy on the way
             return
         tiers = np.full(len(slots), int(TierKind.HOST))
