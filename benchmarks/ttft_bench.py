@@ -28,8 +28,9 @@ read, Release) and the engine's own load/compute split.
 
 A miss is measured too (`--miss-sizes`; `--sizes ""` runs only it): on a fresh prompt each
 repeat, the worker's miss path (`WorkerLink.lookup`: a read of the service's presence table,
-which holds none of the prompt, so no Lookup is sent; then the full prefill) against the full prefill alone, interleaved and alternating which goes first; the JSON's `misses` give
-the median of the paired TTFT ratios, of the paired differences and of the Lookup alone.
+which holds none of the prompt, so no Lookup is sent; then the full prefill) against the full
+prefill alone, interleaved and alternating which goes first; the JSON's `misses` give the
+median of the paired TTFT ratios, of the paired differences and of the Lookup alone.
 
 The worker is built exactly as `prefixcache worker` builds it (`command.build_backend`):
 tiny model, bfloat16, torch threads = CPUs available.

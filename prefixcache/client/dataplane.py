@@ -130,14 +130,10 @@ class LocalPools:
     def host(self) -> TensorPool | None:
         return self.pools.get(int(TierKind.HOST))
 
-    def current(self) -> bool:
-        """False when the mapped host segment is no longer the service's: a restarted service
-        (whose namespace ids are the same) hands out slots of its new segment."""
-        return self._host is None or self._host.current()
-
     def check_current(self) -> None:
-        """CacheUnavailable unless `current`."""
-        if not self.current():
+        """CacheUnavailable when the mapped host segment is no longer the service's: a restarted
+        service (whose namespace ids are the same) hands out slots of its new segment."""
+        if self._host is not None and not self._host.current():
             raise CacheUnavailable("the service's shared memory was replaced (it restarted); attach again")
 
     def covers(self, locations: BlockLocations) -> bool:

@@ -38,7 +38,7 @@ from ..breaker import Backoff
 from ..config import KVLayout, Namespace
 from ..errors import InvalidArgument, PrefixCacheError, UnknownNamespace
 from ..threads import name_os_thread
-from .api import Attachment, CacheClient, Hit
+from .api import Attachment, CacheClient, Hit, TokenInput
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,14 @@ class CacheLink:
     def attached(self) -> CacheClient | None:
         """The attached client, or None; never attaches (for a thread that must not wait)."""
         return self._client
+
+    def held_tokens(self, tokens: TokenInput, salt: str | None = None) -> int | None:
+        """Leading tokens of `tokens` the service's presence table shows held
+        (`CacheClient.held_tokens`: shared memory, no call; never attaches). None while not
+        attached, for a salted prompt (its blocks hash in another namespace) and where the service
+        publishes no table (Redis or a disk tier: a Lookup also finds blocks its index lacks)."""
+        client = self._client
+        return None if client is None or salt is not None else client.held_tokens(tokens)
 
     def call(self, operation: Callable[[CacheClient, Attachment], T]) -> tuple[T, Attachment] | None:
         """`operation` on the attached client (None while unusable). An error that is not

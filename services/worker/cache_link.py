@@ -141,7 +141,7 @@ class WorkerLink:
         leading blocks the policy decided to load (None: none), `[n, *block_shape]`.
 
         The caller releases the hit (`release`) whatever happens, also after a failed read."""
-        if salt is None and self._holds_nothing(tokens):
+        if self._holds_nothing(tokens, salt):
             return None, None
         budget = self.policy.recompute_s_per_token()
         hit = self._call(
@@ -163,12 +163,10 @@ class WorkerLink:
             self._failed("read", error, attached[0])
             return hit, None
 
-    def _holds_nothing(self, tokens: list[int]) -> bool:
-        """The presence table shows no block of `tokens` held (False where there is no table:
-        a salted prompt's blocks hash apart, and a service with Redis or a disk tier
-        publishes none, since its Lookups also find blocks its index lacks)."""
-        client = self.link.attached()
-        held = client.held_tokens(tokens) if client is not None else None
+    def _holds_nothing(self, tokens: list[int], salt: str | None) -> bool:
+        """The presence table shows no block of `tokens` held (False where it cannot say:
+        `CacheLink.held_tokens`)."""
+        held = self.link.held_tokens(tokens, salt)
         if held is None or held >= self.layout.block_size:
             return False
         self.lookups_skipped.inc()

@@ -192,8 +192,7 @@ class SchedulerSide:
         the presence table a same-host service publishes (prefixcache/presence.py: a read of shared
         memory, no call); None where there is none to read (or `presence_table` is off), or for a
         salted request (another namespace's hashes)."""
-        client = self.link.attached() if salt is None and self.settings.presence_table else None
-        held = client.held_tokens(prompt) if client is not None else None
+        held = self.link.held_tokens(prompt, salt) if self.settings.presence_table else None
         return None if held is None else held // self.block_size * self.block_size
 
     def _usable(self, request: Request) -> int:

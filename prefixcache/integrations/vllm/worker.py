@@ -311,7 +311,8 @@ class WorkerSide:
         try:
             for first, view in client.reserved_pieces(reservation):
                 self.paged.gather_into(tuple(ids[first : first + len(view)] for ids in op.block_ids), view)
-        except (RuntimeError, ValueError) as error:  # the reservation lapses on the service
+        except RuntimeError as error:  # a ValueError (a block vLLM freed) goes up, as from `gather_later`
+            # the reservation lapses on the service
             log.info("prefixcache worker: save for %s not copied into shared memory: %s", op.request_id, error)
             return None
         self.stats.add(saves_in_place=1)
