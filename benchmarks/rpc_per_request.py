@@ -1,6 +1,7 @@
 """RPCs per worker request: what each of Lookup, Reserve, Commit and Release costs a same-host worker.
 
     python benchmarks/rpc_per_request.py [--requests 300] [--prompt-tokens 2048] [--suffix 256]
+        [--small] [--host-capacity 4GiB]
 
 Starts `prefixcache serve` as its own process, attaches like a worker (same host: the host tier
 mapped), stores a shared prefix, then replays the worker's per-request sequence N times:
@@ -52,12 +53,17 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2048, help="shared, cached prefix")
     parser.add_argument("--suffix", type=int, default=256, help="new tokens per request (stored after it)")
     parser.add_argument("--small", action="store_true", help="vllm_fleet_bench's 4-layer model (64 KiB blocks)")
+    parser.add_argument(
+        "--host-capacity",
+        default="4GiB",
+        help="the service's host tier; one smaller than the stores' total fills, and LRU evicts from then on",
+    )
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     layout = SMALL if args.small else LAYOUT
     size = layout.block_size
     suffix_blocks = args.suffix // size
-    process, address = start_service("--host-capacity", "4GiB", "--block-size", str(size))
+    process, address = start_service("--host-capacity", args.host_capacity, "--block-size", str(size))
     try:
         grpc_client = CacheClient(address, timeout_s=30, control_socket=False)
         socket_client = CacheClient(address, timeout_s=30)

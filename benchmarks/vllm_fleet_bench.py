@@ -1,8 +1,8 @@
 """A fleet of vLLM OpenAI servers under multi-turn load, with and without prefixcache (issue #31).
 
     PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/vllm_fleet_bench.py [--configs 1,2,3,3s,4,5]
-        [--kv-pressure] [--before-root DIR] [--rounds 1] [--conversations 8] [--turns 3] [--users 3]
-        [--min-turns 0] [--spill 2] [--think-ms 0] [--layers 4 --hidden 512] [--json-out FILE]
+        [--kv-pressure] [--service-mib 2048] [--before-root DIR] [--rounds 1] [--conversations 8]
+        [--turns 3] [--users 3] [--min-turns 0] [--spill 2] [--think-ms 0] [--layers 4 --hidden 512] [--json-out FILE]
 
 Every configuration replays the SAME schedule: `--conversations` synthetic chats behind one
 shared system prompt (each turn resends every earlier turn plus a new user message; the
@@ -525,7 +525,7 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
     tag = config.name.replace("/", "-")
     try:
         addresses: list[str | None] = [None] * config.servers
-        flags = ["--host-capacity", "2GiB", "--block-size", str(BLOCK)]
+        flags = ["--host-capacity", f"{args.service_mib}MiB", "--block-size", str(BLOCK)]
         cores = os.cpu_count() or 1
         # a lone server on core 0 leaves the other cores to its service (2 against 2p: the
         # connector's cost when the cache does not share the engine's core)
@@ -716,6 +716,12 @@ def main() -> None:
         help="each server's KV cache in config 6 (the default model: 5k tokens; 8 MiB is under --max-model-len)",
     )
     parser.add_argument(
+        "--service-mib",
+        type=int,
+        default=2048,
+        help="each prefixcache service's host tier (a small one fills, and LRU evicts from then on)",
+    )
+    parser.add_argument(
         "--connector",
         type=json.loads,
         default={},
@@ -770,7 +776,17 @@ def main() -> None:
         parser.error(f"--connector: must be a JSON object of kv_connector_extra_config keys, got {args.connector!r}")
     if args.min_turns < 0 or args.min_turns > args.turns:
         parser.error(f"--min-turns must be between 0 and --turns ({args.turns}), got {args.min_turns}")
-    for name in ("rounds", "conversations", "turns", "users", "max_tokens", "kv_mib", "pressure_mib", "spill"):
+    for name in (
+        "rounds",
+        "conversations",
+        "turns",
+        "users",
+        "max_tokens",
+        "kv_mib",
+        "pressure_mib",
+        "service_mib",
+        "spill",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     from vllm_ttft_bench import build_model, kv_bytes_per_token

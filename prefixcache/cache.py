@@ -57,6 +57,10 @@ from .transfer import ProbeBudget
 
 log = logging.getLogger(__name__)
 
+# A writer's spare reservation evicts in a full tier only while it is at most this fraction (1/8)
+# of the slots it may fill.
+SPARE_SHARE = 8
+
 
 class PrefixCache:
     """Many namespaces of any KV layouts; see the module docstring for the tiers."""
@@ -550,13 +554,15 @@ class PrefixCache:
 
     # -- storing ------------------------------------------------------------------
     def reserve(
-        self, count: int, ns_id: str | None = None, evict: bool = True, replaces: int | None = None
+        self, count: int, ns_id: str | None = None, spare: bool = False, replaces: int | None = None
     ) -> Reservation:
         """Up to `count` free host slots for a writer; fewer when the tier is pinned full.
 
         With `ns_id`, the slots count against its tenant's host quota (fewer when over it) and
-        only that tenant may commit them. `evict=False` (a writer's spare for a store that may
-        never come) takes only slots free now, evicting nothing, and none unless as many more
+        only that tenant may commit them. `spare` (a writer's reservation for its next store, asked
+        by a Commit): as any other, evicting in LRU order in a full tier, since a writer that has
+        just stored stores again and the eviction then leaves its next store's path; but where
+        it may not evict (`_spare_may_evict`), only slots free now and none unless as many more
         stay free. `replaces` names a reservation
         of the same tenant to give back first (a spare too small for this store); an unknown or
         expired one is ignored.
@@ -570,7 +576,7 @@ class PrefixCache:
             if old is not None and self._same_tenant(old.namespace, row):
                 self.leases.take_reservation(old.id)
                 self.placement.free_reserved(old)
-            slots = self._take_slots(count, row, layout, evict)
+            slots = self._take_slots(count, row, layout, spare)
             return self.leases.add_reservation(
                 TierKind.HOST, slots, self.clock() + self.config.lease_ttl_s, row, layout
             )
@@ -579,21 +585,34 @@ class PrefixCache:
         """Whether namespace rows `row` and `other` (-1: none) belong to one tenant."""
         return row == other or (row >= 0 and other >= 0 and self.tenants.tenant(row) == self.tenants.tenant(other))
 
-    def _take_slots(self, count: int, row: int, layout: int, evict: bool = True) -> tuple[int, ...]:
+    def _take_slots(self, count: int, row: int, layout: int, spare: bool = False) -> tuple[int, ...]:
         """`reserve`'s slots for a checked count, namespace row `row` (-1: none) of `layout`; locked."""
         host = self.placement.pool(TierKind.HOST, layout)
         if count > host.num_slots:
             raise ResourceExhausted(f"count: {count} blocks exceed the host tier's {host.num_slots} slots", "count")
+        free = self.placement.free(TierKind.HOST, layout)
+        evict = not spare or self._spare_may_evict(count, row, layout)
         if row >= 0:
             count = self.ledger.room(row, TierKind.HOST, count, evict)
-        free = self.placement.free(TierKind.HOST, layout)
         if evict:
             self.placement.make_room(TierKind.HOST, count, layout)
         elif len(free) < 2 * count:
-            # A spare only where as many slots stay free: held slots keep their chunk from changing
-            # layout (placement.py), and in a full tier a spare would only move an eviction earlier.
             return ()
         return free.take_many(count)
+
+    def _spare_may_evict(self, count: int, row: int, layout: int) -> bool:
+        """Whether a spare of `count` slots may evict: not where layouts share the tier (held slots
+        keep a chunk from changing layout), and only while it is at most 1/SPARE_SHARE of the slots
+        it may fill (the tier's, or its tenant's quota's): a larger one would hold the room that
+        promotions and other writers need."""
+        if self.placement.shared(TierKind.HOST):
+            return False
+        pool = self.placement.pool(TierKind.HOST, layout)
+        room = pool.num_slots
+        limit = self.ledger.limit_bytes(self.tenants.tenant(row), TierKind.HOST) if row >= 0 else None
+        if limit is not None:
+            room = min(room, limit // pool.layout.block_bytes)
+        return count * SPARE_SHARE <= room
 
     def commit(
         self,

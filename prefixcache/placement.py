@@ -84,6 +84,10 @@ class Placement:
     def pool(self, kind: TierKind, layout: int = 0) -> TensorPool:
         return self.arenas[kind].pools[layout]
 
+    def shared(self, kind: TierKind) -> bool:
+        """Whether layouts share `kind`'s chunks (a chunk changes layout only while empty)."""
+        return len(self.arenas[kind].pools) > 1
+
     def layout_of(self, nodes: np.ndarray) -> np.ndarray:
         return np.asarray(self.layout_of_ns[self.index.namespace[nodes]])
 
@@ -174,7 +178,7 @@ class Placement:
             return True
         self.reclaim_expired(self.clock())  # a crashed worker's pins and slots go first
         arena = self.arenas[kind]
-        shared = len(arena.pools) > 1
+        shared = self.shared(kind)
         while shared and len(free) < count and arena.take_empty_chunk(layout):
             pass
         if len(free) >= count:
@@ -402,7 +406,7 @@ class Placement:
         index = self.index
         rows = np.asarray(nodes, dtype=np.int64)
         groups: list[tuple[TierKind, int, slice | np.ndarray]]
-        if kind is not None and len(self.arenas[kind].pools) == 1:  # the usual case: one tier, one layout
+        if kind is not None and not self.shared(kind):  # the usual case: one tier, one layout
             groups = [(kind, 0, slice(None))]
         else:
             kinds = index.tier[rows].astype(np.int64)

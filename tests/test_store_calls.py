@@ -3,8 +3,9 @@
 A same-host store was Reserve + write the mapped slots + Commit. The Commit now asks for the
 next store's slots (`reserve_next`) and the client keeps that spare reservation, so a worker
 storing request after request makes one call per store. Real servers on loopback; the calls
-are counted by the service's own metrics. The spare never evicts, a spare too small is given
-back in the Reserve that replaces it, and a Commit publishes only the slots it names. A writer
+are counted by the service's own metrics. In a full tier the spare evicts as the next Reserve
+would (never where layouts share the tier, nor when it is over an eighth of it), a spare too small is given back in the Reserve that
+replaces it, and a Commit publishes only the slots it names. A writer
 that copies blocks straight into the spare's slots (the vLLM worker on CPU) commits them alone.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from prefixcache.config import KVLayout
 from prefixcache.errors import InvalidArgument
 from prefixcache.kinds import TierKind
 from prefixcache.rpc import cache_pb2 as pb
@@ -57,24 +59,76 @@ def test_a_worker_storing_request_after_request_makes_one_call_per_store(start) 
     assert calls(server, "Reserve") == 1
 
 
-def test_a_spare_too_small_is_given_back_and_a_spare_never_evicts(start) -> None:
+def test_in_a_full_tier_a_spare_evicts_for_the_next_store_and_every_store_is_one_call(start) -> None:
+    layout = layout_of()
+    server = start(host_capacity=64 * layout.block_bytes, metrics_port=0)
+    client = start.client(server)
+    client.attach("model", layout)
+    used = lambda: server.backend.cache.placement.used(TierKind.HOST)  # noqa: E731  (slots: blocks + reservations)
+    evicted = lambda: sum(client.stats().snapshot.evictions.get("host", {}).values())  # noqa: E731
+    first = prompt(2, start=0)
+    client.store(first, random_kv(2, layout, seed=1))  # 2 resident + a spare of 2
+    stored = []
+    for n in range(12):  # 2 + 12 x 6 = 74 blocks for 64 slots: the tier fills, then LRU evicts
+        tokens, kv = prompt(6, start=10_000 * (n + 1)), random_kv(6, layout, seed=n + 2)
+        assert client.store(tokens, kv).stored == 6
+        stored.append((tokens, kv))
+    # One Reserve for the store that found the spare of 2 too small; every other store, those
+    # in the full tier too, was one Commit whose spare evicted the least recently used blocks.
+    assert (calls(server, "Reserve"), calls(server, "Commit")) == (2, 13)
+    assert used() == 64 and evicted() == 2 + 12 * 6 + 6 - 64  # the blocks and a spare of 6 fill the tier
+    # In LRU order: the first prompt, the next two, and the last 2 blocks of the one after.
+    hits = [client.lookup(tokens, take_lease=False).hit_tokens // BLOCK for tokens in [first] + [t for t, _ in stored]]
+    assert hits == [0, 0, 0, 4] + [6] * 9
+    for tokens, kv in stored[3:]:
+        hit = client.lookup(tokens)
+        try:
+            assert hit.hit_tokens == 6 * BLOCK and same_bytes(client.read(hit), kv)
+        finally:
+            client.release(hit)
+
+
+def test_a_spare_too_small_is_given_back_and_a_large_spare_never_evicts(start) -> None:
+    """A spare over an eighth of the tier would hold room that promotions and other writers need."""
     layout = layout_of()
     server = start(host_capacity=12 * layout.block_bytes, metrics_port=0)
     client = start.client(server)
     client.attach("model", layout)
     client.store(prompt(2, start=0), random_kv(2, layout, seed=1))  # 2 resident + a spare of 2
-    used = lambda: server.backend.cache.placement.used(TierKind.HOST)  # noqa: E731  (slots: blocks + reservations)
+    used = lambda: server.backend.cache.placement.used(TierKind.HOST)  # noqa: E731
     assert used() == 4
     client.store(prompt(6, start=50_000), random_kv(6, layout, seed=2))  # Reserve(6) gives the 2 back
     assert calls(server, "Reserve") == 2
-    # 8 resident and 4 free: a spare of 6 would evict, and even the 4 free would leave none, so
-    # there is no spare and nothing was evicted (the spare of 2 was given back, or 10 would be used).
+    # 8 resident and 4 free: a spare of 6 may not evict, and even the 4 free would leave none,
+    # so there is no spare and nothing was evicted (the spare of 2 was given back, or 10 would be used).
     snapshot = client.stats().snapshot
     assert used() == 8 and snapshot.tiers[0].blocks == 8 and sum(snapshot.evictions.get("host", {}).values()) == 0
     assert client.lookup(prompt(2, start=0), take_lease=False).hit_tokens == 2 * BLOCK
     # No spare: a plain Reserve, which evicts as always.
     assert client.store(prompt(6, start=90_000), random_kv(6, layout, seed=3)).stored == 6
     assert calls(server, "Reserve") == 3
+
+
+def test_a_spare_never_evicts_where_layouts_share_the_tier(start) -> None:
+    """Held slots keep their chunk from changing layout: a spare that evicted in a tier two models
+    share would keep one from taking room from the other (test_multi_model_workers.py)."""
+    layout = layout_of()
+    server = start(host_capacity=64 * layout.block_bytes, chunk_bytes=4 * layout.block_bytes, metrics_port=0)
+    client = start.client(server)
+    client.attach("model", layout)
+    other = KVLayout(layers=2, kv_heads=1, head_dim=28, block_size=BLOCK, dtype="float32")
+    start.client(server).attach("model-b", other, same_host=False)
+    assert server.backend.cache.placement.shared(TierKind.HOST)
+    evicted = lambda: sum(client.stats().snapshot.evictions.get("host", {}).values())  # noqa: E731
+    used = lambda: server.backend.cache.placement.used(TierKind.HOST)  # noqa: E731
+    for n in range(9):  # 54 blocks: 10 slots free, too few for a spare of 6 that evicts nothing
+        assert client.store(prompt(6, start=10_000 * (n + 1)), random_kv(6, layout, seed=n)).stored == 6
+    assert (calls(server, "Reserve"), evicted(), used()) == (1, 0, 54)  # (one tier alone: 60, the spare)
+    # No spare: a plain Reserve, which evicts as always; still no spare after it.
+    assert client.store(prompt(6, start=200_000), random_kv(6, layout, seed=20)).stored == 6
+    assert (calls(server, "Reserve"), evicted(), used()) == (2, 0, 60)
+    assert client.store(prompt(6, start=300_000), random_kv(6, layout, seed=21)).stored == 6
+    assert (calls(server, "Reserve"), evicted(), used()) == (3, 2, 64)
 
 
 def test_a_commit_publishes_only_the_slots_it_names(start) -> None:

@@ -667,7 +667,7 @@ class CacheClient:
     ) -> CommitResult:
         """Commit the reservation's first `blocks` slots of a store of `size` blocks, reserving the
         next store's: as many as the largest of the last few stores, so that a store no larger
-        finds them (the service grants a spare from free slots only, never by evicting)."""
+        finds them."""
         with self._spare_lock:
             self._recent_stores.append(size)
             ask = max(self._recent_stores)

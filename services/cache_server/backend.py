@@ -441,10 +441,10 @@ class CacheBackend:
 
     # -- writes -------------------------------------------------------------------------
     def reserve(
-        self, principal: Principal, ns_id: str, count: int, evict: bool = True, replaces: int | None = None
+        self, principal: Principal, ns_id: str, count: int, spare: bool = False, replaces: int | None = None
     ) -> Reservation:
         resolved = self.resolve(principal, ns_id, None)
-        return self._require().reserve(count, resolved, evict, replaces)  # the tenant's host quota; only it commits
+        return self._require().reserve(count, resolved, spare, replaces)  # the tenant's host quota; only it commits
 
     def commit(
         self,

@@ -295,9 +295,9 @@ class PrefixCacheServicer:
         return self._reserve(principal, ns_id, request.block_count, replaces=request.replaces or None)
 
     def _reserve(
-        self, principal: Principal, ns_id: str, count: int, evict: bool = True, replaces: int | None = None
+        self, principal: Principal, ns_id: str, count: int, spare: bool = False, replaces: int | None = None
     ) -> pb.ReserveResponse:
-        reservation = self._backend.reserve(principal, ns_id, count, evict, replaces)
+        reservation = self._backend.reserve(principal, ns_id, count, spare, replaces)
         return pb.ReserveResponse(
             reservation_id=reservation.id,
             tier=wire.TIERS[reservation.tier],
@@ -324,7 +324,7 @@ class PrefixCacheServicer:
         response = convert.commit_response(result)
         if request.reserve_next:
             try:  # the commit stands whatever happens here: no spare reservation is no error
-                response.next.CopyFrom(self._reserve(principal, ns_id, request.reserve_next, evict=False))
+                response.next.CopyFrom(self._reserve(principal, ns_id, request.reserve_next, spare=True))
             except ResourceExhausted:
                 pass
         return response
