@@ -17,7 +17,7 @@ Release. Each way in turn, so that load drifts hit all alike:
   same-host client does by default; the first three modes use `control_socket=False`).
 Four ways, then, in alternating eighths (A B C D A B C D).
 It prints the wall time of each stage, mean and p50, and the service's and the client's CPU per request in each
-mode (from /proc). Only Lookup and the read sit before the first token: the store and the
+mode (from /proc), and the share of stores that found a spare reservation (one call, no Reserve). Only Lookup and the read sit before the first token: the store and the
 Release run after the response has streamed. Layout: Llama-3-8B-shaped (`--small`: the vLLM
 fleet benchmark's 4-layer model, 64 KiB blocks of 32 tokens, where the RPCs are the cost).
 """
@@ -84,6 +84,7 @@ def main() -> None:
         }
         cpu = {mode: 0.0 for mode in modes}
         client_cpu = {mode: 0.0 for mode in modes}  # this process: the caller's side of the calls and copies
+        one_call = {mode: 0 for mode in modes}  # stores that found a spare reservation (no Reserve)
         share = max(1, args.requests // (2 * len(modes)))
         returning: list = []  # a lease waiting for its mode's next Lookup
         returning_mode = ""
@@ -101,6 +102,8 @@ def main() -> None:
             client.read(hit)
             t2 = time.perf_counter()
             if mode != "two_calls":
+                spare = client._spare  # the reservation a store that fits makes no Reserve for
+                one_call[mode] += spare is not None and len(spare[0].slots) >= len(kv) and time.monotonic() < spare[1]
                 client.store(tokens, kv, start_block=hit.blocks)
                 marks = [t0, t1, t2, time.perf_counter()]
             else:  # CacheClient._store_shared before it kept a spare reservation, step by step
@@ -138,6 +141,9 @@ def main() -> None:
         report["client_cpu_ms_per_request"] = {
             mode: 1e3 * client_cpu[mode] / max(1, len(stages["lookup"])) for mode, stages in modes.items()
         }
+        report["stores_without_reserve"] = {
+            mode: one_call[mode] / max(1, len(stages["lookup"])) for mode, stages in modes.items()
+        }
         report["shared_memory"] = grpc_client.attachment.shared_memory
         grpc_client.close()
         socket_client.close()
@@ -150,6 +156,7 @@ def main() -> None:
             print(f"  {name:<22}{report[mode][name]['mean_ms']:>10.3f}{report[mode][name]['p50_ms']:>10.3f}")
         print(f"  {'service CPU / request':<22}{report['service_cpu_ms_per_request'][mode]:>10.3f}")
         print(f"  {'client CPU / request':<22}{report['client_cpu_ms_per_request'][mode]:>10.3f}")
+        print(f"  {'stores without Reserve':<22}{report['stores_without_reserve'][mode]:>10.0%}")
     print(json.dumps(report, indent=2))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))

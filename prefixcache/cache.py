@@ -598,7 +598,9 @@ class PrefixCache:
             self.placement.make_room(TierKind.HOST, count, layout)
         elif len(free) < 2 * count:
             return ()
-        return free.take_many(count)
+        # Ascending: slots freed apart (LRU leaves of several prompts) that are adjacent make one
+        # run, which a writer fills with one copy.
+        return tuple(sorted(free.take_many(count)))
 
     def _spare_may_evict(self, count: int, row: int, layout: int) -> bool:
         """Whether a spare of `count` slots may evict: not where layouts share the tier (held slots

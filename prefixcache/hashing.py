@@ -36,19 +36,32 @@ _ARRAY_U32 = "I" if array.array("I").itemsize == 4 else "L"  # the C type that i
 
 def encode_namespace(namespace: Namespace) -> bytes:
     """Typed, length-prefixed encoding of every field that makes KV incompatible."""
+    head, tail = salt_gap(namespace)
+    return head + _text(namespace.cache_salt) + tail
+
+
+def salt_gap(namespace: Namespace) -> tuple[bytes, bytes]:
+    """`encode_namespace(namespace)` around its salt: a sibling salted `s` encodes as head +
+    `_text(s)` + tail (`Hasher.salted_root`), so a reader holding the two salts prompts itself."""
     layout = namespace.layout
-    parts = [_NAMESPACE_MAGIC]
-    for text in (namespace.model, namespace.revision, layout.dtype.value, namespace.tenant, namespace.cache_salt):
-        raw = text.encode("utf-8")
-        parts.append(b"s" + struct.pack("<I", len(raw)) + raw)
-    for number in (layout.layers, layout.kv_heads, layout.head_dim, layout.block_size):
-        parts.append(b"i" + struct.pack("<Q", number))
+    head = _NAMESPACE_MAGIC + b"".join(
+        _text(text) for text in (namespace.model, namespace.revision, layout.dtype.value, namespace.tenant)
+    )
+    tail = [
+        b"i" + struct.pack("<Q", number)
+        for number in (layout.layers, layout.kv_heads, layout.head_dim, layout.block_size)
+    ]
     if namespace.kv_scale:
         # Appended only when set (its own tag), so namespaces without one keep their ids
         # and the Redis keys written before the field existed.
         raw = namespace.kv_scale.encode("utf-8")
-        parts.append(b"q" + struct.pack("<I", len(raw)) + raw)
-    return b"".join(parts)
+        tail.append(b"q" + struct.pack("<I", len(raw)) + raw)
+    return head, b"".join(tail)
+
+
+def _text(text: str) -> bytes:
+    raw = text.encode("utf-8")
+    return b"s" + struct.pack("<I", len(raw)) + raw
 
 
 def token_array(tokens: Tokens) -> np.ndarray:
@@ -111,6 +124,10 @@ class Hasher:
 
     def root(self, namespace: Namespace) -> BlockHash:
         return self.digest(encode_namespace(namespace))
+
+    def salted_root(self, gap: tuple[bytes, bytes], salt: str) -> BlockHash:
+        """The root of the namespace salted `salt` whose encoding has `gap` (`salt_gap`)."""
+        return self.digest(gap[0] + _text(salt) + gap[1])
 
     def block_hashes(self, root: BlockHash, tokens: np.ndarray, block_size: int) -> list[BlockHash]:
         """Chained hashes of every full block of `tokens` (a C-contiguous u32 array from `token_array`)."""

@@ -5,6 +5,8 @@ what the engine's own prefix cache has: a request whose next block no one has st
 The service therefore keeps a table of its indexed blocks' fingerprints in a shared-memory
 segment beside its host tier; a same-host engine maps it read-only and skips the Lookup (and any
 wait for it) when the block after its own prefix is not there (integrations/vllm/scheduler.py).
+Every namespace's blocks share the one table; a salted prompt hashes from its salt's root, which
+a view derives from the attached namespace's encoding around the salt (hashing.py `salt_gap`).
 
 A fingerprint is the first 8 bytes of a block's chained hash (prefixcache/hashing.py) as a native
 u64 (the block map's probe word: `BlockMap.words[0]`), with 0 reserved for an empty cell. The
@@ -34,12 +36,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .config import validate_salt
 from .errors import ConfigError
 from .hashing import BlockHash, Hasher, Tokens, token_array
 
 MAGIC = b"pfxheld\x01"
 WAYS = 8  # cells per row
 HEADER_BYTES = 64
+SALTED_ROOTS = 4096  # salts whose roots a view keeps (a salt is typically one user's, reused turn after turn)
 _HEADER = struct.Struct("<8sIIQ")  # magic, ways, reserved, buckets
 _NO_FPS = np.empty(0, dtype=np.uint64)
 _ONE = np.uint64(1)
@@ -121,11 +125,22 @@ class PresenceTable:
 
 class PresenceView:
     """An engine's read-only mapping of a service's table (by its shm name), for one namespace:
-    `root` its root hash, hashed with `hasher` in blocks of `block_size` tokens (the service's).
-    Unmapped when the last reference to it goes (never under a reader on another thread)."""
+    `root` its root hash, hashed with `hasher` in blocks of `block_size` tokens (the service's);
+    `salt_gap` its encoding around the salt (hashing.py), for its salted siblings' roots (None:
+    the service sent none, and salted prompts are not answered). Unmapped when the last
+    reference to it goes (never under a reader on another thread)."""
 
-    def __init__(self, segment_name: str, root: bytes, hasher: Hasher, block_size: int) -> None:
+    def __init__(
+        self,
+        segment_name: str,
+        root: bytes,
+        hasher: Hasher,
+        block_size: int,
+        salt_gap: tuple[bytes, bytes] | None = None,
+    ) -> None:
         self.root, self.hasher, self.block_size = BlockHash(root), hasher, block_size
+        self.salt_gap = salt_gap
+        self._salted: dict[str, BlockHash] = {}  # salt -> root, the last SALTED_ROOTS salts at most
         fd = _posixshmem.shm_open("/" + segment_name.lstrip("/"), os.O_RDONLY, mode=0o600)
         try:
             size = os.fstat(fd).st_size
@@ -143,13 +158,29 @@ class PresenceView:
         )
         self.mask = np.uint64(buckets - 1)
 
-    def held_tokens(self, tokens: Tokens) -> int:
-        """How many leading tokens of `tokens` the table holds, in whole blocks."""
-        fps = fingerprints(self.hasher.block_hashes(self.root, token_array(tokens), self.block_size))
+    def held_tokens(self, tokens: Tokens, salt: str | None = None) -> int | None:
+        """How many leading tokens of `tokens` (salted `salt`) the table holds, in whole blocks;
+        None for a salt it cannot hash (no `salt_gap`, or not a valid salt: the Lookup says why)."""
+        root = self.root if salt is None else self._salted_root(salt)
+        if root is None:
+            return None
+        fps = fingerprints(self.hasher.block_hashes(root, token_array(tokens), self.block_size))
         if not fps.size:
             return 0
         present = (self.cells[fps & self.mask] == fps[:, None]).any(axis=1)
         return (len(present) if present.all() else int(present.argmin())) * self.block_size
+
+    def _salted_root(self, salt: str) -> BlockHash | None:
+        root = self._salted.get(salt)
+        if root is None and self.salt_gap is not None:
+            try:
+                validate_salt(salt)
+            except ConfigError:
+                return None
+            if len(self._salted) >= SALTED_ROOTS:
+                self._salted.clear()
+            root = self._salted[salt] = self.hasher.salted_root(self.salt_gap, salt)
+        return root
 
 
 def _nonzero(words: np.ndarray) -> np.ndarray:

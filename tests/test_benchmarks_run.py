@@ -212,6 +212,8 @@ def test_rpc_per_request(tmp_path: Path) -> None:
     modes = ["two_calls", "one_call", "returned", "socket"]
     assert list(report.pop("service_cpu_ms_per_request")) == modes
     assert list(report.pop("client_cpu_ms_per_request")) == modes
+    without = report.pop("stores_without_reserve")  # the one-call client's store after the prefix's found its spare
+    assert list(without) == modes and without["two_calls"] == 0 and without["one_call"] > 0
     assert list(report["two_calls"]) == ["lookup", "read", "reserve", "write", "commit", "release"]
     assert list(report["one_call"]) == ["lookup", "read", "store", "release"]
     assert list(report["returned"]) == ["lookup", "read", "store"]  # the lease went back with a Lookup

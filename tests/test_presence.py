@@ -15,7 +15,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from prefixcache.config import CacheConfig
-from prefixcache.errors import ConfigError
+from prefixcache.errors import ConfigError, InvalidArgument
 from prefixcache.hashing import Hasher
 from prefixcache.presence import WAYS, PresenceTable, PresenceView, fingerprints, table_bytes
 from prefixcache.tiers.disk import DiskOptions
@@ -62,6 +62,31 @@ def test_a_same_host_client_reads_what_the_index_holds(start):
     assert other.held_tokens(tokens) == 0
     # What the table says, a Lookup confirms: the same prefix, to the block.
     assert client.lookup(forked, take_lease=False).hit_tokens == 3 * BLOCK
+
+
+def test_a_salted_prompt_is_read_under_its_own_salt(start):
+    """A view hashes a salted prompt from its salt's root (the attach's `salt_head`/`salt_tail`):
+    the blocks stored under that salt, none of another salt's or the unsalted namespace's."""
+    server = start()
+    client = start.client(server)
+    client.attach("model", layout_of())
+    tokens = prompt(6)
+    assert client.held_tokens(tokens, cache_salt="tenant-a") == 0
+    client.store(tokens[: 4 * BLOCK], random_kv(4, layout_of(), seed=5), cache_salt="tenant-a")
+    assert client.held_tokens(tokens, cache_salt="tenant-a") == 4 * BLOCK
+    assert client.held_tokens(tokens) == 0 and client.held_tokens(tokens, cache_salt="tenant-b") == 0
+    _store(client, tokens[: 2 * BLOCK])
+    assert client.held_tokens(tokens) == 2 * BLOCK and client.held_tokens(tokens, cache_salt="tenant-a") == 4 * BLOCK
+    assert client.lookup(tokens, cache_salt="tenant-a", take_lease=False).hit_tokens == 4 * BLOCK
+    # A salt no Lookup would take: no answer, and the Lookup names the field.
+    assert client.held_tokens(tokens, cache_salt="bad\nsalt") is None
+    with pytest.raises(InvalidArgument) as refused:
+        client.lookup(tokens, cache_salt="bad\nsalt", take_lease=False)
+    assert refused.value.field == "cache_salt"
+    # A service that sent no salt gap (before it existed): salted prompts are not answered.
+    view = client._presence
+    old = PresenceView(server.backend.presence_of(client.attachment.namespace_id)[0], view.root, view.hasher, BLOCK)
+    assert old.held_tokens(tokens) == 2 * BLOCK and old.held_tokens(tokens, "tenant-a") is None
 
 
 def test_evictions_and_flushes_leave_the_table(start):
@@ -191,7 +216,7 @@ def test_a_client_off_the_host_or_of_a_stopped_service_reads_none(start):
 def test_the_reference_worker_looks_up_only_prompts_the_table_shows_held(start):
     """WorkerLink.lookup: a prompt of which the table shows no block costs no Lookup (the
     request prefills in full, as after a miss); once stored, the same prompt is looked up and
-    hits; a salted prompt is looked up, the table being the unsalted namespace's."""
+    hits; a salted prompt likewise, under its own salt."""
     server = start()
     stats = start.client(server)
     registry = CollectorRegistry()
@@ -214,10 +239,17 @@ def test_the_reference_worker_looks_up_only_prompts_the_table_shows_held(start):
         link.release(hit)
         assert lookups() == (1, 1)
         assert link.lookup(other, None) == (None, None)  # nothing of it held: skipped again
-        assert lookups() == (1, 2)
+        assert link.lookup(other, "tenant-b") == (None, None)  # nor under a salt
+        assert lookups() == (1, 3)
+        salted = random_kv(4, link.layout, seed=4)
+        link.store(other, salted, start_block=0, salt="tenant-b")
         hit, prefix = link.lookup(other, "tenant-b")
-        assert hit is not None and hit.blocks == 0 and prefix is None
+        assert hit is not None and hit.blocks == 4 and prefix is not None
+        assert torch.equal(prefix.view(torch.uint8), salted[: len(prefix)].view(torch.uint8))
         link.release(hit)
-        assert lookups() == (2, 2)
+        assert lookups() == (2, 3)
+        assert link.lookup(other, None) == (None, None)  # unsalted: still nothing held
+        assert link.lookup(tokens, "tenant-b") == (None, None)  # stored unsalted only
+        assert lookups() == (2, 5)
     finally:
         link.close()

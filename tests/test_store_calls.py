@@ -187,6 +187,45 @@ def test_a_store_written_in_place_is_one_commit_into_the_spare_reservation(start
     assert remote.reserve_mapped(1) is None  # nothing mapped: stores go by stream
 
 
+def test_a_spare_of_scattered_slots_is_left_to_store(start) -> None:
+    """In a full tier a spare's slots are what LRU freed, often apart: `reserve_mapped` hands out
+    only a spare whose slots are one run (a writer copying straight into them would pay a copy
+    per run); `store` uses the other, one call still, each block in its own slot."""
+    layout = layout_of()
+    server = start(host_capacity=16 * layout.block_bytes, metrics_port=0)
+    stub = stub_for(server)
+    client = start.client(server)
+    ns = client.attach("model", layout).namespace_id
+    singles = [prompt(1, start=1000 * (n + 1)) for n in range(14)]
+    for tokens in singles:  # 14 one-block prompts, in slots of their own, with no spare
+        reservation = stub.Reserve(pb.ReserveRequest(namespace_id=ns, block_count=1))
+        stub.Commit(pb.CommitRequest(namespace_id=ns, tokens=tokens, reservation_id=reservation.reservation_id))
+    slot_of = {n: int(client.lookup(t, take_lease=False).locations.slots[0]) for n, t in enumerate(singles)}
+    assert slot_of[0] + 1 == slot_of[1] and slot_of[1] + 1 == slot_of[2]
+    client.lookup(singles[1], take_lease=False)  # used again: singles 0 and 2 are the least recent
+    for n in range(3, 14):
+        client.lookup(singles[n], take_lease=False)
+    assert client.store(prompt(2, start=90_000), random_kv(2, layout, seed=7)).stored == 2  # the 2 free slots
+    # Its Commit's spare evicted singles 0 and 2: two slots apart.
+    assert [client.lookup(singles[n], take_lease=False).hit_tokens for n in range(3)] == [0, BLOCK, 0]
+    assert client.reserve_mapped(2) is None and client._spare is not None  # no run: left for `store`
+    for n in range(4, 14):  # the least recent now: single 3, the store's blocks, single 1
+        client.lookup(singles[n], take_lease=False)  # (slots 3, 15, 14, 1): the next spares are apart
+    stored = []
+    for start_token in (80_000, 70_000):
+        tokens, kv = prompt(2, start=start_token), random_kv(2, layout, seed=start_token)
+        assert client.store(tokens, kv).stored == 2
+        stored.append((tokens, kv))
+        assert client.reserve_mapped(2) is None and client._spare is not None
+    assert calls(server, "Reserve") == 14 + 1  # both stores used the spare: one call each
+    for tokens, kv in stored:  # each block in the slot the spare gave it
+        hit = client.lookup(tokens)
+        try:
+            assert hit.hit_tokens == 2 * BLOCK and same_bytes(client.read(hit), kv)
+        finally:
+            client.release(hit)
+
+
 def test_slots_out_of_order_are_written_each_where_it_belongs(start) -> None:
     """A reservation's slots in any order (4, 6, 5, 7 spans a run's width without being one)
     land block i in slots[i]; an ascending run is one view."""

@@ -345,15 +345,16 @@ class CacheClient:
         return self._attachment
 
     # -- lookups and reads ------------------------------------------------------------
-    def held_tokens(self, tokens: TokenInput) -> int | None:
-        """How many leading tokens of `tokens` the service's index holds, by the presence table it
-        publishes to same-host clients (prefixcache/presence.py): advice, read from shared memory
-        without a call, in whole blocks of the service's; None where it publishes none. Only a
-        Lookup says what is there; a Lookup for tokens beyond this count finds nothing."""
+    def held_tokens(self, tokens: TokenInput, cache_salt: str | None = None) -> int | None:
+        """How many leading tokens of `tokens` (salted `cache_salt`) the service's index holds, by
+        the presence table it publishes to same-host clients (prefixcache/presence.py): advice,
+        read from shared memory without a call, in whole blocks of the service's; None where it
+        publishes none, or for a salt the table cannot answer (an invalid one: its Lookup says
+        why). Only a Lookup says what is there; a Lookup for tokens beyond this count finds nothing."""
         presence = self._presence
         if presence is None:
             return None
-        return presence.held_tokens(_token_list(tokens) if isinstance(tokens, torch.Tensor) else tokens)
+        return presence.held_tokens(_token_list(tokens) if isinstance(tokens, torch.Tensor) else tokens, cache_salt)
 
     def lookup(
         self,
@@ -611,13 +612,15 @@ class CacheClient:
 
     def reserve_mapped(self, blocks: int) -> Reservation | None:
         """`blocks` reserved slots of the mapped host tier, without a call: the spare reservation
-        the last shared-memory Commit asked for (`reserve_next`), while fresh and at least this
-        large. None otherwise, or where blocks are not written through a mapping (`store` then
-        reserves as it goes). For a caller that copies blocks straight into the slots, e.g. out of
-        an engine's paged cache, then commits them off its hot path (`commit_reserved`)."""
+        the last shared-memory Commit asked for (`reserve_next`), while fresh, at least this large
+        and its first `blocks` slots one run (one view, one copy). None otherwise, or where blocks
+        are not written through a mapping (`store` then reserves as it goes, or uses the spare).
+        For a caller that copies blocks straight into the slots, e.g. out of an engine's paged
+        cache, then commits them off its hot path (`commit_reserved`): scattered slots would cost
+        it a copy per run."""
         if blocks <= 0 or self._pools.host is None or self.attachment.split != 1:
             return None
-        spare = self._take_spare(at_least=blocks)
+        spare = self._take_spare(at_least=blocks, one_run=True)
         if spare is None:
             return None
         # Not checked against a restarted service here: writing this mapping's slots harms no one,
@@ -695,13 +698,16 @@ class CacheClient:
             reply.stored, reply.deduplicated, reply.rejected, reply.retention_seconds, reply.retention_clamped
         )
 
-    def _take_spare(self, at_least: int = 0) -> pb.ReserveResponse | None:
+    def _take_spare(self, at_least: int = 0, one_run: bool = False) -> pb.ReserveResponse | None:
         """The spare reservation while it is fresh (taken: one store uses it); a stale one is left
         to expire on the service. One of fewer than `at_least` slots stays for a store that
-        reserves anew (and gives it back in that call)."""
+        reserves anew (and gives it back in that call); with `one_run`, so does one whose first
+        `at_least` slots are not one run (for `store`, which copies run by run)."""
         with self._spare_lock:
             spare = self._spare
-            if spare is not None and len(spare[0].slots) < at_least:
+            if spare is not None and (
+                len(spare[0].slots) < at_least or (one_run and not self._pools.one_run(spare[0].slots[:at_least]))
+            ):
                 return None
             self._spare = None
         if spare is None or time.monotonic() >= spare[1]:
@@ -891,7 +897,8 @@ def _map_presence(reply: pb.AttachResponse, block_size: int) -> PresenceView | N
     table = reply.presence
     try:
         hasher = Hasher(HashAlgorithm.parse(table.hash_algorithm))
-        return PresenceView(table.name, table.namespace_root, hasher, block_size)
+        gap = (table.salt_head, table.salt_tail) if table.salt_head else None  # (none from an older service)
+        return PresenceView(table.name, table.namespace_root, hasher, block_size, gap)
     except (OSError, ConfigError) as error:
         log.info("prefixcache: presence table %r not read (%s); every prompt is looked up", table.name, error)
         return None

@@ -156,13 +156,18 @@ class LocalPools:
         if not slots:
             return
         host = self.pools[int(TierKind.HOST)]
-        first, last = slots[0], slots[-1]
-        if first // host.per_chunk == last // host.per_chunk and tuple(slots) == tuple(range(first, last + 1)):
-            yield 0, host.run(first, len(slots))  # one run, the common case: no numpy on the way
+        if self.one_run(slots):
+            yield 0, host.run(slots[0], len(slots))  # the common case: no numpy on the way
             return
         tiers = np.full(len(slots), int(TierKind.HOST))
         for start, end, _tier, first in runs(tiers, np.asarray(slots), self._per_chunk):
             yield start, host.run(first, end - start)
+
+    def one_run(self, slots: Sequence[int]) -> bool:
+        """Whether host slots `slots` are adjacent, ascending, in one chunk: one view of them."""
+        first, last = slots[0], slots[-1]
+        per_chunk = self.pools[int(TierKind.HOST)].per_chunk
+        return first // per_chunk == last // per_chunk and tuple(slots) == tuple(range(first, last + 1))
 
     def prefault(self, slots: Sequence[int]) -> None:
         """Write a zero into each page of host slots this process holds a reservation for, so the

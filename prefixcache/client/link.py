@@ -150,10 +150,10 @@ class CacheLink:
     def held_tokens(self, tokens: TokenInput, salt: str | None = None) -> int | None:
         """Leading tokens of `tokens` the service's presence table shows held
         (`CacheClient.held_tokens`: shared memory, no call; never attaches). None while not
-        attached, for a salted prompt (its blocks hash in another namespace) and where the service
-        publishes no table (Redis or a disk tier: a Lookup also finds blocks its index lacks)."""
+        attached, where the service publishes no table (Redis or a disk tier: a Lookup also finds
+        blocks its index lacks) and for a salt the table cannot answer."""
         client = self._client
-        return None if client is None or salt is not None else client.held_tokens(tokens)
+        return None if client is None else client.held_tokens(tokens, salt)
 
     def call(self, operation: Callable[[CacheClient, Attachment], T]) -> tuple[T, Attachment] | None:
         """`operation` on the attached client (None while unusable). An error that is not

@@ -140,14 +140,18 @@ class AttachResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., host_segment: _Optional[_Union[SharedMemorySegment, _Mapping]] = ..., device_pool: _Optional[_Union[CudaIpcPool, _Mapping]] = ..., lease_ttl_seconds: _Optional[float] = ..., max_prompt_tokens: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., control_socket: _Optional[str] = ..., presence: _Optional[_Union[PresenceTable, _Mapping]] = ...) -> None: ...
 
 class PresenceTable(_message.Message):
-    __slots__ = ("name", "namespace_root", "hash_algorithm")
+    __slots__ = ("name", "namespace_root", "hash_algorithm", "salt_head", "salt_tail")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ROOT_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    SALT_HEAD_FIELD_NUMBER: _ClassVar[int]
+    SALT_TAIL_FIELD_NUMBER: _ClassVar[int]
     name: str
     namespace_root: bytes
     hash_algorithm: str
-    def __init__(self, name: _Optional[str] = ..., namespace_root: _Optional[bytes] = ..., hash_algorithm: _Optional[str] = ...) -> None: ...
+    salt_head: bytes
+    salt_tail: bytes
+    def __init__(self, name: _Optional[str] = ..., namespace_root: _Optional[bytes] = ..., hash_algorithm: _Optional[str] = ..., salt_head: _Optional[bytes] = ..., salt_tail: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace_id", "tokens", "cache_salt", "take_lease", "recompute_seconds_per_token", "block_size", "release_lease_ids")

@@ -57,7 +57,7 @@ from prefixcache.errors import (
     UnknownLease,
     UnknownNamespace,
 )
-from prefixcache.hashing import namespace_id
+from prefixcache.hashing import namespace_id, salt_gap
 from prefixcache.kinds import MissReason, TierKind
 from prefixcache.leases import Lease, Reservation
 from prefixcache.presence import PresenceTable, table_bytes
@@ -284,13 +284,15 @@ class CacheBackend:
             table.release()
         segment.close()
 
-    def presence_of(self, ns_id: str) -> tuple[str, bytes, str] | None:
+    def presence_of(self, ns_id: str) -> tuple[str, bytes, str, tuple[bytes, bytes]] | None:
         """How a same-host engine reads the index's presence table for namespace `ns_id`: the
-        table's shm name, the namespace's root hash and the hash algorithm (None: not published)."""
+        table's shm name, the namespace's root hash, the hash algorithm and its encoding around
+        the salt (`salt_gap`: salted prompts' roots); None: not published."""
         segment, cache = self._presence, self._require()
         if segment is None:
             return None
-        return segment.name, cache.namespaces.get(ns_id).root, cache.hasher.algorithm.value
+        entry = cache.namespaces.get(ns_id)
+        return segment.name, entry.root, cache.hasher.algorithm.value, salt_gap(entry.namespace)
 
     def _cache_for(self, layout: KVLayout) -> PrefixCache:
         with self._create_lock:

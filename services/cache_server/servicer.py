@@ -189,8 +189,12 @@ class PrefixCacheServicer:
     def _add_presence(self, response: pb.AttachResponse, ns_id: str) -> None:
         presence = self._backend.presence_of(ns_id)
         if presence is not None:
-            name, root, algorithm = presence
-            response.presence.CopyFrom(pb.PresenceTable(name=name, namespace_root=root, hash_algorithm=algorithm))
+            name, root, algorithm, (head, tail) = presence
+            response.presence.CopyFrom(
+                pb.PresenceTable(
+                    name=name, namespace_root=root, hash_algorithm=algorithm, salt_head=head, salt_tail=tail
+                )
+            )
 
     def _add_device_pool(self, response: pb.AttachResponse, ns_id: str) -> None:
         shared = self._backend.share_handle(TierKind.DEVICE, ns_id)

@@ -190,8 +190,8 @@ class SchedulerSide:
     def _held(self, prompt: list[int], salt: str | None) -> int | None:
         """Tokens of `prompt` whose blocks the service's index holds, in whole blocks of vLLM's, by
         the presence table a same-host service publishes (prefixcache/presence.py: a read of shared
-        memory, no call); None where there is none to read (or `presence_table` is off), or for a
-        salted request (another namespace's hashes)."""
+        memory, no call; a salted request's under its salt's root); None where there is none to
+        read (or `presence_table` is off)."""
         held = self.link.held_tokens(prompt, salt) if self.settings.presence_table else None
         return None if held is None else held // self.block_size * self.block_size
 
