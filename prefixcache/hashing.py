@@ -42,7 +42,7 @@ def encode_namespace(namespace: Namespace) -> bytes:
 
 def salt_gap(namespace: Namespace) -> tuple[bytes, bytes]:
     """`encode_namespace(namespace)` around its salt: a sibling salted `s` encodes as head +
-    `_text(s)` + tail (`Hasher.salted_root`), so a reader holding the two salts prompts itself."""
+    `_text(s)` + tail (`Hasher.salted_root`), so a reader given the two hashes salted prompts."""
     layout = namespace.layout
     head = _NAMESPACE_MAGIC + b"".join(
         _text(text) for text in (namespace.model, namespace.revision, layout.dtype.value, namespace.tenant)

@@ -140,7 +140,7 @@ class PresenceView:
     ) -> None:
         self.root, self.hasher, self.block_size = BlockHash(root), hasher, block_size
         self.salt_gap = salt_gap
-        self._salted: dict[str, BlockHash] = {}  # salt -> root, the last SALTED_ROOTS salts at most
+        self._salted: dict[str, BlockHash] = {}  # salt -> root; emptied when SALTED_ROOTS are held
         fd = _posixshmem.shm_open("/" + segment_name.lstrip("/"), os.O_RDONLY, mode=0o600)
         try:
             size = os.fstat(fd).st_size
