@@ -342,7 +342,8 @@ def test_prompts_the_service_holds_nothing_more_of_send_no_lookup_and_wait_for_n
     a prompt with nothing cached past vLLM's own prefix sends no Lookup and is answered 0 at once
     (no grace, no deferral, whatever the odds), and its saves start where the cache's copy ends,
     before vLLM's prefix where that is shorter. A prompt the cache holds more of is looked up
-    and hits as before; `presence_table: false` looks up every prompt."""
+    and hits as before, a salted prompt under its own salt; `presence_table: false` looks up every
+    prompt."""
     import torch
     from vllm import SamplingParams
     from vllm.v1.request import Request
@@ -365,6 +366,7 @@ def test_prompts_the_service_holds_nothing_more_of_send_no_lookup_and_wait_for_n
         writer.attach(namespace.model, layout, namespace.revision)
         kv = torch.zeros((cached, *layout.block_shape), dtype=torch.bfloat16)
         assert writer.store(stored, kv).stored == cached
+        assert writer.store(stored, kv, cache_salt="tenant-1").stored == cached
         writer.close()
 
         def scheduler_of(presence: bool) -> SchedulerSide:
@@ -424,6 +426,18 @@ def test_prompts_the_service_holds_nothing_more_of_send_no_lookup_and_wait_for_n
             assert answer[0] == (cached - 2) * block and totals.get("lookups_skipped") == 3
             assert totals.get("lookups") == 1  # behind's, the one that could (and did) hit
             scheduler.finished(behind)
+
+            # Salted requests read the table under their salt: nothing held under "tenant-2", so
+            # no Lookup; "tenant-1" holds the prompt, so a Lookup, and a hit.
+            salts = []
+            for salt in ("tenant-2", "tenant-1"):
+                salted = Request(salt, stored + _tokens(rng, 5), SamplingParams(max_tokens=1), None, cache_salt=salt)
+                scheduler.started(salted)
+                while (answer := scheduler.match(salted, 0))[0] is None:
+                    scheduler.build(_decode_step())
+                salts.append((answer[0], totals.get("lookups"), totals.get("lookups_skipped")))
+                scheduler.finished(salted)
+            assert salts == [(0, 1, 4), (cached * block, 2, 4)]
         finally:
             scheduler.close()
 
