@@ -31,6 +31,16 @@ def calls(server, method: str) -> int:
     return int(value or 0)
 
 
+def assert_read_back(client, stored: list) -> None:
+    """Each (tokens, kv) stored is a whole hit whose bytes are kv: it landed in its own slots."""
+    for tokens, kv in stored:
+        hit = client.lookup(tokens)
+        try:
+            assert hit.hit_tokens == len(kv) * BLOCK and same_bytes(client.read(hit), kv)
+        finally:
+            client.release(hit)
+
+
 def test_a_worker_storing_request_after_request_makes_one_call_per_store(start) -> None:
     layout = layout_of()
     server = start(host_capacity=64 * layout.block_bytes, metrics_port=0)
@@ -43,12 +53,7 @@ def test_a_worker_storing_request_after_request_makes_one_call_per_store(start) 
         assert client.store(tokens, kv).stored == 4
         stored.append((tokens, kv))
     assert (calls(server, "Reserve"), calls(server, "Commit")) == (1, 10)
-    for tokens, kv in stored:  # every store's bytes landed in the slots it was given
-        hit = client.lookup(tokens)
-        try:
-            assert hit.hit_tokens == 4 * BLOCK and same_bytes(client.read(hit), kv)
-        finally:
-            client.release(hit)
+    assert_read_back(client, stored)  # every store's bytes landed in the slots it was given
     # A smaller store uses the spare's first slots; the rest go back to the free list, and the next
     # spare is as large as the largest of the last stores (4), so a store of that size fits it.
     tokens, kv = prompt(2, start=900_000), random_kv(2, layout, seed=99)
@@ -80,12 +85,7 @@ def test_in_a_full_tier_a_spare_evicts_for_the_next_store_and_every_store_is_one
     # In LRU order: the first prompt, the next two, and the last 2 blocks of the one after.
     hits = [client.lookup(tokens, take_lease=False).hit_tokens // BLOCK for tokens in [first] + [t for t, _ in stored]]
     assert hits == [0, 0, 0, 4] + [6] * 9
-    for tokens, kv in stored[3:]:
-        hit = client.lookup(tokens)
-        try:
-            assert hit.hit_tokens == 6 * BLOCK and same_bytes(client.read(hit), kv)
-        finally:
-            client.release(hit)
+    assert_read_back(client, stored[3:])
 
 
 def test_a_spare_too_small_is_given_back_and_a_large_spare_never_evicts(start) -> None:
@@ -218,12 +218,7 @@ def test_a_spare_of_scattered_slots_is_left_to_store(start) -> None:
         stored.append((tokens, kv))
         assert client.reserve_mapped(2) is None and client._spare is not None
     assert calls(server, "Reserve") == 14 + 1  # both stores used the spare: one call each
-    for tokens, kv in stored:  # each block in the slot the spare gave it
-        hit = client.lookup(tokens)
-        try:
-            assert hit.hit_tokens == 2 * BLOCK and same_bytes(client.read(hit), kv)
-        finally:
-            client.release(hit)
+    assert_read_back(client, stored)  # each block in the slot the spare gave it
 
 
 def test_slots_out_of_order_are_written_each_where_it_belongs(start) -> None:
