@@ -63,6 +63,12 @@ def _stream_times(worker: WorkerProcess, salt: str) -> tuple[float, float, float
 def test_done_never_waits_for_a_slow_store(slow_worker) -> None:
     worker, proxy = slow_worker
     salt = f"store-path-{random.getrandbits(32):08x}"
+    # The prompt's first block stored first (fast): the service's presence table then shows it
+    # held, so the request below sends its Lookup (through the slow proxy), and stores the rest.
+    tokenized = worker.client.post("/tokenize", {"prompt": PROMPT, "cache_salt": salt}).body
+    first_block = tokenized["tokens"][: tokenized["block_size"] + 1]
+    worker.client.complete(first_block, max_tokens=1, cache_salt=salt)
+    poll(lambda: _cached_blocks(worker, salt) == 1, 30, "the first block stored")
     proxy.latency_s = LATENCY_S
     try:
         finished, done, _ = _stream_times(worker, salt)
@@ -78,14 +84,15 @@ def test_done_never_waits_for_a_slow_store(slow_worker) -> None:
         assert whole < done + 4 * LATENCY_S * 0.75, f"non-streaming took {whole:.2f} s vs {done:.2f} s streamed"
 
         # ...and the store still landed, in the background.
-        def cached() -> bool:
-            answer = worker.client.post("/tokenize", {"prompt": PROMPT, "cache_salt": salt}).body
-            return bool(answer["cached_blocks"])
-
-        poll(cached, 30, "the streamed request's blocks stored")
+        full = tokenized["count"] // tokenized["block_size"]
+        poll(lambda: _cached_blocks(worker, salt) == full, 30, "the streamed request's blocks stored")
         # The gauge the replay's interleaved A/B waits on (worker_metrics.StoreSettle) says so too.
         assert ("prefixcache_worker_stores_pending", ()) in worker.client.metrics()
         poll(lambda: worker.client.metric("prefixcache_worker_stores_pending") == 0, 30, "no store pending")
     finally:
         proxy.latency_s = 0.0
     assert worker.client.metric("prefixcache_worker_stores_dropped_total") == 0
+
+
+def _cached_blocks(worker: WorkerProcess, salt: str) -> int:
+    return worker.client.post("/tokenize", {"prompt": PROMPT, "cache_salt": salt}).body["cached_blocks"]
