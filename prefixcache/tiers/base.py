@@ -220,9 +220,7 @@ class FreeSlots:
             core.flip_flags(self._is_free, slots, 1)  # one O(n) pass: ~15 µs less than numpy's for 256
         except ValueError as e:
             raise RuntimeError(f"slots: {e} (outside [0, {self.num_slots}), or freed twice)") from None
-        # Appended in reverse: a run freed in ascending order is taken back ascending, so the blocks
-        # written into it later are adjacent bytes (one copy per run: client/dataplane.py `runs`).
-        self._free.frombytes(slots[::-1].astype(np.int32).tobytes())
+        self._free.frombytes(slots.astype(np.int32).tobytes())
 
     def is_free(self, slot: int) -> bool:
         return bool(self._is_free[slot])
