@@ -1,29 +1,35 @@
-"""Which blocks the index holds, published in shared memory for same-host engines to read.
+"""Which blocks a Lookup can hit, published in shared memory for same-host engines to read.
 
 An engine's scheduler asks the service about every new prompt, and most answers add nothing to
 what the engine's own prefix cache has: a request whose next block no one has stored cannot hit.
-The service therefore keeps a table of its indexed blocks' fingerprints in a shared-memory
-segment beside its host tier; a same-host engine maps it read-only and skips the Lookup (and any
-wait for it) when the block after its own prefix is not there (integrations/vllm/scheduler.py).
-Every namespace's blocks share the one table; a salted prompt hashes from its salt's root, which
-a view derives from the attached namespace's encoding around the salt (hashing.py `salt_gap`).
+The service therefore keeps a table of its blocks' fingerprints in a shared-memory segment beside
+its host tier; a same-host engine maps it read-only and skips the Lookup (and any wait for it)
+when the block after its own prefix is not there (integrations/vllm/scheduler.py). Every
+namespace's blocks share the one table; a salted prompt hashes from its salt's root, which a view
+derives from the attached namespace's encoding around the salt (hashing.py `salt_gap`).
 
 A fingerprint is the first 8 bytes of a block's chained hash (prefixcache/hashing.py) as a native
-u64 (the block map's probe word: `BlockMap.words[0]`), with 0 reserved for an empty cell. The
-table is `buckets` rows of `WAYS` cells; a fingerprint lives in row `fp & (buckets - 1)`.
-Segment layout: a 64-byte header (`MAGIC`, ways, buckets), then the cells.
+u64 (the block map's probe word: `BlockMap.words[0]`), with 0 reserved for an empty cell. A table
+is `buckets` rows of `WAYS` cells; a fingerprint lives in row `fp & (buckets - 1)`. A segment holds
+two: the index's cells, and, for a service with a Redis tier, the remote cells (blocks Redis
+holds, whoever wrote them: tiers/redis_presence.py). Segment layout: a 64-byte header (`MAGIC`,
+ways, the remote state word, buckets, remote buckets), the index's cells, the remote cells.
 
 Invariants:
 - The table is advice, never the answer: an engine that finds a block here still gets it only
   through a Lookup, which verifies tokens. A stale or torn read costs a Lookup (a block that is
   gone) or a hit (a block just stored), never wrong KV.
-- The writer (the index, under the cache lock) adds a fingerprint when a block is indexed and
-  clears it when the block leaves the index; the index's blocks are exactly the table's, except a
-  block displaced from a full row (one of `WAYS` in a row of a table at most a quarter full:
-  rare), which reads as absent until it is stored again.
-- Only a service whose index is all it can hit publishes one: with a Redis or disk tier, a Lookup
-  also finds blocks the index does not hold (another service's, or spilled), so no table is
-  published and engines look up every prompt.
+- The index's cells: the writer (the index, under the cache lock) adds a fingerprint when a block
+  is indexed and clears it when the block leaves the index; the index's blocks are exactly the
+  table's, except a block displaced from a full row (one of `WAYS` in a row of a table at most a
+  quarter full: rare), which reads as absent until it is stored again.
+- The remote cells are read only while the state word says `REMOTE_LIVE`: their writer (one
+  thread, the Redis feed) sets it once it has followed every write since its last (re)connect,
+  and clears it whenever it may have missed one; a view then answers None (look the prompt up).
+  A remote cell holds its block until the TTL Redis was given for it ends (a key Redis evicts
+  sooner costs a Lookup that misses).
+- With a disk tier a Lookup also finds spilled blocks the table does not follow: no table is
+  published, and engines look up every prompt.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import _posixshmem
 import mmap
 import os
 import struct
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -40,22 +47,26 @@ from .config import validate_salt
 from .errors import ConfigError
 from .hashing import BlockHash, Hasher, Tokens, token_array
 
-MAGIC = b"pfxheld\x01"
+MAGIC = b"pfxheld\x02"
+MAGIC_V1 = b"pfxheld\x01"  # an older service's segment: the index's cells only (read still)
 WAYS = 8  # cells per row
 HEADER_BYTES = 64
 SALTED_ROOTS = 4096  # salts whose roots a view keeps (a salt is typically one user's, reused turn after turn)
-_HEADER = struct.Struct("<8sIIQ")  # magic, ways, reserved, buckets
+PRESENCE_BLOCKS = 1 << 18  # Redis blocks the remote cells follow by default (8 MiB of shared memory)
+REMOTE_LIVE = 1  # the state word while the remote cells follow every Redis write
+_HEADER = struct.Struct("<8sIIQQ")  # magic, ways, remote state, buckets, remote buckets
+_STATE_OFFSET = 12
 _NO_FPS = np.empty(0, dtype=np.uint64)
 _ONE = np.uint64(1)
 
 
 def buckets_for(capacity: int) -> int:
-    """Rows for an index of `capacity` blocks: a power of two, the table at most a quarter full."""
-    return 1 << max(0, (-(-4 * capacity // WAYS) - 1).bit_length())
+    """Rows for `capacity` blocks: a power of two, the table at most a quarter full (0 for none)."""
+    return 1 << max(0, (-(-4 * capacity // WAYS) - 1).bit_length()) if capacity > 0 else 0
 
 
-def table_bytes(capacity: int) -> int:
-    return HEADER_BYTES + buckets_for(capacity) * WAYS * 8
+def table_bytes(capacity: int, remote_capacity: int = 0) -> int:
+    return HEADER_BYTES + (buckets_for(capacity) + buckets_for(remote_capacity)) * WAYS * 8
 
 
 def fingerprints(hashes: Sequence[bytes]) -> np.ndarray:
@@ -65,62 +76,152 @@ def fingerprints(hashes: Sequence[bytes]) -> np.ndarray:
     return np.maximum(np.frombuffer(b"".join([h[:8] for h in hashes]), dtype=np.uint64), _ONE)
 
 
-class PresenceTable:
-    """The writer: a table over `buf` (zeroed memory of `table_bytes(capacity)` bytes)."""
+class FingerprintCells:
+    """One table of fingerprints over `cells` (rows x WAYS u64, a power-of-two count of rows)."""
 
-    def __init__(self, buf: memoryview, capacity: int) -> None:
-        buckets = buckets_for(capacity)
-        if len(buf) < table_bytes(capacity):
-            raise ValueError(f"{len(buf)} bytes cannot hold a presence table for {capacity} blocks")
-        buf[:HEADER_BYTES] = _HEADER.pack(MAGIC, WAYS, 0, buckets).ljust(HEADER_BYTES, b"\0")
-        self.cells = np.frombuffer(buf, dtype=np.uint64, count=buckets * WAYS, offset=HEADER_BYTES).reshape(
-            buckets, WAYS
-        )
-        self.cells[:] = 0
-        self.mask = np.uint64(buckets - 1)
+    def __init__(self, cells: np.ndarray) -> None:
+        self.cells = cells
+        self.mask = np.uint64(max(len(cells), 1) - 1)
 
-    def add(self, words: np.ndarray) -> None:
-        """Record blocks by their probe words (distinct blocks; `BlockMap.words[0]` of their rows)."""
-        fps = _nonzero(words)
-        if not fps.size:
-            return
+    def holds(self, fps: np.ndarray) -> np.ndarray:
+        """Which of `fps` (nonzero) the table holds."""
+        held: np.ndarray = (self.cells[fps & self.mask] == fps[:, None]).any(axis=1)
+        return held
+
+    def add(self, fps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Place `fps` (nonzero): each into the first empty cell of its row, or over the cell its top
+        bits choose when the row is full (that block then reads as absent). Where each now lies,
+        (rows, ways), and which of them were there already."""
         rows = fps & self.mask
         ordered = np.sort(rows)
         if not (ordered[1:] == ordered[:-1]).any():  # one block per row, the usual case: one vectorised pass
-            self._place(rows, fps)
-            return
+            return (rows, *self._place(rows, fps))
         _, first = np.unique(rows, return_index=True)
         alone = np.zeros(len(rows), dtype=bool)
         alone[first] = True
-        self._place(rows[alone], fps[alone])
+        ways, found = self._place(rows[alone], fps[alone])
+        parts = [(rows[alone], ways, found)]
         for row, fp in zip(rows[~alone].tolist(), fps[~alone].tolist(), strict=True):  # rare: share a row
-            self._place(np.array([row], dtype=np.uint64), np.array([fp], dtype=np.uint64))
+            one = np.array([row], dtype=np.uint64)
+            parts.append((one, *self._place(one, np.array([fp], dtype=np.uint64))))
+        all_rows, all_ways, all_found = (np.concatenate(column) for column in zip(*parts, strict=True))
+        return all_rows, all_ways, all_found
 
-    def _place(self, rows: np.ndarray, fps: np.ndarray) -> None:
-        """Each fingerprint into the first empty cell of its row (distinct rows), or over the cell
-        its top bits choose when the row is full (that block then reads as absent)."""
+    def _place(self, rows: np.ndarray, fps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`add` for fingerprints of distinct rows: (ways, found)."""
         cells = self.cells[rows]
-        new = ~(cells == fps[:, None]).any(axis=1)
-        if not new.any():
-            return
-        cells, rows, fps = cells[new], rows[new], fps[new]
+        match = cells == fps[:, None]
+        found = match.any(axis=1)
         empty = cells == 0
-        way = np.where(empty.any(axis=1), empty.argmax(axis=1), (fps >> np.uint64(61)).astype(np.int64) % WAYS)
-        self.cells[rows, way] = fps
+        way = np.where(
+            found,
+            match.argmax(axis=1),
+            np.where(empty.any(axis=1), empty.argmax(axis=1), (fps >> np.uint64(61)).astype(np.int64) % WAYS),
+        )
+        new = ~found
+        self.cells[rows[new], way[new]] = fps[new]
+        return way, found
 
-    def discard(self, words: np.ndarray) -> None:
-        """Forget blocks by their probe words (absent ones are skipped)."""
-        fps = _nonzero(words)
-        if not fps.size:
-            return
+    def discard(self, fps: np.ndarray) -> None:
+        """Forget `fps` (nonzero; absent ones are skipped)."""
         rows = fps & self.mask
-        at = self.cells[rows] == fps[:, None]
-        which, way = np.nonzero(at)
+        which, way = np.nonzero(self.cells[rows] == fps[:, None])
         self.cells[rows[which], way] = 0
 
+
+class RemoteHeld:
+    """The remote cells' writer (one thread: the Redis feed): blocks Redis holds, each until its
+    TTL ends by `clock`, and the state word that says whether readers may trust them."""
+
+    def __init__(self, cells: np.ndarray, state: np.ndarray, clock: Callable[[], float] = time.monotonic) -> None:
+        self._cells = FingerprintCells(cells)
+        self._state = state
+        self._until = np.zeros(cells.shape, dtype=np.float64)
+        self.clock = clock
+
+    @property
+    def capacity(self) -> int:
+        """Blocks the cells hold at a quarter full (buckets_for's sizing)."""
+        return self._cells.cells.size // 4
+
+    def add(self, hashes_or_fps: np.ndarray, ttl_s: float) -> None:
+        """Blocks Redis holds for `ttl_s` from now, by fingerprint; a block already held keeps the
+        later of its two ends (a TTL only ever lengthens: tiers/redis.py)."""
+        fps = _nonzero(hashes_or_fps)
+        if not fps.size:
+            return
+        rows, ways, found = self._cells.add(fps)
+        until = self.clock() + ttl_s
+        self._until[rows, ways] = np.where(found, np.maximum(self._until[rows, ways], until), until)
+
+    def sweep(self) -> int:
+        """Forget the blocks whose TTL has ended; how many."""
+        expired = (self._until < self.clock()) & (self._cells.cells != 0)
+        count = int(np.count_nonzero(expired))
+        if count:
+            self._cells.cells[expired] = 0
+        return count
+
+    def held(self) -> int:
+        return int(np.count_nonzero(self._cells.cells))
+
+    def set_live(self, live: bool) -> None:
+        """Readers trust the cells (`live`: every write since the last reconnect was followed) or not."""
+        self._state[0] = REMOTE_LIVE if live else 0
+
+    @property
+    def live(self) -> bool:
+        return bool(self._state[0] == REMOTE_LIVE)
+
     def release(self) -> None:
-        """Drop the view of the segment (before its owner unmaps it); the table is empty after."""
-        self.cells = np.zeros((0, WAYS), dtype=np.uint64)
+        self._cells = FingerprintCells(np.zeros((0, WAYS), dtype=np.uint64))
+        self._until = np.zeros((0, WAYS), dtype=np.float64)
+        self._state = np.zeros(1, dtype=np.uint32)
+
+
+class PresenceTable:
+    """The writer: a segment over `buf` (zeroed memory of `table_bytes(capacity, remote_capacity)`
+    bytes): the index's cells (`add`, `discard`: the index calls them) and, where
+    `remote_capacity`, the remote cells (`remote`: the Redis feed writes them)."""
+
+    def __init__(self, buf: memoryview, capacity: int, remote_capacity: int = 0) -> None:
+        buckets, remote_buckets = buckets_for(capacity), buckets_for(remote_capacity)
+        if len(buf) < table_bytes(capacity, remote_capacity):
+            raise ValueError(f"{len(buf)} bytes cannot hold a presence table for {capacity} blocks")
+        buf[:HEADER_BYTES] = _HEADER.pack(MAGIC, WAYS, 0, buckets, remote_buckets).ljust(HEADER_BYTES, b"\0")
+        words = np.frombuffer(buf, dtype=np.uint64, count=(buckets + remote_buckets) * WAYS, offset=HEADER_BYTES)
+        words[:] = 0
+        cells = words.reshape(-1, WAYS)
+        self._index = FingerprintCells(cells[:buckets])
+        state = np.frombuffer(buf, dtype=np.uint32, count=1, offset=_STATE_OFFSET)
+        self.remote = RemoteHeld(cells[buckets:], state) if remote_buckets else None
+
+    @property
+    def cells(self) -> np.ndarray:
+        """The index's cells."""
+        return self._index.cells
+
+    @property
+    def mask(self) -> np.uint64:
+        return self._index.mask
+
+    def add(self, words: np.ndarray) -> None:
+        """Record indexed blocks by their probe words (`BlockMap.words[0]` of their rows)."""
+        fps = _nonzero(words)
+        if fps.size:
+            self._index.add(fps)
+
+    def discard(self, words: np.ndarray) -> None:
+        """Forget blocks that left the index, by their probe words (absent ones are skipped)."""
+        fps = _nonzero(words)
+        if fps.size:
+            self._index.discard(fps)
+
+    def release(self) -> None:
+        """Drop the views of the segment (before its owner unmaps it); the table is empty after."""
+        self._index = FingerprintCells(np.zeros((0, WAYS), dtype=np.uint64))
+        if self.remote is not None:
+            self.remote.release()
 
 
 class PresenceView:
@@ -149,25 +250,46 @@ class PresenceView:
             self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        magic, ways, _, buckets = _HEADER.unpack_from(self._map, 0)
-        if magic != MAGIC or ways != WAYS or buckets & (buckets - 1) or HEADER_BYTES + buckets * WAYS * 8 > size:
+        magic, ways, _, buckets, remote_buckets = _HEADER.unpack_from(self._map, 0)
+        if magic == MAGIC_V1:
+            remote_buckets = 0  # its last header word was not there: zero
+        if (
+            magic not in (MAGIC, MAGIC_V1)
+            or ways != WAYS
+            or not buckets
+            or buckets & (buckets - 1)
+            or remote_buckets & (remote_buckets - 1)
+            or HEADER_BYTES + (buckets + remote_buckets) * WAYS * 8 > size
+        ):
             self._map.close()
             raise ConfigError("presence", f"shared memory {segment_name!r} is not a presence table this version reads")
-        self.cells = np.frombuffer(self._map, dtype=np.uint64, count=buckets * WAYS, offset=HEADER_BYTES).reshape(
-            buckets, WAYS
-        )
-        self.mask = np.uint64(buckets - 1)
+        cells = np.frombuffer(
+            self._map, dtype=np.uint64, count=(buckets + remote_buckets) * WAYS, offset=HEADER_BYTES
+        ).reshape(-1, WAYS)
+        self._index = FingerprintCells(cells[:buckets])
+        self._remote = FingerprintCells(cells[buckets:]) if remote_buckets else None
+        self._state = np.frombuffer(self._map, dtype=np.uint32, count=1, offset=_STATE_OFFSET)
+
+    @property
+    def cells(self) -> np.ndarray:
+        """The index's cells."""
+        return self._index.cells
 
     def held_tokens(self, tokens: Tokens, salt: str | None = None) -> int | None:
         """How many leading tokens of `tokens` (salted `salt`) the table holds, in whole blocks;
-        None for a salt it cannot hash (no `salt_gap`, or not a valid salt: the Lookup says why)."""
+        None when it cannot say: a salt it cannot hash (no `salt_gap`, or not a valid salt: the
+        Lookup says why), or remote cells not live (their feed is catching up)."""
         root = self.root if salt is None else self._salted_root(salt)
         if root is None:
             return None
         fps = fingerprints(self.hasher.block_hashes(root, token_array(tokens), self.block_size))
         if not fps.size:
             return 0
-        present = (self.cells[fps & self.mask] == fps[:, None]).any(axis=1)
+        present = self._index.holds(fps)
+        if self._remote is not None:
+            if self._state[0] != REMOTE_LIVE:
+                return None
+            present |= self._remote.holds(fps)
         return (len(present) if present.all() else int(present.argmin())) * self.block_size
 
     def _salted_root(self, salt: str) -> BlockHash | None:

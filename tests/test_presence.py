@@ -1,6 +1,6 @@
 """The presence table: the service's indexed blocks in shared memory, read by same-host clients
 (prefixcache/presence.py). It follows every store, eviction and flush of a real service; it is
-published only where the index is all a Lookup can hit; a client that cannot read it looks up
+published where it follows all a Lookup can hit (not with a disk tier); a client that cannot read it looks up
 as before; the reference worker sends no Lookup the table shows cannot hit. Real services
 (real gRPC, real shared memory) and real Redis."""
 
@@ -19,8 +19,6 @@ from prefixcache.errors import ConfigError, InvalidArgument
 from prefixcache.hashing import Hasher
 from prefixcache.presence import WAYS, PresenceTable, PresenceView, fingerprints, table_bytes
 from prefixcache.tiers.disk import DiskOptions
-from prefixcache.tiers.redis import RedisTier
-from prefixcache.tiers.redis_options import RedisOptions
 from prefixcache.tiers.shm import SHM_DIR, OwnedSegment
 from prefixcache_services.cache_server.auth import Authenticator
 from prefixcache_services.cache_server.backend import BackendOptions
@@ -170,33 +168,25 @@ def test_a_segment_that_is_not_a_table_is_refused_naming_it():
         empty.unlink()
 
 
-def test_no_table_where_a_lookup_can_hit_more_than_the_index(tmp_path, redis_server):
-    """With Redis (other services' blocks) or a disk tier (spilled blocks), the index is not all a
-    Lookup finds: no table, and clients look up every prompt."""
+def test_no_table_where_a_lookup_can_hit_more_than_the_table_follows(tmp_path):
+    """With a disk tier a Lookup also finds spilled blocks the table does not follow: no table, and
+    clients look up every prompt. (A Redis tier's blocks it follows: tests/test_redis_presence.py.)"""
     layout = layout_of()
-    backends = [
-        BackendOptions(
-            cache=CacheConfig(host_capacity=16 * layout.block_bytes),
-            block_size=BLOCK,
-            remote_factory=lambda _layout: RedisTier(RedisOptions(url=redis_server.url)),
-        ),
-        BackendOptions(
-            cache=CacheConfig(host_capacity=16 * layout.block_bytes),
-            block_size=BLOCK,
-            disk=DiskOptions(str(tmp_path / "disk"), capacity_bytes="4MiB", file_bytes="1MiB", chunk_bytes="256KiB"),
-        ),
-    ]
-    for backend in backends:
-        server = build_server(ServerOptions(backend=backend, listen="127.0.0.1:0", authenticator=Authenticator.open()))
-        try:
-            with running_servers() as make:
-                client = make.client(server)
-                client.attach("model", layout)
-                _store(client, prompt(2))
-                assert client.held_tokens(prompt(2)) is None
-                assert server.backend.presence_of(client.attachment.namespace_id) is None
-        finally:
-            server.shutdown(0)
+    backend = BackendOptions(
+        cache=CacheConfig(host_capacity=16 * layout.block_bytes),
+        block_size=BLOCK,
+        disk=DiskOptions(str(tmp_path / "disk"), capacity_bytes="4MiB", file_bytes="1MiB", chunk_bytes="256KiB"),
+    )
+    server = build_server(ServerOptions(backend=backend, listen="127.0.0.1:0", authenticator=Authenticator.open()))
+    try:
+        with running_servers() as make:
+            client = make.client(server)
+            client.attach("model", layout)
+            _store(client, prompt(2))
+            assert client.held_tokens(prompt(2)) is None
+            assert server.backend.presence_of(client.attachment.namespace_id) is None
+    finally:
+        server.shutdown(0)
 
 
 def test_a_client_off_the_host_or_of_a_stopped_service_reads_none(start):

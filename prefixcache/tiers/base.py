@@ -25,6 +25,7 @@ import torch
 
 from ..kinds import TierKind
 from ..native import core
+from ..presence import RemoteHeld
 from ..transfer import ProbeBudget, TransferEstimate
 
 
@@ -136,6 +137,14 @@ class RemoteTier(Protocol):
         """Queue a write; False when it was dropped (full, down or closing). The frame's buffers
         are read, not copied, until `done` is called (once, when the write is over, whatever its
         outcome; never after False)."""
+
+    @property
+    def presence_blocks(self) -> int:
+        """Blocks a presence table's remote cells should hold for this tier (0: it follows none)."""
+
+    def follow_presence(self, held: RemoteHeld) -> None:
+        """Keep `held` (a presence table's remote cells, prefixcache/presence.py) holding the blocks
+        the tier holds, whoever wrote them (only where `presence_blocks`)."""
 
     def delete(self, namespace_id: str, block_hash: bytes) -> None: ...
 

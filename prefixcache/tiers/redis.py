@@ -62,6 +62,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import re
 import time
@@ -69,11 +70,14 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager as ContextManager
 
 from ..breaker import BreakerState
+from ..errors import ConfigError
 from ..kinds import TierKind
+from ..presence import RemoteHeld
 from ..transfer import ProbeBudget, TransferEstimate
 from .base import Frame
 from .redis_link import RedisLink
 from .redis_options import RedisClient, RedisOptions
+from .redis_presence import RedisPresenceFeed
 from .redis_reader import RedisReader
 from .redis_stats import RedisStats
 from .redis_writer import RedisWriter
@@ -103,6 +107,21 @@ class RedisTier:
         self._link = RedisLink(options, client, write_client, clock, rng or random.Random())
         self._writer = RedisWriter(self._link)
         self._reader = RedisReader(self._link, self._writer, io_wait)
+        self._feed: RedisPresenceFeed | None = None  # follow_presence starts it
+
+    @property
+    def presence_blocks(self) -> int:
+        """Blocks a presence table's remote cells should hold for this tier (0: none)."""
+        return self.options.presence_blocks or 0
+
+    def follow_presence(self, held: RemoteHeld) -> None:
+        """Keep `held` (a presence table's remote cells) holding the blocks this Redis holds, whoever
+        wrote them: announce this tier's writes and follow every service's (tiers/redis_presence.py)."""
+        if not self.presence_blocks:
+            raise ConfigError("presence_blocks", "is 0: this tier follows no presence table")
+        if self._feed is not None:
+            raise RuntimeError("the tier already follows a presence table")
+        self._feed = RedisPresenceFeed(self.options, held, f"{_escape(self.options.key_prefix)}:*")
 
     @property
     def ttl_s(self) -> float:
@@ -141,16 +160,20 @@ class RedisTier:
         A value longer than `max_frame_bytes` (the frame size the namespace implies) is refused
         before it is read (see the module docstring): the round trip fails as a fault.
         """
-        return self._reader.fetch(
+        ttl_ms = self._link.ttl_ms(ttl_s)
+        frames = self._reader.fetch(
             namespace_id,
             hashes,
-            self._link.ttl_ms(ttl_s),
+            ttl_ms,
             frame_bytes=frame_bytes,
             prefix_only=prefix_only,
             budget=budget,
             verify=verify,
             max_frame_bytes=max_frame_bytes,
         )
+        if self._feed is not None:  # each hit's TTL was refreshed: others hold it longer too
+            self._feed.announce((h for h, frame in zip(hashes, frames, strict=True) if frame is not None), ttl_ms)
+        return frames
 
     def submit(
         self,
@@ -166,8 +189,11 @@ class RedisTier:
         The frame's buffers are read when the write is sent, not copied here: they must not change
         until `done` is called (once, from the writer, when the write succeeded, failed or was
         dropped; never when this returns False)."""
-        key = self._link.key(namespace_id, block_hash)
-        return self._writer.submit(key, frame, self._link.ttl_ms(ttl_s), done)
+        key, ttl_ms = self._link.key(namespace_id, block_hash), self._link.ttl_ms(ttl_s)
+        queued = self._writer.submit(key, frame, ttl_ms, done)
+        if queued and self._feed is not None:
+            self._feed.announce((block_hash,), ttl_ms)
+        return queued
 
     def delete(self, namespace_id: str, block_hash: bytes) -> None:
         """Queue an UNLINK of one block (e.g. after it failed verification)."""
@@ -179,7 +205,11 @@ class RedisTier:
         missing."""
         if len(hashes):
             keys = tuple(self._link.key(namespace_id, h) for h in hashes)
-            self._writer.expire(keys, tuple(self._link.ttl_ms(t) for t in ttls_s))
+            ttls_ms = tuple(self._link.ttl_ms(t) for t in ttls_s)
+            self._writer.expire(keys, ttls_ms)
+            if self._feed is not None:  # PEXPIRE never creates a key: announced as held only if it was
+                for block_hash, ttl_ms in zip(hashes, ttls_ms, strict=True):
+                    self._feed.announce((block_hash,), ttl_ms)
 
     def delete_namespace(self, namespace_id: str) -> None:
         """Queue a SCAN+UNLINK of every block of one namespace (on every cluster node)."""
@@ -204,7 +234,7 @@ class RedisTier:
         link = self._link
         with link.lock:
             write_state = link.write_breaker.state if link.breaker.is_up() else BreakerState.DOWN
-            return RedisStats.of(
+            stats = RedisStats.of(
                 link.counters,
                 link.breaker.state,
                 self._writer.queue_bytes,
@@ -213,6 +243,18 @@ class RedisTier:
                 write_state,
                 link.write_breaker.trips,
             )
+        feed = self._feed
+        if feed is None:
+            return stats
+        counters = feed.counters
+        return dataclasses.replace(
+            stats,
+            presence_live=feed.live,
+            presence_held=feed.held(),
+            presence_announced=counters.announced,
+            presence_followed=counters.followed,
+            presence_resyncs=counters.resyncs,
+        )
 
     def wait_idle(self, timeout_s: float) -> bool:
         """True once nothing is queued, in flight or unsettled (tests, shutdown)."""
@@ -229,6 +271,8 @@ class RedisTier:
         """Stop the writer: drain the queue until the deadline, drop the rest (counted). False if
         the writer is still running after that (a write stuck past its timeouts): then it may
         still read the buffers of a frame it was given."""
+        if self._feed is not None:
+            self._feed.close()
         if not self._writer.close(timeout_s):
             return False
         self._link.close_clients()

@@ -25,6 +25,7 @@ from redis.retry import Retry as LibraryRetry
 from ..codec import MIN_MAC_KEY_BYTES
 from ..config import parse_duration, parse_size
 from ..errors import ConfigError
+from ..presence import PRESENCE_BLOCKS
 
 STANDALONE_SCHEMES = ("redis", "rediss", "unix")
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
@@ -86,6 +87,10 @@ class RedisOptions:
     # Shared by every instance on this Redis: frames are then MAC'd, so Redis write access
     # alone cannot plant KV (codec.py). Never in repr: options get logged.
     hmac_key: bytes | None = field(default=None, repr=False)
+    # Blocks of Redis the service's presence table follows for its same-host engines (at a quarter
+    # full: 32 bytes of shared memory each; tiers/redis_presence.py); 0: none, engines look up
+    # every prompt. Not on Redis Cluster. None: PRESENCE_BLOCKS, or 0 on Redis Cluster.
+    presence_blocks: int | None = None
 
     def __post_init__(self) -> None:
         scheme = url_scheme(self.url)
@@ -124,16 +129,21 @@ class RedisOptions:
         for name, low in (("max_fetch_bytes", 1), ("socket_read_size", 4096)):
             if getattr(self, name) < low:
                 raise ConfigError(name, f"must be at least {low} bytes")
+        if self.presence_blocks is None:
+            object.__setattr__(self, "presence_blocks", 0 if scheme in CLUSTER_SCHEMES else PRESENCE_BLOCKS)
         for name, low, high in (
             ("max_batch", 1, 1 << 16),
             ("write_lanes", 1, 16),
             ("breaker_failures", 1, 1 << 16),
             ("max_connections", 1, 1 << 16),
             ("write_retries", 0, 1 << 16),
+            ("presence_blocks", 0, 1 << 28),
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise ConfigError(name, f"must be an integer in [{low}, {high}], got {value!r}")
+        if self.presence_blocks and scheme in CLUSTER_SCHEMES:
+            raise ConfigError("presence_blocks", "Redis Cluster is not followed (tiers/redis_presence.py): set it to 0")
         if self.write_lanes > self.max_connections:
             raise ConfigError("write_lanes", f"must not exceed max_connections ({self.max_connections})")
         tls_files = (self.tls_ca_file, self.tls_cert_file, self.tls_key_file)

@@ -103,6 +103,13 @@ class RedisStats:
     write_deadlines: int = 0
     reads_up: bool = True  # numeric copies of the two states for the stats maps and metrics
     writes_up: bool = True
+    # The presence feed (tiers/redis_presence.py): whether engines may trust its cells, blocks they
+    # hold, fingerprints announced and taken in, subscriptions redone after a fault.
+    presence_live: bool = False
+    presence_held: int = 0
+    presence_announced: int = 0
+    presence_followed: int = 0
+    presence_resyncs: int = 0
 
     @property
     def up(self) -> bool:

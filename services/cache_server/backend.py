@@ -253,21 +253,27 @@ class CacheBackend:
             raise
         log.info("cache created for layout %s", layout)
         cache = PrefixCache(config, layout, host, device=device, remote=remote, disk=disk)
-        if remote is None and disk is None:  # its index is all a Lookup can hit: publish it
-            self._publish_presence(cache, host.segment_name)
+        # Published where the table can follow all a Lookup can hit: the index, and Redis through
+        # its feed; a disk tier's spilled blocks it does not follow.
+        if disk is None and (remote is None or remote.presence_blocks):
+            self._publish_presence(cache, host.segment_name, remote)
         return cache
 
-    def _publish_presence(self, cache: PrefixCache, host_segment: str) -> None:
-        """Same-host engines skip Lookups for prompts whose next block the index lacks (presence.py).
-        A segment that cannot be made costs only that: engines then look up every prompt."""
-        capacity = cache.index.capacity
+    def _publish_presence(self, cache: PrefixCache, host_segment: str, remote: RemoteTier | None) -> None:
+        """Same-host engines skip Lookups for prompts whose next block neither the index nor Redis
+        holds (presence.py). A segment that cannot be made costs only that: engines then look up
+        every prompt."""
+        capacity, remote_capacity = cache.index.capacity, remote.presence_blocks if remote is not None else 0
         try:
             name = presence_path(SHM_DIR / host_segment).name
-            segment = OwnedSegment(name, table_bytes(capacity), owner=self._owner)
+            segment = OwnedSegment(name, table_bytes(capacity, remote_capacity), owner=self._owner)
         except ConfigError as error:
             log.warning("no presence table for same-host engines (%s); they look up every prompt", error)
             return
-        cache.index.publish(PresenceTable(segment.buf, capacity))  # before any engine sees the cache
+        table = PresenceTable(segment.buf, capacity, remote_capacity)
+        cache.index.publish(table)  # before any engine sees the cache
+        if remote is not None and table.remote is not None:
+            remote.follow_presence(table.remote)  # its cells read as unknown until the feed is live
         self._presence = segment
 
     def _unpublish(self, cache: PrefixCache, close: bool) -> None:

@@ -30,6 +30,7 @@ from prefixcache.config import (
     parse_size,
 )
 from prefixcache.errors import ConfigError
+from prefixcache.presence import PRESENCE_BLOCKS
 from prefixcache.tiers.base import RemoteTier
 from prefixcache.tiers.disk import DiskOptions
 from prefixcache.tiers.shm import check_name
@@ -205,6 +206,14 @@ def register(subparsers) -> None:
     redis.add_argument("--redis-timeout-ms", type=int, default=50, help="read timeout (default %(default)s)")
     redis.add_argument("--redis-ttl", default="1h", help="TTL of a block in Redis (default %(default)s)")
     redis.add_argument(
+        "--redis-presence-blocks",
+        type=int,
+        default=None,
+        help="Redis blocks the presence table follows for same-host engines, which skip Lookups of "
+        "prompts neither this service nor Redis holds (32 bytes of shared memory each; 0: none, "
+        f"engines look up every prompt; default {PRESENCE_BLOCKS}, 0 on Redis Cluster, which it cannot follow)",
+    )
+    redis.add_argument(
         "--redis-password-file",
         default=None,
         help="file holding the Redis password (the ACL user goes in the URL: redis://USER@host...)",
@@ -278,13 +287,14 @@ def remote_factory_from(args: argparse.Namespace) -> Callable[[KVLayout], Remote
     """Validated Redis options now; the tier itself is built with the cache (it does no I/O)."""
     if args.redis_url is None:
         for name in (
+            "redis_presence_blocks",
             "redis_password_file",
             "redis_tls_ca_file",
             "redis_tls_cert_file",
             "redis_tls_key_file",
             "redis_hmac_key_file",
         ):
-            if getattr(args, name):
+            if getattr(args, name) is not None:
                 raise ConfigError(name, "needs --redis-url")
         return None
     from prefixcache.codec import MIN_MAC_KEY_BYTES
@@ -318,6 +328,7 @@ def remote_factory_from(args: argparse.Namespace) -> Callable[[KVLayout], Remote
         tls_cert_file=args.redis_tls_cert_file,
         tls_key_file=args.redis_tls_key_file,
         hmac_key=hmac_key,
+        presence_blocks=args.redis_presence_blocks,
     )
     return lambda _layout: RedisTier(options, io_wait=waiting)
 
