@@ -13,7 +13,8 @@ u64 (the block map's probe word: `BlockMap.words[0]`), with 0 reserved for an em
 is `buckets` rows of `WAYS` cells; a fingerprint lives in row `fp & (buckets - 1)`. A segment holds
 two: the index's cells, and, for a service with a Redis tier, the remote cells (blocks Redis
 holds, whoever wrote them: tiers/redis_presence.py). Segment layout: a 64-byte header (`MAGIC`,
-ways, the remote state word, buckets, remote buckets), the index's cells, the remote cells.
+ways, the remote state word, buckets, remote buckets, the writer's heartbeat), the index's
+cells, the remote cells.
 
 Invariants:
 - The table is advice, never the answer: an engine that finds a block here still gets it only
@@ -28,6 +29,10 @@ Invariants:
   and clears it whenever it may have missed one; a view then answers None (look the prompt up).
   A remote cell holds its block until the TTL Redis was given for it ends (a key Redis evicts
   sooner costs a Lookup that misses).
+- A table whose writer stopped beating (CLOCK_MONOTONIC, every `BEAT_S`) more than `STALE_S`
+  ago, or said it stopped (a heartbeat of 0: the service closed it), reads as None: a service
+  killed or restarted leaves its engines' old mapping frozen, and its blocks were never those the
+  new service holds; the engine's Lookup then fails and its re-attach maps the new table.
 - With a disk tier a Lookup also finds spilled blocks the table does not follow: no table is
   published, and engines look up every prompt.
 """
@@ -38,6 +43,7 @@ import _posixshmem
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -54,8 +60,11 @@ HEADER_BYTES = 64
 SALTED_ROOTS = 4096  # salts whose roots a view keeps (a salt is typically one user's, reused turn after turn)
 PRESENCE_BLOCKS = 1 << 18  # Redis blocks the remote cells follow by default (8 MiB of shared memory)
 REMOTE_LIVE = 1  # the state word while the remote cells follow every Redis write
-_HEADER = struct.Struct("<8sIIQQ")  # magic, ways, remote state, buckets, remote buckets
-_STATE_OFFSET = 12
+BEAT_S = 0.25  # the writer's heartbeat ...
+STALE_S = 2.0  # ... and how old it may be before readers stop trusting the table
+_HEADER = struct.Struct("<8sIIQQQ")  # magic, ways, remote state, buckets, remote buckets, heartbeat ns
+_STATE_OFFSET, _BEAT_OFFSET = 12, 32
+_STALE_NS = int(STALE_S * 1e9)
 _NO_FPS = np.empty(0, dtype=np.uint64)
 _ONE = np.uint64(1)
 
@@ -188,13 +197,36 @@ class PresenceTable:
         buckets, remote_buckets = buckets_for(capacity), buckets_for(remote_capacity)
         if len(buf) < table_bytes(capacity, remote_capacity):
             raise ValueError(f"{len(buf)} bytes cannot hold a presence table for {capacity} blocks")
-        buf[:HEADER_BYTES] = _HEADER.pack(MAGIC, WAYS, 0, buckets, remote_buckets).ljust(HEADER_BYTES, b"\0")
+        header = _HEADER.pack(MAGIC, WAYS, 0, buckets, remote_buckets, time.monotonic_ns())
+        buf[:HEADER_BYTES] = header.ljust(HEADER_BYTES, b"\0")
         words = np.frombuffer(buf, dtype=np.uint64, count=(buckets + remote_buckets) * WAYS, offset=HEADER_BYTES)
         words[:] = 0
         cells = words.reshape(-1, WAYS)
         self._index = FingerprintCells(cells[:buckets])
         state = np.frombuffer(buf, dtype=np.uint32, count=1, offset=_STATE_OFFSET)
         self.remote = RemoteHeld(cells[buckets:], state) if remote_buckets else None
+        self._beat = np.frombuffer(buf, dtype=np.uint64, count=1, offset=_BEAT_OFFSET)
+        self._stop_beating = threading.Event()
+        self._beater: threading.Thread | None = None
+
+    def beat_every(self, seconds: float = BEAT_S) -> None:
+        """Keep the heartbeat fresh from a daemon thread until `stop_beating`."""
+
+        def run() -> None:
+            while not self._stop_beating.wait(seconds):
+                self._beat[0] = time.monotonic_ns()
+
+        self._beat[0] = time.monotonic_ns()
+        self._beater = threading.Thread(target=run, name="prefixcache-presence-beat", daemon=True)
+        self._beater.start()
+
+    def stop_beating(self) -> None:
+        """Tell readers the table is no longer kept (they read None from now on)."""
+        self._stop_beating.set()
+        if self._beater is not None:
+            self._beater.join()
+            self._beater = None
+        self._beat[0] = 0
 
     @property
     def cells(self) -> np.ndarray:
@@ -219,6 +251,8 @@ class PresenceTable:
 
     def release(self) -> None:
         """Drop the views of the segment (before its owner unmaps it); the table is empty after."""
+        self.stop_beating()
+        self._beat = np.zeros(1, dtype=np.uint64)
         self._index = FingerprintCells(np.zeros((0, WAYS), dtype=np.uint64))
         if self.remote is not None:
             self.remote.release()
@@ -250,9 +284,9 @@ class PresenceView:
             self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        magic, ways, _, buckets, remote_buckets = _HEADER.unpack_from(self._map, 0)
+        magic, ways, _, buckets, remote_buckets, _ = _HEADER.unpack_from(self._map, 0)
         if magic == MAGIC_V1:
-            remote_buckets = 0  # its last header word was not there: zero
+            remote_buckets = 0  # its later header words were not there: zero
         if (
             magic not in (MAGIC, MAGIC_V1)
             or ways != WAYS
@@ -269,6 +303,7 @@ class PresenceView:
         self._index = FingerprintCells(cells[:buckets])
         self._remote = FingerprintCells(cells[buckets:]) if remote_buckets else None
         self._state = np.frombuffer(self._map, dtype=np.uint32, count=1, offset=_STATE_OFFSET)
+        self._beat = np.frombuffer(self._map, dtype=np.uint64, count=1, offset=_BEAT_OFFSET) if magic == MAGIC else None
 
     @property
     def cells(self) -> np.ndarray:
@@ -278,9 +313,10 @@ class PresenceView:
     def held_tokens(self, tokens: Tokens, salt: str | None = None) -> int | None:
         """How many leading tokens of `tokens` (salted `salt`) the table holds, in whole blocks;
         None when it cannot say: a salt it cannot hash (no `salt_gap`, or not a valid salt: the
-        Lookup says why), or remote cells not live (their feed is catching up)."""
+        Lookup says why), remote cells not live (their feed is catching up), or a table its
+        service no longer keeps (closed, killed, hung)."""
         root = self.root if salt is None else self._salted_root(salt)
-        if root is None:
+        if root is None or (self._beat is not None and not self.kept()):
             return None
         fps = fingerprints(self.hasher.block_hashes(root, token_array(tokens), self.block_size))
         if not fps.size:
@@ -291,6 +327,11 @@ class PresenceView:
                 return None
             present |= self._remote.holds(fps)
         return (len(present) if present.all() else int(present.argmin())) * self.block_size
+
+    def kept(self) -> bool:
+        """Whether the service still keeps the table: it beat within STALE_S."""
+        beat = int(self._beat[0]) if self._beat is not None else 1
+        return beat != 0 and time.monotonic_ns() - beat <= _STALE_NS
 
     def _salted_root(self, salt: str) -> BlockHash | None:
         root = self._salted.get(salt)

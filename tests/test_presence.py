@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from prefixcache.config import CacheConfig
 from prefixcache.errors import ConfigError, InvalidArgument
 from prefixcache.hashing import Hasher
-from prefixcache.presence import WAYS, PresenceTable, PresenceView, fingerprints, table_bytes
+from prefixcache.presence import STALE_S, WAYS, PresenceTable, PresenceView, fingerprints, table_bytes
 from prefixcache.tiers.disk import DiskOptions
 from prefixcache.tiers.shm import SHM_DIR, OwnedSegment
 from prefixcache_services.cache_server.auth import Authenticator
@@ -200,7 +201,29 @@ def test_a_client_off_the_host_or_of_a_stopped_service_reads_none(start):
     assert (SHM_DIR / name).exists()
     server.shutdown(0)
     assert not (SHM_DIR / name).exists()  # unlinked with the service
-    assert local.held_tokens(prompt(2)) == 0  # the mapping stays readable (no crash) until re-attach
+    assert local.held_tokens(prompt(2)) is None  # the mapping stays readable (no crash), and says it is not kept
+
+
+def test_a_table_no_longer_kept_reads_as_none():
+    """A killed service's table stops beating; a closed one's says so at once: engines then look
+    up (their Lookup fails, and re-attaching maps the new service's table)."""
+    capacity = 64
+    segment = OwnedSegment(f"prefixcache-test-beat-{os.getpid()}", table_bytes(capacity), directory=SHM_DIR)
+    try:
+        table = PresenceTable(segment.buf, capacity)
+        table.beat_every(0.01)
+        view = PresenceView(segment.name, b"r" * 16, Hasher(), BLOCK)
+        assert view.held_tokens(prompt(2)) == 0 and view.kept()
+        table.stop_beating()
+        table._beat[0] = time.monotonic_ns() - int((STALE_S + 1) * 1e9)  # as a hung or killed writer leaves it
+        assert view.held_tokens(prompt(2)) is None and not view.kept()  # stale
+        table._beat[0] = time.monotonic_ns()
+        assert view.held_tokens(prompt(2)) == 0
+        table.stop_beating()  # closed: 0
+        assert view.held_tokens(prompt(2)) is None
+        table.release()
+    finally:
+        segment.close()
 
 
 def test_the_reference_worker_looks_up_only_prompts_the_table_shows_held(start):

@@ -177,6 +177,18 @@ def test_anything_else_on_the_channel_is_counted_and_changes_nothing(services, p
     assert b.held_tokens(tokens) == 0 and _remote(server_b)["presence_live"] == 1
 
 
+def test_a_table_too_small_for_what_redis_holds_reads_as_unknown_not_absent(services):
+    """Past OVERFULL x its capacity, full rows would drop blocks (lost hits): it says None instead."""
+    server_b, b = services(presence_blocks=4, ttl_s=2.0)  # 2 rows of 8 cells, capacity 4
+    server_a, a = services(presence_blocks=4, ttl_s=2.0)
+    tokens = prompt(16)
+    _until(lambda: b.held_tokens(tokens), 0, "b live")
+    _store(a, tokens)  # 16 blocks: 4x capacity
+    _until(lambda: b.held_tokens(tokens), None, "b overfull")
+    assert server_b.backend.cache.remote_link.tier._feed.counters.overfull == 1
+    _until(lambda: b.held_tokens(tokens), 0, "b once their TTL emptied it")
+
+
 def test_settings_that_cannot_be_followed_are_refused_naming_the_field():
     with pytest.raises(ConfigError, match="presence_blocks.*Cluster"):
         RedisOptions(url="redis+cluster://127.0.0.1:7000", presence_blocks=1024)

@@ -18,6 +18,9 @@ is held in the remote cells until the TTL it was given ends.
   live. Any fault of the subscription (a reset, a timeout, a PING unanswered for `DEAD_AFTER_S`)
   marks them not live, so engines look up every prompt again, until a new subscription has read
   the key space again: a block announced while no one followed is never reported absent.
+- Sized by `RedisOptions.presence_blocks`. A table holding more than `OVERFULL` times that many
+  blocks would lose blocks from full rows often enough to cost hits, so it then reads as unknown
+  (a warning names the flag) until expiries bring it under `REFILL` times.
 - A key Redis drops before its TTL (maxmemory eviction, another service's flush) stays in the
   cells until that TTL: a Lookup that misses, as without the table.
 - Redis Cluster is not followed (the cluster client's pub/sub reaches one node): a service on one
@@ -51,6 +54,10 @@ GATHER_S = 0.002  # an announcement waits this long for others to share its roun
 PING_EVERY_S = 1.0  # the subscription's health check ...
 DEAD_AFTER_S = 5.0  # ... and how long it may go unanswered before the subscription is redone
 SWEEP_EVERY_S = 1.0  # expired blocks leave the cells within this
+# Held blocks, as a multiple of the cells' capacity (a quarter full), past which full rows displace
+# blocks often enough to cost hits: the cells then read as unknown until sweeps bring them under
+# REFILL (`--redis-presence-blocks` too small for this Redis: a warning says so).
+OVERFULL, REFILL = 2.0, 1.5
 SCAN_COUNT = 1000  # keys per SCAN page (each page's PTTLs: one pipelined round trip)
 RETRY_MIN_S, RETRY_MAX_S = 0.1, 5.0  # backoff between subscriptions
 
@@ -64,6 +71,7 @@ class FeedCounters:
     malformed: int = 0  # messages on the channel that were not announcements
     resyncs: int = 0  # live subscriptions lost to a fault (each then redone)
     expired: int = 0  # blocks the cells forgot at the end of their TTL
+    overfull: int = 0  # times the cells held too many blocks to be trusted (OVERFULL)
 
 
 class RedisPresenceFeed:
@@ -81,6 +89,7 @@ class RedisPresenceFeed:
         self._wake = threading.Condition(self._lock)
         self._stop = threading.Event()
         self.counters = FeedCounters()
+        self._overfull = False  # the cells hold too many blocks to be trusted (follower thread only)
         self._threads = [
             threading.Thread(target=self._announce_loop, name="prefixcache-presence-announce", daemon=True),
             threading.Thread(target=self._follow_loop, name="prefixcache-presence-follow", daemon=True),
@@ -174,14 +183,16 @@ class RedisPresenceFeed:
 
     def _follow(self) -> None:
         """One subscription: subscribe, read the key space, follow until a fault or `close`."""
-        client = connect(self._options.url, self._options, self._options.socket_timeout_s)
+        # The writer's timeouts, not a read's: a SCAN page of a large Redis may take longer than 50 ms.
+        client = connect(self._options.url, self._options, self._options.write_timeout_s)
         pubsub = client.pubsub()
-        live = False
+        following = False
         try:
             pubsub.subscribe(self.channel)
             self._await_subscribed(pubsub)
             self._seed(client, pubsub)
-            self._held.set_live(live := True)
+            following = True  # every write from here on
+            self._trust()
             log.info("presence feed of %s live: %d blocks held", redact_url(self._options.url), self._held.held())
             next_sweep = next_ping = time.monotonic()
             answered = time.monotonic()
@@ -194,6 +205,7 @@ class RedisPresenceFeed:
                     expired = self._held.sweep()
                     with self._lock:
                         self.counters.expired += expired
+                    self._trust()
                     next_sweep = now + SWEEP_EVERY_S
                 message = pubsub.get_message(timeout=min(PING_EVERY_S, SWEEP_EVERY_S) / 2)
                 if message is not None and message["type"] == "pong":
@@ -204,11 +216,30 @@ class RedisPresenceFeed:
                     raise _Unanswered(f"no PING answered for {DEAD_AFTER_S:.0f} s")
         finally:
             self._held.set_live(False)
-            if live and not self._stop.is_set():
+            if following and not self._stop.is_set():
                 with self._lock:
                     self.counters.resyncs += 1
             pubsub.close()
             client.close()
+
+    def _trust(self) -> None:
+        """Let readers trust the cells, unless they hold too many blocks to hold them well."""
+        held, capacity = self._held.held(), self._held.capacity
+        if not self._overfull and held > OVERFULL * capacity:
+            self._overfull = True
+            log.warning(
+                "the presence table over Redis holds %d blocks, %.1fx the %d of --redis-presence-blocks: "
+                "engines look up every prompt until it holds fewer (raise the flag)",
+                held,
+                held / capacity,
+                capacity,
+            )
+            with self._lock:
+                self.counters.overfull += 1
+        elif self._overfull and held <= REFILL * capacity:
+            self._overfull = False
+            log.info("the presence table over Redis holds %d blocks again: trusted", held)
+        self._held.set_live(not self._overfull)
 
     def _await_subscribed(self, pubsub: redis.client.PubSub) -> None:
         deadline = time.monotonic() + DEAD_AFTER_S

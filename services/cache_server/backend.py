@@ -271,6 +271,7 @@ class CacheBackend:
             log.warning("no presence table for same-host engines (%s); they look up every prompt", error)
             return
         table = PresenceTable(segment.buf, capacity, remote_capacity)
+        table.beat_every()  # engines trust it only while it beats (a killed service's stops)
         cache.index.publish(table)  # before any engine sees the cache
         if remote is not None and table.remote is not None:
             remote.follow_presence(table.remote)  # its cells read as unknown until the feed is live
@@ -282,6 +283,8 @@ class CacheBackend:
         segment = self._presence
         if segment is None:
             return
+        if cache.index.presence is not None:
+            cache.index.presence.stop_beating()  # engines read None from now on, and look up
         if not close:
             segment.unlink()
             return
