@@ -73,6 +73,8 @@ class HostileRedis:
                 self.commands.append(name)
                 if name in (b"GET", b"GETEX"):
                     self._answer_read(conn)
+                elif name == b"SUBSCRIBE" and self.mode == "drip":  # a confirmation that never ends
+                    _drip(conn, b"*3\r\n$3000\r\n" + b"x" * 3000 + b"\r\n", self._stopping)
                 elif name == b"PSETEX" and self.mode == "drip-writes":
                     _drip(conn, b"+" + b"O" * 1000 + b"\r\n", self._stopping)  # 25 s for one reply
                 elif name == b"PING":
@@ -227,6 +229,29 @@ def test_a_dripping_redis_cannot_hold_lookups_past_the_read_deadline(hostile) ->
     finally:
         client.close()
         server.shutdown(0)
+
+
+def test_a_dripping_redis_cannot_hold_the_presence_feed_past_shutdown(hostile) -> None:
+    """The presence feed's subscription is read through redis-py, whose waits have only per-read
+    timeouts: a confirmation dripped a byte at a time would hold its thread for 75 s. Shutdown
+    cuts its connections, so the feed stops with the service and never writes the table after."""
+    redis_peer = hostile("drip")
+    server = serve_over(redis_peer.url)
+    from prefixcache.client import CacheClient
+
+    client = CacheClient(server.address, timeout_s=10)
+    try:
+        client.attach("model", layout_of())  # builds the cache: its feed subscribes
+        assert poll(lambda: redis_peer.count(b"SUBSCRIBE") >= 1, 5)
+        time.sleep(0.5)  # inside the dripped reply
+        assert client.held_tokens(prompt(2)) is None  # never live: engines look everything up
+    finally:
+        client.close()
+        start = time.monotonic()
+        server.shutdown(0)
+    feeds = lambda: [t.name for t in threading.enumerate() if t.name.startswith("prefixcache-presence")]  # noqa: E731
+    assert poll(lambda: not feeds(), 3), feeds()
+    assert time.monotonic() - start < 5
 
 
 def test_a_redis_whose_writes_drip_fails_each_batch_at_the_write_deadline(hostile) -> None:

@@ -268,15 +268,15 @@ class RedisTier:
         return self._writer.own_frames(timeout_s)
 
     def close(self, timeout_s: float = 2.0) -> bool:
-        """Stop the writer: drain the queue until the deadline, drop the rest (counted). False if
-        the writer is still running after that (a write stuck past its timeouts): then it may
-        still read the buffers of a frame it was given."""
-        if self._feed is not None:
-            self._feed.close()
+        """Stop the presence feed and the writer: drain the queue until the deadline, drop the
+        rest (counted). False if the writer is still running after that (a write stuck past its
+        timeouts: then it may still read the buffers of a frame it was given), or the feed (it
+        may still write its presence cells)."""
+        feed_stopped = self._feed.close() if self._feed is not None else True
         if not self._writer.close(timeout_s):
             return False
         self._link.close_clients()
-        return True
+        return feed_stopped
 
     def __enter__(self) -> RedisTier:
         return self

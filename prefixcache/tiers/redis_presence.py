@@ -30,6 +30,7 @@ is held in the remote cells until the TTL it was given ends.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
 import threading
@@ -38,11 +39,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import redis
 import redis.exceptions
 
 from ..presence import RemoteHeld
 from .redis_link import REDIS_ERRORS, error_kind
-from .redis_options import RedisClient, RedisOptions, connect, redact_url
+from .redis_options import RedisOptions, connect, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +90,10 @@ class RedisPresenceFeed:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._stop = threading.Event()
+        self._clients: set[redis.Redis] = set()  # connections in use, cut by close
         self.counters = FeedCounters()
         self._overfull = False  # the cells hold too many blocks to be trusted (follower thread only)
+        self._following = False  # the current subscription follows every write (follower thread only)
         self._threads = [
             threading.Thread(target=self._announce_loop, name="prefixcache-presence-announce", daemon=True),
             threading.Thread(target=self._follow_loop, name="prefixcache-presence-follow", daemon=True),
@@ -117,19 +121,45 @@ class RedisPresenceFeed:
     def held(self) -> int:
         return self._held.held()
 
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Stop both threads; the cells are not written after this returns (nor trusted)."""
+    def close(self, timeout_s: float = 2.0) -> bool:
+        """Stop both threads, cutting their connections (a Redis dripping a reply could hold a
+        read for ever); the cells are not trusted after this. False if a thread still runs after
+        `timeout_s` (it may still write the cells: keep them mapped)."""
         self._stop.set()
         with self._lock:
             self._wake.notify_all()
+            clients = list(self._clients)
+        for client in clients:
+            with contextlib.suppress(Exception):  # racing the thread that uses it: it only ends sooner
+                client.connection_pool.disconnect()
+        deadline = time.monotonic() + timeout_s
         for thread in self._threads:
-            thread.join(timeout_s)
+            thread.join(max(0.0, deadline - time.monotonic()))
         self._held.set_live(False)
+        running = [thread.name for thread in self._threads if thread.is_alive()]
+        if running:
+            log.warning("presence feed threads %s still running %.1f s after close", running, timeout_s)
+        return not running
+
+    def _connect(self, timeout_s: float) -> redis.Redis:
+        """A client `close` can cut (never a cluster client: RedisOptions refuses a feed there)."""
+        client = connect(self._options.url, self._options, timeout_s)
+        assert isinstance(client, redis.Redis)
+        with self._lock:
+            self._clients.add(client)
+        if self._stop.is_set():  # close ran before it was registered
+            client.connection_pool.disconnect()
+        return client
+
+    def _forget(self, client: redis.Redis) -> None:
+        with self._lock:
+            self._clients.discard(client)
+        client.close()
 
     # ---- announcing -----------------------------------------------------------------------
 
     def _announce_loop(self) -> None:
-        client: RedisClient | None = None
+        client: redis.Redis | None = None
         backoff = RETRY_MIN_S
         while not self._stop.is_set():
             with self._lock:
@@ -141,17 +171,17 @@ class RedisPresenceFeed:
             count = sum(len(fps) for fps in pending.values())
             try:
                 if client is None:
-                    client = connect(self._options.url, self._options, self._options.write_timeout_s)
+                    client = self._connect(self._options.write_timeout_s)
                 pipe = client.pipeline(transaction=False)
                 for message in messages:
                     pipe.publish(self.channel, message)
                 pipe.execute()
-            except REDIS_ERRORS as exc:
+            except Exception as exc:  # as in _follow_loop: any fault drops these, none ends the feed
                 with self._lock:
                     self.counters.announce_dropped += count
                 log.debug("presence announcements dropped (%d blocks): %s", count, error_kind(exc))
                 if client is not None:
-                    client.close()
+                    self._forget(client)
                     client = None
                 self._stop.wait(backoff)
                 backoff = min(RETRY_MAX_S, backoff * 2)
@@ -160,17 +190,23 @@ class RedisPresenceFeed:
             with self._lock:
                 self.counters.announced += count
         if client is not None:
-            client.close()
+            self._forget(client)
 
     # ---- following ------------------------------------------------------------------------
 
     def _follow_loop(self) -> None:
-        backoff = RETRY_MIN_S
+        backoff, reported = RETRY_MIN_S, False
         while not self._stop.is_set():
+            self._following = False
             try:
                 self._follow()
-            except (*REDIS_ERRORS, _Unanswered) as exc:
-                if not self._stop.is_set():
+            # The feed is advice: any fault makes it not live, none ends it. That includes what a
+            # hostile peer's replies make redis-py's pub/sub parser raise (TypeError, IndexError).
+            except Exception as exc:
+                if self._following:  # it was live: a new outage
+                    reported, backoff = False, RETRY_MIN_S
+                if not self._stop.is_set() and not reported:
+                    reported = True
                     log.info(
                         "presence feed of %s down (%s); engines look up every prompt until it is back",
                         redact_url(self._options.url),
@@ -178,20 +214,17 @@ class RedisPresenceFeed:
                     )
                 self._stop.wait(backoff)
                 backoff = min(RETRY_MAX_S, backoff * 2)
-            else:
-                backoff = RETRY_MIN_S
 
     def _follow(self) -> None:
         """One subscription: subscribe, read the key space, follow until a fault or `close`."""
         # The writer's timeouts, not a read's: a SCAN page of a large Redis may take longer than 50 ms.
-        client = connect(self._options.url, self._options, self._options.write_timeout_s)
+        client = self._connect(self._options.write_timeout_s)
         pubsub = client.pubsub()
-        following = False
         try:
             pubsub.subscribe(self.channel)
             self._await_subscribed(pubsub)
             self._seed(client, pubsub)
-            following = True  # every write from here on
+            self._following = True  # every write from here on
             self._trust()
             log.info("presence feed of %s live: %d blocks held", redact_url(self._options.url), self._held.held())
             next_sweep = next_ping = time.monotonic()
@@ -216,11 +249,12 @@ class RedisPresenceFeed:
                     raise _Unanswered(f"no PING answered for {DEAD_AFTER_S:.0f} s")
         finally:
             self._held.set_live(False)
-            if following and not self._stop.is_set():
+            if self._following and not self._stop.is_set():
                 with self._lock:
                     self.counters.resyncs += 1
-            pubsub.close()
-            client.close()
+            with contextlib.suppress(Exception):  # a peer's garbage may fail the close too
+                pubsub.close()
+            self._forget(client)
 
     def _trust(self) -> None:
         """Let readers trust the cells, unless they hold too many blocks to hold them well."""
@@ -251,7 +285,7 @@ class RedisPresenceFeed:
                 self._take(message)
         raise _Unanswered("SUBSCRIBE not confirmed")
 
-    def _seed(self, client: RedisClient, pubsub: redis.client.PubSub) -> None:
+    def _seed(self, client: redis.Redis, pubsub: redis.client.PubSub) -> None:
         """Every block key's fingerprint and TTL, taking in the channel between pages."""
         keys: list[bytes] = []
         for key in client.scan_iter(match=self._pattern, count=SCAN_COUNT):
@@ -265,7 +299,7 @@ class RedisPresenceFeed:
         self._seed_page(client, keys)
         self._drain(pubsub)
 
-    def _seed_page(self, client: RedisClient, keys: Sequence[bytes]) -> None:
+    def _seed_page(self, client: redis.Redis, keys: Sequence[bytes]) -> None:
         if not keys:
             return
         pipe = client.pipeline(transaction=False)
