@@ -43,7 +43,7 @@ import redis
 import redis.exceptions
 
 from ..presence import RemoteHeld
-from .redis_link import REDIS_ERRORS, error_kind
+from .redis_link import error_kind
 from .redis_options import RedisOptions, connect, redact_url
 
 log = logging.getLogger(__name__)
