@@ -29,10 +29,14 @@ Invariants:
   and clears it whenever it may have missed one; a view then answers None (look the prompt up).
   A remote cell holds its block until the TTL Redis was given for it ends (a key Redis evicts
   sooner costs a Lookup that misses).
-- A table whose writer stopped beating (CLOCK_MONOTONIC, every `BEAT_S`) more than `STALE_S`
-  ago, or said it stopped (a heartbeat of 0: the service closed it), reads as None: a service
-  killed or restarted leaves its engines' old mapping frozen, and its blocks were never those the
-  new service holds; the engine's Lookup then fails and its re-attach maps the new table.
+- A table its service no longer keeps reads as None: a service killed or restarted leaves its
+  engines' old mapping frozen, and its blocks are not those the new service holds; the engine's
+  Lookup then fails and its re-attach maps the new table. A view tells by two checks on each
+  read: the segment's name still names the segment it mapped (a restarted service, or anyone
+  clearing a dead one's, removes or replaces it: a stat, ~2 µs), and the writer beat within
+  `STALE_S` (it beats CLOCK_MONOTONIC, which every process on the host shares unless given a time
+  namespace of its own, every `BEAT_S`, and zeroes it when it closes: a hung or killed service
+  whose name no one removed).
 - With a disk tier a Lookup also finds spilled blocks the table does not follow: no table is
   published, and engines look up every prompt.
 """
@@ -52,6 +56,7 @@ import numpy as np
 from .config import validate_salt
 from .errors import ConfigError
 from .hashing import BlockHash, Hasher, Tokens, token_array
+from .tiers.shm import SHM_DIR
 
 MAGIC = b"pfxheld\x02"
 MAGIC_V1 = b"pfxheld\x01"  # an older service's segment: the index's cells only (read still)
@@ -277,8 +282,10 @@ class PresenceView:
         self.salt_gap = salt_gap
         self._salted: dict[str, BlockHash] = {}  # salt -> root; emptied when SALTED_ROOTS are held
         fd = _posixshmem.shm_open("/" + segment_name.lstrip("/"), os.O_RDONLY, mode=0o600)
+        self._path = SHM_DIR / segment_name.lstrip("/")
         try:
-            size = os.fstat(fd).st_size
+            stat = os.fstat(fd)
+            size, self._identity = stat.st_size, (stat.st_dev, stat.st_ino)
             if size < HEADER_BYTES:
                 raise ConfigError("presence", f"shared memory {segment_name!r} is too short for a presence table")
             self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
@@ -316,7 +323,7 @@ class PresenceView:
         Lookup says why), remote cells not live (their feed is catching up), or a table its
         service no longer keeps (closed, killed, hung)."""
         root = self.root if salt is None else self._salted_root(salt)
-        if root is None or (self._beat is not None and not self.kept()):
+        if root is None or not self.kept():
             return None
         fps = fingerprints(self.hasher.block_hashes(root, token_array(tokens), self.block_size))
         if not fps.size:
@@ -329,9 +336,17 @@ class PresenceView:
         return (len(present) if present.all() else int(present.argmin())) * self.block_size
 
     def kept(self) -> bool:
-        """Whether the service still keeps the table: it beat within STALE_S."""
-        beat = int(self._beat[0]) if self._beat is not None else 1
-        return beat != 0 and time.monotonic_ns() - beat <= _STALE_NS
+        """Whether the service still keeps the table: it beat within STALE_S (a v1 table does not
+        beat), and its name still names this segment."""
+        if self._beat is not None:
+            beat = int(self._beat[0])
+            if beat == 0 or time.monotonic_ns() - beat > _STALE_NS:
+                return False
+        try:
+            stat = os.stat(self._path)
+        except OSError:
+            return False
+        return (stat.st_dev, stat.st_ino) == self._identity
 
     def _salted_root(self, salt: str) -> BlockHash | None:
         root = self._salted.get(salt)

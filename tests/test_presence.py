@@ -221,6 +221,9 @@ def test_a_table_no_longer_kept_reads_as_none():
         assert view.held_tokens(prompt(2)) == 0
         table.stop_beating()  # closed: 0
         assert view.held_tokens(prompt(2)) is None
+        table._beat[0] = time.monotonic_ns()
+        (SHM_DIR / segment.name).unlink()  # a restarted service (or a cleaner) removed the dead one's name
+        assert view.held_tokens(prompt(2)) is None and not view.kept()
         table.release()
     finally:
         segment.close()
