@@ -143,7 +143,9 @@ class RedisOptions:
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise ConfigError(name, f"must be an integer in [{low}, {high}], got {value!r}")
         if self.presence_blocks and scheme in CLUSTER_SCHEMES:
-            raise ConfigError("presence_blocks", "Redis Cluster is not followed (tiers/redis_presence.py): set it to 0")
+            raise ConfigError(
+                "presence_blocks", "is not supported on Redis Cluster yet (tiers/redis_presence.py): set 0"
+            )
         if self.write_lanes > self.max_connections:
             raise ConfigError("write_lanes", f"must not exceed max_connections ({self.max_connections})")
         tls_files = (self.tls_ca_file, self.tls_cert_file, self.tls_key_file)

@@ -23,9 +23,10 @@ is held in the remote cells until the TTL it was given ends.
   (a warning names the flag) until expiries bring it under `REFILL` times.
 - A key Redis drops before its TTL (maxmemory eviction, another service's flush) stays in the
   cells until that TTL: a Lookup that misses, as without the table.
-- Redis Cluster is not followed (the cluster client's pub/sub reaches one node): a service on one
-  publishes no remote cells, and its engines look up every prompt (tiers/redis.py
-  `follows_presence`).
+- Not yet on Redis Cluster: `RedisOptions.presence_blocks` is 0 there (refused otherwise), so a
+  service on one publishes no table and its engines look up every prompt. A classic channel would
+  reach every node; this feed would still have to publish without a pipeline (redis-py's cluster
+  client refuses a pipelined PUBLISH) and cut its nodes' connections on close.
 """
 
 from __future__ import annotations

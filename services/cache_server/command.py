@@ -211,7 +211,7 @@ def register(subparsers) -> None:
         default=None,
         help="Redis blocks the presence table follows for same-host engines, which skip Lookups of "
         "prompts neither this service nor Redis holds (32 bytes of shared memory each; 0: none, "
-        f"engines look up every prompt; default {PRESENCE_BLOCKS}, 0 on Redis Cluster, which it cannot follow)",
+        f"engines look up every prompt; default {PRESENCE_BLOCKS}; 0 on Redis Cluster, not supported there yet)",
     )
     redis.add_argument(
         "--redis-password-file",
