@@ -158,10 +158,10 @@ class RemoteHeld:
         """Blocks the cells hold at a quarter full (buckets_for's sizing)."""
         return self._cells.cells.size // 4
 
-    def add(self, hashes_or_fps: np.ndarray, ttl_s: float) -> None:
+    def add(self, fps: np.ndarray, ttl_s: float) -> None:
         """Blocks Redis holds for `ttl_s` from now, by fingerprint; a block already held keeps the
         later of its two ends (a TTL only ever lengthens: tiers/redis.py)."""
-        fps = _nonzero(hashes_or_fps)
+        fps = _nonzero(fps)
         if not fps.size:
             return
         rows, ways, found = self._cells.add(fps)

@@ -7,6 +7,7 @@ real redis-server."""
 from __future__ import annotations
 
 import contextlib
+import secrets
 import struct
 import time
 from collections.abc import Callable, Iterator
@@ -38,31 +39,35 @@ SETTLE_S = 10.0  # a feed goes live, or an announcement arrives, well within thi
 def services(private_redis) -> Iterator[Callable[..., object]]:
     """`make(**redis_options)`: a started service over `private_redis`, with a same-host client
     attached (returned as (server, client)); all stopped on exit."""
+    with _services(private_redis.url) as make:
+        yield make
+
+
+@contextlib.contextmanager
+def _services(url: str) -> Iterator[Callable[..., object]]:
+    from prefixcache.client.api import CacheClient
+
     started = []
 
     def make(**redis_options):
-        options = RedisOptions(url=private_redis.url, **redis_options)
+        options = RedisOptions(url=url, **redis_options)
         backend = BackendOptions(
             cache=CacheConfig(host_capacity=64 * layout_of().block_bytes),
             block_size=BLOCK,
             remote_factory=lambda _layout: RedisTier(options),
         )
         server = build_server(ServerOptions(backend=backend, listen="127.0.0.1:0", authenticator=Authenticator.open()))
-        client = server_client(server)
+        client = CacheClient(server.address, timeout_s=10)
+        client.attach("model", layout_of())
         started.append((server, client))
         return server, client
 
-    def server_client(server):
-        from prefixcache.client.api import CacheClient
-
-        client = CacheClient(server.address, timeout_s=10)
-        client.attach("model", layout_of())
-        return client
-
-    yield make
-    for server, client in started:
-        client.close()
-        server.shutdown(0)
+    try:
+        yield make
+    finally:
+        for server, client in started:
+            client.close()
+            server.shutdown(0)
 
 
 def _until(read: Callable[[], object], expected: object, what: str) -> None:
@@ -190,13 +195,42 @@ def test_a_table_too_small_for_what_redis_holds_reads_as_unknown_not_absent(serv
 
 
 def test_settings_that_cannot_be_followed_are_refused_naming_the_field():
-    with pytest.raises(ConfigError, match="presence_blocks.*Cluster"):
-        RedisOptions(url="redis+cluster://127.0.0.1:7000", presence_blocks=1024)
-    assert RedisOptions(url="redis+cluster://127.0.0.1:7000").presence_blocks == 0  # default: off there
     with pytest.raises(ConfigError, match="presence_blocks"):
         RedisOptions(url="redis://127.0.0.1:6379/0", presence_blocks=-1)
     with pytest.raises(ConfigError, match="redis_presence_blocks.*needs --redis-url"):
         options_from(build_parser().parse_args(["serve", "--redis-presence-blocks", "0"]))
+
+
+def test_services_on_a_redis_cluster_see_each_others_blocks_on_every_node(redis_cluster):
+    """The channel reaches every node's subscribers whichever node a PUBLISH goes to; a service
+    started later reads the key space of every primary; close cuts every node's connections."""
+    key_prefix = f"p{secrets.token_hex(4)}"  # the cluster is shared by the session's tests
+    with _services(redis_cluster.url) as make:
+        server_a, a = make(key_prefix=key_prefix, socket_timeout_s=0.5)
+        server_b, b = make(key_prefix=key_prefix, socket_timeout_s=0.5)
+        prompts = [prompt(4, 1000 * seed) for seed in range(1, 7)]  # 24 blocks: on every master
+        for tokens in prompts:
+            _until(lambda tokens=tokens: b.held_tokens(tokens), 0, "b live on the cluster")
+        for seed, tokens in enumerate(prompts):
+            _store(a, tokens, seed)
+        for tokens in prompts:
+            _until(lambda tokens=tokens: b.held_tokens(tokens), 4 * BLOCK, "b sees a's blocks")
+        hit = b.lookup(prompts[0])
+        assert hit.hit_tokens == 4 * BLOCK
+        b.release(hit)
+        assert server_a.backend.cache.remote_link.tier.wait_idle(10.0)
+        per_node = []
+        for node in redis_cluster.nodes:
+            with node.client() as raw:
+                per_node.append(sum(1 for _ in raw.scan_iter(match=f"{key_prefix}:*")))
+        assert sum(per_node) == 24 and sum(count > 0 for count in per_node) >= 2, per_node
+        server_c, c = make(key_prefix=key_prefix, socket_timeout_s=0.5)
+        for tokens in prompts:
+            _until(lambda tokens=tokens: c.held_tokens(tokens), 4 * BLOCK, "c, seeded from every primary")
+        assert _remote(server_c)["presence_held"] >= 24
+        feed = server_c.backend.cache.remote_link.tier._feed
+        began = time.monotonic()
+        assert feed.close(timeout_s=5.0) and time.monotonic() - began < 2.0
 
 
 def test_no_remote_cells_with_presence_blocks_zero(services):

@@ -112,7 +112,7 @@ class RedisTier:
     @property
     def presence_blocks(self) -> int:
         """Blocks a presence table's remote cells should hold for this tier (0: none)."""
-        return self.options.presence_blocks or 0
+        return self.options.presence_blocks
 
     def follow_presence(self, held: RemoteHeld) -> None:
         """Keep `held` (a presence table's remote cells) holding the blocks this Redis holds, whoever
@@ -208,8 +208,11 @@ class RedisTier:
             ttls_ms = tuple(self._link.ttl_ms(t) for t in ttls_s)
             self._writer.expire(keys, ttls_ms)
             if self._feed is not None:  # PEXPIRE never creates a key: announced as held only if it was
+                by_ttl: dict[int, list[bytes]] = {}
                 for block_hash, ttl_ms in zip(hashes, ttls_ms, strict=True):
-                    self._feed.announce((block_hash,), ttl_ms)
+                    by_ttl.setdefault(ttl_ms, []).append(block_hash)
+                for ttl_ms, same_ttl in by_ttl.items():
+                    self._feed.announce(same_ttl, ttl_ms)
 
     def delete_namespace(self, namespace_id: str) -> None:
         """Queue a SCAN+UNLINK of every block of one namespace (on every cluster node)."""

@@ -89,8 +89,8 @@ class RedisOptions:
     hmac_key: bytes | None = field(default=None, repr=False)
     # Blocks of Redis the service's presence table follows for its same-host engines (at a quarter
     # full: 32 bytes of shared memory each; tiers/redis_presence.py); 0: none, engines look up
-    # every prompt. Not on Redis Cluster. None: PRESENCE_BLOCKS, or 0 on Redis Cluster.
-    presence_blocks: int | None = None
+    # every prompt.
+    presence_blocks: int = PRESENCE_BLOCKS
 
     def __post_init__(self) -> None:
         scheme = url_scheme(self.url)
@@ -129,8 +129,6 @@ class RedisOptions:
         for name, low in (("max_fetch_bytes", 1), ("socket_read_size", 4096)):
             if getattr(self, name) < low:
                 raise ConfigError(name, f"must be at least {low} bytes")
-        if self.presence_blocks is None:
-            object.__setattr__(self, "presence_blocks", 0 if scheme in CLUSTER_SCHEMES else PRESENCE_BLOCKS)
         for name, low, high in (
             ("max_batch", 1, 1 << 16),
             ("write_lanes", 1, 16),
@@ -142,10 +140,6 @@ class RedisOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise ConfigError(name, f"must be an integer in [{low}, {high}], got {value!r}")
-        if self.presence_blocks and scheme in CLUSTER_SCHEMES:
-            raise ConfigError(
-                "presence_blocks", "is not supported on Redis Cluster yet (tiers/redis_presence.py): set 0"
-            )
         if self.write_lanes > self.max_connections:
             raise ConfigError("write_lanes", f"must not exceed max_connections ({self.max_connections})")
         tls_files = (self.tls_ca_file, self.tls_cert_file, self.tls_key_file)

@@ -23,10 +23,11 @@ is held in the remote cells until the TTL it was given ends.
   (a warning names the flag) until expiries bring it under `REFILL` times.
 - A key Redis drops before its TTL (maxmemory eviction, another service's flush) stays in the
   cells until that TTL: a Lookup that misses, as without the table.
-- Not yet on Redis Cluster: `RedisOptions.presence_blocks` is 0 there (refused otherwise), so a
-  service on one publishes no table and its engines look up every prompt. A classic channel would
-  reach every node; this feed would still have to publish without a pipeline (redis-py's cluster
-  client refuses a pipelined PUBLISH) and cut its nodes' connections on close.
+- On Redis Cluster the channel is a classic one, which the cluster bus carries to every node: a
+  service subscribes on one node and publishes (one message per round trip: a cluster pipeline
+  refuses PUBLISH) wherever its client sends it; the key space is read on every primary. A message
+  the bus loses (a partition between two nodes whose PINGs each still answer) costs the hits on
+  the blocks it named until they are written again: a Lookup skipped, never wrong KV.
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ from dataclasses import dataclass
 import numpy as np
 import redis
 import redis.exceptions
+from redis.cluster import RedisCluster
 
 from ..presence import RemoteHeld
 from .redis_link import error_kind
-from .redis_options import RedisOptions, connect, redact_url
+from .redis_options import RedisClient, RedisOptions, connect, redact_url
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +93,7 @@ class RedisPresenceFeed:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._stop = threading.Event()
-        self._clients: set[redis.Redis] = set()  # connections in use, cut by close
+        self._clients: set[RedisClient] = set()  # connections in use, cut by close
         self.counters = FeedCounters()
         self._overfull = False  # the cells hold too many blocks to be trusted (follower thread only)
         self._following = False  # the current subscription follows every write (follower thread only)
@@ -131,8 +133,7 @@ class RedisPresenceFeed:
             self._wake.notify_all()
             clients = list(self._clients)
         for client in clients:
-            with contextlib.suppress(Exception):  # racing the thread that uses it: it only ends sooner
-                client.connection_pool.disconnect()
+            _cut(client)
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -142,17 +143,16 @@ class RedisPresenceFeed:
             log.warning("presence feed threads %s still running %.1f s after close", running, timeout_s)
         return not running
 
-    def _connect(self, timeout_s: float) -> redis.Redis:
-        """A client `close` can cut (never a cluster client: RedisOptions refuses a feed there)."""
+    def _connect(self, timeout_s: float) -> RedisClient:
+        """A client `close` can cut."""
         client = connect(self._options.url, self._options, timeout_s)
-        assert isinstance(client, redis.Redis)
         with self._lock:
             self._clients.add(client)
         if self._stop.is_set():  # close ran before it was registered
-            client.connection_pool.disconnect()
+            _cut(client)
         return client
 
-    def _forget(self, client: redis.Redis) -> None:
+    def _forget(self, client: RedisClient) -> None:
         with self._lock:
             self._clients.discard(client)
         client.close()
@@ -160,7 +160,7 @@ class RedisPresenceFeed:
     # ---- announcing -----------------------------------------------------------------------
 
     def _announce_loop(self) -> None:
-        client: redis.Redis | None = None
+        client: RedisClient | None = None
         backoff = RETRY_MIN_S
         while not self._stop.is_set():
             with self._lock:
@@ -173,10 +173,7 @@ class RedisPresenceFeed:
             try:
                 if client is None:
                     client = self._connect(self._options.write_timeout_s)
-                pipe = client.pipeline(transaction=False)
-                for message in messages:
-                    pipe.publish(self.channel, message)
-                pipe.execute()
+                _publish(client, self.channel, messages)
             except Exception as exc:  # as in _follow_loop: any fault drops these, none ends the feed
                 with self._lock:
                     self.counters.announce_dropped += count
@@ -286,7 +283,7 @@ class RedisPresenceFeed:
                 self._take(message)
         raise _Unanswered("SUBSCRIBE not confirmed")
 
-    def _seed(self, client: redis.Redis, pubsub: redis.client.PubSub) -> None:
+    def _seed(self, client: RedisClient, pubsub: redis.client.PubSub) -> None:
         """Every block key's fingerprint and TTL, taking in the channel between pages."""
         keys: list[bytes] = []
         for key in client.scan_iter(match=self._pattern, count=SCAN_COUNT):
@@ -300,7 +297,7 @@ class RedisPresenceFeed:
         self._seed_page(client, keys)
         self._drain(pubsub)
 
-    def _seed_page(self, client: redis.Redis, keys: Sequence[bytes]) -> None:
+    def _seed_page(self, client: RedisClient, keys: Sequence[bytes]) -> None:
         if not keys:
             return
         pipe = client.pipeline(transaction=False)
@@ -342,6 +339,29 @@ class RedisPresenceFeed:
 
 class _Unanswered(redis.exceptions.ConnectionError):
     """The subscription went quiet: no confirmation, or no PING answered in time."""
+
+
+def _publish(client: RedisClient, channel: str, messages: list[bytes]) -> None:
+    """One round trip for them all, except on a cluster (its pipeline refuses PUBLISH)."""
+    if isinstance(client, RedisCluster):
+        for message in messages:
+            client.publish(channel, message)
+        return
+    pipe = client.pipeline(transaction=False)
+    for message in messages:
+        pipe.publish(channel, message)
+    pipe.execute()
+
+
+def _cut(client: RedisClient) -> None:
+    """Disconnect every connection of `client`, in use or not: a thread blocked on one fails now."""
+    if isinstance(client, RedisCluster):
+        pools = [node.redis_connection.connection_pool for node in client.get_nodes() if node.redis_connection]
+    else:
+        pools = [client.connection_pool]
+    for pool in pools:
+        with contextlib.suppress(Exception):  # racing the thread that uses it: it only ends sooner
+            pool.disconnect()
 
 
 def _messages(ttl_ms: int, fps: list[bytes]) -> list[bytes]:

@@ -211,7 +211,7 @@ def register(subparsers) -> None:
         default=None,
         help="Redis blocks the presence table follows for same-host engines, which skip Lookups of "
         "prompts neither this service nor Redis holds (32 bytes of shared memory each; 0: none, "
-        f"engines look up every prompt; default {PRESENCE_BLOCKS}; 0 on Redis Cluster, not supported there yet)",
+        f"engines look up every prompt; default {PRESENCE_BLOCKS})",
     )
     redis.add_argument(
         "--redis-password-file",
@@ -328,7 +328,7 @@ def remote_factory_from(args: argparse.Namespace) -> Callable[[KVLayout], Remote
         tls_cert_file=args.redis_tls_cert_file,
         tls_key_file=args.redis_tls_key_file,
         hmac_key=hmac_key,
-        presence_blocks=args.redis_presence_blocks,
+        presence_blocks=PRESENCE_BLOCKS if args.redis_presence_blocks is None else args.redis_presence_blocks,
     )
     return lambda _layout: RedisTier(options, io_wait=waiting)
 
