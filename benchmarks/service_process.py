@@ -14,10 +14,10 @@ READY = "prefixcache serve: listening on "
 
 
 def start_service(
-    *flags: str, grace: str = "2s", timeout_s: float = 120.0, cpus: set[int] | None = None
+    *flags: str, grace: str = "2s", timeout_s: float = 120.0, cpus: set[int] | None = None, root: Path = ROOT
 ) -> tuple[subprocess.Popen, str]:
     """The running process and its `HOST:PORT`, once it printed its ready line; `cpus`: the cores
-    it runs on (None: any)."""
+    it runs on (None: any); `root`: the checkout it runs from (another one's: a "before")."""
     command = [
         sys.executable,
         "-m",
@@ -35,8 +35,8 @@ def start_service(
     ]
     process = subprocess.Popen(
         command,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)),
         stdout=subprocess.PIPE,
         text=True,
         preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),

@@ -1,7 +1,7 @@
 """A fleet of vLLM OpenAI servers under multi-turn load, with and without prefixcache (issue #31).
 
     PYTHONPATH=$PWD .venv-vllm/bin/python benchmarks/vllm_fleet_bench.py [--configs 1,2,3,3s,4,5]
-        [--kv-pressure] [--service-mib 2048] [--before-root DIR] [--rounds 1] [--conversations 8]
+        [--kv-pressure] [--service-mib 2048] [--before-root DIR [--before-services]] [--rounds 1] [--conversations 8]
         [--turns 3] [--users 3] [--min-turns 0] [--spill 2] [--think-ms 0] [--layers 4 --hidden 512] [--json-out FILE]
 
 Every configuration replays the SAME schedule: `--conversations` synthetic chats behind one
@@ -41,7 +41,8 @@ servers, services and Redis for each):
   4r  as 4, behind `prefixcache route` (Match on the service, each server's queue, the
       conversation's previous server on a tie), which every request goes through
   4b, 4sb, 5b (`--before-root DIR`) 4, 4s and 5 with the vLLM servers on PYTHONPATH=DIR: another
-      checkout's connector (a "before"), in the same run; the services always run from this tree
+      checkout's connector (a "before"), in the same run; the services run from this tree, or with
+      `--before-services` from DIR too (the whole "before": connector and services)
   4c, 4p  as 4 with the connector's `kv_role` kv_consumer (Lookups and loads, no saves) and
       kv_producer (saves, no Lookups): where the connector's cost per request comes from
 
@@ -449,14 +450,21 @@ def group_cpu_s(processes: list[subprocess.Popen]) -> float:
     return sum(_cpu_s(fields) for _, _, _, fields in _members(processes))
 
 
-def thread_cpu_s(servers: list[subprocess.Popen], services: list[subprocess.Popen]) -> dict[str, float]:
-    """CPU seconds so far of every live thread of the servers' groups and the services, summed by
-    process and OS thread name: `api/python` (a server's API process), `VLLM::Worker/pfx-save` (the
-    connector's threads name themselves, prefixcache/threads.py), `service/...`; numbered names
-    (`gloo_tcp_loop`, `ZMQbg/IO/0`) pooled without their numbers."""
-    leaders = {process.pid: "api" for process in servers} | {process.pid: "service" for process in services}
+def thread_cpu_s(
+    servers: list[subprocess.Popen], services: list[subprocess.Popen], stores: list[subprocess.Popen]
+) -> dict[str, float]:
+    """CPU seconds so far of every live thread of the servers' groups, the services and the stores
+    (redis-server), summed by process and OS thread name: `api/python` (a server's API process),
+    `VLLM::Worker/pfx-save` (the connector's threads name themselves, prefixcache/threads.py),
+    `service/...`, `redis/...`; numbered names (`gloo_tcp_loop`, `ZMQbg/IO/0`) pooled without
+    their numbers."""
+    leaders = (
+        {process.pid: "api" for process in servers}
+        | {process.pid: "service" for process in services}
+        | {process.pid: "redis" for process in stores}
+    )
     totals: dict[str, float] = {}
-    for directory, pid, name, _ in _members(servers + services):
+    for directory, pid, name, _ in _members(servers + services + stores):
         process = leaders.get(pid, name)
         try:
             for task in (directory / "task").iterdir():
@@ -525,20 +533,22 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
     tag = config.name.replace("/", "-")
     try:
         addresses: list[str | None] = [None] * config.servers
+        before = config.name in BEFORE_CONFIGS
+        service_root = Path(args.before_root) if before and args.before_services else ROOT
         flags = ["--host-capacity", f"{args.service_mib}MiB", "--block-size", str(BLOCK)]
         cores = os.cpu_count() or 1
         # a lone server on core 0 leaves the other cores to its service (2 against 2p: the
         # connector's cost when the cache does not share the engine's core)
         spare = set(range(1, cores)) if args.bind_cores and config.servers == 1 and cores > 1 else None
         if config.cache == "host":
-            process, address = start_service(*flags, cpus=spare)
+            process, address = start_service(*flags, cpus=spare, root=service_root)
             services.append(process)
             addresses = [address] * config.servers
         elif config.cache == "redis":
             (work / f"redis-{tag}").mkdir()
             redis = RedisServer(work / f"redis-{tag}").start()
             for i in range(config.servers):
-                process, address = start_service(*flags, "--redis-url", redis.url)
+                process, address = start_service(*flags, "--redis-url", redis.url, root=service_root)
                 services.append(process)
                 addresses[i] = address
         pythonpath = args.before_root if config.name in BEFORE_CONFIGS else str(ROOT)
@@ -568,12 +578,19 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
             process, router_url = start_router(model, urls, addresses)
             services.append(process)  # its CPU counts with the services'
             targets = [router_url]
+        # Redis on the engines' cores is this benchmark's shape, not the cross-host one's: counted apart
+        stores = [redis.process] if redis is not None and redis.process is not None else []
         before = counters(urls)
-        cpu_before = group_cpu_s(servers), group_cpu_s(services)
-        threads_before = thread_cpu_s(servers, services)
+        cpu_before = group_cpu_s(servers), group_cpu_s(services), group_cpu_s(stores)
+        threads_before = thread_cpu_s(servers, services, stores)
         results, wall_s = asyncio.run(drive(targets, chats, config, args))
-        cpu = {"servers_s": group_cpu_s(servers) - cpu_before[0], "services_s": group_cpu_s(services) - cpu_before[1]}
-        for name, seconds in thread_cpu_s(servers, services).items():
+        cpu = {
+            "servers_s": group_cpu_s(servers) - cpu_before[0],
+            "services_s": group_cpu_s(services) - cpu_before[1],
+        }
+        if stores:
+            cpu["redis_s"] = group_cpu_s(stores) - cpu_before[2]
+        for name, seconds in thread_cpu_s(servers, services, stores).items():
             cpu[f"thread {name}"] = seconds - threads_before.get(name, 0.0)
         time.sleep(0.5)
         after = counters(urls)
@@ -632,7 +649,7 @@ def breakdown(rows: list[dict]) -> str:
     and the connector's own counters (configurations with it): its hooks' time on vLLM's threads,
     its threads' CPU, load and save times (wall, including waits for the cores)."""
     lines = [
-        "| config | CPU ms per request: vLLM servers / services (and router) "
+        "| config | CPU ms per request: vLLM servers / services (and router) / redis-server "
         "| connector on vLLM's threads: CPU / grace waits / idle waits ms/req "
         "| connector threads CPU ms/req | lookups sent (requests skipped by the presence table): steps deferred / not awaited "
         "| hits (in-step) | misses "
@@ -642,7 +659,10 @@ def breakdown(rows: list[dict]) -> str:
     for r in rows:
         c, cpu, n = r.get("connector") or {}, r.get("cpu") or {}, max(r["requests"], 1)
         hits = c.get("hits", 0.0)
-        processes = f"{1000 * cpu.get('servers_s', 0.0) / n:.0f} / {1000 * cpu.get('services_s', 0.0) / n:.0f}"
+        processes = " / ".join(
+            f"{1000 * cpu.get(name, 0.0) / n:.1f}" if name in cpu else "—"
+            for name in ("servers_s", "services_s", "redis_s")
+        )
         if not c:  # no connector
             lines.append(f"| {r['config']} | {processes} | — | — | — | — | — | — | — | — |")
             continue
@@ -728,6 +748,9 @@ def main() -> None:
         help="more kv_connector_extra_config for every connector, as JSON (e.g. '{\"lookup_grace_s\": 0}')",
     )
     parser.add_argument("--before-root", default="", help="the checkout whose connector configs 4b and 5b run")
+    parser.add_argument(
+        "--before-services", action="store_true", help="configs 4b, 4sb and 5b run --before-root's services too"
+    )
     parser.add_argument(
         "--rounds",
         type=int,
