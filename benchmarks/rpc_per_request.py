@@ -1,7 +1,7 @@
 """RPCs per worker request: what each of Lookup, Reserve, Commit and Release costs a same-host worker.
 
     python benchmarks/rpc_per_request.py [--requests 300] [--prompt-tokens 2048] [--suffix 256]
-        [--small] [--host-capacity 4GiB]
+        [--small] [--host-capacity 4GiB] [--redis] [--service-root DIR]
 
 Starts `prefixcache serve` as its own process, attaches like a worker (same host: the host tier
 mapped), stores a shared prefix, then replays the worker's per-request sequence N times:
@@ -20,6 +20,9 @@ It prints the wall time of each stage, mean and p50, and the service's and the c
 mode (from /proc), and the share of stores that found a spare reservation (one call, no Reserve). Only Lookup and the read sit before the first token: the store and the
 Release run after the response has streamed. Layout: Llama-3-8B-shaped (`--small`: the vLLM
 fleet benchmark's 4-layer model, 64 KiB blocks of 32 tokens, where the RPCs are the cost).
+`--redis`: the service writes every stored block through to a redis-server of its own (the cost
+of the cross-host shape's saves), whose CPU per request is reported too. `--service-root DIR`:
+the service runs from another checkout (a "before"), this script and client from this one.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,12 +62,22 @@ def main() -> None:
         default="4GiB",
         help="the service's host tier; one smaller than the stores' total fills, and LRU evicts from then on",
     )
+    parser.add_argument("--redis", action="store_true", help="a Redis tier on a redis-server of its own")
+    parser.add_argument("--service-root", type=Path, default=ROOT, help="the checkout the service runs from")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     layout = SMALL if args.small else LAYOUT
     size = layout.block_size
     suffix_blocks = args.suffix // size
-    process, address = start_service("--host-capacity", args.host_capacity, "--block-size", str(size))
+    flags = ["--host-capacity", args.host_capacity, "--block-size", str(size)]
+    redis = None
+    if args.redis:
+        from tests.support.redis_server import RedisServer
+
+        redis = RedisServer(Path(tempfile.mkdtemp(prefix="rpc-redis-"))).start()
+        flags += ["--redis-url", redis.url]
+    process, address = start_service(*flags, root=args.service_root)
+    redis_pid = redis.process.pid if redis is not None and redis.process is not None else None
     try:
         grpc_client = CacheClient(address, timeout_s=30, control_socket=False)
         socket_client = CacheClient(address, timeout_s=30)
@@ -83,6 +97,7 @@ def main() -> None:
             "socket": {name: [] for name in ("lookup", "read", "store")},
         }
         cpu = {mode: 0.0 for mode in modes}
+        redis_cpu = {mode: 0.0 for mode in modes}  # redis-server's, with --redis
         client_cpu = {mode: 0.0 for mode in modes}  # this process: the caller's side of the calls and copies
         one_call = {mode: 0 for mode in modes}  # stores that found a spare reservation (no Reserve)
         share = max(1, args.requests // (2 * len(modes)))
@@ -95,6 +110,7 @@ def main() -> None:
             client = socket_client if mode == "socket" else grpc_client
             tokens = prefix + [100_000 + request * args.suffix + i for i in range(args.suffix)]
             cpu_before, client_before = _cpu_s(process.pid), time.process_time()
+            redis_before = _cpu_s(redis_pid) if redis_pid else 0.0
             t0 = time.perf_counter()
             hit = client.lookup(tokens, take_lease=True, release=returning)
             returning = []
@@ -126,6 +142,7 @@ def main() -> None:
                 client.release(hit)
                 marks.append(time.perf_counter())
             cpu[mode] += _cpu_s(process.pid) - cpu_before
+            redis_cpu[mode] += (_cpu_s(redis_pid) - redis_before) if redis_pid else 0.0
             client_cpu[mode] += time.process_time() - client_before
             for name, start, end in zip(modes[mode], marks, marks[1:]):
                 modes[mode][name].append((end - start) * 1e3)
@@ -137,6 +154,9 @@ def main() -> None:
         }
         report["service_cpu_ms_per_request"] = {
             mode: 1e3 * cpu[mode] / max(1, len(stages["lookup"])) for mode, stages in modes.items()
+        }
+        report["redis_cpu_ms_per_request"] = {
+            mode: 1e3 * redis_cpu[mode] / max(1, len(stages["lookup"])) for mode, stages in modes.items()
         }
         report["client_cpu_ms_per_request"] = {
             mode: 1e3 * client_cpu[mode] / max(1, len(stages["lookup"])) for mode, stages in modes.items()
@@ -150,11 +170,15 @@ def main() -> None:
     finally:
         process.terminate()
         process.wait(30)
+        if redis is not None:
+            redis.stop()
     for mode in modes:
         print(f"{mode:<24}{'mean ms':>10}{'p50 ms':>10}   (before the first token: lookup, read)")
         for name in modes[mode]:
             print(f"  {name:<22}{report[mode][name]['mean_ms']:>10.3f}{report[mode][name]['p50_ms']:>10.3f}")
         print(f"  {'service CPU / request':<22}{report['service_cpu_ms_per_request'][mode]:>10.3f}")
+        if args.redis:
+            print(f"  {'redis CPU / request':<22}{report['redis_cpu_ms_per_request'][mode]:>10.3f}")
         print(f"  {'client CPU / request':<22}{report['client_cpu_ms_per_request'][mode]:>10.3f}")
         print(f"  {'stores without Reserve':<22}{report['stores_without_reserve'][mode]:>10.0%}")
     print(json.dumps(report, indent=2))

@@ -207,10 +207,13 @@ def test_redis_frame_bench(tmp_path: Path, keyed: bool) -> None:
 
 
 def test_rpc_per_request(tmp_path: Path) -> None:
-    report = run_json("rpc_per_request.py", tmp_path, "--requests", "6", "--prompt-tokens", "64", "--suffix", "32")
+    args = ("--requests", "6", "--prompt-tokens", "64", "--suffix", "32", "--redis")  # written through to Redis
+    report = run_json("rpc_per_request.py", tmp_path, *args)
     assert report.pop("shared_memory") is True
     modes = ["two_calls", "one_call", "returned", "socket"]
     assert list(report.pop("service_cpu_ms_per_request")) == modes
+    redis_cpu = report.pop("redis_cpu_ms_per_request")
+    assert list(redis_cpu) == modes and all(ms >= 0 for ms in redis_cpu.values())
     assert list(report.pop("client_cpu_ms_per_request")) == modes
     without = report.pop("stores_without_reserve")  # the one-call client's store after the prefix's found its spare
     assert list(without) == modes and without["two_calls"] == 0 and without["one_call"] > 0
