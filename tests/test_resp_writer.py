@@ -154,6 +154,28 @@ def test_a_burst_of_small_sets_wakes_one_lane_not_every_lane(private_redis: Redi
     lanes.join()
 
 
+@pytest.mark.parametrize("round_", range(4))
+def test_no_set_is_left_queued_with_every_lane_asleep(redis_server: RedisServer, round_: int) -> None:
+    """Lanes wake one at a time now (a push wakes none while one is about to look): a wake-up lost
+    between a push and a lane going to sleep would strand a SET until the next push. Pushes of
+    random sizes at random gaps, then none: every one must be written."""
+    rng = np.random.default_rng(round_)
+    sizes = rng.choice([0, 100, 64 << 10, 300 << 10, 1 << 20, (3 << 20) // 2], size=200)
+    payload = np.zeros(max(sizes), dtype=np.uint8)
+    writer = core.RespWriter(4)
+    lanes = Lanes(writer, redis_server, range(4), max_batch=int(rng.integers(1, 17)))
+    for i, size in enumerate(sizes):
+        writer.push(i, f"x{round_}:{i}".encode(), memoryview(payload[:size]), 60_000)
+        gap = rng.random()
+        if gap < 0.3:
+            time.sleep(gap / 1000)  # up to 0.3 ms: pushes land while lanes send, wake and sleep
+    batches = settle(writer, len(sizes), timeout_s=20.0)
+    assert sorted(op for ops, *_ in batches for op in ops) == list(range(len(sizes)))
+    assert len(writer) == 0
+    writer.stop(0)
+    lanes.join()
+
+
 def test_lane_zero_returns_at_an_op_python_runs_and_the_others_wait(redis_server: RedisServer) -> None:
     writer = core.RespWriter(2)
     writer.push("first", b"z:1", b"v", 1000)
