@@ -909,11 +909,8 @@ link_unblock(Link *link, int flags)
  * command's value, which Redis then copies out instead of adopting its read buffer (see
  * set_build); one command at a time per connection never lets that happen, and a few connections
  * keep Redis fed (docs/benchmarks.md). A lane still takes a batch per wake-up, so waking and
- * handing back cost once per batch. A push wakes one lane, and only when no lane is about to look
- * at the queue anyway, or when a batch's worth (LANE_BATCH_BYTES) waits behind the lanes sending
- * (a slow link): a commit's few blocks then go on one lane in one or two batches, where waking
- * every lane on every push cost the service half its CPU per commit (docs/benchmarks.md). SETs
- * of one key on two lanes may land in either order; they carry the same block's frame.
+ * handing back cost once per batch. SETs of one key on two lanes may land in either order; they
+ * carry the same block's frame.
  *
  * Everything else stays Python's: an operation pushed without a key is run by Python on lane 0
  * (lane 0's run() returns when it heads the queue, the other lanes wait; pop() hands it over once
@@ -951,13 +948,7 @@ typedef struct WriterBatch {
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t lock;
-    pthread_cond_t changed; /* batch over, interrupt, stop, shutdown: pop(), wait_done() */
-    pthread_cond_t work;    /* what lanes wait for: a SET pushed (one lane woken), or any change (all) */
-    size_t queued_bytes;    /* of the values queued */
-    int awake;              /* lanes in run() and not waiting on `work` ... */
-    int sending;            /* ... of which this many are sending a batch */
-    int waiting;            /* lanes waiting on `work` */
-    int wake_sent;          /* a lane was signalled and has not woken yet */
+    pthread_cond_t changed; /* pushed, batch over, interrupt, stop, shutdown */
     int lanes;
     WriterEntry *head, *tail;
     Py_ssize_t queued;
@@ -969,26 +960,6 @@ typedef struct {
     int stopping, shut;
     struct timespec stop_at;
 } RespWriter;
-
-/* One waiting lane, unless one was woken already and is yet to run (the lock is held): a SET
- * pushed wakes no more lanes than there are batches to take, each wake-up costing the machine's
- * cores a context switch (the engines' cores, beside an inference engine). */
-static void
-wake_lane(RespWriter *self)
-{
-    if (self->waiting > 0 && !self->wake_sent) {
-        self->wake_sent = 1;
-        pthread_cond_signal(&self->work);
-    }
-}
-
-/* Every waiter, lanes included: for changes other than a SET pushed (the lock is held). */
-static void
-wake_all(RespWriter *self)
-{
-    pthread_cond_broadcast(&self->changed);
-    pthread_cond_broadcast(&self->work);
-}
 
 static double
 seconds_since(const struct timespec *start)
@@ -1077,8 +1048,7 @@ writer_init(RespWriter *self, PyObject *args, PyObject *kwargs)
     self->lanes = lanes;
     pthread_condattr_t attr;
     if (pthread_condattr_init(&attr) || pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) ||
-        pthread_mutex_init(&self->lock, NULL) || pthread_cond_init(&self->changed, &attr) ||
-        pthread_cond_init(&self->work, &attr)) {
+        pthread_mutex_init(&self->lock, NULL) || pthread_cond_init(&self->changed, &attr)) {
         PyErr_SetString(PyExc_OSError, "RespWriter: could not set up its lock");
         return -1;
     }
@@ -1101,7 +1071,6 @@ writer_dealloc(RespWriter *self)
     }
     if (self->lanes) { /* initialised */
         pthread_cond_destroy(&self->changed);
-        pthread_cond_destroy(&self->work);
         pthread_mutex_destroy(&self->lock);
     }
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -1190,14 +1159,7 @@ writer_push(RespWriter *self, PyObject *const *args, Py_ssize_t nargs)
     }
     self->tail = entry;
     self->queued++;
-    self->queued_bytes += entry->value_length;
-    if (entry->key == NULL) {
-        pthread_cond_broadcast(&self->work); /* lane 0 runs it, whichever lane a signal would reach */
-    } else if (self->awake == self->sending && (self->sending == 0 || self->queued_bytes >= LANE_BATCH_BYTES)) {
-        /* No lane about to look at the queue: one more sends, if none does, or if a batch's worth
-         * waits behind those that do (a slow link). Else the next lane to look takes it. */
-        wake_lane(self);
-    }
+    pthread_cond_broadcast(&self->changed);
     pthread_mutex_unlock(&self->lock);
     Py_RETURN_NONE;
 fail:
@@ -1247,7 +1209,6 @@ writer_take(RespWriter *self, int lane, size_t most, size_t bytes)
     last->next = NULL;
     self->flight[lane] = first;
     self->queued -= (Py_ssize_t)taken;
-    self->queued_bytes -= held;
     return taken;
 }
 
@@ -1338,7 +1299,7 @@ writer_finish(RespWriter *self, PyObject *arg)
     if (lane == 0) {
         self->barrier = 0;
     }
-    wake_all(self);
+    pthread_cond_broadcast(&self->changed);
     pthread_mutex_unlock(&self->lock);
     return entries_release(flight);
 }
@@ -1389,7 +1350,6 @@ writer_run(RespWriter *self, PyObject *const *args, Py_ssize_t nargs)
     Py_BEGIN_ALLOW_THREADS
     flags = link_block(&link);
     pthread_mutex_lock(&self->lock);
-    self->awake++;
     for (;;) {
         if (self->interrupts != interrupts) {
             break;
@@ -1401,19 +1361,10 @@ writer_run(RespWriter *self, PyObject *const *args, Py_ssize_t nargs)
             break; /* Python runs it (pop) */
         }
         if (self->head == NULL || self->head->key == NULL || self->barrier) {
-            self->awake--;
-            self->waiting++;
-            pthread_cond_wait(&self->work, &self->lock);
-            self->waiting--;
-            self->awake++;
-            self->wake_sent = 0;
+            pthread_cond_wait(&self->changed, &self->lock);
             continue;
         }
         size_t count = writer_take(self, lane, most, LANE_BATCH_BYTES);
-        if (self->head != NULL && self->head->key != NULL && self->queued_bytes >= LANE_BATCH_BYTES) {
-            wake_lane(self); /* a batch's worth more: another lane takes it */
-        }
-        self->sending++;
         pthread_mutex_unlock(&self->lock);
         size_t bytes = 0, i = 0;
         for (WriterEntry *entry = self->flight[lane]; entry != NULL; entry = entry->next, i++) {
@@ -1429,7 +1380,6 @@ writer_run(RespWriter *self, PyObject *const *args, Py_ssize_t nargs)
         outcome = set_exchange(&link, sets, count, LANE_DEPTH, error, &error_length);
         WriterBatch *batch = outcome == 0 ? PyMem_RawMalloc(sizeof(WriterBatch)) : NULL;
         pthread_mutex_lock(&self->lock);
-        self->sending--;
         if (outcome == 0 && batch == NULL) {
             outcome = -2;
         }
@@ -1446,15 +1396,8 @@ writer_run(RespWriter *self, PyObject *const *args, Py_ssize_t nargs)
         }
         self->done_tail = batch;
         pthread_cond_broadcast(&self->changed);
-        if (self->stopping) {
-            pthread_cond_broadcast(&self->work); /* lanes waiting behind this batch may now end */
-        }
     }
     self->running[lane] = 0;
-    self->awake--;
-    if (self->awake == 0 && self->head != NULL && self->head->key != NULL && !self->barrier) {
-        wake_lane(self); /* SETs pushed while this lane was sending: pushes woke no one for them */
-    }
     pthread_mutex_unlock(&self->lock);
     link_unblock(&link, flags);
     Py_END_ALLOW_THREADS
@@ -1527,10 +1470,8 @@ writer_own_queued(RespWriter *self, PyObject *unused)
     pthread_mutex_lock(&self->lock); /* taken out while copying, so no lane sends from them */
     WriterEntry *first = self->head, *last = self->tail;
     Py_ssize_t queued = self->queued;
-    size_t queued_bytes = self->queued_bytes;
     self->head = self->tail = NULL;
     self->queued = 0;
-    self->queued_bytes = 0;
     pthread_mutex_unlock(&self->lock);
     PyObject *owned = PyList_New(0);
     for (WriterEntry *entry = first; entry != NULL; entry = entry->next) {
@@ -1564,8 +1505,7 @@ writer_own_queued(RespWriter *self, PyObject *unused)
             self->tail = last;
         }
         self->queued += queued;
-        self->queued_bytes += queued_bytes;
-        wake_all(self);
+        pthread_cond_broadcast(&self->changed);
     }
     pthread_mutex_unlock(&self->lock);
     return owned;
@@ -1579,7 +1519,6 @@ writer_drain(RespWriter *self, PyObject *unused)
     WriterEntry *first = self->head;
     self->head = self->tail = NULL;
     self->queued = 0;
-    self->queued_bytes = 0;
     pthread_mutex_unlock(&self->lock);
     return entries_release(first);
 }
@@ -1589,7 +1528,7 @@ writer_interrupt(RespWriter *self, PyObject *unused)
 {
     pthread_mutex_lock(&self->lock);
     self->interrupts++;
-    wake_all(self);
+    pthread_cond_broadcast(&self->changed);
     pthread_mutex_unlock(&self->lock);
     Py_RETURN_NONE;
 }
@@ -1605,7 +1544,7 @@ writer_stop(RespWriter *self, PyObject *arg)
     pthread_mutex_lock(&self->lock);
     self->stopping = 1;
     self->stop_at = deadline_after(timeout);
-    wake_all(self);
+    pthread_cond_broadcast(&self->changed);
     pthread_mutex_unlock(&self->lock);
     Py_RETURN_NONE;
 }
@@ -1616,7 +1555,7 @@ writer_shutdown(RespWriter *self, PyObject *unused)
 {
     pthread_mutex_lock(&self->lock);
     self->shut = 1;
-    wake_all(self);
+    pthread_cond_broadcast(&self->changed);
     pthread_mutex_unlock(&self->lock);
     Py_RETURN_NONE;
 }
