@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--service-root", type=Path, default=ROOT, help="the checkout the service runs from")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
+    if not (args.service_root / "services" / "cache_server").is_dir():
+        parser.error(f"--service-root: {args.service_root} is not a prefixcache checkout (no services/cache_server)")
     layout = SMALL if args.small else LAYOUT
     size = layout.block_size
     suffix_blocks = args.suffix // size
@@ -74,7 +76,8 @@ def main() -> None:
     if args.redis:
         from tests.support.redis_server import RedisServer
 
-        redis = RedisServer(Path(tempfile.mkdtemp(prefix="rpc-redis-"))).start()
+        redis_dir = tempfile.TemporaryDirectory(prefix="rpc-redis-")
+        redis = RedisServer(Path(redis_dir.name)).start()
         flags += ["--redis-url", redis.url]
     process, address = start_service(*flags, root=args.service_root)
     redis_pid = redis.process.pid if redis is not None and redis.process is not None else None
@@ -172,6 +175,7 @@ def main() -> None:
         process.wait(30)
         if redis is not None:
             redis.stop()
+            redis_dir.cleanup()
     for mode in modes:
         print(f"{mode:<24}{'mean ms':>10}{'p50 ms':>10}   (before the first token: lookup, read)")
         for name in modes[mode]:

@@ -533,8 +533,8 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
     tag = config.name.replace("/", "-")
     try:
         addresses: list[str | None] = [None] * config.servers
-        before = config.name in BEFORE_CONFIGS
-        service_root = Path(args.before_root) if before and args.before_services else ROOT
+        before_tree = config.name in BEFORE_CONFIGS
+        service_root = Path(args.before_root) if before_tree and args.before_services else ROOT
         flags = ["--host-capacity", f"{args.service_mib}MiB", "--block-size", str(BLOCK)]
         cores = os.cpu_count() or 1
         # a lone server on core 0 leaves the other cores to its service (2 against 2p: the
@@ -551,7 +551,7 @@ def run_config(config: Config, model: Path, work: Path, chats, args: argparse.Na
                 process, address = start_service(*flags, "--redis-url", redis.url, root=service_root)
                 services.append(process)
                 addresses[i] = address
-        pythonpath = args.before_root if config.name in BEFORE_CONFIGS else str(ROOT)
+        pythonpath = args.before_root if before_tree else str(ROOT)
         urls = []
         for i in range(config.servers):
             core = i % cores if args.bind_cores and (config.servers > 1 or spare) else None
@@ -795,6 +795,8 @@ def main() -> None:
     before = set(BEFORE_CONFIGS) & set(args.configs.split(","))
     if before and not (Path(args.before_root) / "prefixcache" / "integrations" / "vllm").is_dir():
         parser.error(f"--before-root: configs {sorted(before)} need a checkout with prefixcache/integrations/vllm")
+    if args.before_services and not before:
+        parser.error(f"--before-services: only configs {', '.join(BEFORE_CONFIGS)} run a before tree; none chosen")
     if not isinstance(args.connector, dict):
         parser.error(f"--connector: must be a JSON object of kv_connector_extra_config keys, got {args.connector!r}")
     if args.min_turns < 0 or args.min_turns > args.turns:
