@@ -356,7 +356,9 @@ def _publish(client: RedisClient, channel: str, messages: list[bytes]) -> None:
 def _cut(client: RedisClient) -> None:
     """Disconnect every connection of `client`, in use or not: a thread blocked on one fails now."""
     if isinstance(client, RedisCluster):
-        pools = [node.redis_connection.connection_pool for node in client.get_nodes() if node.redis_connection is not None]
+        pools = [
+            node.redis_connection.connection_pool for node in client.get_nodes() if node.redis_connection is not None
+        ]
     else:
         pools = [client.connection_pool]
     for pool in pools:
