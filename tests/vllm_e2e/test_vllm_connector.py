@@ -230,6 +230,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
     salted = _tokens(rng, 150)
     prompts["s_a"] = [salted]
     prompts["s_b"] = [salted + _tokens(rng, 9)] * 3
+    prompts["a2"] = [_tokens(rng, 40)]  # one block, saved once A's earlier saves are committed
+    prompts["b_a2"] = [prompts["a2"][0] + _tokens(rng, 9)]  # B1 loads that block
     redis = RedisServer(workdir / "redis").start()
     s1 = CacheService(workdir / "s1", redis_url=redis.url, extra_args=["--block-size", str(BS)])
     s2 = CacheService(workdir / "s2", redis_url=redis.url, extra_args=["--block-size", str(BS)])
@@ -252,12 +254,17 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
                 kv_cache_dtype="fp8",
             )
             engines.append(fr)
-        order = ["b", "b2", "c", "d1", "d2", "e", "f2", "s_b"]
+        order = ["b", "b2", "c", "d1", "d2", "e", "f2", "s_b", "b_a2"]
         a = _start(
             workdir,
             "A",
             model,
-            [_gen("a", prompts["a"]), _gen("s_a", prompts["s_a"], salts=["tenant-1"])],
+            [
+                _gen("a", prompts["a"]),
+                {"barrier": "saved"},
+                _gen("a2", prompts["a2"]),
+                _gen("s_a", prompts["s_a"], salts=["tenant-1"]),
+            ],
             {"cache": s1.address, **connector},
             apc=False,
             kv_role="kv_producer",
@@ -272,10 +279,12 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
             apc=True,
         )
         engines += [a, ref, apc]
-        results = {"A": a.result()}
+        a.wait_barrier("saved")
         blocks = {tuple(p[: k * BS]) for p in prompts["a"] for k in range(1, len(p) // BS + 1)}
         with redis.client() as raw:  # A's blocks reach Redis by s1's write-through
             assert poll(lambda: sum(1 for _ in raw.scan_iter(match=f"{s1.redis_key_prefix}*")) >= len(blocks), 60)
+        a.go("saved")  # A's save thread is idle: the last Commit's spare reservation waits for a2's save
+        results = {"A": a.result()}
         b1 = _start(
             workdir,
             "B1",
@@ -283,6 +292,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict:
             [
                 _gen("b", prompts["b"]),
                 _gen("s_b", prompts["s_b"], salts=["tenant-1", "tenant-2", None]),
+                _gen("b_a2", prompts["b_a2"]),
                 {"barrier": "kill"},
                 _gen("c", prompts["c"], kill_pid_after_s=[s1.process.pid, KILL_AFTER_S], max_tokens=32),
                 {"barrier": "restart"},
@@ -407,9 +417,12 @@ def test_through_redis_a_second_service_serves_what_the_first_saved(scenario: di
 def test_kv_role_a_producer_only_saves_and_a_consumer_only_loads(scenario: dict) -> None:
     a = scenario["A"]["steps"]["a"]["metrics"]
     assert a.get("saved_blocks", 0) > 0
-    # After the first save's Commit reserved the next one's slots, saves are copied straight
-    # into them (one copy; B1 loads these very blocks and its outputs are checked below).
-    assert a.get("saves_in_place", 0) > 0
+    # Once a Commit reserved the next save's slots, a save is copied straight into them (one
+    # copy). Within step a that races the save thread's queue; a2 is saved after it drained.
+    a2 = scenario["A"]["steps"]["a2"]["metrics"]
+    assert a2.get("saves_in_place", 0) > a.get("saves_in_place", 0)
+    b_a2 = scenario["B1"]["steps"]["b_a2"]  # that block, loaded: the same outputs as without a cache
+    assert b_a2["cached"] == [BS] and b_a2["outputs"] == scenario["REF"]["steps"]["b_a2"]["outputs"]
     assert a.get("lookups", 0) == 0 and a.get("hits", 0) == 0  # kv_producer: not one Lookup
     b2 = scenario["B2"]["steps"]["e"]["metrics"]  # cumulative: the b2 and e steps
     assert b2.get("lookups", 0) >= len(scenario["prompts"]["b2"]) and b2.get("loaded_tokens", 0) > 0
