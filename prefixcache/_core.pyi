@@ -100,6 +100,8 @@ class RespWriter:
     """The Redis tier's write queue, written to Redis by `run` without the GIL (prefixcache/_resp.c)."""
 
     lanes: int
+    @property
+    def set_seconds(self) -> float: ...  # seconds per SET run() measured (0.0: not yet)
     def __init__(self, lanes: int = 1, /) -> None: ...
     def __len__(self) -> int: ...
     def push(

@@ -524,9 +524,10 @@ set_build(const SetCommand *sets, size_t count, char *command, struct iovec *iov
  * `count`), without the GIL for a plain socket's link (the caller released it). Returns 0 (every
  * reply +OK), 1 (an error reply: the first one's text in error[0..*error_length), ERROR_TEXT bytes
  * at most), -1 (a link fault, recorded in `link`; the connection is out of step) or -2 (out of
- * memory, nothing sent). */
+ * memory, nothing sent). `*answered` (when not NULL): the replies read, whatever the outcome. */
 static int
-set_exchange(Link *link, const SetCommand *sets, size_t count, size_t depth, char *error, size_t *error_length)
+set_exchange(Link *link, const SetCommand *sets, size_t count, size_t depth, char *error, size_t *error_length,
+             size_t *answered)
 {
     size_t command_bytes, pieces;
     set_room(sets, count, &command_bytes, &pieces); /* room for all: any group fits */
@@ -534,6 +535,7 @@ set_exchange(Link *link, const SetCommand *sets, size_t count, size_t depth, cha
     struct iovec *iov = PyMem_RawMalloc(pieces * sizeof(struct iovec));
     Reader *reader = PyMem_RawMalloc(sizeof(Reader));
     int failed = 0, errors = 0;
+    size_t replies = 0;
     if (command == NULL || iov == NULL || reader == NULL) {
         failed = -2;
     } else {
@@ -551,7 +553,10 @@ set_exchange(Link *link, const SetCommand *sets, size_t count, size_t depth, cha
             size_t length;
             if (reader_line(reader, &line, &length) < 0) {
                 failed = -1;
-            } else if (length == 3 && memcmp(line, "+OK", 3) == 0) {
+                break;
+            }
+            replies++;
+            if (length == 3 && memcmp(line, "+OK", 3) == 0) {
                 continue;
             } else if (length && line[0] == '-') {
                 if (!errors++) {
@@ -570,6 +575,9 @@ set_exchange(Link *link, const SetCommand *sets, size_t count, size_t depth, cha
     PyMem_RawFree(reader);
     PyMem_RawFree(iov);
     PyMem_RawFree(command);
+    if (answered != NULL) {
+        *answered = replies;
+    }
     return failed ? failed : errors ? 1 : 0;
 }
 
@@ -641,7 +649,7 @@ core_resp_set(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     char error[ERROR_TEXT];
     size_t error_length = 0;
     link_release(&link);
-    int outcome = set_exchange(&link, sets, (size_t)count, (size_t)count, error, &error_length);
+    int outcome = set_exchange(&link, sets, (size_t)count, (size_t)count, error, &error_length, NULL);
     link_acquire(&link);
     if (outcome == -2) {
         PyErr_NoMemory();
@@ -909,8 +917,20 @@ link_unblock(Link *link, int flags)
  * command's value, which Redis then copies out instead of adopting its read buffer (see
  * set_build); one command at a time per connection never lets that happen, and a few connections
  * keep Redis fed (docs/benchmarks.md). A lane still takes a batch per wake-up, so waking and
- * handing back cost once per batch. SETs of one key on two lanes may land in either order; they
- * carry the same block's frame.
+ * handing back cost once per batch. A push wakes one lane, and only when no lane is about to look
+ * at the queue anyway, or when a batch's worth waits behind the lanes sending (a slow link); a
+ * lane that leaves SETs queued behind the batch it took wakes one more. A commit's few blocks
+ * then go on one lane in one or two batches, where waking every lane on every push cost the
+ * service half its CPU per commit (docs/benchmarks.md). SETs of one key on two lanes may land in
+ * either order; they carry the same block's frame.
+ *
+ * A batch's worth: LANE_BATCH_BYTES, and with a batch deadline no more SETs than half of it lets
+ * a lane send at the link's measured pace (`set_s`). Sent one at a time, a batch of 64 over a
+ * link of 100 ms round trips would otherwise outrun its deadline and fail whole, again and again,
+ * writing nothing and counting against the link's breaker (reads included). The pace is learned
+ * from batches written (seconds per SET, decaying towards faster) and from a batch that ran past
+ * its deadline (at least its time over the SETs answered, plus the one in flight); until the
+ * first SET is answered, a batch is that one SET.
  *
  * Everything else stays Python's: an operation pushed without a key is run by Python on lane 0
  * (lane 0's run() returns when it heads the queue, the other lanes wait; pop() hands it over once
@@ -948,7 +968,13 @@ typedef struct WriterBatch {
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t lock;
-    pthread_cond_t changed; /* pushed, batch over, interrupt, stop, shutdown */
+    pthread_cond_t changed; /* batch over, interrupt, stop, shutdown: pop(), wait_done() */
+    pthread_cond_t work;    /* what lanes wait for: a SET pushed (one lane woken), or any change (all) */
+    size_t queued_bytes;    /* of the values queued */
+    int awake;              /* lanes in run() and not waiting on `work` ... */
+    int sending;            /* ... of which this many are sending a batch */
+    int waiting;            /* lanes waiting on `work` */
+    int wake_sent;          /* a lane was signalled and has not woken yet */
     int lanes;
     WriterEntry *head, *tail;
     Py_ssize_t queued;
@@ -959,7 +985,65 @@ typedef struct {
     unsigned long long interrupts;
     int stopping, shut;
     struct timespec stop_at;
+    double set_s; /* seconds per SET on this writer's link, as measured (0: not yet) */
+    size_t batch_most;       /* run()'s max_batch and deadline_s (every lane passes the same) */
+    double batch_deadline_s;
 } RespWriter;
+
+/* The SETs a lane may take for a batch that must end within `deadline_s` (0: no deadline). */
+static size_t
+lane_batch(const RespWriter *self, size_t most, double deadline_s)
+{
+    if (deadline_s <= 0) {
+        return most;
+    }
+    if (self->set_s <= 0) {
+        return 1; /* the link's first SET measures its pace */
+    }
+    double fit = deadline_s / (2 * self->set_s);
+    return fit < 1 ? 1 : fit < (double)most ? (size_t)fit : most;
+}
+
+/* Whether a lane's batch's worth is queued (the lock is held). */
+static int
+batch_waits(const RespWriter *self)
+{
+    return self->queued_bytes >= LANE_BATCH_BYTES ||
+           (self->batch_most && (size_t)self->queued >= lane_batch(self, self->batch_most, self->batch_deadline_s));
+}
+
+/* A batch's pace: `seconds` over `sets` SETs; `at_least` when it ran past its deadline. Slower
+ * is followed at once, faster a quarter of the way per batch (the lock is held). */
+static void
+observe_pace(RespWriter *self, double seconds, size_t sets, int at_least)
+{
+    double pace = seconds / (double)(sets ? sets : 1);
+    if (self->set_s <= 0 || pace > self->set_s) {
+        self->set_s = pace;
+    } else if (!at_least) {
+        self->set_s += (pace - self->set_s) / 4;
+    }
+}
+
+/* One waiting lane, unless one was woken already and is yet to run (the lock is held): a SET
+ * pushed wakes no more lanes than there are batches to take, each wake-up costing the machine's
+ * cores a context switch (the engines' cores, beside an inference engine). */
+static void
+wake_lane(RespWriter *self)
+{
+    if (self->waiting > 0 && !self->wake_sent) {
+        self->wake_sent = 1;
+        pthread_cond_signal(&self->work);
+    }
+}
+
+/* Every waiter, lanes included: for changes other than a SET pushed (the lock is held). */
+static void
+wake_all(RespWriter *self)
+{
+    pthread_cond_broadcast(&self->changed);
+    pthread_cond_broadcast(&self->work);
+}
 
 static double
 seconds_since(const struct timespec *start)
@@ -1048,7 +1132,8 @@ writer_init(RespWriter *self, PyObject *args, PyObject *kwargs)
     self->lanes = lanes;
     pthread_condattr_t attr;
     if (pthread_condattr_init(&attr) || pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) ||
-        pthread_mutex_init(&self->lock, NULL) || pthread_cond_init(&self->changed, &attr)) {
+        pthread_mutex_init(&self->lock, NULL) || pthread_cond_init(&self->changed, &attr) ||
+        pthread_cond_init(&self->work, &attr)) {
         PyErr_SetString(PyExc_OSError, "RespWriter: could not set up its lock");
         return -1;
     }
@@ -1071,6 +1156,7 @@ writer_dealloc(RespWriter *self)
     }
     if (self->lanes) { /* initialised */
         pthread_cond_destroy(&self->changed);
+        pthread_cond_destroy(&self->work);
         pthread_mutex_destroy(&self->lock);
     }
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -1159,7 +1245,14 @@ writer_push(RespWriter *self, PyObject *const *args, Py_ssize_t nargs)
     }
     self->tail = entry;
     self->queued++;
-    pthread_cond_broadcast(&self->changed);
+    self->queued_bytes += entry->value_length;
+    if (entry->key == NULL) {
+        pthread_cond_broadcast(&self->work); /* lane 0 runs it, whichever lane a signal would reach */
+    } else if (self->awake == self->sending && (self->sending == 0 || batch_waits(self))) {
+        /* No lane about to look at the queue: one more sends, if none does, or if a batch's worth
+         * waits behind those that do (a slow link). Else the next lane to look takes it. */
+        wake_lane(self);
+    }
     pthread_mutex_unlock(&self->lock);
     Py_RETURN_NONE;
 fail:
@@ -1209,6 +1302,7 @@ writer_take(RespWriter *self, int lane, size_t most, size_t bytes)
     last->next = NULL;
     self->flight[lane] = first;
     self->queued -= (Py_ssize_t)taken;
+    self->queued_bytes -= held;
     return taken;
 }
 
@@ -1299,7 +1393,7 @@ writer_finish(RespWriter *self, PyObject *arg)
     if (lane == 0) {
         self->barrier = 0;
     }
-    pthread_cond_broadcast(&self->changed);
+    wake_all(self);
     pthread_mutex_unlock(&self->lock);
     return entries_release(flight);
 }
@@ -1350,6 +1444,9 @@ writer_run(RespWriter *self, PyObject *const *args, Py_ssize_t nargs)
     Py_BEGIN_ALLOW_THREADS
     flags = link_block(&link);
     pthread_mutex_lock(&self->lock);
+    self->awake++;
+    self->batch_most = most;
+    self->batch_deadline_s = batch_deadline_s;
     for (;;) {
         if (self->interrupts != interrupts) {
             break;
@@ -1361,10 +1458,19 @@ writer_run(RespWriter *self, PyObject *const *args, Py_ssize_t nargs)
             break; /* Python runs it (pop) */
         }
         if (self->head == NULL || self->head->key == NULL || self->barrier) {
-            pthread_cond_wait(&self->changed, &self->lock);
+            self->awake--;
+            self->waiting++;
+            pthread_cond_wait(&self->work, &self->lock);
+            self->waiting--;
+            self->awake++;
+            self->wake_sent = 0;
             continue;
         }
-        size_t count = writer_take(self, lane, most, LANE_BATCH_BYTES);
+        size_t count = writer_take(self, lane, lane_batch(self, most, batch_deadline_s), LANE_BATCH_BYTES);
+        if (self->head != NULL && self->head->key != NULL) {
+            wake_lane(self); /* more than this lane's batch was queued: another lane takes the rest */
+        }
+        self->sending++;
         pthread_mutex_unlock(&self->lock);
         size_t bytes = 0, i = 0;
         for (WriterEntry *entry = self->flight[lane]; entry != NULL; entry = entry->next, i++) {
@@ -1377,16 +1483,24 @@ writer_run(RespWriter *self, PyObject *const *args, Py_ssize_t nargs)
         if (link.has_deadline) { /* each batch's exchange has the whole deadline */
             link.deadline = deadline_after(batch_deadline_s);
         }
-        outcome = set_exchange(&link, sets, count, LANE_DEPTH, error, &error_length);
+        size_t answered = 0;
+        outcome = set_exchange(&link, sets, count, LANE_DEPTH, error, &error_length, &answered);
+        double seconds = seconds_since(&start);
         WriterBatch *batch = outcome == 0 ? PyMem_RawMalloc(sizeof(WriterBatch)) : NULL;
         pthread_mutex_lock(&self->lock);
+        self->sending--;
+        if (outcome == 0) {
+            observe_pace(self, seconds, count, 0);
+        } else if (outcome == -1 && link.status == IO_DEADLINE) {
+            observe_pace(self, seconds, answered + 1, 1);
+        }
         if (outcome == 0 && batch == NULL) {
             outcome = -2;
         }
         if (outcome != 0) {
             break; /* the batch stays in flight for Python */
         }
-        *batch = (WriterBatch){.entries = self->flight[lane], .bytes = bytes, .seconds = seconds_since(&start),
+        *batch = (WriterBatch){.entries = self->flight[lane], .bytes = bytes, .seconds = seconds,
                                .trips = (count + LANE_DEPTH - 1) / LANE_DEPTH};
         self->flight[lane] = NULL;
         if (self->done_tail != NULL) {
@@ -1396,8 +1510,15 @@ writer_run(RespWriter *self, PyObject *const *args, Py_ssize_t nargs)
         }
         self->done_tail = batch;
         pthread_cond_broadcast(&self->changed);
+        if (self->stopping) {
+            pthread_cond_broadcast(&self->work); /* lanes waiting behind this batch may now end */
+        }
     }
     self->running[lane] = 0;
+    self->awake--;
+    if (self->awake == 0 && self->head != NULL && self->head->key != NULL && !self->barrier) {
+        wake_lane(self); /* SETs pushed while this lane was sending: pushes woke no one for them */
+    }
     pthread_mutex_unlock(&self->lock);
     link_unblock(&link, flags);
     Py_END_ALLOW_THREADS
@@ -1470,8 +1591,10 @@ writer_own_queued(RespWriter *self, PyObject *unused)
     pthread_mutex_lock(&self->lock); /* taken out while copying, so no lane sends from them */
     WriterEntry *first = self->head, *last = self->tail;
     Py_ssize_t queued = self->queued;
+    size_t queued_bytes = self->queued_bytes;
     self->head = self->tail = NULL;
     self->queued = 0;
+    self->queued_bytes = 0;
     pthread_mutex_unlock(&self->lock);
     PyObject *owned = PyList_New(0);
     for (WriterEntry *entry = first; entry != NULL; entry = entry->next) {
@@ -1505,7 +1628,8 @@ writer_own_queued(RespWriter *self, PyObject *unused)
             self->tail = last;
         }
         self->queued += queued;
-        pthread_cond_broadcast(&self->changed);
+        self->queued_bytes += queued_bytes;
+        wake_all(self);
     }
     pthread_mutex_unlock(&self->lock);
     return owned;
@@ -1519,6 +1643,7 @@ writer_drain(RespWriter *self, PyObject *unused)
     WriterEntry *first = self->head;
     self->head = self->tail = NULL;
     self->queued = 0;
+    self->queued_bytes = 0;
     pthread_mutex_unlock(&self->lock);
     return entries_release(first);
 }
@@ -1528,7 +1653,7 @@ writer_interrupt(RespWriter *self, PyObject *unused)
 {
     pthread_mutex_lock(&self->lock);
     self->interrupts++;
-    pthread_cond_broadcast(&self->changed);
+    wake_all(self);
     pthread_mutex_unlock(&self->lock);
     Py_RETURN_NONE;
 }
@@ -1544,7 +1669,7 @@ writer_stop(RespWriter *self, PyObject *arg)
     pthread_mutex_lock(&self->lock);
     self->stopping = 1;
     self->stop_at = deadline_after(timeout);
-    pthread_cond_broadcast(&self->changed);
+    wake_all(self);
     pthread_mutex_unlock(&self->lock);
     Py_RETURN_NONE;
 }
@@ -1555,7 +1680,7 @@ writer_shutdown(RespWriter *self, PyObject *unused)
 {
     pthread_mutex_lock(&self->lock);
     self->shut = 1;
-    pthread_cond_broadcast(&self->changed);
+    wake_all(self);
     pthread_mutex_unlock(&self->lock);
     Py_RETURN_NONE;
 }
@@ -1585,6 +1710,23 @@ static PyMethodDef writer_methods[] = {
 
 static PySequenceMethods writer_sequence = {.sq_length = (lenfunc)writer_length};
 
+static PyObject *
+writer_get_set_seconds(RespWriter *self, void *unused)
+{
+    pthread_mutex_lock(&self->lock);
+    double set_s = self->set_s;
+    pthread_mutex_unlock(&self->lock);
+    return PyFloat_FromDouble(set_s);
+}
+
+static PyGetSetDef writer_getset[] = {
+    {"set_seconds", (getter)writer_get_set_seconds, NULL,
+     "seconds per SET that run() measured on the link (0.0 until a batch is over): with a deadline, a batch takes "
+     "no more SETs than half of it fits",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyMemberDef writer_members[] = {
     {"lanes", T_INT, offsetof(RespWriter, lanes), READONLY, "lanes run() may be called on, each on its own connection"},
     {NULL, 0, 0, 0, NULL},
@@ -1601,6 +1743,7 @@ static PyTypeObject RespWriterType = {
     .tp_dealloc = (destructor)writer_dealloc,
     .tp_methods = writer_methods,
     .tp_members = writer_members,
+    .tp_getset = writer_getset,
     .tp_as_sequence = &writer_sequence,
 };
 

@@ -346,6 +346,11 @@ def test_short_prefixes_over_a_slow_redis_are_recomputed_as_fast_as_without_a_ca
     assert declined >= (PAIRS - fetched) * SHORT_PREFIX_BLOCKS  # the service declined on the worker's budget ...
     assert stats_after["probe_blocks_declined"] - stats_before["probe_blocks_declined"] >= declined
     assert stats_after["link_latency_s"] >= E2E_LATENCY_S  # ... because it measured the link
+    # Meanwhile the service wrote the prompts' blocks through at the link's pace (batches sized to
+    # their deadline): none failed, and the link's breaker, which reads go by too, never tripped.
+    assert stats_after["bytes_written"] > stats_before["bytes_written"]
+    assert stats_after["writes_failed"] == stats_before["writes_failed"] == 0
+    assert stats_after["breaker_trips"] == stats_before["breaker_trips"] == 0
 
     median_cached, median_reference = statistics.median(ttft_cached), statistics.median(ttft_reference)
     ratio = statistics.median(c / r for c, r in zip(ttft_cached, ttft_reference))

@@ -154,6 +154,73 @@ def test_no_set_is_left_queued_with_every_lane_asleep(redis_server: RedisServer,
     lanes.join()
 
 
+def _name(sock: socket.socket, name: str) -> None:
+    """CLIENT SETNAME on a lane's connection, so that CLIENT LIST tells the lanes apart."""
+    sock.sendall(b"*3\r\n$6\r\nCLIENT\r\n$7\r\nSETNAME\r\n$%d\r\n%s\r\n" % (len(name), name.encode()))
+    assert sock.recv(16) == b"+OK\r\n"
+
+
+@pytest.mark.parametrize("deadline_s", [None, 2.0])
+def test_a_commits_few_sets_go_on_one_lane_the_others_sleep(redis_server: RedisServer, deadline_s) -> None:
+    """A push wakes one lane, and only when no lane is about to look at the queue: eight 64 KiB
+    SETs pushed at once (a commit's blocks) are all sent by one lane. Waking every lane on every
+    push cost the service half its CPU per commit (docs/benchmarks.md)."""
+    writer = core.RespWriter(4)
+    socks = {lane: connect(redis_server) for lane in range(4)}
+    tag = f"one{deadline_s}-{os.getpid()}"
+    extra = () if deadline_s is None else (deadline_s,)
+    threads = [
+        threading.Thread(target=writer.run, args=(sock.fileno(), 5.0, 64, lane, *extra), daemon=True)
+        for lane, sock in socks.items()
+    ]
+    for thread in threads:
+        thread.start()
+    payload = np.zeros(64 << 10, dtype=np.uint8)
+    if deadline_s is not None:  # a lane's first SET, alone, measures the link's pace
+        writer.push(-1, f"{tag}:first".encode(), memoryview(payload), 60_000)
+        assert [ops for ops, *_ in settle(writer, 1)] == [[-1]]
+    time.sleep(0.5)  # every lane asleep on the queue (not reading its socket)
+    for lane, sock in socks.items():
+        _name(sock, f"{tag}-{lane}")
+    for i in range(8):
+        writer.push(i, f"{tag}:{i}".encode(), memoryview(payload), 60_000)
+    batches = settle(writer, 8)
+    assert sorted(op for ops, *_ in batches for op in ops) == list(range(8))
+    clients = [c for c in redis_server.client().client_list() if c["name"].startswith(tag)]
+    assert len(clients) == 4
+    assert sorted(c["cmd"] for c in clients) == ["client|setname"] * 3 + ["psetex"]
+    writer.stop(0)
+    for thread in threads:
+        thread.join(10)
+    for sock in socks.values():
+        sock.close()
+
+
+def test_over_a_link_of_100ms_round_trips_a_burst_is_written_whole_at_its_pace(redis_server: RedisServer) -> None:
+    """Sent one at a time, 64 SETs of 16 KiB over a link of 100 ms round trips take ~9 s, past a
+    batch's 2 s deadline: the batch used to fail whole, every time, writing nothing and tripping
+    the link's breaker (reads included). A lane now measures the link's pace on its first SET
+    and takes no more SETs than half the deadline fits; the lanes share the burst."""
+    from tests.slow_proxy import SlowProxy
+
+    frame = os.urandom(16 << 10)
+    with SlowProxy(redis_server.port, latency_s=0.05, bytes_per_s=400e3) as proxy:
+        options = RedisOptions(url=proxy.url, key_prefix=f"pace{os.getpid()}", socket_timeout_s=1.0)
+        assert options.write_deadline_s == 2.0
+        with RedisTier(options) as tier:
+            hashes = [i.to_bytes(8, "big") for i in range(120)]
+            for block_hash in hashes:
+                assert tier.submit("ns", block_hash, frame)
+            assert tier.wait_idle(30)
+            stats = tier.stats()
+    assert stats.bytes_written == len(hashes) * len(frame)
+    assert stats.writes_failed == 0 and stats.write_deadlines == 0
+    assert stats.breaker_trips == 0 and stats.reads_up and stats.writes_up
+    assert 0.1 <= stats.write_set_s < 1.0  # a round trip and 16 KiB at 400 kB/s
+    client = redis_server.client()
+    assert client.exists(*[tier.key("ns", h) for h in hashes]) == len(hashes)
+
+
 def test_lane_zero_returns_at_an_op_python_runs_and_the_others_wait(redis_server: RedisServer) -> None:
     writer = core.RespWriter(2)
     writer.push("first", b"z:1", b"v", 1000)

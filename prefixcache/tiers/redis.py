@@ -246,6 +246,7 @@ class RedisTier:
                 write_state,
                 link.write_breaker.trips,
             )
+        stats = dataclasses.replace(stats, write_set_s=self._writer.set_seconds)
         feed = self._feed
         if feed is None:
             return stats

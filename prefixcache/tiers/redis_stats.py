@@ -101,6 +101,7 @@ class RedisStats:
     oversized_replies: int = 0
     read_deadlines: int = 0
     write_deadlines: int = 0
+    write_set_s: float = 0.0  # seconds per SET the writer measured (0: not yet): it sizes the batches
     reads_up: bool = True  # numeric copies of the two states for the stats maps and metrics
     writes_up: bool = True
     # The presence feed (tiers/redis_presence.py): whether engines may trust its cells, blocks they

@@ -141,6 +141,12 @@ class RedisWriter:
         """Every lane streaming from the core returns (the link went down: drop, probe)."""
         self._ops.interrupt()
 
+    @property
+    def set_seconds(self) -> float:
+        """Seconds per SET the lanes measured on the link (0.0 until a batch is over): with a
+        batch deadline, a lane takes no more SETs than half of it fits (prefixcache/_resp.c)."""
+        return self._ops.set_seconds
+
     def wait_idle(self, timeout_s: float) -> bool:
         """True once nothing is queued, in flight or unsettled."""
         with self._link.changed:

@@ -207,13 +207,17 @@ class RemoteCollector(Collector):
         latency.add_metric([], stats.link_latency_s)
         bandwidth = GaugeMetricFamily(f"{PREFIX}_remote_link_bytes_per_second", "Estimated Redis bandwidth")
         bandwidth.add_metric([], stats.link_bytes_per_s)
+        pace = GaugeMetricFamily(
+            f"{PREFIX}_remote_write_set_seconds", "Measured time per Redis SET (sizes the writer's batches)"
+        )
+        pace.add_metric([], stats.write_set_s)
         durations = _histogram(
             f"{PREFIX}_remote_op_duration_seconds",
             "Redis operation time (read: one pipelined fetch, write: one batch of SETs)",
             "op",
             {"read": stats.read_latency, "write": stats.write_latency},
         )
-        yield from (events, transferred, trips, state, queue, latency, bandwidth, durations)
+        yield from (events, transferred, trips, state, queue, latency, bandwidth, pace, durations)
 
 
 class HandlerCollector(Collector):
