@@ -123,11 +123,20 @@ def test_sigterm_drains_a_fetch_stream_then_exits_zero(service):
     stream = pb_grpc.PrefixCacheStub(channel).Fetch(pb.FetchRequest(lease_id=hit.lease_id, max_chunk_bytes=1 << 20))
     received = [next(stream).data]
     process.send_signal(signal.SIGTERM)
+    # The rest is read only once the service says it drains: flow control holds the stream's
+    # generator meanwhile, so the call is in flight then, however late the signal is handled
+    # (reading on at once let a loaded box finish the stream first: "0 call(s) in flight").
+    lines: list[str] = []
+    while not any("draining:" in line for line in lines):
+        line = stderr.get(timeout=30)
+        assert line is not None, "".join(lines)  # the service exited without draining
+        lines.append(line)
+    assert "draining: 1 call(s) in flight" in lines[-1], "".join(lines)
     received += [chunk.data for chunk in stream]
     assert process.wait(30) == 0
     assert b"".join(received) == kv.view(torch.uint8).numpy().tobytes()
-    log = "".join(_drain(stderr))
-    assert "draining: 1 call(s) in flight" in log, log
+    log = "".join(lines + _drain(stderr))
+    assert "stopped" in log, log
     assert not Path("/dev/shm", shm_name).exists()  # the host tier was unlinked
     client.close()
     channel.close()

@@ -222,6 +222,8 @@ class RedisPresenceFeed:
             pubsub.subscribe(self.channel)
             self._await_subscribed(pubsub)
             self._seed(client, pubsub)
+            if self._stop.is_set():  # closed while seeding: never live again, nor logged so
+                return
             self._following = True  # every write from here on
             self._trust()
             log.info("presence feed of %s live: %d blocks held", redact_url(self._options.url), self._held.held())
