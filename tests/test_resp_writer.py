@@ -157,7 +157,10 @@ def test_no_set_is_left_queued_with_every_lane_asleep(redis_server: RedisServer,
 def _name(sock: socket.socket, name: str) -> None:
     """CLIENT SETNAME on a lane's connection, so that CLIENT LIST tells the lanes apart."""
     sock.sendall(b"*3\r\n$6\r\nCLIENT\r\n$7\r\nSETNAME\r\n$%d\r\n%s\r\n" % (len(name), name.encode()))
-    assert sock.recv(16) == b"+OK\r\n"
+    reply = b""
+    while not reply.endswith(b"\r\n"):
+        reply += sock.recv(16)
+    assert reply == b"+OK\r\n"
 
 
 @pytest.mark.parametrize("deadline_s", [None, 2.0])
