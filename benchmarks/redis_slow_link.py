@@ -1,15 +1,17 @@
 """Writes through to a distant Redis: a burst of SETs over a link of long round trips.
 
     PYTHONPATH=. python benchmarks/redis_slow_link.py [--latency-ms 50] [--bytes-per-s 400e3]
-        [--blocks 200] [--block-kib 16] [--seconds 8] [--root DIR] [--json-out FILE]
+        [--blocks 200] [--block-kib 16] [--seconds 8] [--tls] [--root DIR] [--json-out FILE]
 
 Starts a redis-server of its own behind `tests/slow_proxy.py` (`--latency-ms` each way and a
 bandwidth cap), queues `--blocks` frames on a `RedisTier` at once, as a commit's write-through
 does, and after `--seconds` reports what reached Redis: bytes written, writes failed, batches cut
 by their deadline (`write_deadline_s`, 2 s by default), writes dropped, breaker trips (reads go
 by that breaker too), the writer's measured time per SET where it has one, and the keys Redis
-holds. `--root DIR` imports prefixcache from another checkout (a "before"), this script and the
-proxy from this one.
+holds. `--tls` puts the redis-server behind TLS (a throwaway CA): the tier then pipelines each
+batch through Python (a TLS socket's methods need the GIL), where over plain TCP its lanes stream
+them from the core. `--root DIR` imports prefixcache from another checkout (a "before"), this
+script and the proxy from this one.
 """
 
 from __future__ import annotations
@@ -32,29 +34,39 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=200)
     parser.add_argument("--block-kib", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=8.0, help="how long the writer gets")
+    parser.add_argument("--tls", action="store_true", help="Redis behind TLS: batches pipelined by Python")
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout prefixcache is imported from")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
-    for name in ("latency_ms", "blocks", "block_kib", "seconds"):
-        if getattr(args, name) < 0 or (name != "latency_ms" and getattr(args, name) == 0):
-            parser.error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'latency_ms' else '> 0'}")
-    if args.bytes_per_s <= 0:
-        parser.error("--bytes-per-s must be > 0")
+    if args.latency_ms < 0:
+        parser.error("--latency-ms must be >= 0")
+    for flag, value in (
+        ("--bytes-per-s", args.bytes_per_s),
+        ("--blocks", args.blocks),
+        ("--block-kib", args.block_kib),
+        ("--seconds", args.seconds),
+    ):
+        if value <= 0:
+            parser.error(f"{flag} must be > 0")
     if not (args.root / "prefixcache" / "__init__.py").is_file():
         parser.error(f"--root {args.root}: no prefixcache package there")
     sys.path[:0] = [str(args.root.resolve()), str(ROOT)]
 
     from prefixcache.tiers.redis import RedisOptions, RedisTier
     from tests.slow_proxy import SlowProxy
-    from tests.support.redis_server import RedisServer
+    from tests.support.redis_server import RedisServer, make_tls_files
 
     frame = os.urandom(args.block_kib << 10)
     with tempfile.TemporaryDirectory() as workdir:
-        server = RedisServer(Path(workdir) / "redis").start()
+        tls = make_tls_files(Path(workdir) / "tls") if args.tls else None
+        server = RedisServer(Path(workdir) / "redis", tls=tls).start()
         try:
             with SlowProxy(server.port, args.latency_ms / 1e3, args.bytes_per_s) as proxy:
+                url = proxy.url.replace("redis://", "rediss://") if tls else proxy.url
                 # Reads' timeout above a round trip, so that the probe at start-up answers.
-                options = RedisOptions(url=proxy.url, key_prefix="slow", socket_timeout_s=1.0)
+                options = RedisOptions(
+                    url=url, key_prefix="slow", socket_timeout_s=1.0, tls_ca_file=str(tls.ca) if tls else None
+                )
                 with RedisTier(options) as tier:
                     started = time.perf_counter()
                     for i in range(args.blocks):
@@ -68,6 +80,7 @@ def main() -> None:
             server.stop()
     report = {
         "root": str(args.root),
+        "tls": args.tls,
         "blocks": args.blocks,
         "bytes_queued": args.blocks * len(frame),
         "bytes_written": stats.bytes_written,
@@ -81,12 +94,12 @@ def main() -> None:
         "seconds": round(elapsed, 3),
     }
     print(
-        "| root | bytes written of queued | keys in Redis | failed | deadlines | dropped | breaker trips | s per SET | idle |"
+        "| root | link | bytes written of queued | keys in Redis | failed | deadlines | dropped | breaker trips | s per SET | idle |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     pace = "—" if report["write_set_s"] is None else f"{report['write_set_s']:.3f}"
     print(
-        f"| {args.root} | {report['bytes_written']:,} of {report['bytes_queued']:,} | {held} | "
+        f"| {args.root} | {'TLS' if args.tls else 'TCP'} | {report['bytes_written']:,} of {report['bytes_queued']:,} | {held} | "
         f"{report['writes_failed']} | {report['write_deadlines']} | {report['spills_dropped']} | "
         f"{report['breaker_trips']} | {pace} | {idle} |"
     )

@@ -930,7 +930,9 @@ link_unblock(Link *link, int flags)
  * writing nothing and counting against the link's breaker (reads included). The pace is learned
  * from batches written (seconds per SET, decaying towards faster) and from a batch that ran past
  * its deadline (at least its time over the SETs answered, plus the one in flight); until the
- * first SET is answered, a batch is that one SET.
+ * first SET is answered, a batch is that one SET. Batches Python runs (TLS, Redis Cluster: pop)
+ * are sized and timed the same way (paced), though pipelined: over a slow link their bytes set
+ * the pace.
  *
  * Everything else stays Python's: an operation pushed without a key is run by Python on lane 0
  * (lane 0's run() returns when it heads the queue, the other lanes wait; pop() hands it over once
@@ -1317,16 +1319,24 @@ others_in_flight(RespWriter *self)
     return 0;
 }
 
-/* pop(max_batch) -> the ops of the next batch, taken into lane 0's flight for Python to run
- * (finish(0) ends it): up to max_batch consecutive SETs, or one operation Python runs, once every
- * other lane's batch is over; [] when nothing is queued. */
+/* pop(max_batch, deadline_s=None) -> the ops of the next batch, taken into lane 0's flight for
+ * Python to run (finish(0) ends it): up to max_batch consecutive SETs (with a deadline, no more
+ * than half of it fits at the link's pace, as run() takes: Python pipelines a batch, which takes
+ * as long as its bytes over a slow link), or one operation Python runs, once every other lane's
+ * batch is over; [] when nothing is queued. */
 static PyObject *
-writer_pop(RespWriter *self, PyObject *arg)
+writer_pop(RespWriter *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    size_t most;
-    if (batch_arg(arg, &most) < 0) {
+    if (nargs != 1 && nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "pop(max_batch, deadline_s=None) takes 1 or 2 arguments");
         return NULL;
     }
+    size_t most;
+    Link deadline = {0};
+    if (batch_arg(args[0], &most) < 0 || link_deadline(nargs > 1 ? args[1] : NULL, &deadline) < 0) {
+        return NULL;
+    }
+    double deadline_s = deadline.has_deadline ? PyFloat_AsDouble(args[1]) : 0; /* (checked) */
     int busy;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->lock);
@@ -1335,7 +1345,7 @@ writer_pop(RespWriter *self, PyObject *arg)
         pthread_cond_wait(&self->changed, &self->lock); /* the SETs queued before it first */
     }
     if (!busy && self->head != NULL) {
-        writer_take(self, 0, most, SIZE_MAX);
+        writer_take(self, 0, lane_batch(self, most, deadline_s), SIZE_MAX);
         self->barrier = self->flight[0]->key == NULL;
     }
     pthread_mutex_unlock(&self->lock);
@@ -1351,6 +1361,37 @@ writer_pop(RespWriter *self, PyObject *arg)
     }
     pthread_mutex_unlock(&self->lock);
     return ops;
+}
+
+/* paced(seconds, sets, past_deadline): a batch of `sets` SETs that Python ran (pop) took `seconds`,
+ * or ran past its deadline after `seconds`: the pace that sizes the next batches. */
+static PyObject *
+writer_paced(RespWriter *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "paced(seconds, sets, past_deadline) takes 3 arguments");
+        return NULL;
+    }
+    double seconds = PyFloat_AsDouble(args[0]);
+    if (seconds == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t sets = PyLong_AsSsize_t(args[1]);
+    if (sets == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    int past = PyObject_IsTrue(args[2]);
+    if (past < 0) {
+        return NULL;
+    }
+    if (!(seconds >= 0) || sets < 1) {
+        PyErr_SetString(PyExc_ValueError, "paced: expected seconds >= 0 and sets >= 1");
+        return NULL;
+    }
+    pthread_mutex_lock(&self->lock);
+    observe_pace(self, seconds, (size_t)sets, past);
+    pthread_mutex_unlock(&self->lock);
+    Py_RETURN_NONE;
 }
 
 /* flight(lane) -> the ops of a lane's batch in flight (every lane's for -1), left there. */
@@ -1689,7 +1730,10 @@ static PyMethodDef writer_methods[] = {
     {"push", (PyCFunction)(void (*)(void))writer_push, METH_FASTCALL,
      "push(op, key, value, ttl_ms): queue PSETEX key ttl_ms value; key None: an operation Python runs"},
     {"head", (PyCFunction)writer_head, METH_NOARGS, "head() -> 0 (empty), 1 (a SET first), 2 (a Python op first)"},
-    {"pop", (PyCFunction)writer_pop, METH_O, "pop(max_batch) -> the ops of the next batch, now in lane 0's flight"},
+    {"pop", (PyCFunction)(void (*)(void))writer_pop, METH_FASTCALL,
+     "pop(max_batch, deadline_s=None) -> the ops of the next batch, now in lane 0's flight"},
+    {"paced", (PyCFunction)(void (*)(void))writer_paced, METH_FASTCALL,
+     "paced(seconds, sets, past_deadline): how long a batch Python ran took, for the pace"},
     {"flight", (PyCFunction)writer_flight, METH_O, "flight(lane) -> the ops in a lane's flight (every lane's for -1)"},
     {"finish", (PyCFunction)writer_finish, METH_O, "finish(lane) -> the ops of the lane's batch in flight, now over"},
     {"run", (PyCFunction)(void (*)(void))writer_run, METH_FASTCALL,
@@ -1721,8 +1765,8 @@ writer_get_set_seconds(RespWriter *self, void *unused)
 
 static PyGetSetDef writer_getset[] = {
     {"set_seconds", (getter)writer_get_set_seconds, NULL,
-     "seconds per SET that run() measured on the link (0.0 until a batch is over): with a deadline, a batch takes "
-     "no more SETs than half of it fits",
+     "seconds per SET measured on the link, by run() or paced() (0.0 until a batch is over): with a deadline, a "
+     "batch takes no more SETs than half of it fits",
      NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

@@ -12,6 +12,7 @@ import socket
 import struct
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from prefixcache.errors import ConfigError
 from prefixcache.native import core
 from prefixcache.tiers.redis import RedisTier
 from prefixcache.tiers.redis_options import RedisOptions
-from tests.support.redis_server import RedisServer
+from tests.support.redis_server import RedisServer, make_tls_files
 
 pytestmark = pytest.mark.redis
 
@@ -199,29 +200,68 @@ def test_a_commits_few_sets_go_on_one_lane_the_others_sleep(redis_server: RedisS
         sock.close()
 
 
-def test_over_a_link_of_100ms_round_trips_a_burst_is_written_whole_at_its_pace(redis_server: RedisServer) -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["streamed", "tls-pipelined"])
+def test_over_a_link_of_100ms_round_trips_a_burst_is_written_whole_at_its_pace(
+    redis_server: RedisServer, tmp_path: Path, tls: bool
+) -> None:
     """Sent one at a time, 64 SETs of 16 KiB over a link of 100 ms round trips take ~9 s, past a
     batch's 2 s deadline: the batch used to fail whole, every time, writing nothing and tripping
     the link's breaker (reads included). A lane now measures the link's pace on its first SET
-    and takes no more SETs than half the deadline fits; the lanes share the burst."""
+    and takes no more SETs than half the deadline fits; the lanes share the burst. Over TLS,
+    Python pipelines each batch (pop): 64 x 16 KiB at 400 kB/s took 2.6 s, and the same burst
+    failed whole (120 of 120 SETs) until its batches were paced too."""
     from tests.slow_proxy import SlowProxy
 
+    server, ca = redis_server, None
+    if tls:
+        files = make_tls_files(tmp_path / "tls")
+        server, ca = RedisServer(tmp_path / "tls-redis", tls=files).start(), str(files.ca)
     frame = os.urandom(16 << 10)
-    with SlowProxy(redis_server.port, latency_s=0.05, bytes_per_s=400e3) as proxy:
-        options = RedisOptions(url=proxy.url, key_prefix=f"pace{os.getpid()}", socket_timeout_s=1.0)
-        assert options.write_deadline_s == 2.0
-        with RedisTier(options) as tier:
-            hashes = [i.to_bytes(8, "big") for i in range(120)]
-            for block_hash in hashes:
-                assert tier.submit("ns", block_hash, frame)
-            assert tier.wait_idle(30)
-            stats = tier.stats()
-    assert stats.bytes_written == len(hashes) * len(frame)
-    assert stats.writes_failed == 0 and stats.write_deadlines == 0
-    assert stats.breaker_trips == 0 and stats.reads_up and stats.writes_up
-    assert 0.1 <= stats.write_set_s < 1.0  # a round trip and 16 KiB at 400 kB/s
-    client = redis_server.client()
-    assert client.exists(*[tier.key("ns", h) for h in hashes]) == len(hashes)
+    try:
+        with SlowProxy(server.port, latency_s=0.05, bytes_per_s=400e3) as proxy:
+            url = proxy.url.replace("redis://", "rediss://") if tls else proxy.url
+            options = RedisOptions(url=url, key_prefix=f"pace{os.getpid()}", socket_timeout_s=1.0, tls_ca_file=ca)
+            assert options.write_deadline_s == 2.0
+            with RedisTier(options) as tier:
+                hashes = [i.to_bytes(8, "big") for i in range(120)]
+                for block_hash in hashes:
+                    assert tier.submit("ns", block_hash, frame)
+                assert tier.wait_idle(30)
+                stats = tier.stats()
+        assert stats.bytes_written == len(hashes) * len(frame)
+        assert stats.writes_failed == 0 and stats.write_deadlines == 0
+        assert stats.breaker_trips == 0 and stats.reads_up and stats.writes_up
+        # a round trip and 16 KiB at 400 kB/s each; pipelined, the bytes alone
+        assert (0.03 if tls else 0.1) <= stats.write_set_s < 1.0
+        assert server.client().exists(*[tier.key("ns", h) for h in hashes]) == len(hashes)
+    finally:
+        if tls:
+            server.kill()
+
+
+def test_a_batch_python_runs_is_sized_by_the_deadline_at_the_measured_pace() -> None:
+    writer = core.RespWriter(1)
+    for i in range(10):
+        writer.push(i, f"p:{i}".encode(), b"v", 1000)
+    assert writer.pop(64, 2.0) == [0]  # no pace yet: one SET measures it
+    writer.finish(0)
+    writer.paced(0.5, 1, False)  # 0.5 s per SET: half of 2 s fits 2
+    assert writer.set_seconds == 0.5 and writer.pop(64, 2.0) == [1, 2]
+    writer.finish(0)
+    writer.paced(0.1, 2, False)  # faster: a quarter of the way, to 0.3875 s per SET
+    assert writer.set_seconds == pytest.approx(0.3875) and writer.pop(64, 2.0) == [3, 4]
+    writer.finish(0)
+    writer.paced(0.2, 2, True)  # past its deadline at 0.1 s per SET: faster, so not followed
+    assert writer.set_seconds == pytest.approx(0.3875)
+    writer.paced(2.0, 2, True)  # past its deadline at 1 s per SET: followed at once
+    assert writer.pop(64, 2.0) == [5]
+    writer.finish(0)
+    assert writer.pop(3) == [6, 7, 8]  # no deadline: max_batch alone
+    writer.finish(0)
+    with pytest.raises(ValueError, match="deadline_s"):
+        writer.pop(64, 0.0)
+    with pytest.raises(ValueError, match="paced"):
+        writer.paced(1.0, 0, False)
 
 
 def test_lane_zero_returns_at_an_op_python_runs_and_the_others_wait(redis_server: RedisServer) -> None:

@@ -245,8 +245,8 @@ class RedisTier:
                 link.meter.estimate(),
                 write_state,
                 link.write_breaker.trips,
+                self._writer.set_seconds,
             )
-        stats = dataclasses.replace(stats, write_set_s=self._writer.set_seconds)
         feed = self._feed
         if feed is None:
             return stats

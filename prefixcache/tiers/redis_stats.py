@@ -126,6 +126,7 @@ class RedisStats:
         link: TransferEstimate | None = None,
         write_state: BreakerState = BreakerState.UP,
         write_trips: int = 0,
+        write_set_s: float = 0.0,
     ) -> RedisStats:
         return cls(
             state=state,
@@ -153,6 +154,7 @@ class RedisStats:
             oversized_replies=counters.oversized_replies,
             read_deadlines=counters.read_deadlines,
             write_deadlines=counters.write_deadlines,
+            write_set_s=write_set_s,
             reads_up=state is BreakerState.UP,
             writes_up=write_state is BreakerState.UP,
         )

@@ -143,8 +143,9 @@ class RedisWriter:
 
     @property
     def set_seconds(self) -> float:
-        """Seconds per SET the lanes measured on the link (0.0 until a batch is over): with a
-        batch deadline, a lane takes no more SETs than half of it fits (prefixcache/_resp.c)."""
+        """Seconds per SET measured on the link (0.0 until a batch is over), over the lanes' batches
+        or those Python ran: with a batch deadline, a batch takes no more SETs than half of it fits
+        (prefixcache/_resp.c)."""
         return self._ops.set_seconds
 
     def wait_idle(self, timeout_s: float) -> bool:
@@ -233,7 +234,7 @@ class RedisWriter:
                     self._probe()
                 elif work is _STREAM:
                     self._stream(0)
-                elif batch := self._ops.pop(self._link.options.max_batch):  # _POP: unlocked, it may wait for lanes
+                elif batch := self._pop():  # _POP: unlocked, it may wait for lanes
                     self._run_batch(0, batch)
         finally:
             self._stop_lanes()
@@ -294,7 +295,7 @@ class RedisWriter:
             return
         except REDIS_ERRORS as exc:
             self._count_write_deadline(exc)
-            batch = self._ops.flight(lane) or (self._ops.pop(options.max_batch) if lane == 0 else [])
+            batch = self._ops.flight(lane) or (self._pop() if lane == 0 else [])
             if not batch:  # no connection to wait on
                 self._write_failed(exc, f"connect: {error_kind(exc)}")
                 return
@@ -305,6 +306,10 @@ class RedisWriter:
                 self._failed(batch, exc)
             finally:
                 self._settle(self._ops.finish(lane))
+
+    def _pop(self) -> list[_Op]:
+        """Lane 0's next batch for Python to run, sized as the core sizes its own (RespWriter.pop)."""
+        return self._ops.pop(self._link.options.max_batch, self._link.options.write_deadline_s)
 
     def _run_batch(self, lane: int, batch: list[_Op]) -> None:
         """Run a lane's batch in flight through Python, then settle it."""
@@ -351,19 +356,27 @@ class RedisWriter:
         writer = self._link.write_client
         assert writer is not None  # _apply checked
         sets = [op for op in batch if isinstance(op, _Set)]
-        if isinstance(writer, redis.Redis) and len(sets) == len(batch):
-            RespPipeline(writer, self._link.options.write_deadline_s).set(
-                [op.key for op in sets], [op.frame for op in sets], [op.ttl_ms for op in sets]
-            )
-            return
-        pipe = writer.pipeline(transaction=False)
-        for op in batch:
-            if isinstance(op, _Set):
-                pipe.psetex(op.key, op.ttl_ms, _joined(op.frame))
+        start = time.perf_counter()
+        try:
+            if isinstance(writer, redis.Redis) and len(sets) == len(batch):
+                RespPipeline(writer, self._link.options.write_deadline_s).set(
+                    [op.key for op in sets], [op.frame for op in sets], [op.ttl_ms for op in sets]
+                )
             else:
-                assert isinstance(op, _Unlink), "an _UnlinkMatching runs alone (_apply)"
-                pipe.unlink(op.key)
-        pipe.execute(raise_on_error=True)
+                pipe = writer.pipeline(transaction=False)
+                for op in batch:
+                    if isinstance(op, _Set):
+                        pipe.psetex(op.key, op.ttl_ms, _joined(op.frame))
+                    else:
+                        assert isinstance(op, _Unlink), "an _UnlinkMatching runs alone (_apply)"
+                        pipe.unlink(op.key)
+                pipe.execute(raise_on_error=True)
+        except ExchangeDeadline:
+            if sets:
+                self._ops.paced(time.perf_counter() - start, len(sets), True)
+            raise
+        if sets:  # the pace that sizes the next batches (pop), as run() measures its own
+            self._ops.paced(time.perf_counter() - start, len(sets), False)
 
     def _unlink_matching(self, pattern: str) -> None:
         removed = 0
