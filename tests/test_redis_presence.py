@@ -7,20 +7,23 @@ real redis-server."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 
 from prefixcache.config import CacheConfig
 from prefixcache.errors import ConfigError
 from prefixcache.hashing import Hasher
-from prefixcache.presence import MAGIC_V1, PresenceView
+from prefixcache.presence import MAGIC_V1, WAYS, PresenceView, RemoteHeld
 from prefixcache.tiers.redis import RedisTier
 from prefixcache.tiers.redis_options import RedisOptions
-from prefixcache.tiers.redis_presence import DEAD_AFTER_S, TAG
+from prefixcache.tiers.redis_presence import DEAD_AFTER_S, TAG, RedisPresenceFeed
 from prefixcache.tiers.shm import SHM_DIR, OwnedSegment
 from prefixcache_services.cache_server.auth import Authenticator
 from prefixcache_services.cache_server.backend import BackendOptions
@@ -250,3 +253,46 @@ def test_an_older_services_segment_is_still_read():
     finally:
         with contextlib.suppress(Exception):
             segment.close()
+
+
+class _RecordedHeld(RemoteHeld):
+    """Remote cells that remember every time they were marked live."""
+
+    def __init__(self) -> None:
+        super().__init__(np.zeros((64, WAYS), dtype=np.uint64), np.zeros(1, dtype=np.uint32))
+        self.marked_live = 0
+
+    def set_live(self, live: bool) -> None:
+        self.marked_live += live
+        super().set_live(live)
+
+
+class _ClosedWhileSeeding(RedisPresenceFeed):
+    """A feed whose `close` lands as its key-space read ends (the window a SCAN's last page opens)."""
+
+    def __init__(self, *args) -> None:
+        self.seeded = threading.Event()  # (before the threads start)
+        super().__init__(*args)
+
+    def _seed(self, client, pubsub) -> None:
+        super()._seed(client, pubsub)
+        self.seeded.set()
+        threading.Thread(target=self.close, daemon=True).start()
+        assert self._stop.wait(5.0)
+
+
+def test_a_feed_closed_while_it_reads_the_key_space_never_goes_live(private_redis, caplog):
+    prefix = f"seed{secrets.token_hex(4)}"
+    client = private_redis.client()
+    for _ in range(5):
+        client.psetex(f"{prefix}:ns:{secrets.token_hex(16)}", 60_000, b"v")
+    held = _RecordedHeld()
+    with caplog.at_level(logging.INFO, logger="prefixcache.tiers.redis_presence"):
+        feed = _ClosedWhileSeeding(RedisOptions(url=private_redis.url, key_prefix=prefix), held, f"{prefix}:*")
+        assert feed.seeded.wait(SETTLE_S)
+        for thread in feed._threads:
+            thread.join(SETTLE_S)
+            assert not thread.is_alive()
+    assert held.held() == 5  # it did read the key space
+    assert held.marked_live == 0 and not feed.live
+    assert not [r for r in caplog.records if " live: " in r.getMessage()]
