@@ -42,6 +42,7 @@ from .index import ROOT, Match, RadixIndex
 from .kinds import EvictionReason, MissReason, TierKind
 from .leases import Lease, LeaseTable, Reservation
 from .namespaces import NamespaceRegistry, Prompt
+from .pin_book import PinRecord
 from .placement import Placement
 from .quota import TenantLedger
 from .remote_link import RemoteLink
@@ -104,8 +105,14 @@ class PrefixCache:
             clock,
         )
         self.disk = disk
+        # Pins of the last run (the disk tier's pin book), made again as their namespaces attach.
+        self._waiting_pins: dict[str, list[PinRecord]] = {}  # (kept in the book until restored)
+        self._restoring: set[str] = set()  # namespaces whose first attach is restoring their pins
+        self._pins_changed = False  # the pin book lags the live pins (a pin ended in `expire`)
         if disk is not None:
             self.placement.spill_disk = self._spill_to_disk
+            for record in disk.kept_pins():
+                self._waiting_pins.setdefault(record.namespace_id, []).append(record)
         self.ledger = TenantLedger(
             self.tenants, self.index, config.tenant_quotas, self.namespaces, self.leases, self.placement
         )  # quota.py
@@ -120,7 +127,8 @@ class PrefixCache:
 
         A namespace of a layout new to the cache adds that layout to every tier's arena; one
         whose block cannot live in a chunk (or has another block size in tokens) is
-        LayoutMismatch."""
+        LayoutMismatch. The first attach after a restart makes the namespace's pins of the last
+        run again, from the disk tier (`_restore_pins`)."""
         with self._lock:
             if self.namespaces.layout_id(namespace.layout) is None:
                 self.placement.add_layout(namespace.layout)
@@ -128,6 +136,11 @@ class PrefixCache:
             entry, new = self.namespaces.register(namespace)
             if new:
                 self.tenants.register(entry.index, namespace.tenant)
+            waiting = None if entry.id in self._restoring else self._waiting_pins.get(entry.id)
+            if waiting:
+                self._restoring.add(entry.id)
+        if waiting:
+            self._restore_pins(entry.id, waiting)
         return entry.id
 
     def namespace(self, ns_id: str) -> Namespace:
@@ -341,16 +354,21 @@ class PrefixCache:
         tier's admission policy takes it. Cache lock held; the slot is still the block's."""
         disk, index = self.disk, self.index
         assert disk is not None
+        ns_id = self.namespaces.by_row(int(index.namespace[node])).id
+        if disk.offer(ns_id, index.hash_of(node)):
+            disk.submit(ns_id, *self._disk_frame(node))
+
+    def _disk_frame(self, node: int) -> tuple[bytes, bytes]:
+        """(hash, frame) of a local block, the frame a copy out of its slot. Locked."""
+        index = self.index
         entry = self.namespaces.by_row(int(index.namespace[node]))
         block_hash = index.hash_of(node)
-        if not disk.offer(entry.id, block_hash):
-            return
         parent = int(index.parent[node])
         layout = int(self.namespaces.layout_of_row[index.namespace[node]])
         payload = self.placement.pool(TierKind(int(index.tier[node])), layout).block_bytes(int(index.slot[node]))
         parent_hash = entry.root if parent == ROOT else index.hash_of(parent)
         frame = encode_block(entry.namespace.layout, entry.id, block_hash, parent_hash, index.tokens[node], payload)
-        disk.submit(entry.id, block_hash, frame)
+        return block_hash, frame
 
     def _admit(
         self,
@@ -459,6 +477,12 @@ class PrefixCache:
         if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not ttl_s > 0):
             raise InvalidArgument("ttl_s", f"must be a number > 0 or None, got {ttl_s!r}")
         check_priority(priority)
+        return self._pin(ns_id, tokens, ttl_s, priority)
+
+    def _pin(self, ns_id: str, tokens: Tokens, ttl_s: float | None, priority: int, pin_id: int | None = None) -> Lease:
+        """`pin`, as `pin_id` where given and free (a pin of the last run made again). With a disk
+        tier the pin is written to its pin book, and its blocks the disk lacks to the disk, so a
+        restart restores it."""
         found = self._lookup(ns_id, tokens, take_lease=True, pin_priority=priority)
         if found.lease_id is None:
             raise InvalidArgument("tokens", f"no block of this prefix is cached in {ns_id!r}: store or warm it first")
@@ -469,10 +493,40 @@ class PrefixCache:
             now = self.clock()
             expires = float("inf") if ttl_s is None else now + ttl_s
             pin = self.leases.add_lease(
-                lease.namespace, lease.nodes, expires, lease.tenant, operator=True, priority=priority
+                lease.namespace, lease.nodes, expires, lease.tenant, operator=True, priority=priority, lease_id=pin_id
             )
             self._hold_pin_keys([pin], now)
-            return pin
+            self._keep_pins()
+            frames = self._frames_for_disk(pin)
+        if self.disk is not None:  # (copies: written without the lock)
+            for block_hash, frame in frames:
+                self.disk.write_now(ns_id, block_hash, frame)
+        return pin
+
+    def _restore_pins(self, ns_id: str, records: list[PinRecord]) -> None:
+        """Make the pins of the last run in a namespace attached again, from what the tiers hold
+        (the disk tier kept their blocks); one the tiers no longer hold is logged and dropped."""
+        assert self.disk is not None  # (only the disk tier's book has records)
+        try:
+            for record in records:
+                now = self.disk.clock()
+                if record.live(now):
+                    left = None if record.expires_unix is None else record.expires_unix - now
+                    self._restore_pin(ns_id, record, left)
+        finally:
+            with self._lock:
+                del self._waiting_pins[ns_id]
+                self._restoring.discard(ns_id)
+                self._keep_pins()  # (those not restored leave the book)
+
+    def _restore_pin(self, ns_id: str, record: PinRecord, ttl_s: float | None) -> None:
+        try:
+            pin = self._pin(ns_id, record.tokens, ttl_s, record.priority, record.pin_id)
+        except (InvalidArgument, UnknownLease) as error:
+            log.warning("pin %d of namespace %s not restored: %s", record.pin_id, ns_id, error)
+            return
+        blocks = len(pin.nodes) * self.layout.block_size
+        log.info("pin %d of namespace %s restored: %d of %d token(s)", pin.id, ns_id, blocks, len(record.tokens))
 
     def unpin(self, pin_id: int) -> None:
         with self._lock:
@@ -481,6 +535,7 @@ class PrefixCache:
                 raise InvalidArgument("pin_id", f"pin {pin_id} is unknown or has expired")
             self.index.unpin(list(pin.nodes))
             self._pin_ended(pin)
+            self._keep_pins()
 
     def _retain(self, rows: list[int], retain_s: float, now: float) -> None:
         """A retention hint: `rows` stay `retain_s` since their last use where that outlasts the
@@ -523,6 +578,7 @@ class PrefixCache:
     def _pin_ended(self, pin: Lease) -> None:
         """A pin ended (unpin, expiry, displaced): its blocks' keys get their normal TTL back, as if
         used now (a retention hint's longer TTL kept). Locked."""
+        self._pins_changed = True
         link = self.remote_link
         if link is None:
             return
@@ -531,6 +587,38 @@ class PrefixCache:
         extra = self.index.extra_ttl[rows]
         retained = np.where(extra > 0, self.index.last_access[rows] + self.config.ttl_s + extra - now, 0.0)
         link.set_ttl(rows, np.maximum(link.ttl_s, retained), now)
+
+    def _keep_pins(self) -> None:
+        """With a disk tier, its pin book becomes the live pins and those of the last run still
+        waiting for their namespace (their blocks kept on disk). Locked."""
+        self._pins_changed = False
+        if self.disk is None:
+            return
+        now, wall = self.clock(), self.disk.clock()
+        records = [self._pin_record(pin, now, wall) for pin in self.leases.pins() if pin.expires_at > now]
+        made = {record.pin_id for record in records}
+        for waiting in self._waiting_pins.values():  # (a namespace's stay until all are tried)
+            records += [r for r in waiting if r.live(wall) and r.pin_id not in made]
+        self.disk.keep_pins(records)
+
+    def _pin_record(self, pin: Lease, now: float, wall: float) -> PinRecord:
+        rows = list(pin.nodes)
+        return PinRecord(
+            pin_id=pin.id,
+            namespace_id=self.namespaces.by_row(pin.namespace).id,
+            tokens=tuple(self.index.tokens[rows].reshape(-1).tolist()),
+            block_hashes=tuple(self.index.hash_of(row) for row in rows),
+            expires_unix=None if pin.expires_at == float("inf") else wall + (pin.expires_at - now),
+            priority=pin.priority,
+        )
+
+    def _frames_for_disk(self, pin: Lease) -> list[tuple[bytes, bytes]]:
+        """(hash, frame) of the pin's blocks the disk tier lacks, copied out of their slots. Locked."""
+        disk = self.disk
+        if disk is None:
+            return []
+        ns_id = self.namespaces.by_row(pin.namespace).id
+        return [self._disk_frame(node) for node in pin.nodes if not disk.holds(ns_id, self.index.hash_of(node))]
 
     def pins(self) -> list[tuple[str, Lease]]:
         """Live operator pins with their namespace ids, soonest to expire first."""
@@ -789,6 +877,8 @@ class PrefixCache:
         with self._lock:
             now = self.clock()
             self.placement.reclaim_expired(now)
+            if self._pins_changed:  # a pin expired (or was displaced by a pin that then failed)
+                self._keep_pins()
             if self.remote_link is not None and now >= self._next_pin_refresh:
                 self._hold_pin_keys(self.leases.pins(), now)
             index = self.index

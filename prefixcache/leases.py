@@ -104,8 +104,12 @@ class LeaseTable:
         tenant: str = "",
         operator: bool = False,
         priority: int = 0,
+        lease_id: int | None = None,
     ) -> Lease:
-        lease = Lease(self._new_id(), namespace, nodes, expires_at, tenant, operator, priority)
+        """`lease_id`: the id to use where it is free (a pin of the last run made again)."""
+        if lease_id is None or lease_id in self._leases or lease_id in self._reservations:
+            lease_id = self._new_id()
+        lease = Lease(lease_id, namespace, nodes, expires_at, tenant, operator, priority)
         self._leases[lease.id] = lease
         if operator:
             self._pins += 1

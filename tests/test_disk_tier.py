@@ -6,7 +6,9 @@ once is not written, the second time it is); an exact byte budget with LRU evict
 the same directory serves what was there, rebuilt from the chunk tables; torn, flipped, truncated
 and foreign data are counted integrity misses, never wrong bytes; a full filesystem (a small tmpfs
 this test mounts when root) and a deleted directory turn the tier off with the host tier still
-serving. (A read-only remount is not tested: the kernel refuses `remount,ro` while the tier holds
+serving; operator pins come back after a restart (their blocks kept on disk through LRU, TTL,
+evict and flush), a pin past its end or without its blocks does not, and an unreadable pin book
+is set aside. (A read-only remount is not tested: the kernel refuses `remount,ro` while the tier holds
 its files open for writing; the real case, ext4's errors=remount-ro, needs a loop device.)
 """
 
@@ -18,7 +20,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,9 +31,12 @@ import pytest
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, DType, KVLayout
 from prefixcache.errors import ConfigError
+from prefixcache.pin_book import FILE_NAME as PIN_BOOK
 from prefixcache.tiers.disk import FILE_PREFIX, MAX_SLOTS_PER_CHUNK, PAGE, TABLE_BYTES, DiskOptions, DiskTier
 from prefixcache.tiers.host import HostTier
+from prefixcache_services.cache_server.metrics import DiskCollector
 from tests.support.core import ManualClock, kv_for, namespace, read_blocks, same_bytes
+from tests.support.poll import poll
 
 UNIT = pytest.mark.unit  # every test but the SIGKILL one (a child process)
 
@@ -40,8 +46,10 @@ CHUNK = TABLE_BYTES + 16 * PAGE  # 16 one-page slots a chunk (a 512-byte block's
 
 
 @contextmanager
-def disk_cache(directory: Path, host_slots: int = 4, chunks: int = 4, **options) -> Iterator[tuple[PrefixCache, str]]:
-    disk = DiskTier(DiskOptions(str(directory), chunks * CHUNK, chunk_bytes=CHUNK, **options))
+def disk_cache(
+    directory: Path, host_slots: int = 4, chunks: int = 4, wall: Callable[[], float] = time.time, **options
+) -> Iterator[tuple[PrefixCache, str]]:
+    disk = DiskTier(DiskOptions(str(directory), chunks * CHUNK, chunk_bytes=CHUNK, **options), clock=wall)
     host = HostTier(LAYOUT, host_slots * LAYOUT.block_bytes)
     cache = PrefixCache(
         CacheConfig(host_capacity=host_slots * LAYOUT.block_bytes), LAYOUT, host, clock=ManualClock(), disk=disk
@@ -124,6 +132,112 @@ def test_restart_serves_what_was_on_disk(tmp_path: Path) -> None:
         assert hit_blocks(cache, ns, tokens_for(1, 4)) == 4
         assert hit_blocks(cache, ns, tokens_for(2, 4)) == 4
         assert hit_blocks(cache, ns, tokens_for(3, 4)) == 0  # never left the old host tier
+
+
+# ---- pins kept on disk (pin_book.py) ------------------------------------------------------------
+
+
+@UNIT
+def test_pins_come_back_after_a_restart_with_their_id_priority_and_end(tmp_path: Path) -> None:
+    a, b = tokens_for(1, 4), tokens_for(2, 3)
+    with disk_cache(tmp_path, host_slots=8) as (cache, ns):  # admission after reuse: nothing on disk yet
+        store(cache, ns, a)
+        store(cache, ns, b)
+        pin_a = cache.pin(ns, a, ttl_s=3600, priority=7)
+        pin_b = cache.pin(ns, b[: 2 * BS])  # no TTL; two of b's three blocks
+        disk = cache.disk
+        assert disk is not None and disk.wait_idle(5)
+        stats = disk.stats()
+        assert stats.blocks == stats.pinned_blocks == 6 and stats.admitted == 0  # written at once, kept
+        gauges = {m.name: m.samples[0].value for m in DiskCollector(disk.stats).collect() if len(m.samples) == 1}
+        assert gauges["prefixcache_disk_pinned_blocks"] == 6
+    with disk_cache(tmp_path, host_slots=8) as (cache, ns):  # attached: both pins made again from disk
+        pins = {pin.id: pin for _, pin in cache.pins()}
+        assert set(pins) == {pin_a.id, pin_b.id}
+        assert pins[pin_a.id].priority == 7 and len(pins[pin_a.id].nodes) == 4
+        assert 3590 < pins[pin_a.id].expires_at - cache.clock() <= 3600
+        assert pins[pin_b.id].expires_at == float("inf") and len(pins[pin_b.id].nodes) == 2
+        assert hit_blocks(cache, ns, a) == 4 and hit_blocks(cache, ns, b) == 2  # byte for byte, from the host tier
+        cache.unpin(pin_a.id)  # its old id still names it
+    with disk_cache(tmp_path, host_slots=8) as (cache, ns):
+        assert [pin.id for _, pin in cache.pins()] == [pin_b.id]
+        assert cache.disk is not None and cache.disk.stats().pinned_blocks == 2
+
+
+@UNIT
+def test_attaches_at_once_after_a_restart_restore_each_pin_once(tmp_path: Path) -> None:
+    prompts = [tokens_for(seed, 2) for seed in range(1, 4)]
+    with disk_cache(tmp_path, host_slots=8) as (cache, ns):
+        for tokens in prompts:
+            store(cache, ns, tokens)
+        ids = {cache.pin(ns, tokens, priority=i).id for i, tokens in enumerate(prompts)}
+    for _ in range(5):  # each round a restart, then four engines attaching together
+        pins = _restart_and_attach_at_once(tmp_path)
+        assert {pin.id for pin in pins} == ids and sum(len(pin.nodes) for pin in pins) == 6
+
+
+def _restart_and_attach_at_once(directory: Path) -> list:
+    disk = DiskTier(DiskOptions(str(directory), 4 * CHUNK, chunk_bytes=CHUNK))
+    host = HostTier(LAYOUT, 8 * LAYOUT.block_bytes)
+    cache = PrefixCache(CacheConfig(host_capacity=8 * LAYOUT.block_bytes), LAYOUT, host, disk=disk)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            assert len({f.result() for f in [pool.submit(cache.attach, namespace(LAYOUT)) for _ in range(4)]}) == 1
+        assert poll(lambda: len(cache.pins()) == 3, 5)  # (an attach may return while another restores)
+        return [pin for _, pin in cache.pins()]
+    finally:
+        cache.close()
+
+
+@UNIT
+def test_pinned_blocks_on_disk_outlast_lru_ttl_evict_and_flush(tmp_path: Path) -> None:
+    now = [1_000_000.0]
+    pinned = tokens_for(1, 4)
+    with disk_cache(tmp_path, host_slots=8, chunks=1, admit_after=1, ttl_s=60, wall=lambda: now[0]) as (cache, ns):
+        store(cache, ns, pinned)
+        pin = cache.pin(ns, pinned)
+        disk = cache.disk
+        assert disk is not None
+        for round_ in range(3):  # 16 disk slots; 4 of them pinned; the rest turned over
+            cycle(cache, ns, range(10 + 10 * round_, 14 + 10 * round_))
+        assert disk.stats().evictions_lru > 0 and disk.stats().pinned_blocks == 4
+        now[0] += 120  # past the disk tier's TTL
+        assert cache.lookup(ns, tokens_for(12, 4)).hit_tokens == 0  # expired on disk too
+        cache.evict(ns)
+        cache.flush()
+        assert disk.stats().blocks == 4
+    with disk_cache(tmp_path, host_slots=8, chunks=1, admit_after=1, ttl_s=60, wall=lambda: now[0]) as (cache, ns):
+        assert [p.id for _, p in cache.pins()] == [pin.id]
+        assert hit_blocks(cache, ns, pinned) == 4
+
+
+@UNIT
+def test_a_pin_is_not_restored_past_its_end_nor_when_its_blocks_are_gone(tmp_path: Path, caplog) -> None:
+    now = [1_000_000.0]
+    with disk_cache(tmp_path, host_slots=8, wall=lambda: now[0]) as (cache, ns):
+        store(cache, ns, tokens_for(1, 2))
+        store(cache, ns, tokens_for(2, 2))
+        cache.pin(ns, tokens_for(1, 2), ttl_s=30)
+        lost = cache.pin(ns, tokens_for(2, 2))
+    now[0] += 60
+    for data in tmp_path.glob(f"{FILE_PREFIX}*.dat"):  # the blocks go; the pin book stays
+        data.write_bytes(b"")
+    with disk_cache(tmp_path, host_slots=8, wall=lambda: now[0]) as (cache, ns):
+        assert cache.disk is not None and [r.pin_id for r in cache.disk.kept_pins()] == [lost.id]  # not the ended one
+        assert cache.pins() == []  # attached: the other tried, and dropped
+    assert f"pin {lost.id} of namespace {ns} not restored" in caplog.text
+    assert '"pins":[]' in (tmp_path / PIN_BOOK).read_text()  # neither is kept for the next start
+
+
+@UNIT
+def test_an_unreadable_pin_book_is_set_aside_and_the_tier_serves(tmp_path: Path, caplog) -> None:
+    (tmp_path / PIN_BOOK).write_text('{"schema_version": 1, "pins": [{"pin_id": "x"}]}')
+    with disk_cache(tmp_path, admit_after=1) as (cache, ns):
+        assert cache.disk is not None and cache.disk.is_up() and cache.pins() == []
+        cycle(cache, ns, range(1, 3))
+        assert hit_blocks(cache, ns, tokens_for(1, 4)) == 4
+    assert "pin book" in caplog.text and "pins[0]" in caplog.text
+    assert (tmp_path / f"{PIN_BOOK}.unreadable").exists() and not (tmp_path / PIN_BOOK).exists()
 
 
 def _flip(path: Path, offset: int) -> None:
@@ -299,12 +413,12 @@ def test_sigkill_mid_write_leaves_at_worst_a_few_misses(tmp_path: Path) -> None:
 
 @pytest.mark.process
 def test_service_killed_and_restarted_serves_from_disk(tmp_path: Path) -> None:
-    """10-20 s on 2 busy cores: two `serve` processes. Host tier of 16 blocks of 128 KiB, disk tier of 128 MiB."""
+    """10-20 s on 2 busy cores: two `serve` processes. Host tier of 16 blocks of 128 KiB, disk tier of
+    128 MiB. A pin made before the kill comes back after it."""
     import torch
 
     from prefixcache.client import CacheClient
     from tests.support import lifetime
-    from tests.support.poll import poll
     from tests.test_service_process import _start
 
     served = KVLayout(layers=4, kv_heads=8, head_dim=64, block_size=16, dtype=DType.BFLOAT16)  # 128 KiB blocks
@@ -322,9 +436,12 @@ def test_service_killed_and_restarted_serves_from_disk(tmp_path: Path) -> None:
             assert len(files) == 1 and files[0].stat().st_size == 128 << 20  # preallocated, exact
             # Both of the first two prompts on disk: each of their 16 slots' records written.
             poll(lambda: _records(files[0]) >= 32, timeout_s=10)
+            pin = client.pin(prompts[2], ttl_s=3600, priority=9)  # the last prompt, still in the host tier only
+            assert _records(files[0]) >= 48  # pinned: written to disk at once
     finally:
         lifetime.kill(process)  # SIGKILL: no drain, no close
-    process, address, _, _ = _start(*flags)
+    # A host tier of 64 blocks now: the restored pin holds 16 of them, the two prompts read take 32.
+    process, address, _, _ = _start("--host-capacity", "8MiB", *flags[2:])
     try:
         with CacheClient(address, timeout_s=10) as client:
             client.attach("model", served)
@@ -333,7 +450,13 @@ def test_service_killed_and_restarted_serves_from_disk(tmp_path: Path) -> None:
                 assert hit.hit_tokens == 16 * 16
                 assert torch.equal(client.read(hit).view(torch.int16), blocks)
                 client.release(hit)
-            assert client.lookup(prompts[2], take_lease=False).hit_tokens == 0  # it never left the host tier
+            # It never left the host tier, but it was pinned: the pin is back, its blocks read from disk.
+            (restored,) = client.pins()
+            assert (restored.pin_id, restored.priority, restored.pinned_tokens) == (pin.pin_id, 9, 16 * 16)
+            assert restored.expires_in_s is not None and 3500 < restored.expires_in_s <= 3600
+            hit = client.lookup(prompts[2])
+            assert hit.hit_tokens == 16 * 16 and torch.equal(client.read(hit).view(torch.int16), kv[2])
+            client.release(hit)
     finally:
         lifetime.stop(process, 10)
 

@@ -24,12 +24,17 @@ use are misses that free their slot. Admission after reuse: a key is written the
 time it is offered (default 2: the second eviction from the host tier), to spare SSD writes nobody
 reads back.
 
+Pins (pin_book.py): the blocks of operator pins are written here as they are pinned (no
+admission wait) and kept out of LRU and TTL eviction, namespace evictions and `flush` while the
+pin book in the same directory lists them; the book is read back at start (`kept_pins`).
+
 Fail-open: an OSError in any I/O (ENOSPC, EIO, EROFS), or the directory gone or replaced, turns
 the tier off with one log line; it then answers misses and drops writes, and `stats().up` is 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -44,8 +49,10 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from .. import pin_book
 from ..config import parse_duration, parse_size
 from ..errors import ConfigError
+from ..pin_book import PinRecord
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +120,7 @@ class DiskStats:
     io_errors: int = 0
     restored_blocks: int = 0
     restore_s: float = 0.0
+    pinned_blocks: int = 0  # blocks the pin book keeps (never evicted while it does)
 
 
 @dataclass
@@ -155,6 +163,8 @@ class DiskTier:
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first
         self._offers: OrderedDict[bytes, int] = OrderedDict()  # admission: times offered
         self._writing: set[bytes] = set()  # keys being written (a second offer is not written twice)
+        self._kept: frozenset[bytes] = frozenset()  # keys of pinned blocks: never evicted (keep_pins)
+        self._book: list[PinRecord] = []  # the pin book as read at start
         self._chunks: list[_Chunk] = []
         self._fds: list[int] = []
         self._up = False
@@ -169,6 +179,8 @@ class DiskTier:
             self._up = True
         except OSError as error:
             self._fail(error, "opening")
+        if self._up:
+            self._read_pins()
         for i in range(options.io_threads if self._up else 0):
             thread = threading.Thread(target=self._write_loop, name=f"disk-write-{i}", daemon=True)
             thread.start()
@@ -245,6 +257,60 @@ class DiskTier:
         ch.keys = [None] * per_chunk
         ch.free = list(range(per_chunk - 1, -1, -1))
         ch.used = 0
+
+    # -- pins ------------------------------------------------------------------------
+    @property
+    def pin_book_path(self) -> str:
+        return os.path.join(self.options.directory, pin_book.FILE_NAME)
+
+    def _read_pins(self) -> None:
+        """The pin book left by the last run: its live pins' blocks are kept from now on."""
+        try:
+            records = pin_book.read(self.pin_book_path)
+        except (OSError, ValueError) as error:  # (UnicodeDecodeError and JSON errors are ValueErrors)
+            aside = f"{self.pin_book_path}.unreadable"
+            log.error(
+                "disk tier: pin book %s unreadable (%s); no pin restored, moved to %s", self.pin_book_path, error, aside
+            )
+            with contextlib.suppress(OSError):
+                os.replace(self.pin_book_path, aside)
+            return
+        now = self.clock()
+        self._book = [r for r in records if r.live(now)]
+        self._set_kept(self._book)
+        if self._book:
+            log.info("disk tier: %d pin(s) to restore as their namespaces attach", len(self._book))
+
+    def kept_pins(self) -> list[PinRecord]:
+        """The pins the book held at start, still live then (PrefixCache restores them)."""
+        return list(self._book)
+
+    def keep_pins(self, records: list[PinRecord]) -> None:
+        """Make `records` the pin book: their blocks are kept from eviction from now on, others
+        no longer; written to the directory (a failure turns the tier off, as any I/O error)."""
+        self._set_kept(records)
+        if not self._up:
+            return
+        try:
+            self._check_dir()
+            pin_book.write(self.pin_book_path, records)
+        except OSError as error:
+            self._fail(error, "writing the pin book")
+
+    def _set_kept(self, records: list[PinRecord]) -> None:
+        kept = frozenset(block_key(r.namespace_id, h) for r in records for h in r.block_hashes)
+        with self._lock:
+            self._kept = kept
+            self._stats.pinned_blocks = sum(1 for key in kept if key in self._entries)
+
+    def holds(self, namespace_id: str, block_hash: bytes) -> bool:
+        with self._lock:
+            return block_key(namespace_id, block_hash) in self._entries
+
+    def write_now(self, namespace_id: str, block_hash: bytes, frame: bytes) -> None:
+        """Write a pinned block from the caller's thread (no admission, no queue to drop it)."""
+        if self._up:
+            self._write(block_key(namespace_id, block_hash), _ns_digest(namespace_id), frame)
 
     # -- writing -------------------------------------------------------------------
     def offer(self, namespace_id: str, block_hash: bytes) -> bool:
@@ -344,6 +410,7 @@ class DiskTier:
                 self._writing.discard(key)
         with self._lock:
             self._entries[key] = _Entry(c, s, len(frame), ns, float(stamp))
+            self._stats.pinned_blocks += key in self._kept
             self._stats.blocks += 1
             self._stats.used_bytes += len(frame)
             self._stats.bytes_written += len(frame)
@@ -360,7 +427,8 @@ class DiskTier:
                 if ch.used == 0:  # unassigned, or emptied: it may change slot size
                     self._assign(c, slot_bytes)
                     return c, ch.free.pop(), True
-            victim = next((k for k, e in self._entries.items() if not e.readers), None)
+            kept = self._kept
+            victim = next((k for k, e in self._entries.items() if not e.readers and k not in kept), None)
             if victim is None:
                 return None
             self._remove(victim)
@@ -375,6 +443,7 @@ class DiskTier:
         ch.used -= 1
         self._stats.blocks -= 1
         self._stats.used_bytes -= entry.length
+        self._stats.pinned_blocks -= key in self._kept
 
     # -- reading --------------------------------------------------------------------
     def fetch(self, namespace_id: str, hashes: Sequence[bytes]) -> list[bytes]:
@@ -391,7 +460,7 @@ class DiskTier:
                 entry = self._entries.get(key)
                 if entry is None:
                     break
-                if now - entry.used > ttl:
+                if now - entry.used > ttl and key not in self._kept:
                     self._remove(key)
                     self._stats.evictions_ttl += 1
                     break
@@ -432,21 +501,33 @@ class DiskTier:
     def delete_namespace(self, namespace_id: str) -> None:
         ns = _ns_digest(namespace_id)
         with self._lock:
-            for key in [k for k, e in self._entries.items() if e.ns == ns and not e.readers]:
+            for key in [k for k, e in self._entries.items() if e.ns == ns and not e.readers and k not in self._kept]:
                 self._remove(key)
 
     def flush(self) -> None:
-        """Forget everything, on disk too (the tables are cleared: a restart finds nothing)."""
+        """Forget everything but pinned blocks, on disk too (the tables are rewritten: a restart
+        finds only those)."""
         self.wait_idle(5.0)
         with self._lock:
-            for key in [k for k, e in self._entries.items() if not e.readers]:
+            for key in [k for k, e in self._entries.items() if not e.readers and k not in self._kept]:
                 self._remove(key)
             if not self._up:
                 return
             try:
                 for ch in self._chunks:
-                    if ch.slot_bytes:
-                        os.pwrite(self._fds[ch.file], bytes(TABLE_BYTES), ch.offset)
+                    if not ch.slot_bytes:
+                        continue
+                    table = bytearray(TABLE_BYTES)
+                    if ch.used:  # pinned blocks (or ones being read) stay, and their records
+                        _HEADER.pack_into(table, 0, MAGIC, VERSION, ch.slot_bytes)
+                        for s, held in enumerate(ch.keys):
+                            entry = self._entries.get(held) if held is not None else None
+                            if entry is not None:
+                                _RECORD.pack_into(
+                                    table, PAGE + s * _RECORD.size, held, entry.ns, entry.length, int(entry.used)
+                                )
+                    os.pwrite(self._fds[ch.file], table, ch.offset)
+                    if not ch.used:
                         ch.slot_bytes = 0
             except OSError as error:
                 self._up_off(error, "flushing")

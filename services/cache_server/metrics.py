@@ -144,6 +144,9 @@ class DiskCollector(Collector):
         moved.add_metric(["written"], stats.bytes_written)
         yield moved
         yield GaugeMetricFamily(f"{PREFIX}_disk_blocks", "Blocks on disk", stats.blocks)
+        yield GaugeMetricFamily(
+            f"{PREFIX}_disk_pinned_blocks", "Blocks on disk kept for operator pins (the pin book)", stats.pinned_blocks
+        )
         yield GaugeMetricFamily(f"{PREFIX}_disk_used_bytes", "Frame bytes on disk", stats.used_bytes)
         yield GaugeMetricFamily(f"{PREFIX}_disk_capacity_bytes", "The disk tier's byte budget", stats.capacity_bytes)
         yield GaugeMetricFamily(
