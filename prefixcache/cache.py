@@ -953,6 +953,7 @@ class PrefixCache:
                     self.tiers,
                     self.clock() - self._started,
                     self.remote_link.is_up() if self.remote_link is not None else None,
+                    self.disk.is_up() if self.disk is not None else None,
                 )
             c = self.counters
             tiers = []
@@ -969,6 +970,11 @@ class PrefixCache:
             remote: dict[str, float] = {}
             if self.remote_link is not None:
                 remote_up, remote = self.remote_link.is_up(), self.remote_link.figures()
+            disk_up: bool | None = None
+            disk: dict[str, float] = {}
+            if self.disk is not None:
+                disk_up = self.disk.is_up()
+                disk = {name: float(v) for name, v in vars(self.disk.stats()).items() if name != "up"}
             return snapshot_of(
                 c,
                 uptime_s=self.clock() - self._started,
@@ -977,6 +983,8 @@ class PrefixCache:
                 spills_dropped=c.spills_dropped,
                 remote_up=remote_up,
                 remote=remote,
+                disk_up=disk_up,
+                disk=disk,
             )
 
     def close(self) -> bool:

@@ -114,12 +114,17 @@ class TenantLedger:
         return max(0, min(count, (limit - used) // block))
 
     def snapshot(
-        self, tenant: str, tiers: Mapping[TierKind, SlotTier], uptime_s: float, remote_up: bool | None
+        self,
+        tenant: str,
+        tiers: Mapping[TierKind, SlotTier],
+        uptime_s: float,
+        remote_up: bool | None,
+        disk_up: bool | None = None,
     ) -> StatsSnapshot:
         """The figures `tenant` may see: its own lookups, commits, evictions, residency and leases.
 
-        Service-wide figures (spills, promotions, Redis counters) are left out: they describe
-        other tenants' traffic too. A tier's capacity is the tenant's quota there when smaller.
+        Service-wide figures (spills, promotions, Redis and disk counters) are left out: they
+        describe other tenants' traffic too; the two tiers' states stay. A tier's capacity is the tenant's quota there when smaller.
         """
         c = self._tenants.tenant_counters(tenant)
         snapshots = []
@@ -142,4 +147,5 @@ class TenantLedger:
             remote_up=remote_up,
             remote={},
             moves=False,
+            disk_up=disk_up,
         )

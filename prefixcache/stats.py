@@ -83,6 +83,8 @@ class StatsSnapshot:
     remote: dict[str, float] = field(default_factory=dict)
     pins_displaced: int = 0
     retention_clamped: int = 0
+    disk_up: bool | None = None  # None when no disk tier is configured
+    disk: dict[str, float] = field(default_factory=dict)
 
     @property
     def token_hit_rate(self) -> float:
@@ -172,6 +174,10 @@ STATS: tuple[Stat, ...] = (
     Stat("remote", G, "The remote tier's figures by name", (Label("name", ()),), metric=None, json="redis.stats"),
     Stat("pins_displaced", C, "Operator pins released for a pin of higher priority", json="pins.displaced"),
     Stat("retention_clamped", C, "Retention hints cut to the tenant's bound", json="retention.clamped"),
+    # The disk tier: whether it is on (None without one) and its own figures (DiskStats), which
+    # Prometheus gets from the tier itself (DiskCollector: prefixcache_disk_*).
+    Stat("disk_up", G, "1 while the disk tier is on", metric=None, json="disk.up", optional=True),
+    Stat("disk", G, "The disk tier's figures by name", (Label("name", ()),), metric=None, json="disk.stats"),
 )
 
 PER_TIER = next(stat for stat in STATS if stat.name == "tiers")
@@ -202,6 +208,8 @@ def snapshot_of(
     remote_up: bool | None,
     remote: dict[str, float],
     moves: bool = True,
+    disk_up: bool | None = None,
+    disk: dict[str, float] | None = None,
 ) -> StatsSnapshot:
     """The snapshot of `counters` (the whole cache's, or one tenant's: `moves=False` leaves out
     spills and promotions, which are not counted per tenant). The one place that maps counters
@@ -233,6 +241,8 @@ def snapshot_of(
         remote=remote,
         pins_displaced=c.pins_displaced,
         retention_clamped=c.retention_clamped,
+        disk_up=disk_up,
+        disk=disk or {},
     )
 
 

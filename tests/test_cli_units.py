@@ -6,9 +6,11 @@ arithmetic and the schema's stability rules exactly.
 
 from __future__ import annotations
 
+import io
 from types import SimpleNamespace
 
 import pytest
+from rich.console import Console
 
 from prefixcache.client import ServiceStats
 from prefixcache.config import KVLayout
@@ -17,7 +19,9 @@ from prefixcache.stats import StatsSnapshot, TierSnapshot
 from prefixcache_services.admin.connect import AdminError, check_address
 from prefixcache_services.admin.document import stats_document
 from prefixcache_services.admin.prompt import WorkerIdentity, check_layout, read_tokens_file
+from prefixcache_services.admin.stats_view import stats_view
 from prefixcache_services.admin.top_model import TopModel
+from prefixcache_services.admin.top_view import top_frame
 
 pytestmark = pytest.mark.unit
 
@@ -32,6 +36,7 @@ def snapshot(
     saved: int = 0,
     evictions: dict | None = None,
     spills: dict | None = None,
+    disk: dict | None = None,
 ) -> StatsSnapshot:
     return StatsSnapshot(
         uptime_s=uptime,
@@ -53,6 +58,8 @@ def snapshot(
         evictions=evictions or {},
         miss_reasons={},
         remote_up=None,
+        disk_up=None if disk is None else True,
+        disk=disk or {},
     )
 
 
@@ -67,7 +74,7 @@ def test_the_document_keeps_every_key_before_the_cache_exists():
     def shape(value):
         return {k: shape(v) for k, v in value.items()} if isinstance(value, dict) else None
 
-    skip = {"tiers", "layout", "evictions", "spills", "promotions", "redis"}  # maps keyed by what exists
+    skip = {"tiers", "layout", "evictions", "spills", "promotions", "redis", "disk"}  # maps keyed by what exists
     assert {k: v for k, v in shape(empty).items() if k not in skip} == {
         k: v for k, v in shape(ready).items() if k not in skip
     }
@@ -81,6 +88,21 @@ def test_the_document_keeps_every_key_before_the_cache_exists():
     assert ready["evictions"]["by_tier"] == {"host": {"lru": 2, "ttl": 0, "capacity": 0, "manual": 0}}
     assert ready["tiers"]["host"]["utilization"] == 4 * 16384 / (1 << 20)
     assert ready["redis"] == {"configured": False, "state": "absent", "up": None, "stats": {}}
+    assert ready["disk"] == {"configured": False, "state": "absent", "up": None, "stats": {}}
+
+
+def test_the_disk_tier_shows_in_the_stats_table_and_in_top():
+    figures = {"blocks": 48.0, "used_bytes": 6.5e6, "capacity_bytes": 128e6, "hits": 32.0, "pinned_blocks": 16.0}
+    with_disk = doc(disk=figures)
+    assert with_disk["disk"] == {"configured": True, "state": "up", "up": True, "stats": dict(sorted(figures.items()))}
+    console = Console(width=140, record=True, file=io.StringIO())
+    console.print(stats_view(with_disk))
+    text = console.export_text()
+    assert "disk tier" in text and "pinned blocks" in text and "disk" in text.split("evictions")[0]  # a tiers row
+    model = TopModel(window_s=60)
+    model.add(with_disk, at=0.0)
+    console.print(top_frame(model, "127.0.0.1:1", 1.0, None, False))
+    assert "6.2 MiB / 122.1 MiB (5.1%" in console.export_text()  # top's tier occupancy
 
 
 def test_top_rates_come_from_the_last_two_snapshots():

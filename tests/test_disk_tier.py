@@ -457,6 +457,10 @@ def test_service_killed_and_restarted_serves_from_disk(tmp_path: Path) -> None:
             hit = client.lookup(prompts[2])
             assert hit.hit_tokens == 16 * 16 and torch.equal(client.read(hit).view(torch.int16), kv[2])
             client.release(hit)
+            stats = client.stats().snapshot  # GetStats reports the disk tier (stats, top)
+            assert stats is not None and stats.disk_up is True
+            assert stats.disk["restored_blocks"] >= 48 and stats.disk["pinned_blocks"] == 16
+            assert stats.disk["capacity_bytes"] == 128 << 20
     finally:
         lifetime.stop(process, 10)
 

@@ -49,6 +49,10 @@ def full_snapshot(remote_up: bool | None = True) -> StatsSnapshot:
         miss_reasons={"not_cached": 2, "expired": 1},
         remote_up=remote_up,
         remote={"link_latency_s": 0.0005, "probes_declined": 3.0},
+        pins_displaced=2,
+        retention_clamped=1,
+        disk_up=remote_up,
+        disk={"blocks": 48.0, "pinned_blocks": 16.0, "restore_s": 0.25},
     )
 
 
@@ -72,6 +76,7 @@ def test_proto_round_trip_keeps_every_field(remote_up):
     snapshot = full_snapshot(remote_up)
     message = stats_message(snapshot, LAYOUT)
     assert message.HasField("remote_up") is (remote_up is not None)
+    assert message.HasField("disk_up") is (remote_up is not None)
     assert stats_of(pb.Stats.FromString(message.SerializeToString())) == ServiceStats(True, LAYOUT, snapshot)
     assert stats_of(stats_message(None, None)) == ServiceStats(False, None, None)
 
@@ -143,6 +148,12 @@ def test_json_document_is_the_stats_plus_what_is_derived(ready):
                                         "utilization": pytest.approx(11 / 64)}  # fmt: skip
         assert doc["evictions"]["by_tier"]["host"] == {"lru": 0, "ttl": 2, "capacity": 1, "manual": 0}
         assert doc["evictions"]["total"] == 8 and doc["redis"]["stats"]["probes_declined"] == 3.0
+        assert doc["disk"] == {
+            "configured": True,
+            "state": "up",
+            "up": True,
+            "stats": {"blocks": 48.0, "pinned_blocks": 16.0, "restore_s": 0.25},
+        }
         assert doc["miss_reasons"]["verification_failed"] == 0 and doc["tokens"]["saved"] == 160
 
 
@@ -153,5 +164,6 @@ def test_replay_report_counters_are_the_schema_counters():
     assert set(delta) - {"token_hit_rate"} == counters
     at_end = snapshot_dict(after)
     assert set(at_end) - {"token_hit_rate", "block_hit_rate", "request_hit_rate"} == {s.name for s in STATS} - {
-        "remote"
+        "remote",
+        "disk",
     }

@@ -401,7 +401,7 @@ class ReasonCounts(_message.Message):
     def __init__(self, by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("ready", "uptime_seconds", "lookups", "request_hits", "request_misses", "block_hits", "block_misses", "token_hits", "tokens_looked_up", "tokens_saved", "blocks_committed", "blocks_deduplicated", "active_leases", "tiers", "spills", "spills_dropped", "promotions", "evictions", "miss_reasons", "remote_up", "remote", "layout", "pins_displaced", "retention_clamped", "attach_refusals")
+    __slots__ = ("ready", "uptime_seconds", "lookups", "request_hits", "request_misses", "block_hits", "block_misses", "token_hits", "tokens_looked_up", "tokens_saved", "blocks_committed", "blocks_deduplicated", "active_leases", "tiers", "spills", "spills_dropped", "promotions", "evictions", "miss_reasons", "remote_up", "remote", "layout", "pins_displaced", "retention_clamped", "attach_refusals", "disk_up", "disk")
     class SpillsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -444,6 +444,13 @@ class Stats(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class DiskEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     READY_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -469,6 +476,8 @@ class Stats(_message.Message):
     PINS_DISPLACED_FIELD_NUMBER: _ClassVar[int]
     RETENTION_CLAMPED_FIELD_NUMBER: _ClassVar[int]
     ATTACH_REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    DISK_UP_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     uptime_seconds: float
     lookups: int
@@ -494,7 +503,9 @@ class Stats(_message.Message):
     pins_displaced: int
     retention_clamped: int
     attach_refusals: _containers.ScalarMap[str, int]
-    def __init__(self, ready: _Optional[bool] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., request_hits: _Optional[int] = ..., request_misses: _Optional[int] = ..., block_hits: _Optional[int] = ..., block_misses: _Optional[int] = ..., token_hits: _Optional[int] = ..., tokens_looked_up: _Optional[int] = ..., tokens_saved: _Optional[int] = ..., blocks_committed: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., active_leases: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., spills: _Optional[_Mapping[str, int]] = ..., spills_dropped: _Optional[int] = ..., promotions: _Optional[_Mapping[str, int]] = ..., evictions: _Optional[_Mapping[str, ReasonCounts]] = ..., miss_reasons: _Optional[_Mapping[str, int]] = ..., remote_up: _Optional[bool] = ..., remote: _Optional[_Mapping[str, float]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., pins_displaced: _Optional[int] = ..., retention_clamped: _Optional[int] = ..., attach_refusals: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    disk_up: bool
+    disk: _containers.ScalarMap[str, float]
+    def __init__(self, ready: _Optional[bool] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., request_hits: _Optional[int] = ..., request_misses: _Optional[int] = ..., block_hits: _Optional[int] = ..., block_misses: _Optional[int] = ..., token_hits: _Optional[int] = ..., tokens_looked_up: _Optional[int] = ..., tokens_saved: _Optional[int] = ..., blocks_committed: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., active_leases: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., spills: _Optional[_Mapping[str, int]] = ..., spills_dropped: _Optional[int] = ..., promotions: _Optional[_Mapping[str, int]] = ..., evictions: _Optional[_Mapping[str, ReasonCounts]] = ..., miss_reasons: _Optional[_Mapping[str, int]] = ..., remote_up: _Optional[bool] = ..., remote: _Optional[_Mapping[str, float]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., pins_displaced: _Optional[int] = ..., retention_clamped: _Optional[int] = ..., attach_refusals: _Optional[_Mapping[str, int]] = ..., disk_up: _Optional[bool] = ..., disk: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class InspectRequest(_message.Message):
     __slots__ = ("namespace_id", "tokens", "cache_salt")

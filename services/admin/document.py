@@ -8,7 +8,7 @@ Invariants (what "stable" means, version `SCHEMA_VERSION`):
 - Every key below is always present, ready or not; closed sets (eviction
   reasons, miss reasons) list every member, with 0 when nothing happened.
 - Tiers are keyed by name in order device, host; only tiers the service has
-  configured appear (the Redis tier is reported under "redis", not "tiers").
+  configured appear (the Redis and disk tiers are reported under "redis" and "disk", not "tiers").
 - A ratio whose denominator is 0 is null, never 0 (no lookups is not a 0 % hit rate).
 - Adding keys keeps the version; renaming, removing or retyping one bumps it.
 """
@@ -103,6 +103,9 @@ def stats_document(stats: ServiceStats, address: str) -> dict:
     redis = doc["redis"]
     redis["configured"] = s.remote_up is not None
     redis["state"] = "absent" if s.remote_up is None else "up" if s.remote_up else "down"
+    disk = doc["disk"]
+    disk["configured"] = s.disk_up is not None
+    disk["state"] = "absent" if s.disk_up is None else "up" if s.disk_up else "off"
     return doc
 
 
@@ -123,5 +126,7 @@ DERIVED = frozenset(
         "evictions.by_reason",
         "redis.configured",
         "redis.state",
+        "disk.configured",
+        "disk.state",
     }
 )

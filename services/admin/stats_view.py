@@ -98,6 +98,19 @@ def tiers_table(doc: dict) -> Table:
             f"{doc['spills']['by_tier'].get(tier, 0):,}",
             f"{doc['promotions'].get(tier, 0):,}",
         )
+    disk = doc["disk"]
+    if disk["configured"]:
+        figures = disk["stats"]
+        used, capacity = figures.get("used_bytes", 0), figures.get("capacity_bytes", 0)
+        table.add_row(
+            "disk",
+            f"{int(figures.get('blocks', 0)):,}",
+            human_bytes(used),
+            human_bytes(capacity),
+            percent(used / capacity if capacity else None),
+            "-",
+            "-",
+        )
     redis = doc["redis"]
     if redis["configured"]:
         table.add_row("redis", "-", "-", "-", "-", "-", f"{doc['promotions'].get('redis', 0):,}")
@@ -122,14 +135,15 @@ def misses_table(doc: dict) -> Table:
     return _pairs("why lookups stopped short (requests)", rows)
 
 
-def redis_table(doc: dict) -> RenderableType:
-    redis = doc["redis"]
-    if not redis["configured"]:
-        return Text("redis tier: not configured", style="dim")
-    style = "green" if redis["up"] else "bold red"
-    rows = [("state", f"[{style}]{redis['state']}[/]")]
-    rows += [(name.replace("_", " "), _number(value)) for name, value in redis["stats"].items()]
-    return _pairs("redis tier", rows)
+def tier_state_table(name: str, doc: dict) -> RenderableType:
+    """A tier reported beside `tiers` ("redis", "disk"): its state, then its own figures."""
+    section = doc[name]
+    if not section["configured"]:
+        return Text(f"{name} tier: not configured", style="dim")
+    style = "green" if section["up"] else "bold red"
+    rows = [("state", f"[{style}]{section['state']}[/]")]
+    rows += [(figure.replace("_", " "), _number(value)) for figure, value in section["stats"].items()]
+    return _pairs(f"{name} tier", rows)
 
 
 def _number(value: float) -> str:
@@ -154,5 +168,7 @@ def stats_view(doc: dict) -> RenderableType:
         Text(""),
         misses_table(doc),
         Text(""),
-        redis_table(doc),
+        tier_state_table("disk", doc),
+        Text(""),
+        tier_state_table("redis", doc),
     )

@@ -54,6 +54,15 @@ def _tiers(doc: dict) -> Panel:
             f"{human_bytes(row['bytes_used'])} / {human_bytes(row['capacity_bytes'])} "
             f"({percent(row['utilization'])}, {row['blocks']:,} blocks)",
         )
+    disk = doc["disk"]
+    if disk["configured"]:
+        used, capacity = disk["stats"].get("used_bytes", 0), disk["stats"].get("capacity_bytes", 0)
+        table.add_row(
+            Text("disk", style="bold"),
+            ProgressBar(total=max(capacity, 1), completed=used, width=24),
+            f"{human_bytes(used)} / {human_bytes(capacity)} ({percent(used / capacity if capacity else None)}, "
+            f"{int(disk['stats'].get('blocks', 0)):,} blocks, {disk['state']})",
+        )
     redis = doc["redis"]
     state = Text(redis["state"], style={"up": "green", "down": "bold red"}.get(redis["state"], "dim"))
     table.add_row(Text("redis", style="bold"), state, f"spills dropped {doc['spills']['dropped']:,}")

@@ -44,6 +44,7 @@ def snapshot_dict(s: StatsSnapshot) -> dict[str, Any]:
         for t in s.tiers
     }
     out["remote_up"] = s.remote_up
+    out["disk_up"] = s.disk_up
     out["token_hit_rate"] = s.token_hit_rate
     out["block_hit_rate"] = s.block_hit_rate
     out["request_hit_rate"] = s.request_hit_rate
