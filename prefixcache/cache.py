@@ -204,14 +204,17 @@ class PrefixCache:
             if (link is None and disk is None) or stop is not MissReason.NOT_CACHED:
                 return self._finish_lookup(prompt, path, stop, take_lease)
             self.index.pin(path)  # the local prefix stays put while disk and Redis are asked without the lock
-        budget = (
-            None if budget_s is None else ProbeBudget(len(prompt.hashes) - len(path), budget_s * self.layout.block_size)
-        )
+
+        # Each slow tier reads only what beats recomputing (budget_s: the worker's cost per token).
+        saving_s = None if budget_s is None else budget_s * self.layout.block_size
+        budget = None
         try:
-            from_disk, corrupt_disk = self._fetch_disk(disk, prompt, len(path))
+            disk_budget = None if saving_s is None else ProbeBudget(len(prompt.hashes) - len(path), saving_s)
+            from_disk, corrupt_disk = self._fetch_disk(disk, prompt, len(path), disk_budget)
             payloads: list[memoryview] = []
             corrupt = False
             start = len(path) + len(from_disk)
+            budget = None if saving_s is None else ProbeBudget(len(prompt.hashes) - start, saving_s)
             if link is not None and start < len(prompt.hashes):
                 payloads, corrupt = link.fetch(
                     prompt.entry.id,
@@ -331,15 +334,19 @@ class PrefixCache:
         rows = np.asarray(path, dtype=np.int64)
         return BlockLocations.adopt(self.index.tier[rows], self.index.slot[rows])
 
-    def _fetch_disk(self, disk: DiskTier | None, prompt: Prompt, start: int) -> tuple[list[memoryview], bool]:
-        """Verified payloads of the blocks after `start` that the disk tier holds, in order, and
-        whether they end at a block that failed verification (counted by the tier, its slot freed).
-        No cache lock held."""
+    def _fetch_disk(
+        self, disk: DiskTier | None, prompt: Prompt, start: int, budget: ProbeBudget | None
+    ) -> tuple[list[memoryview], bool]:
+        """Verified payloads of the blocks after `start` that the disk tier holds (and, with a
+        `budget`, reads faster than the worker recomputes them), in order, and whether they end
+        at a block that failed verification (counted by the tier, its slot freed). No cache lock
+        held."""
         if disk is None or start >= len(prompt.hashes):
             return [], False
         ns_id, layout = prompt.entry.id, prompt.entry.namespace.layout
         payloads: list[memoryview] = []
-        for i, frame in enumerate(disk.fetch(ns_id, prompt.hashes[start:]), start=start):
+        frames = disk.fetch(ns_id, prompt.hashes[start:], budget, layout.block_bytes)
+        for i, frame in enumerate(frames, start=start):
             parent = prompt.hashes[i - 1] if i else prompt.entry.root
             try:
                 payloads.append(decode_block(frame, layout, ns_id, prompt.hashes[i], parent, prompt.blocks[i]))

@@ -47,9 +47,14 @@ CHUNK = TABLE_BYTES + 16 * PAGE  # 16 one-page slots a chunk (a 512-byte block's
 
 @contextmanager
 def disk_cache(
-    directory: Path, host_slots: int = 4, chunks: int = 4, wall: Callable[[], float] = time.time, **options
+    directory: Path,
+    host_slots: int = 4,
+    chunks: int = 4,
+    wall: Callable[[], float] = time.time,
+    tier: type[DiskTier] = DiskTier,
+    **options,
 ) -> Iterator[tuple[PrefixCache, str]]:
-    disk = DiskTier(DiskOptions(str(directory), chunks * CHUNK, chunk_bytes=CHUNK, **options), clock=wall)
+    disk = tier(DiskOptions(str(directory), chunks * CHUNK, chunk_bytes=CHUNK, **options), clock=wall)
     host = HostTier(LAYOUT, host_slots * LAYOUT.block_bytes)
     cache = PrefixCache(
         CacheConfig(host_capacity=host_slots * LAYOUT.block_bytes), LAYOUT, host, clock=ManualClock(), disk=disk
@@ -132,6 +137,33 @@ def test_restart_serves_what_was_on_disk(tmp_path: Path) -> None:
         assert hit_blocks(cache, ns, tokens_for(1, 4)) == 4
         assert hit_blocks(cache, ns, tokens_for(2, 4)) == 4
         assert hit_blocks(cache, ns, tokens_for(3, 4)) == 0  # never left the old host tier
+
+
+class SlowDisk(DiskTier):
+    """Real files, each read 20 ms slower: a throttled network volume."""
+
+    def _read(self, entry):
+        time.sleep(0.02)
+        return super()._read(entry)
+
+
+@UNIT
+def test_a_slow_disk_is_read_only_where_it_beats_recomputing(tmp_path: Path) -> None:
+    a = tokens_for(1, 4)
+    with disk_cache(tmp_path, admit_after=1, tier=SlowDisk) as (cache, ns):
+        disk = cache.disk
+        assert disk is not None
+        store(cache, ns, a)
+        for _ in range(4):  # a leaves the host tier for disk, and a lookup without a cost reads it back (timed)
+            cycle(cache, ns, range(2, 3))
+            assert hit_blocks(cache, ns, a) == 4
+        stats = disk.stats()
+        assert stats.read_latency_s + 4 * LAYOUT.block_bytes / stats.read_bytes_per_s > 0.01  # learned: slow
+        cycle(cache, ns, range(2, 3))
+        fast_worker = cache.lookup(ns, a, recompute_s_per_token=1e-6)  # 4 us a block: recomputing wins
+        assert fast_worker.hit_tokens == 0 and disk.stats().reads_declined == 4
+        slow_worker = cache.lookup(ns, a, recompute_s_per_token=0.1)  # 0.4 s a block: the disk wins
+        assert slow_worker.hit_tokens == 4 * BS and disk.stats().reads_declined == 4
 
 
 # ---- pins kept on disk (pin_book.py) ------------------------------------------------------------

@@ -24,6 +24,11 @@ use are misses that free their slot. Admission after reuse: a key is written the
 time it is offered (default 2: the second eviction from the host tier), to spare SSD writes nobody
 reads back.
 
+Never slower: the tier times its reads (`TransferMeter`: latency + bytes / bandwidth, the reads
+of one fetch running in parallel on its pool), and a lookup that says what recomputing costs its
+worker (a `ProbeBudget`) reads only the blocks it expects to read faster than that; the rest are
+misses (`reads_declined`), so a slow or throttled disk costs a recompute, never a slower hit.
+
 Pins (pin_book.py): the blocks of operator pins are written here as they are pinned (no
 admission wait) and kept out of LRU and TTL eviction, namespace evictions and `flush` while the
 pin book in the same directory lists them; the book is read back at start (`kept_pins`).
@@ -53,6 +58,7 @@ from .. import pin_book
 from ..config import parse_duration, parse_size
 from ..errors import ConfigError
 from ..pin_book import PinRecord
+from ..transfer import ProbeBudget, TransferEstimate, TransferMeter
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +71,10 @@ VERSION = 1
 MAX_SLOTS_PER_CHUNK = (TABLE_BYTES - PAGE) // _RECORD.size  # records after the first page
 FILE_PREFIX = "prefixcache-disk-"
 ADMISSION_MEMORY = 1 << 20  # keys remembered for admission (oldest forgotten first)
+# What a read is expected to cost until reads are timed: a local NVMe drive's order (the first
+# read then measures the real one, and a slow disk is followed at once: see READ_CLIP).
+READ_PRIOR = TransferEstimate(latency_s=2e-4, bytes_per_s=1e9)
+READ_CLIP = 16.0  # one read counts as at most this much slower than expected (a preempted thread)
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,9 @@ class DiskStats:
     io_errors: int = 0
     restored_blocks: int = 0
     restore_s: float = 0.0
+    reads_declined: int = 0  # blocks held but not read: expected slower than recomputing them
+    read_latency_s: float = 0.0  # the reads' estimated latency ...
+    read_bytes_per_s: float = 0.0  # ... and bandwidth (0: not measured yet)
     pinned_blocks: int = 0  # blocks the pin book keeps (never evicted while it does)
 
 
@@ -165,6 +178,7 @@ class DiskTier:
         self._writing: set[bytes] = set()  # keys being written (a second offer is not written twice)
         self._kept: frozenset[bytes] = frozenset()  # keys of pinned blocks: never evicted (keep_pins)
         self._book: list[PinRecord] = []  # the pin book as read at start
+        self._reads = TransferMeter(READ_PRIOR, clip=READ_CLIP)  # under `_lock`
         self._chunks: list[_Chunk] = []
         self._fds: list[int] = []
         self._up = False
@@ -446,9 +460,12 @@ class DiskTier:
         self._stats.pinned_blocks -= key in self._kept
 
     # -- reading --------------------------------------------------------------------
-    def fetch(self, namespace_id: str, hashes: Sequence[bytes]) -> list[bytes]:
+    def fetch(
+        self, namespace_id: str, hashes: Sequence[bytes], budget: ProbeBudget | None = None, frame_bytes: int = 0
+    ) -> list[bytes]:
         """Frames of the longest run of `hashes` from the first that the tier holds (unverified:
-        the caller checks each with the codec and calls `corrupt` on a failure)."""
+        the caller checks each with the codec and calls `corrupt` on a failure). With a `budget`
+        (and the blocks' `frame_bytes`), only as many as it grants at the reads' measured pace."""
         if not self._up or not hashes:
             return []
         now = self.clock()
@@ -464,13 +481,21 @@ class DiskTier:
                     self._remove(key)
                     self._stats.evictions_ttl += 1
                     break
-                entry.readers += 1
                 picked.append((key, entry))
+            if budget is not None and picked:
+                granted = budget.grant(
+                    len(picked), self._reads.estimate(), frame_bytes, len(picked), time.perf_counter()
+                )
+                self._stats.reads_declined += len(picked) - granted
+                del picked[granted:]
+            for _, entry in picked:
+                entry.readers += 1
             self._stats.hits += len(picked)
             self._stats.misses += len(picked) < len(hashes)
             for key, entry in reversed(picked):  # leaf to root: the root ends most recent
                 entry.used = now
                 self._entries.move_to_end(key)
+        started = time.perf_counter()
         try:
             frames = list(self._readers.map(self._read, [entry for _, entry in picked]))
         except OSError as error:
@@ -480,8 +505,12 @@ class DiskTier:
             with self._lock:
                 for _, entry in picked:
                     entry.readers -= 1
+        seconds = time.perf_counter() - started
         with self._lock:
-            self._stats.bytes_read += sum(len(f) for f in frames)
+            nbytes = sum(len(f) for f in frames)
+            self._stats.bytes_read += nbytes
+            if frames:  # one sample: the fetch's reads, in parallel on the pool
+                self._reads.observe(nbytes, seconds)
         return frames
 
     def _read(self, entry: _Entry) -> bytes:
@@ -562,7 +591,11 @@ class DiskTier:
 
     def stats(self) -> DiskStats:
         with self._lock:
-            return DiskStats(**vars(self._stats))
+            stats = DiskStats(**vars(self._stats))
+            estimate = self._reads.estimate()
+            if estimate.samples:
+                stats.read_latency_s, stats.read_bytes_per_s = estimate.latency_s, estimate.bytes_per_s
+            return stats
 
     def wait_idle(self, timeout_s: float) -> bool:
         """True once no write is queued or running (tests, shutdown)."""

@@ -107,7 +107,16 @@ BREAKER_SIDES = ("read", "write")
 
 
 # DiskStats counters exported as prefixcache_disk_events_total{event=...}.
-DISK_EVENTS = ("hits", "misses", "admitted", "rejected", "dropped", "integrity_failures", "io_errors")
+DISK_EVENTS = (
+    "hits",
+    "misses",
+    "admitted",
+    "rejected",
+    "dropped",
+    "integrity_failures",
+    "io_errors",
+    "reads_declined",
+)
 
 
 def disk_stats_of(cache) -> DiskStats | None:
@@ -151,6 +160,16 @@ class DiskCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_disk_capacity_bytes", "The disk tier's byte budget", stats.capacity_bytes)
         yield GaugeMetricFamily(
             f"{PREFIX}_disk_restore_seconds", "Time the index took to rebuild at start", stats.restore_s
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_disk_read_latency_seconds",
+            "The disk reads' estimated latency (0: none timed)",
+            stats.read_latency_s,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_disk_read_bytes_per_second",
+            "The disk reads' estimated bandwidth (0: none timed)",
+            stats.read_bytes_per_s,
         )
 
 
