@@ -368,8 +368,9 @@ class CacheClient:
     ) -> Hit:
         """Longest cached prefix of `tokens`; with a lease its blocks stay put until `release`.
 
-        `recompute_s_per_token` (1 / this worker's prefill rate) lets the service skip Redis
-        blocks that would arrive slower than recomputing them (`Hit.remote_blocks_declined`).
+        `recompute_s_per_token` (1 / this worker's prefill rate) lets the service skip disk and
+        Redis blocks that would arrive slower than recomputing them (`Hit.remote_blocks_declined`
+        counts Redis's; the disk tier counts its own, `reads_declined`).
         `namespace_id` (default: the attached one) lets an operator tool look up, e.g. to warm,
         any namespace its token may act on. `release`: earlier hits whose leases the service
         releases first, as `release` would, without a call of their own (a lease already gone is

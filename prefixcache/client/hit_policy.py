@@ -9,7 +9,7 @@ A hit is only worth taking when loading its KV beats recomputing it. The rule co
   engine's KV cache;
 - recomputing: the same tokens at the engine's measured marginal prefill cost (`PrefillMeter`).
 The prefill cost also travels with each Lookup (`recompute_s_per_token`), so the service applies
-the same rule to blocks it would have to fetch from Redis first.
+the same rule to blocks it would have to read from disk or fetch from Redis first.
 
 Owns:
 - `HIT_POLICIES`: `auto` (the rule) or `always` (load every usable block; the Lookup then carries

@@ -7,8 +7,8 @@ starting from the shared priors: the mapped and stream reads and the install as 
 (latency + size / rate; a read counts as at most `READ_CLIP` times its estimate, so one read
 preempted on a busy host cannot turn the next hits into recomputes), the prefill cost as a `PrefillMeter` (calibrated at start-up by timing two
 real prefills, then fed each request's). The prefill cost also travels with each Lookup
-(`recompute_s_per_token`), so the service applies the same rule to blocks it would have to fetch
-from Redis first.
+(`recompute_s_per_token`), so the service applies the same rule to blocks it would have to read
+from disk or fetch from Redis first.
 
 `HitPolicy` owns the meters, asks `choose`, and exports each decision and the estimates behind it
 as Prometheus metrics (docs/replay.md lists them). It does no I/O: the cache link (cache_link.py)
