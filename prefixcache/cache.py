@@ -536,8 +536,12 @@ class PrefixCache:
         log.info("pin %d of namespace %s restored: %d of %d token(s)", pin.id, ns_id, blocks, len(record.tokens))
 
     def unpin(self, pin_id: int) -> None:
+        """End a pin, or forget a pin of the last run still waiting for its namespace."""
         with self._lock:
             pin = self.leases.pop_lease(pin_id, operator=True)
+            if pin is None and self._forget_waiting_pin(pin_id):
+                self._keep_pins()
+                return
             if pin is None:
                 raise InvalidArgument("pin_id", f"pin {pin_id} is unknown or has expired")
             self.index.unpin(list(pin.nodes))
@@ -595,6 +599,15 @@ class PrefixCache:
         retained = np.where(extra > 0, self.index.last_access[rows] + self.config.ttl_s + extra - now, 0.0)
         link.set_ttl(rows, np.maximum(link.ttl_s, retained), now)
 
+    def _forget_waiting_pin(self, pin_id: int) -> bool:
+        """Drop a waiting pin's record (not while its namespace's first attach restores it). Locked."""
+        for ns_id, records in self._waiting_pins.items():
+            kept = [r for r in records if r.pin_id != pin_id]
+            if len(kept) < len(records) and ns_id not in self._restoring:
+                self._waiting_pins[ns_id] = kept
+                return True
+        return False
+
     def _keep_pins(self) -> None:
         """With a disk tier, its pin book becomes the live pins and those of the last run still
         waiting for their namespace (their blocks kept on disk). Locked."""
@@ -628,11 +641,20 @@ class PrefixCache:
         return [self._disk_frame(node) for node in pin.nodes if not disk.holds(ns_id, self.index.hash_of(node))]
 
     def pins(self) -> list[tuple[str, Lease]]:
-        """Live operator pins with their namespace ids, soonest to expire first."""
+        """Live operator pins with their namespace ids, soonest to expire first; with them the
+        pins of the last run still waiting for their namespace to attach, as pins holding nothing
+        (namespace row -1, no nodes), so an operator sees them and can unpin them."""
         with self._lock:
             now = self.clock()
-            live = [p for p in self.leases.pins() if p.expires_at > now]
-            return [(self.namespaces.by_row(p.namespace).id, p) for p in sorted(live, key=lambda p: p.expires_at)]
+            live = [(self.namespaces.by_row(p.namespace).id, p) for p in self.leases.pins() if p.expires_at > now]
+            made = {p.id for _, p in live}
+            wall = self.disk.clock() if self.disk is not None else 0.0
+            for ns_id, records in self._waiting_pins.items():
+                for r in records:
+                    if r.live(wall) and r.pin_id not in made:
+                        ends = float("inf") if r.expires_unix is None else now + (r.expires_unix - wall)
+                        live.append((ns_id, Lease(r.pin_id, -1, (), ends, operator=True, priority=r.priority)))
+            return sorted(live, key=lambda pair: pair[1].expires_at)
 
     def count_retention_clamped(self, ns_id: str) -> None:
         """A store's retention hint was cut to its tenant's bound (the service's policy)."""

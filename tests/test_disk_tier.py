@@ -30,7 +30,7 @@ import pytest
 
 from prefixcache.cache import PrefixCache
 from prefixcache.config import CacheConfig, DType, KVLayout
-from prefixcache.errors import ConfigError
+from prefixcache.errors import ConfigError, InvalidArgument
 from prefixcache.pin_book import FILE_NAME as PIN_BOOK
 from prefixcache.tiers.disk import FILE_PREFIX, MAX_SLOTS_PER_CHUNK, PAGE, TABLE_BYTES, DiskOptions, DiskTier
 from prefixcache.tiers.host import HostTier
@@ -194,6 +194,33 @@ def test_pins_come_back_after_a_restart_with_their_id_priority_and_end(tmp_path:
     with disk_cache(tmp_path, host_slots=8) as (cache, ns):
         assert [pin.id for _, pin in cache.pins()] == [pin_b.id]
         assert cache.disk is not None and cache.disk.stats().pinned_blocks == 2
+
+
+@UNIT
+def test_a_pin_waiting_for_its_namespace_is_listed_and_can_be_unpinned(tmp_path: Path) -> None:
+    with disk_cache(tmp_path, host_slots=8) as (cache, ns):
+        store(cache, ns, tokens_for(1, 2))
+        pin = cache.pin(ns, tokens_for(1, 2), ttl_s=600, priority=3)
+    other = namespace(LAYOUT, model="another-model")
+    with disk_cache(tmp_path, host_slots=8) as (cache, _):  # (disk_cache attaches ns: restored)
+        assert [(n, p.id, len(p.nodes)) for n, p in cache.pins()] == [(ns, pin.id, 2)]
+    disk = DiskTier(DiskOptions(str(tmp_path), 4 * CHUNK, chunk_bytes=CHUNK))
+    cache = PrefixCache(
+        CacheConfig(host_capacity=8 * LAYOUT.block_bytes), LAYOUT, HostTier(LAYOUT, 8 * LAYOUT.block_bytes), disk=disk
+    )
+    try:
+        cache.attach(other)  # only another namespace comes back: ns's pin waits, listed, holding nothing
+        ((waiting_ns, waiting),) = cache.pins()
+        assert (waiting_ns, waiting.id, waiting.nodes, waiting.priority) == (ns, pin.id, (), 3)
+        assert 590 < waiting.expires_at - cache.clock() <= 600 and disk.stats().pinned_blocks == 2
+        cache.unpin(pin.id)  # forgotten: out of the book, its blocks no longer kept
+        assert cache.pins() == [] and disk.stats().pinned_blocks == 0
+        with pytest.raises(InvalidArgument, match="pin_id"):
+            cache.unpin(pin.id)
+    finally:
+        cache.close()
+    with disk_cache(tmp_path, host_slots=8) as (cache, _):
+        assert cache.pins() == []
 
 
 @UNIT

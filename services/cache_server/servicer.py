@@ -425,7 +425,9 @@ class PrefixCacheServicer:
         ttl_s = request.ttl_seconds if request.HasField("ttl_seconds") else None
         priority = request.priority if request.HasField("priority") else 0
         pin = self._backend.pin(principal, ns_id, convert.salt(request), tokens, ttl_s, priority)
-        return pb.PinResponse(pin=self._pin_message(pin))
+        cache = self._backend.cache
+        assert cache is not None  # a pin exists, so the cache does
+        return pb.PinResponse(pin=self._pin_message(cache.namespaces.by_row(pin.namespace).id, pin))
 
     def Unpin(self, request: pb.UnpinRequest, context) -> pb.UnpinResponse:
         principal = self._begin(request, context)
@@ -434,15 +436,16 @@ class PrefixCacheServicer:
 
     def ListPins(self, request: pb.ListPinsRequest, context) -> pb.ListPinsResponse:
         principal = self._begin(request, context)
-        return pb.ListPinsResponse(pins=[self._pin_message(pin) for _, pin in self._backend.pins(principal)])
+        return pb.ListPinsResponse(pins=[self._pin_message(ns_id, pin) for ns_id, pin in self._backend.pins(principal)])
 
-    def _pin_message(self, pin: Lease) -> pb.Pin:
-        """A pin as the wire names it (its namespace: the salted one for a salted pin)."""
+    def _pin_message(self, ns_id: str, pin: Lease) -> pb.Pin:
+        """A pin as the wire names it (its namespace: the salted one for a salted pin; a pin of the
+        last run waiting for its namespace holds 0 tokens)."""
         cache = self._backend.cache
         assert cache is not None  # a pin exists, so the cache does
         message = pb.Pin(
             pin_id=pin.id,
-            namespace_id=cache.namespaces.by_row(pin.namespace).id,
+            namespace_id=ns_id,
             pinned_tokens=len(pin.nodes) * cache.layout.block_size,
             priority=pin.priority,
         )
