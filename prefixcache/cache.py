@@ -244,7 +244,8 @@ class PrefixCache:
 
     def match(self, ns_id: str, tokens: Tokens) -> PrefixMatch:
         """Where `tokens`' longest cached prefix lives, for a router: the lookup's match alone,
-        leaving no trace (no touch, lease, promotion, count) and never asking Redis."""
+        leaving no trace (no touch, lease, promotion, count) and never asking Redis; with what the
+        disk tier holds past it (its index in memory: no read)."""
         prompt = self.namespaces.prompt(ns_id, tokens)
         with self._lock:
             now = self.clock()
@@ -254,7 +255,10 @@ class PrefixCache:
         stop = MissReason.TOO_SHORT if not prompt.hashes else found.stop
         blocks = {kind: int(tiers[kind]) for kind in TierKind if tiers[kind]}
         hit = len(found.rows) * self.layout.block_size
-        return PrefixMatch(prompt.entry.id, len(prompt.tokens), hit, blocks, remote, stop)
+        disk = 0
+        if self.disk is not None and stop is MissReason.NOT_CACHED:
+            disk = self.disk.held_run(prompt.entry.id, prompt.hashes[len(found.rows) :])
+        return PrefixMatch(prompt.entry.id, len(prompt.tokens), hit, blocks, remote, stop, disk)
 
     def _finish_lookup(
         self, prompt: Prompt, path: np.ndarray, stop: MissReason | None, take_lease: bool, declined: int = 0

@@ -116,7 +116,8 @@ class CommitResult:
 class PrefixMatch:
     """A prompt's longest cached prefix as a router sees it (`PrefixCache.match`): no lease,
     no touch, no count, no Redis I/O. `blocks` counts matched blocks per local tier holding any;
-    `remote_blocks` is how many leading ones the cache believes Redis still holds."""
+    `remote_blocks` is how many leading ones the cache believes Redis still holds; `disk_blocks`
+    how many past the local hit the disk tier holds, in a row (a lookup would promote them)."""
 
     namespace_id: str
     prompt_tokens: int
@@ -124,3 +125,4 @@ class PrefixMatch:
     blocks: dict[TierKind, int]
     remote_blocks: int
     miss_reason: MissReason | None
+    disk_blocks: int = 0

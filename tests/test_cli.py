@@ -375,11 +375,11 @@ def test_match_reports_blocks_per_tier_and_changes_nothing(stack, populated, tmp
     doc = json.loads(answer.stdout)
     assert (doc["hit_blocks"], doc["hit_tokens"], doc["prompt_tokens"]) == (6, 6 * BLOCK, len(PROMPT_A))
     assert doc["tiers"] == {"device": 0, "host": 6} and doc["miss_reason"] == "not_cached"
-    assert doc["redis_blocks"] == 6  # written through at the store, within the Redis TTL
+    assert doc["redis_blocks"] == 6 and doc["disk_blocks"] == 0  # written through, within the Redis TTL
     after = populated.client.stats().snapshot
     assert (after.lookups, after.active_leases) == (before.lookups, before.active_leases)  # no count, no lease
     table = cli("match", *ns, "--tokens-file", str(as_json))
-    assert re.search(r"0[\s│]+6[\s│]+6[\s│]+96[\s│]+133[\s│]+not_cached", table.stdout), table.stdout
+    assert re.search(r"0[\s│]+6[\s│]+6[\s│]+0[\s│]+96[\s│]+133[\s│]+not_cached", table.stdout), table.stdout
     salted = json.loads(cli("match", *ns, "--tokens-file", str(as_json), "--cache-salt", SALT, "--json").stdout)
     assert salted["hit_blocks"] == 0 and salted["tiers"] == {"device": 0, "host": 0}
 

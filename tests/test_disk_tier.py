@@ -116,6 +116,23 @@ def test_admit_after_one_writes_at_the_first_eviction(tmp_path: Path) -> None:
 
 
 @UNIT
+def test_match_counts_what_the_disk_holds_past_the_local_hit_and_reads_nothing(tmp_path: Path) -> None:
+    a = tokens_for(1, 4)
+    with disk_cache(tmp_path, admit_after=1) as (cache, ns):
+        cycle(cache, ns, range(1, 3))  # a on disk only
+        disk = cache.disk
+        assert disk is not None
+        before = disk.stats()
+        matched = cache.match(ns, a)
+        assert (matched.hit_tokens, matched.disk_blocks) == (0, 4)
+        assert cache.match(ns, a[: 2 * BS] + [99] * BS).disk_blocks == 2  # a run from the local hit, in order
+        after = disk.stats()
+        assert (after.hits, after.misses, after.bytes_read) == (before.hits, before.misses, before.bytes_read)
+        assert cache.stats().promotions == {} and hit_blocks(cache, ns, a) == 4  # the lookup promotes them
+        assert cache.match(ns, a).disk_blocks == 0 and cache.match(ns, a).hit_tokens == 4 * BS
+
+
+@UNIT
 def test_byte_budget_evicts_least_recently_used(tmp_path: Path) -> None:
     with disk_cache(tmp_path, chunks=1, admit_after=1) as (cache, ns):  # 16 slots on disk
         cycle(cache, ns, range(1, 8))  # 6 prompts of 4 blocks leave the host tier: 24 > 16
@@ -504,6 +521,8 @@ def test_service_killed_and_restarted_serves_from_disk(tmp_path: Path) -> None:
     try:
         with CacheClient(address, timeout_s=10) as client:
             client.attach("model", served)
+            matched = client.match(prompts[0])  # a router sees the warm disk before any lookup
+            assert (matched.hit_tokens, matched.disk_blocks) == (0, 16)
             for tokens, blocks in zip(prompts[:2], kv[:2]):
                 hit = client.lookup(tokens)
                 assert hit.hit_tokens == 16 * 16

@@ -235,7 +235,7 @@ def test_a_killed_engine_loses_no_request_that_had_not_started_streaming(fleet):
         (["route", "--engine", "http://a:8000=nowhere"], "--engine"),
         (["route", "--listen", "8080", "--engine", "http://a:8000"], "--listen"),
         (["route", "--engine", "http://a:8000", "--tier-rates", "host=fast"], "--tier-rates"),
-        (["route", "--engine", "http://a:8000", "--tier-rates", "disk=1e6"], "--tier-rates"),
+        (["route", "--engine", "http://a:8000", "--tier-rates", "nvme=1e6"], "--tier-rates"),
         (["route", "--engine", "http://a:8000", "--match-timeout-ms", "0"], "--match-timeout-ms"),
         (["route", "--discover", "http://pods:8000=grpc"], "--discover"),
     ],

@@ -42,6 +42,9 @@ def test_a_hit_is_the_longer_of_local_and_redis_and_costs_its_tiers_transfer():
     assert hit.hit_tokens == 128 and hit.prefill_tokens == 72
     assert hit.transfer_s(rates) == pytest.approx(32 / 1e6 + 48 / 1e5 + 48 / 1e4)
     assert Hit(prompt_tokens=20, block_size=16, host_blocks=4).hit_tokens == 20  # never past the prompt
+    # What the disk holds past the local hit adds to it, at the disk's rate (a warm restarted service).
+    warm = Hit(prompt_tokens=200, block_size=16, host_blocks=3, disk_blocks=6, remote_blocks=2)
+    assert warm.hit_tokens == 144 and warm.transfer_s(rates) == pytest.approx(48 / 1e5 + 96 / rates.disk)
     assert Hit(prompt_tokens=300).hit_tokens == 0 and Hit(prompt_tokens=300).transfer_s(rates) == 0.0
 
 
@@ -81,7 +84,7 @@ def test_the_conversations_engine_wins_only_a_tie():
 
 @pytest.mark.parametrize(
     ("text", "named"),
-    [("host=fast", "host"), ("disk=1e6", "disk"), ("redis=0", "redis"), ("device", "device"), ("host=inf", "host")],
+    [("host=fast", "host"), ("nvme=1e6", "nvme"), ("redis=0", "redis"), ("device", "device"), ("host=inf", "host")],
 )
 def test_bad_tier_rates_name_the_tier(text, named):
     with pytest.raises(ValueError, match="--tier-rates") as error:
@@ -91,3 +94,4 @@ def test_bad_tier_rates_name_the_tier(text, named):
 
 def test_tier_rates_parse_overrides_only_the_named_tiers():
     assert TierRates.parse("host=3e6, redis=4e5") == TierRates(host=3e6, redis=4e5)
+    assert TierRates.parse("disk=5e5") == TierRates(disk=5e5)

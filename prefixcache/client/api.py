@@ -170,8 +170,9 @@ class InspectReport:
 
 @dataclass(frozen=True)
 class MatchReport:
-    """Match's answer: the longest cached prefix's blocks per local tier (labels), and how many
-    leading blocks the service believes Redis still holds. Takes no lease, changes nothing."""
+    """Match's answer: the longest cached prefix's blocks per local tier (labels), how many
+    leading blocks the service believes Redis still holds, and how many past the local hit its
+    disk tier holds in a row. Takes no lease, changes nothing."""
 
     namespace_id: str
     prompt_tokens: int
@@ -179,6 +180,7 @@ class MatchReport:
     blocks: dict[str, int]
     remote_blocks: int
     miss_reason: MissReason | None
+    disk_blocks: int = 0
 
 
 def _leading_in(tiers: np.ndarray, mapped: Iterable[int]) -> int:
@@ -820,6 +822,7 @@ class CacheClient:
             {wire.TIER_OF[t.tier].label: t.blocks for t in reply.tiers if t.tier in wire.TIER_OF},
             reply.remote_blocks,
             wire.MISS_REASON_OF.get(reply.miss_reason),
+            reply.disk_blocks,
         )
 
     def evict(

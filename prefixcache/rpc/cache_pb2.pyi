@@ -592,20 +592,22 @@ class MatchRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
-    __slots__ = ("namespace_id", "prompt_tokens", "hit_tokens", "tiers", "remote_blocks", "miss_reason")
+    __slots__ = ("namespace_id", "prompt_tokens", "hit_tokens", "tiers", "remote_blocks", "miss_reason", "disk_blocks")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MISS_REASON_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     prompt_tokens: int
     hit_tokens: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierBlocks]
     remote_blocks: int
     miss_reason: MissReason
-    def __init__(self, namespace_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ..., remote_blocks: _Optional[int] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ...) -> None: ...
+    disk_blocks: int
+    def __init__(self, namespace_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ..., remote_blocks: _Optional[int] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., disk_blocks: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("namespace_id", "cache_salt", "prefix", "ttl_seconds", "priority")

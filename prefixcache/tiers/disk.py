@@ -317,6 +317,19 @@ class DiskTier:
             self._kept = kept
             self._stats.pinned_blocks = sum(1 for key in kept if key in self._entries)
 
+    def held_run(self, namespace_id: str, hashes: Sequence[bytes]) -> int:
+        """How many of `hashes`, from the first, the tier holds unexpired (no touch, no count)."""
+        if not self._up:
+            return 0
+        now, ttl = self.clock(), float(self.options.ttl_s)
+        with self._lock:
+            for held, block_hash in enumerate(hashes):
+                key = block_key(namespace_id, block_hash)
+                entry = self._entries.get(key)
+                if entry is None or (now - entry.used > ttl and key not in self._kept):
+                    return held
+            return len(hashes)
+
     def holds(self, namespace_id: str, block_hash: bytes) -> bool:
         with self._lock:
             return block_key(namespace_id, block_hash) in self._entries

@@ -43,18 +43,20 @@ def match_document(
         "cached_fraction": ratio(hit_tokens, prompt_tokens),
         "tiers": {tier: blocks.get(tier, 0) for tier in TIER_ORDER},
         "redis_blocks": 0 if report is None else report.remote_blocks,
+        "disk_blocks": 0 if report is None else report.disk_blocks,
         "miss_reason": "not_cached" if report is None and prompt_tokens >= block_size else miss,
     }
 
 
 def match_view(doc: dict) -> RenderableType:
     table = Table(title="matched blocks", title_justify="left")
-    for name in ("device", "host", "redis (believed)", "hit tokens", "of prompt", "stopped by"):
+    for name in ("device", "host", "redis (believed)", "disk (past them)", "hit tokens", "of prompt", "stopped by"):
         table.add_column(name, justify="right")
     table.add_row(
         str(doc["tiers"]["device"]),
         str(doc["tiers"]["host"]),
         str(doc["redis_blocks"]),
+        str(doc["disk_blocks"]),
         f"{doc['hit_tokens']:,}",
         f"{doc['prompt_tokens']:,}",
         doc["miss_reason"] or "-",

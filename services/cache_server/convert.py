@@ -188,4 +188,5 @@ def match_response(result: PrefixMatch, block_bytes: int) -> pb.MatchResponse:
         ],
         remote_blocks=result.remote_blocks,
         miss_reason=wire.MISS_REASONS[result.miss_reason],
+        disk_blocks=result.disk_blocks,
     )

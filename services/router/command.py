@@ -145,7 +145,7 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--tier-rates",
         type=tier_rates,
-        default="device=2e7,host=2e6,redis=2e5",
+        default="device=2e7,host=2e6,disk=1e6,redis=2e5",
         help="tokens/s moved into an engine from each tier (default %(default)s)",
     )
     parser.add_argument(

@@ -71,6 +71,7 @@ class CacheProbe:
             report.blocks.get("device", 0),
             report.blocks.get("host", 0),
             report.remote_blocks,
+            report.disk_blocks,
         )
 
     async def match(self, executor: Executor, tokens: list[int], salt: str | None) -> tuple[Hit, str]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-TIERS = ("device", "host", "redis")
+TIERS = ("device", "host", "disk", "redis")
 TIE_FRACTION = 0.05
 TIE_S = 0.002
 MIN_FIT_SPREAD_TOKENS = 32.0  # weighted std of prefill tokens needed before the line is fitted
@@ -34,6 +34,7 @@ class TierRates:
 
     device: float = 20e6
     host: float = 2e6
+    disk: float = 1e6
     redis: float = 2e5
 
     @classmethod
@@ -63,6 +64,7 @@ class Hit:
     device_blocks: int = 0
     host_blocks: int = 0
     remote_blocks: int = 0  # leading blocks the service believes Redis holds
+    disk_blocks: int = 0  # blocks past the local hit its disk tier holds, in a row
 
     @property
     def local_blocks(self) -> int:
@@ -70,8 +72,9 @@ class Hit:
 
     @property
     def hit_tokens(self) -> int:
-        """Tokens the engine need not prefill: the longer of the local and the Redis hit."""
-        blocks = max(self.local_blocks, self.remote_blocks)
+        """Tokens the engine need not prefill: the longer of the local hit (with what the disk
+        holds past it) and the Redis hit."""
+        blocks = max(self.local_blocks + self.disk_blocks, self.remote_blocks)
         return min(self.prompt_tokens, blocks * self.block_size)
 
     @property
@@ -80,10 +83,11 @@ class Hit:
 
     def transfer_s(self, rates: TierRates) -> float:
         size = self.block_size
-        redis_only = max(0, self.remote_blocks - self.local_blocks)
+        redis_only = max(0, self.remote_blocks - self.local_blocks - self.disk_blocks)
         return (
             self.device_blocks * size / rates.device
             + self.host_blocks * size / rates.host
+            + self.disk_blocks * size / rates.disk
             + redis_only * size / rates.redis
         )
 
