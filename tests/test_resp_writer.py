@@ -209,6 +209,7 @@ def test_a_commits_few_sets_go_on_one_lane_the_others_sleep(private_redis: Redis
         sock.close()
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["streamed", "tls-pipelined"])
 def test_over_a_link_of_100ms_round_trips_a_burst_is_written_whole_at_its_pace(
     redis_server: RedisServer, tmp_path: Path, tls: bool
 ) -> None:
