@@ -344,7 +344,7 @@ def test_inspect_shows_each_cached_block_and_why_the_next_one_missed(stack, popu
     doc = result.json()
     assert doc["namespace_id"] == populated.namespace_id
     assert (doc["prompt_tokens"], doc["full_blocks"], doc["trailing_tokens"]) == (len(PROMPT_A), 8, 5)
-    assert doc["hit_blocks"] == 6 and doc["hit_tokens"] == 6 * BLOCK
+    assert doc["hit_blocks"] == 6 and doc["hit_tokens"] == 6 * BLOCK and doc["disk_blocks"] == 0
     assert [b["block"] for b in doc["blocks"]] == list(range(6))
     for block in doc["blocks"]:
         assert block["tier"] == "host" and not block["leased"]

@@ -34,6 +34,7 @@ from prefixcache.errors import ConfigError, InvalidArgument
 from prefixcache.pin_book import FILE_NAME as PIN_BOOK
 from prefixcache.tiers.disk import FILE_PREFIX, MAX_SLOTS_PER_CHUNK, PAGE, TABLE_BYTES, DiskOptions, DiskTier
 from prefixcache.tiers.host import HostTier
+from prefixcache_services.cache_server.inspect import inspect_prefix
 from prefixcache_services.cache_server.metrics import DiskCollector
 from tests.support.core import ManualClock, kv_for, namespace, read_blocks, same_bytes
 from tests.support.poll import poll
@@ -126,6 +127,8 @@ def test_match_counts_what_the_disk_holds_past_the_local_hit_and_reads_nothing(t
         matched = cache.match(ns, a)
         assert (matched.hit_tokens, matched.disk_blocks) == (0, 4)
         assert cache.match(ns, a[: 2 * BS] + [99] * BS).disk_blocks == 2  # a run from the local hit, in order
+        report = inspect_prefix(cache, ns, np.asarray(a))  # what `prefixcache inspect` shows
+        assert (report.hit_tokens, report.disk_blocks) == (0, 4)
         after = disk.stats()
         assert (after.hits, after.misses, after.bytes_read) == (before.hits, before.misses, before.bytes_read)
         assert cache.stats().promotions == {} and hit_blocks(cache, ns, a) == 4  # the lookup promotes them
@@ -523,6 +526,8 @@ def test_service_killed_and_restarted_serves_from_disk(tmp_path: Path) -> None:
             client.attach("model", served)
             matched = client.match(prompts[0])  # a router sees the warm disk before any lookup
             assert (matched.hit_tokens, matched.disk_blocks) == (0, 16)
+            inspected = client.inspect(prompts[0])  # and an operator too
+            assert (inspected.hit_tokens, inspected.disk_blocks) == (0, 16)
             for tokens, blocks in zip(prompts[:2], kv[:2]):
                 hit = client.lookup(tokens)
                 assert hit.hit_tokens == 16 * 16

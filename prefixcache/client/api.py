@@ -166,6 +166,7 @@ class InspectReport:
     hit_tokens: int
     blocks: tuple[BlockInfo, ...]
     miss_reason: MissReason | None
+    disk_blocks: int = 0  # past the cached prefix, held by the service's disk tier in a row
 
 
 @dataclass(frozen=True)
@@ -801,6 +802,7 @@ class CacheClient:
             reply.hit_tokens,
             blocks,
             wire.MISS_REASON_OF.get(reply.miss_reason),
+            reply.disk_blocks,
         )
 
     def match(

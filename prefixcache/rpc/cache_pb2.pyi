@@ -534,18 +534,20 @@ class BlockInfo(_message.Message):
     def __init__(self, block: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., slot: _Optional[int] = ..., ttl_left_seconds: _Optional[float] = ..., last_access_age_seconds: _Optional[float] = ..., leased: _Optional[bool] = ...) -> None: ...
 
 class InspectResponse(_message.Message):
-    __slots__ = ("namespace_id", "prompt_tokens", "hit_tokens", "blocks", "miss_reason")
+    __slots__ = ("namespace_id", "prompt_tokens", "hit_tokens", "blocks", "miss_reason", "disk_blocks")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MISS_REASON_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     prompt_tokens: int
     hit_tokens: int
     blocks: _containers.RepeatedCompositeFieldContainer[BlockInfo]
     miss_reason: MissReason
-    def __init__(self, namespace_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ...) -> None: ...
+    disk_blocks: int
+    def __init__(self, namespace_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., disk_blocks: _Optional[int] = ...) -> None: ...
 
 class TokenPrefix(_message.Message):
     __slots__ = ("tokens",)

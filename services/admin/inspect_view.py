@@ -99,6 +99,7 @@ def inspect_document(
         "hit_tokens": hit_tokens,
         "cached_fraction": ratio(hit_tokens, prompt_tokens),
         "blocks": blocks,
+        "disk_blocks": 0 if report is None else report.disk_blocks,
         "first_miss": _first_miss(report, prompt_tokens, block_size),
     }
 
@@ -141,6 +142,11 @@ def inspect_view(doc: dict, max_rows: int) -> RenderableType:
         "\n",
         ("cached ", "bold"),
         f"{doc['hit_blocks']:,} blocks = {doc['hit_tokens']:,} tokens ({percent(doc['cached_fraction'])})",
+        *(
+            ("\n", ("on disk ", "bold"), f"{doc['disk_blocks']:,} more blocks past them (a lookup promotes them)")
+            if doc["disk_blocks"]
+            else ()
+        ),
     )
     parts: list[RenderableType] = [summary]
     if doc["blocks"]:

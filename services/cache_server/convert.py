@@ -164,6 +164,7 @@ def inspect_response(ns_id: str, report: BlockReport) -> pb.InspectResponse:
         prompt_tokens=report.prompt_tokens,
         hit_tokens=report.hit_tokens,
         miss_reason=wire.MISS_REASONS[report.miss_reason],
+        disk_blocks=report.disk_blocks,
         blocks=[
             pb.BlockInfo(
                 block=b.block,

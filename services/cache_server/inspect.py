@@ -40,6 +40,7 @@ class BlockReport:
     hit_tokens: int
     blocks: tuple[BlockState, ...]
     miss_reason: MissReason | None
+    disk_blocks: int = 0  # past the cached prefix, held by the disk tier in a row
 
     @classmethod
     def empty(cls, prompt_tokens: int, block_size: int) -> BlockReport:
@@ -89,4 +90,7 @@ def inspect_prefix(cache: PrefixCache, ns_id: str, tokens: np.ndarray) -> BlockR
             )
         )
         parent = node
-    return BlockReport(len(array), len(states) * size, tuple(states), stop)
+    disk = 0
+    if cache.disk is not None and stop is MissReason.NOT_CACHED:
+        disk = cache.disk.held_run(ns_id, hashes[len(states) :])
+    return BlockReport(len(array), len(states) * size, tuple(states), stop, disk)
