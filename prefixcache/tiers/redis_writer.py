@@ -343,40 +343,37 @@ class RedisWriter:
         if isinstance(batch[0], _Expire):
             self._expire(batch[0])
             return
+        sets = sum(1 for op in batch if isinstance(op, _Set))
         start = time.perf_counter()
         try:
             self._retry.call(lambda: self._pipeline(batch), link.rng)
         except REDIS_ERRORS as exc:
-            self._count_write_deadline(exc)
+            if self._count_write_deadline(exc) and sets:  # the pace that sizes the next batches (pop)
+                self._ops.paced(time.perf_counter() - start, sets, True)
             self._failed(batch, exc)
             return
-        self._succeeded(sum(op.nbytes for op in batch if isinstance(op, _Set)), time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        if sets:  # as run() measures its own
+            self._ops.paced(elapsed, sets, False)
+        self._succeeded(sum(op.nbytes for op in batch if isinstance(op, _Set)), elapsed)
 
     def _pipeline(self, batch: list[_Op]) -> None:
         writer = self._link.write_client
         assert writer is not None  # _apply checked
         sets = [op for op in batch if isinstance(op, _Set)]
-        start = time.perf_counter()
-        try:
-            if isinstance(writer, redis.Redis) and len(sets) == len(batch):
-                RespPipeline(writer, self._link.options.write_deadline_s).set(
-                    [op.key for op in sets], [op.frame for op in sets], [op.ttl_ms for op in sets]
-                )
+        if isinstance(writer, redis.Redis) and len(sets) == len(batch):
+            RespPipeline(writer, self._link.options.write_deadline_s).set(
+                [op.key for op in sets], [op.frame for op in sets], [op.ttl_ms for op in sets]
+            )
+            return
+        pipe = writer.pipeline(transaction=False)
+        for op in batch:
+            if isinstance(op, _Set):
+                pipe.psetex(op.key, op.ttl_ms, _joined(op.frame))
             else:
-                pipe = writer.pipeline(transaction=False)
-                for op in batch:
-                    if isinstance(op, _Set):
-                        pipe.psetex(op.key, op.ttl_ms, _joined(op.frame))
-                    else:
-                        assert isinstance(op, _Unlink), "an _UnlinkMatching runs alone (_apply)"
-                        pipe.unlink(op.key)
-                pipe.execute(raise_on_error=True)
-        except ExchangeDeadline:
-            if sets:
-                self._ops.paced(time.perf_counter() - start, len(sets), True)
-            raise
-        if sets:  # the pace that sizes the next batches (pop), as run() measures its own
-            self._ops.paced(time.perf_counter() - start, len(sets), False)
+                assert isinstance(op, _Unlink), "an _UnlinkMatching runs alone (_apply)"
+                pipe.unlink(op.key)
+        pipe.execute(raise_on_error=True)
 
     def _unlink_matching(self, pattern: str) -> None:
         removed = 0
@@ -444,10 +441,13 @@ class RedisWriter:
             self._link.counters.writes_failed += sum(1 for op in batch if isinstance(op, _Set))
         log.debug("redis %s failed", reason)
 
-    def _count_write_deadline(self, exc: BaseException) -> None:
-        if isinstance(exc, ExchangeDeadline):
-            with self._link.lock:
-                self._link.counters.write_deadlines += 1
+    def _count_write_deadline(self, exc: BaseException) -> bool:
+        """Count a batch cut by its deadline; whether `exc` says it was."""
+        if not isinstance(exc, ExchangeDeadline):
+            return False
+        with self._link.lock:
+            self._link.counters.write_deadlines += 1
+        return True
 
     def _succeeded(self, written: int, elapsed: float, trips: int = 1) -> None:
         """A batch of `written` bytes took `elapsed` seconds over `trips` round trips (a lane sends
