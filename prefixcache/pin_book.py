@@ -74,6 +74,9 @@ def read(path: str) -> list[PinRecord]:
     records = []
     for i, pin in enumerate(pins):
         try:
+            for field in ("tokens", "block_hashes"):  # (a string would iterate as characters)
+                if not isinstance(pin[field], list):
+                    raise TypeError(f"{field}: expected a list")
             expires = pin["expires_unix"]
             records.append(
                 PinRecord(

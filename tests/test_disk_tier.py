@@ -309,8 +309,16 @@ def test_a_pin_is_not_restored_past_its_end_nor_when_its_blocks_are_gone(tmp_pat
 
 
 @UNIT
-def test_an_unreadable_pin_book_is_set_aside_and_the_tier_serves(tmp_path: Path, caplog) -> None:
-    (tmp_path / PIN_BOOK).write_text('{"schema_version": 1, "pins": [{"pin_id": "x"}]}')
+@pytest.mark.parametrize(
+    "pin",
+    [
+        '{"pin_id": "x"}',
+        '{"pin_id": 1, "namespace_id": "n", "tokens": "123", "block_hashes": [], "expires_unix": null, "priority": 0}',
+    ],
+    ids=["not-an-id", "tokens-a-string"],
+)
+def test_an_unreadable_pin_book_is_set_aside_and_the_tier_serves(tmp_path: Path, caplog, pin: str) -> None:
+    (tmp_path / PIN_BOOK).write_text(f'{{"schema_version": 1, "pins": [{pin}]}}')
     with disk_cache(tmp_path, admit_after=1) as (cache, ns):
         assert cache.disk is not None and cache.disk.is_up() and cache.pins() == []
         cycle(cache, ns, range(1, 3))
